@@ -1,0 +1,27 @@
+"""Compiler (pure Python): plan -> per-thread iteration programs with explicit syncs."""
+
+from torchrec_swp.compile.lower import CompiledPlan, active_stages, compile_iteration
+from torchrec_swp.compile.program import (
+    Instr,
+    IterationProgram,
+    RecordEvent,
+    Run,
+    Signal,
+    WaitStream,
+    WaitTask,
+    format_program,
+)
+
+__all__ = [
+    "CompiledPlan",
+    "Instr",
+    "IterationProgram",
+    "RecordEvent",
+    "Run",
+    "Signal",
+    "WaitStream",
+    "WaitTask",
+    "active_stages",
+    "compile_iteration",
+    "format_program",
+]

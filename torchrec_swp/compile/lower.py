@@ -1,0 +1,168 @@
+"""Lowering: plan + active stages -> IterationProgram. Pure functions, one concern each.
+
+Passes, in order (each guarantees what its docstring states):
+
+1. ``select``: the active tasks in fire order, as ``Run`` instructions per thread.
+2. ``place_cpu_waits``: a cross-thread ``wait``/``signal`` pair for every dependency whose
+   producer instance runs in the same iteration on another thread. Producer instances of
+   earlier iterations need nothing: iterations are separated by a barrier.
+3. ``place_stream_waits`` (only when the device has real streams): ``record`` after every
+   producer whose consumer is on another stream, ``stream S <- T@k`` before the consumer.
+4. ``place_tickets``: collective tickets, in fire order, for every comm group whose active
+   tasks span more than one thread (one thread already issues them in fire order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torchrec_swp.compile.program import Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.plan import MAIN_THREAD, Dep, PipelinePlan
+
+
+def active_stages(plan: PipelinePlan, iteration: int, num_batches: int | None) -> tuple[int, ...]:
+    """Stages ``s`` with ``0 <= iteration - s < num_batches`` (seed 000's mask formula)."""
+    stages = sorted({s.stage for s in plan.schedule.values()})
+    return tuple(
+        s for s in stages if 0 <= iteration - s and (num_batches is None or iteration - s < num_batches)
+    )
+
+
+def compile_iteration(plan: PipelinePlan, stages: Iterable[int], *, device_streams: bool = False) -> IterationProgram:
+    """Lower one iteration of ``plan`` with ``stages`` active."""
+    active = tuple(sorted(set(stages)))
+    tasks = [t for t in plan.scheduled() if t.stage in active]
+    per_thread = _select(plan, [t.name for t in tasks])
+    per_thread = _place_cpu_waits(plan, per_thread)
+    if device_streams:
+        per_thread = _place_stream_waits(plan, per_thread)
+    per_thread, tickets = _place_tickets(plan, per_thread)
+    threads = tuple((g, tuple(instrs)) for g, instrs in per_thread.items())
+    return IterationProgram(active, threads, tickets)
+
+
+def _select(plan: PipelinePlan, active: list[str]) -> dict[str, list[Instr]]:
+    out: dict[str, list[Instr]] = {MAIN_THREAD: []}
+    for g in plan.thread_groups:
+        out.setdefault(g, [])
+    for name in active:
+        t = plan.task(name)
+        guarded = t.stage == 0 and plan.source is not None and name != plan.source
+        out[t.thread_group].append(Run(name, t.stage, guarded=guarded, source=name == plan.source))
+    return out
+
+
+def _same_iteration_producers(plan: PipelinePlan, consumer: str, active: set[str]) -> list[str]:
+    """Producers of ``consumer`` whose instance runs in the same iteration."""
+    s_c = plan.task(consumer).stage
+    found = [
+        d.producer
+        for d in plan.deps
+        if d.consumer == consumer and d.producer in active and plan.task(d.producer).stage - d.distance == s_c
+    ]
+    src = plan.source
+    if plan.on_exhausted == "stop" and src in active and consumer != src and plan.fire_index(src) < plan.fire_index(consumer):
+        # With on_exhausted="stop", whatever fires after the source must not start before the
+        # source has found a batch: a stop then cancels the same tasks on every thread layout.
+        found.append(src)
+    return list(dict.fromkeys(found))
+
+
+def _place_cpu_waits(plan: PipelinePlan, per_thread: dict[str, list[Instr]]) -> dict[str, list[Instr]]:
+    thread_of = {i.task: g for g, instrs in per_thread.items() for i in instrs if isinstance(i, Run)}
+    active = set(thread_of)
+    waits: dict[str, list[str]] = {}
+    signalled: set[str] = set()
+    for consumer, group in thread_of.items():
+        for producer in _same_iteration_producers(plan, consumer, active):
+            if thread_of[producer] != group:
+                waits.setdefault(consumer, []).append(producer)
+                signalled.add(producer)
+    out: dict[str, list[Instr]] = {}
+    for group, instrs in per_thread.items():
+        new: list[Instr] = []
+        for i in instrs:
+            if isinstance(i, Run):
+                new.extend(WaitTask(p) for p in waits.get(i.task, ()))
+                new.append(i)
+                if i.task in signalled:
+                    new.append(Signal(i.task))
+            else:
+                new.append(i)
+        out[group] = new
+    return out
+
+
+def _cross_stream_deps(plan: PipelinePlan, consumer: str) -> list[Dep]:
+    c_stream = plan.task(consumer).stream
+    return [d for d in plan.deps if d.consumer == consumer and plan.task(d.producer).stream != c_stream]
+
+
+def _place_stream_waits(plan: PipelinePlan, per_thread: dict[str, list[Instr]]) -> dict[str, list[Instr]]:
+    recorded = {d.producer for t in plan.fire_order for d in _cross_stream_deps(plan, t)}
+    out: dict[str, list[Instr]] = {}
+    for group, instrs in per_thread.items():
+        new: list[Instr] = []
+        for i in instrs:
+            if isinstance(i, Run):
+                c = plan.task(i.task)
+                for d in _cross_stream_deps(plan, i.task):
+                    p_stage = plan.task(d.producer).stage
+                    new.append(WaitStream(c.stream, d.producer, d.distance, p_stage, c.stage))
+                new.append(i)
+                if i.task in recorded:
+                    new.append(RecordEvent(i.task, c.stream, c.stage))
+            else:
+                new.append(i)
+        out[group] = new
+    return out
+
+
+def _place_tickets(
+    plan: PipelinePlan, per_thread: dict[str, list[Instr]]
+) -> tuple[dict[str, list[Instr]], tuple[tuple[str, int], ...]]:
+    runs = {i.task: (g, i) for g, instrs in per_thread.items() for i in instrs if isinstance(i, Run)}
+    groups: dict[str, list[str]] = {}
+    for name in plan.fire_order:
+        if name in runs and runs[name][1].comm_group is None and plan.task(name).comm_group is not None:
+            groups.setdefault(plan.task(name).comm_group or "", []).append(name)
+    ticketed: dict[str, tuple[int, str]] = {}
+    counts: list[tuple[str, int]] = []
+    for group, members in groups.items():
+        if len({runs[m][0] for m in members}) > 1:
+            for k, m in enumerate(members):
+                ticketed[m] = (k, group)
+            counts.append((group, len(members)))
+    if not ticketed:
+        return per_thread, ()
+    out: dict[str, list[Instr]] = {}
+    for g, instrs in per_thread.items():
+        out[g] = [
+            Run(i.task, i.stage, ticketed[i.task][0], ticketed[i.task][1], i.guarded, i.source)
+            if isinstance(i, Run) and i.task in ticketed
+            else i
+            for i in instrs
+        ]
+    return out, tuple(counts)
+
+
+class CompiledPlan:
+    """A plan with its iteration programs, compiled once per distinct set of active stages."""
+
+    def __init__(self, plan: PipelinePlan, *, device_streams: bool = False) -> None:
+        self.plan = plan
+        self.device_streams = device_streams
+        self._cache: dict[tuple[int, ...], IterationProgram] = {}
+
+    def program(self, iteration: int, num_batches: int | None) -> IterationProgram:
+        stages = active_stages(self.plan, iteration, num_batches)
+        prog = self._cache.get(stages)
+        if prog is None:
+            prog = compile_iteration(self.plan, stages, device_streams=self.device_streams)
+            self._cache[stages] = prog
+        return prog
+
+    def phases(self, num_batches: int) -> list[tuple[int, IterationProgram]]:
+        """Every iteration of a run over ``num_batches`` batches: fill, steady state, drain."""
+        last = num_batches + self.plan.max_stage
+        return [(p, self.program(p, num_batches)) for p in range(last)]

@@ -1,0 +1,123 @@
+"""The program IR: per-thread instruction lists for one internal iteration.
+
+Instructions are frozen, slotted and print compactly; ``format_program`` gives the text used
+in golden tests, error messages and logs.
+
+Roughly:
+  ``run T``             call task T for batch ``P - stage(T)`` (``run T #k@g`` holds collective
+                        ticket k of comm group g; ``run? T`` is skipped when its batch was not
+                        loaded; ``run! T`` is the source, which may find the data exhausted)
+  ``wait T``            block this CPU thread until T (same iteration, other thread) finished
+  ``signal T``          tell waiting threads that T finished (or was skipped, or failed)
+  ``stream S <- T@k``   device: stream S waits for the event recorded after T(b - k)
+  ``record T``          device: record an event on T's stream after T ran
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from torchrec_swp.plan import MAIN_THREAD
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    task: str
+    stage: int
+    ticket: int | None = None
+    comm_group: str | None = None
+    guarded: bool = False
+    source: bool = False
+
+    def __str__(self) -> str:
+        mark = "!" if self.source else "?" if self.guarded else ""
+        ticket = f" #{self.ticket}@{self.comm_group}" if self.ticket is not None else ""
+        return f"run{mark} {self.task}{ticket}"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitTask:
+    task: str
+
+    def __str__(self) -> str:
+        return f"wait {self.task}"
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    task: str
+
+    def __str__(self) -> str:
+        return f"signal {self.task}"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitStream:
+    stream: str
+    task: str
+    distance: int = 0
+    producer_stage: int = 0
+    consumer_stage: int = 0
+
+    def __str__(self) -> str:
+        return f"stream {self.stream} <- {self.task}@{self.distance}"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEvent:
+    task: str
+    stream: str
+    stage: int
+
+    def __str__(self) -> str:
+        return f"record {self.task}"
+
+
+Instr = Union[Run, WaitTask, Signal, WaitStream, RecordEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class IterationProgram:
+    """What every thread does in one internal iteration with the given active stages.
+
+    ``threads``: ``(thread_group, instructions)`` pairs, the calling thread first.
+    ``tickets``: number of collective tickets per comm group handed out in this iteration.
+    """
+
+    active_stages: tuple[int, ...]
+    threads: tuple[tuple[str, tuple[Instr, ...]], ...]
+    tickets: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def single_thread(self) -> bool:
+        return sum(1 for _, instrs in self.threads if instrs) <= 1
+
+    @property
+    def flat(self) -> bool:
+        """Only the calling thread works, and only plain runs: no waits, signals, tickets or
+        device events."""
+        return all(
+            not instrs if thread != MAIN_THREAD else all(isinstance(i, Run) and i.ticket is None for i in instrs)
+            for thread, instrs in self.threads
+        )
+
+    def instructions(self, thread: str) -> tuple[Instr, ...]:
+        for name, instrs in self.threads:
+            if name == thread:
+                return instrs
+        return ()
+
+    def runs(self) -> list[Run]:
+        return [i for _, instrs in self.threads for i in instrs if isinstance(i, Run)]
+
+
+def format_program(program: IterationProgram) -> str:
+    """Readable text: one block per thread, one instruction per line."""
+    lines = [f"stages {','.join(map(str, program.active_stages)) or '-'}"]
+    for group, count in program.tickets:
+        lines.append(f"tickets {group}={count}")
+    for thread, instrs in program.threads:
+        lines.append(f"thread {thread}:")
+        lines.extend(f"  {i}" for i in instrs)
+    return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""The torch runtime: threads, stream pools, the collective turnstile, the interpreter."""
+
+from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted
+from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, Binding, Engine
+from torchrec_swp.engine.streams import (
+    CudaStreamPool,
+    NullStreamPool,
+    RecordingStreamPool,
+    StreamPool,
+    stream_pool_for,
+)
+from torchrec_swp.engine.turnstile import Turnstile
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Binding",
+    "CollectiveAborted",
+    "CudaStreamPool",
+    "Engine",
+    "EngineError",
+    "EngineTimeout",
+    "NullStreamPool",
+    "RecordingStreamPool",
+    "StreamPool",
+    "TaskAborted",
+    "Turnstile",
+    "stream_pool_for",
+]

@@ -1,0 +1,451 @@
+"""The engine: runs a compiled plan, one internal iteration at a time, on threads and streams.
+
+Contract of ``Engine.step()`` (what a pipeline's ``progress()`` delegates to): run internal
+iterations until a batch leaves the highest stage and return its ``plan.output`` slot value;
+raise StopIteration when no batch is left (after draining, or at once with
+``on_exhausted="stop"``).
+
+Bindings: every task name maps to ``fn(b, **reads)``, called with the index of the batch it
+works on and the values its PipelineTask declares it reads from that batch's slot. It returns
+None (no writes), the value (one write) or a tuple in declared order (several writes). The
+source raises StopIteration when the data is exhausted.
+
+Threads: the thread calling ``step()`` runs thread group ``"default"``; each other group has
+a persistent worker. Iterations are separated by a barrier (every thread finishes iteration
+``P`` before any starts ``P + 1``), so only same-iteration dependencies need CPU waits, and
+those are explicit in the program. A plan on one thread runs as a flat list of calls.
+
+Failures: an exception in any task on any thread aborts the iteration. Every waiter wakes
+(CPU latches and collective tickets fail instead of blocking), every worker returns to idle,
+and ``step()`` re-raises the first exception, of its own type, with a note naming task, batch,
+thread and internal iteration (also as attributes ``swp_task``, ``swp_batch``, ``swp_thread``,
+``swp_iteration``). Every blocking wait honours ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchrec_swp.compile import CompiledPlan, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.engine.errors import (
+    CollectiveAborted,
+    EngineError,
+    EngineTimeout,
+    TaskAborted,
+    describe,
+)
+from torchrec_swp.engine.streams import NullStreamPool, StreamPool
+from torchrec_swp.engine.turnstile import Turnstile
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PlanError
+from torchrec_swp.plan.table import format_schedule
+
+Binding = Callable[..., Any]
+Invoker = Callable[[int], Any]
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class _Stopped(Exception):
+    """Internal: the source found no batch under on_exhausted="stop"; stop this thread quietly."""
+
+
+class _Latch:
+    """One task instance's completion, seen by threads that wait on it."""
+
+    __slots__ = ("_cond", "_state")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._state = "pending"  # pending | done | failed | stopped
+
+    def set(self, state: str = "done") -> None:
+        with self._cond:
+            if self._state == "pending":
+                self._state = state
+                self._cond.notify_all()
+
+    def wait(self, task: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state == "pending":
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineTimeout(f"waited {timeout_s:.1f}s for task {task} to finish")
+                self._cond.wait(remaining)
+            if self._state == "failed":
+                raise TaskAborted(f"not run: {task} failed or the iteration was aborted")
+            if self._state == "stopped":
+                raise _Stopped
+
+
+@dataclass
+class _Failure:
+    exc: BaseException
+    task: str
+    batch: int
+    thread: str
+    iteration: int
+
+
+@dataclass
+class _IterationContext:
+    iteration: int
+    program: IterationProgram
+    latches: dict[str, _Latch]
+    grad_enabled: bool
+    done: queue.SimpleQueue[str] = field(default_factory=queue.SimpleQueue)
+    failures: list[_Failure] = field(default_factory=list)
+    position: dict[str, str] = field(default_factory=dict)
+    stopped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Worker:
+    def __init__(self, name: str, streams: StreamPool) -> None:
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
+        streams.thread_init()
+        while (job := inbox.get()) is not None:
+            job()
+
+    def stop(self, timeout_s: float) -> None:
+        self.inbox.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+
+
+def _stop_workers(workers: dict[str, _Worker]) -> None:
+    for w in workers.values():
+        w.stop(5.0)
+    workers.clear()
+
+
+class Engine:
+    """Interprets a plan's compiled programs. One Engine per pipeline instance."""
+
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        bindings: Mapping[str, Binding],
+        *,
+        streams: StreamPool | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str = "swp",
+    ) -> None:
+        if plan.source is None:
+            raise PlanError(f"plan {plan.name} has no source task: the engine needs one to pull batches", culprit="source")
+        missing = [t for t in plan.fire_order if t not in bindings]
+        if missing:
+            raise PlanError(f"no function bound to task {missing[0]} of plan {plan.name}", culprit=missing[0])
+        extra = [t for t in bindings if t not in plan.schedule]
+        if extra:
+            raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {plan.name}", culprit=extra[0])
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.plan = plan
+        self.streams: StreamPool = streams if streams is not None else NullStreamPool()
+        self.compiled = CompiledPlan(plan, device_streams=self.streams.has_streams)
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self._bindings = dict(bindings)
+        self.slots: dict[int, dict[str, Any]] = {}
+        self._invokers = {t: self._make_invoker(t, self._bindings[t]) for t in plan.fire_order}
+        self._flat_cache: dict[int, list[tuple[Invoker, int, int, str]]] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._turnstiles: dict[str, Turnstile] = {}
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._max_distance = max((d.distance for d in plan.deps), default=0)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every batch in flight and start again at iteration 0 (workers are kept)."""
+        self.iteration = 0
+        self.loaded = 0  # batches the source produced
+        self.num_batches: int | None = None  # M, once the source found the data exhausted
+        self.delivered = 0  # batches that left the highest stage
+        self.stopped = False
+        self.slots.clear()
+        self._events: dict[tuple[str, int], Any] = {}
+        for t in self._turnstiles.values():
+            t.clear_failure()
+
+    def in_flight(self) -> list[int]:
+        """Batches loaded but not delivered (in order)."""
+        return list(range(self.delivered, self.loaded))
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent)."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> Any:
+        top = self.plan.max_stage
+        while True:
+            if self.stopped or (self.num_batches is not None and self.delivered >= self.num_batches):
+                raise StopIteration
+            p = self.iteration
+            program = self.compiled.program(p, self.num_batches)
+            if program.flat:
+                self._run_flat(p, program)
+            else:
+                self._run_threaded(p, program)
+            self.iteration = p + 1
+            self._forget_events(p)
+            if top in program.active_stages:
+                b = p - top
+                self.delivered += 1
+                slot = self.slots.pop(b, {})
+                return slot.get(self.plan.output) if self.plan.output is not None else None
+
+    # -------------------------------------------------------------- flat path
+    def _run_flat(self, p: int, program: IterationProgram) -> None:
+        steps = self._flat_cache.get(id(program))
+        if steps is None:
+            steps = [
+                (self._invokers[i.task], i.stage, 2 if i.source else 1 if i.guarded else 0, i.task)
+                for i in program.instructions(MAIN_THREAD)
+                if isinstance(i, Run)
+            ]
+            self._flat_cache[id(program)] = steps
+        for invoke, stage, kind, task in steps:
+            b = p - stage
+            try:
+                if kind == 2:
+                    if not self._pull(invoke, b):
+                        break
+                elif kind == 1 and b >= self.loaded:
+                    continue
+                else:
+                    invoke(b)
+            except StopIteration as e:
+                raise RuntimeError(f"{describe(task, b, MAIN_THREAD, p)} raised StopIteration") from e
+            except BaseException as e:
+                self._annotate(e, _Failure(e, task, b, MAIN_THREAD, p))
+                raise
+        if self.stopped:
+            raise StopIteration
+
+    def _pull(self, invoke: Invoker, b: int) -> bool:
+        """Run the source for batch ``b``; False when the data is exhausted and the plan stops."""
+        if self.num_batches is not None:
+            return True
+        self.slots[b] = {}
+        try:
+            invoke(b)
+        except StopIteration:
+            del self.slots[b]
+            self.num_batches = b
+            self.stopped = self.plan.on_exhausted == "stop"
+            return not self.stopped
+        self.loaded = b + 1
+        return True
+
+    # ---------------------------------------------------------- threaded path
+    def _run_threaded(self, p: int, program: IterationProgram) -> None:
+        signalled = {i.task for _, instrs in program.threads for i in instrs if isinstance(i, Signal)}
+        ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled())
+        for group, _ in program.tickets:
+            self._turnstile(group).restart()
+        workers = [(g, instrs) for g, instrs in program.threads if g != MAIN_THREAD and instrs]
+        for group, instrs in workers:
+            worker = self._worker(group)
+            worker.inbox.put(lambda g=group, i=instrs: self._worker_job(g, i, ctx))
+        self._interpret(MAIN_THREAD, program.instructions(MAIN_THREAD), ctx)
+        deadline = time.monotonic() + self.timeout_s
+        for _ in workers:
+            try:
+                ctx.done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._abort(ctx, "timeout")
+                raise EngineTimeout(self._timeout_report(ctx)) from None
+        if ctx.failures:
+            first = ctx.failures[0]
+            for other in ctx.failures[1:]:
+                first.exc.add_note(f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}")
+            self._annotate(first.exc, first)
+            raise first.exc
+        if ctx.stopped:
+            raise StopIteration
+
+    def _worker_job(self, group: str, instrs: tuple[Any, ...], ctx: _IterationContext) -> None:
+        try:
+            with torch.set_grad_enabled(ctx.grad_enabled):
+                self._interpret(group, instrs, ctx)
+        finally:
+            ctx.done.put(group)
+
+    def _interpret(self, thread: str, instrs: tuple[Any, ...], ctx: _IterationContext) -> None:
+        p = ctx.iteration
+        task, b = "-", p
+        try:
+            for instr in instrs:
+                ctx.position[thread] = str(instr)
+                match instr:
+                    case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
+                        b = p - stage
+                        if ticket is None:
+                            self._run_one(instr, b, ctx)
+                        else:
+                            self._run_ticketed(instr, b, ctx, group, ticket)
+                    case WaitTask(task=producer):
+                        task = f"wait {producer}"
+                        ctx.latches[producer].wait(producer, self.timeout_s)
+                    case Signal(task=producer):
+                        ctx.latches[producer].set()
+                    case WaitStream(stream=stream, task=producer, distance=k, consumer_stage=cs):
+                        event = self._events.get((producer, p - cs - k))
+                        if event is not None:
+                            self.streams.wait(stream, event)
+                    case RecordEvent(task=producer, stream=stream, stage=stage):
+                        self._events[(producer, p - stage)] = self.streams.record(stream)
+                    case _:
+                        raise EngineError(f"unknown instruction {instr!r}")
+            ctx.position[thread] = "finished"
+        except _Stopped:
+            ctx.position[thread] = "stopped (data exhausted)"
+        except CollectiveAborted:
+            if ctx.stopped:
+                ctx.position[thread] = "stopped (data exhausted)"
+            else:
+                self._record_failure(ctx, thread, task, b)
+        except BaseException:
+            self._record_failure(ctx, thread, task, b)
+
+    def _record_failure(self, ctx: _IterationContext, thread: str, task: str, b: int) -> None:
+        import sys
+
+        exc = sys.exc_info()[1]
+        assert exc is not None
+        with ctx.lock:
+            secondary = isinstance(exc, (TaskAborted, CollectiveAborted)) and ctx.failures
+            if not secondary:
+                ctx.failures.append(_Failure(exc, task, b, thread, ctx.iteration))
+            ctx.position[thread] = f"failed in {task}"
+        self._abort(ctx, f"{describe(task, b, thread, ctx.iteration)} failed: {exc!r}")
+
+    def _abort(self, ctx: _IterationContext, reason: str, state: str = "failed") -> None:
+        for latch in ctx.latches.values():
+            latch.set(state)
+        for group, _ in ctx.program.tickets:
+            self._turnstile(group).fail(reason)
+
+    def _run_one(self, instr: Run, b: int, ctx: _IterationContext) -> None:
+        invoke = self._invokers[instr.task]
+        if instr.source:
+            if self.num_batches is not None:
+                return
+            self.slots[b] = {}
+            try:
+                with self.streams.context(self.plan.task(instr.task).stream):
+                    invoke(b)
+            except StopIteration:
+                del self.slots[b]
+                self.num_batches = b
+                if self.plan.on_exhausted == "stop":
+                    self.stopped = ctx.stopped = True
+                    self._abort(ctx, "data exhausted (on_exhausted=stop)", state="stopped")
+                    raise _Stopped from None
+                return
+            self.loaded = b + 1
+            return
+        if instr.guarded and b >= self.loaded:
+            return
+        try:
+            with self.streams.context(self.plan.task(instr.task).stream):
+                invoke(b)
+        except StopIteration as e:
+            raise RuntimeError(f"task {instr.task} raised StopIteration") from e
+
+    def _run_ticketed(self, instr: Run, b: int, ctx: _IterationContext, group: str | None, ticket: int) -> None:
+        turnstile = self._turnstile(group or "")
+        turnstile.acquire(ticket, self.timeout_s)
+        try:
+            self._run_one(instr, b, ctx)
+        except BaseException:
+            turnstile.fail(f"{describe(instr.task, b, threading.current_thread().name, ctx.iteration)} failed")
+            raise
+        turnstile.release(ticket)
+
+    # ---------------------------------------------------------------- helpers
+    def _make_invoker(self, task: str, fn: Binding) -> Invoker:
+        io = self.plan.tasks[task]
+        reads, writes, slots = io.reads, io.writes, self.slots
+
+        def call(b: int) -> Any:
+            if not reads:
+                return fn(b)
+            slot = slots[b]
+            try:
+                args = {r: slot[r] for r in reads}
+            except KeyError as e:
+                raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+            return fn(b, **args)
+
+        if not writes:
+            return call
+        if len(writes) == 1:
+            (w,) = writes
+
+            def invoke_one(b: int) -> None:
+                slots[b][w] = call(b)
+
+            return invoke_one
+
+        def invoke_many(b: int) -> None:
+            values = call(b)
+            if not isinstance(values, tuple) or len(values) != len(writes):
+                raise EngineError(f"task {task} must return a tuple of {len(writes)} values for {writes}, got {values!r}")
+            slot = slots[b]
+            for k, v in zip(writes, values):
+                slot[k] = v
+
+        return invoke_many
+
+    def _worker(self, group: str) -> _Worker:
+        w = self._workers.get(group)
+        if w is None or not w.thread.is_alive():
+            w = self._workers[group] = _Worker(f"{self.name}-{group}", self.streams)
+        return w
+
+    def _turnstile(self, group: str) -> Turnstile:
+        t = self._turnstiles.get(group)
+        if t is None:
+            t = self._turnstiles[group] = Turnstile(group)
+        return t
+
+    def _forget_events(self, p: int) -> None:
+        if not self._events:
+            return
+        horizon = p - self.plan.max_stage - self._max_distance - 1
+        for key in [k for k in self._events if k[1] < horizon]:
+            del self._events[key]
+
+    def _annotate(self, exc: BaseException, f: _Failure) -> None:
+        if getattr(exc, "swp_task", None) is not None:
+            return
+        exc.swp_task, exc.swp_batch, exc.swp_thread, exc.swp_iteration = f.task, f.batch, f.thread, f.iteration  # type: ignore[attr-defined]
+        exc.add_note(f"torchrec_swp: {describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}")
+
+    def _timeout_report(self, ctx: _IterationContext) -> str:
+        lines = [f"internal iteration {ctx.iteration} of plan {self.plan.name} did not finish within {self.timeout_s:.1f}s"]
+        for thread, _ in ctx.program.threads:
+            lines.append(f"  thread {thread!r}: at {ctx.position.get(thread, 'not started')}")
+        for group, t in self._turnstiles.items():
+            lines.append(f"  comm group {group!r}: next ticket {t.next_ticket}, waiting {t.waiting or 'none'}")
+        stuck = [pos.split(" ", 1)[1] for pos in ctx.position.values() if pos.startswith("run")]
+        mark = (stuck[0].split()[0], ctx.iteration) if stuck else None
+        lines.append(format_schedule(self.plan, ctx.iteration + 2, self.num_batches, mark=mark))
+        return "\n".join(lines)

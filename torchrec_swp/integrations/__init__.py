@@ -1,0 +1,1 @@
+"""Integrations with training libraries. Only ``integrations.torchrec`` imports TorchRec."""

@@ -1,0 +1,25 @@
+"""The plan language (pure Python, no torch): tasks, schedules, dependencies, plans."""
+
+from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.plan import Dep, PipelinePlan, ThreadMap
+from torchrec_swp.plan.task import (
+    DEFAULT_COMM_GROUP,
+    DEFAULT_STREAM,
+    MAIN_THREAD,
+    PipelineTask,
+    ScheduledTask,
+    TaskSchedule,
+)
+
+__all__ = [
+    "DEFAULT_COMM_GROUP",
+    "DEFAULT_STREAM",
+    "MAIN_THREAD",
+    "Dep",
+    "PipelinePlan",
+    "PipelineTask",
+    "PlanError",
+    "ScheduledTask",
+    "TaskSchedule",
+    "ThreadMap",
+]

@@ -1,0 +1,283 @@
+"""PipelinePlan: a training schedule as data.
+
+Semantics (one vocabulary everywhere):
+
+* At internal iteration ``P`` a task of stage ``s`` works on batch ``P - s``; it runs iff
+  ``0 <= P - s < M`` where ``M`` is the number of batches the source task pulled (fill, steady
+  state, drain all follow from this mask).
+* ``fire_order`` is the CPU submission order inside one internal iteration.
+* A dependency ``Dep(consumer, producer, distance)`` means ``consumer(b)`` runs after
+  ``producer(b - distance)``. ``distance == 0`` is an intra-iteration dep, ``>= 1`` an inter one.
+  Deps are explicit or inferred from ``reads``/``writes``.
+* ``source`` is the task that pulls a batch from the data iterator (it raises StopIteration at
+  the end of data); ``output`` is the slot value ``progress()`` returns for a batch leaving the
+  highest stage; ``on_exhausted`` is ``"drain"`` (finish the batches in flight) or ``"stop"``
+  (raise StopIteration as soon as the source finds no batch).
+
+A PipelinePlan is validated when built: an instance exists only if it can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.task import (
+    MAIN_THREAD,
+    PipelineTask,
+    ScheduledTask,
+    TaskSchedule,
+    check_name,
+)
+
+Exhausted = Literal["drain", "stop"]
+ThreadMap = Union[str, Mapping[str, str], Callable[[ScheduledTask], str]]
+DepSpec = Union["Dep", tuple[str, str], tuple[str, str, int]]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Dep:
+    """``consumer(b)`` runs after ``producer(b - distance)``."""
+
+    consumer: str
+    producer: str
+    distance: int = 0
+
+    def __str__(self) -> str:
+        tail = f" @{self.distance}" if self.distance else ""
+        return f"{self.consumer} <- {self.producer}{tail}"
+
+
+def _as_dep(spec: DepSpec, default_distance: int) -> Dep:
+    if isinstance(spec, Dep):
+        return spec
+    if isinstance(spec, tuple) and len(spec) == 2:
+        return Dep(spec[0], spec[1], default_distance)
+    if isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[2], int):
+        return Dep(spec[0], spec[1], spec[2])
+    raise PlanError(f"a dependency must be (consumer, producer[, distance]), got {spec!r}", culprit=str(spec))
+
+
+class PipelinePlan:
+    """A declarative pipeline schedule. Immutable; equal plans have equal text forms."""
+
+    __slots__ = (
+        "name",
+        "_schedule",
+        "_tasks",
+        "fire_order",
+        "explicit_deps",
+        "pipeline_depth",
+        "source",
+        "output",
+        "on_exhausted",
+        "_deps",
+        "_fire_index",
+    )
+
+    def __init__(
+        self,
+        schedule: Mapping[str, TaskSchedule],
+        intra_iter_deps: Iterable[DepSpec] = (),
+        inter_iter_deps: Iterable[DepSpec] = (),
+        pipeline_depth: int | None = None,
+        fire_order: Sequence[str] | None = None,
+        tasks: Iterable[PipelineTask] = (),
+        source: str | None = None,
+        output: str | None = None,
+        on_exhausted: Exhausted = "drain",
+        name: str = "plan",
+    ) -> None:
+        from torchrec_swp.plan.validate import validate_plan
+
+        self.name = check_name(name, "plan")
+        if not isinstance(schedule, Mapping):
+            raise PlanError(f"schedule must be a mapping task -> TaskSchedule, got {type(schedule).__name__}", culprit="schedule")
+        for task, sched in schedule.items():
+            check_name(task, "task")
+            if not isinstance(sched, TaskSchedule):
+                raise PlanError(f"schedule of task {task} must be a TaskSchedule, got {sched!r}", culprit=task)
+        self._schedule: dict[str, TaskSchedule] = dict(schedule)
+        declared: dict[str, PipelineTask] = {}
+        for io in tasks:
+            if not isinstance(io, PipelineTask):
+                raise PlanError(f"tasks must be PipelineTask objects, got {io!r}", culprit=str(io))
+            if io.name in declared:
+                raise PlanError(f"duplicate task name {io.name} in tasks", culprit=io.name)
+            declared[io.name] = io
+        for task in declared:
+            if task not in self._schedule:
+                raise PlanError(f"task {task} declares reads/writes but has no schedule", culprit=task)
+        self._tasks = {t: declared.get(t, PipelineTask(t)) for t in self._schedule}
+        self.fire_order: tuple[str, ...] = tuple(fire_order) if fire_order is not None else tuple(self._schedule)
+        deps = [_as_dep(d, 0) for d in intra_iter_deps] + [_as_dep(d, 1) for d in inter_iter_deps]
+        self.explicit_deps: tuple[Dep, ...] = tuple(deps)
+        if pipeline_depth is None:
+            pipeline_depth = max((s.stage for s in self._schedule.values()), default=0) + 1
+        self.pipeline_depth = pipeline_depth
+        self.source = source
+        self.output = output
+        self.on_exhausted: Exhausted = on_exhausted
+        self._fire_index = {t: i for i, t in enumerate(self.fire_order)}
+        self._deps: tuple[Dep, ...] = validate_plan(self)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def schedule(self) -> Mapping[str, TaskSchedule]:
+        return dict(self._schedule)
+
+    @property
+    def tasks(self) -> Mapping[str, PipelineTask]:
+        return dict(self._tasks)
+
+    @property
+    def deps(self) -> tuple[Dep, ...]:
+        """Explicit and inferred dependencies, deduplicated, in a stable order."""
+        return self._deps
+
+    @property
+    def intra_iter_deps(self) -> tuple[Dep, ...]:
+        return tuple(d for d in self._deps if d.distance == 0)
+
+    @property
+    def inter_iter_deps(self) -> tuple[Dep, ...]:
+        return tuple(d for d in self._deps if d.distance > 0)
+
+    @property
+    def max_stage(self) -> int:
+        return max(s.stage for s in self._schedule.values())
+
+    def task(self, name: str) -> ScheduledTask:
+        if name not in self._schedule:
+            raise PlanError(f"unknown task {name!r}; plan {self.name} has {', '.join(self.fire_order)}", culprit=name)
+        return ScheduledTask(name, self._schedule[name], self._tasks[name], self._fire_index[name])
+
+    def scheduled(self) -> list[ScheduledTask]:
+        """All tasks in fire order."""
+        return [self.task(t) for t in self.fire_order]
+
+    def fire_index(self, task: str) -> int:
+        return self._fire_index[task]
+
+    @property
+    def thread_groups(self) -> tuple[str, ...]:
+        """Thread groups in order of first use in fire order."""
+        return tuple(dict.fromkeys(self._schedule[t].thread_group for t in self.fire_order))
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self._schedule[t].stream for t in self.fire_order))
+
+    def writer_of(self, data: str) -> str | None:
+        for t in self.fire_order:
+            if data in self._tasks[t].writes:
+                return t
+        return None
+
+    # --------------------------------------------------------------- changes
+    def replace(self, **changes: object) -> PipelinePlan:
+        """A new plan with some constructor arguments changed (validated again)."""
+        args: dict[str, object] = {
+            "schedule": self._schedule,
+            "intra_iter_deps": [d for d in self.explicit_deps if d.distance == 0],
+            "inter_iter_deps": [d for d in self.explicit_deps if d.distance > 0],
+            "pipeline_depth": self.pipeline_depth,
+            "fire_order": self.fire_order,
+            "tasks": list(self._tasks.values()),
+            "source": self.source,
+            "output": self.output,
+            "on_exhausted": self.on_exhausted,
+            "name": self.name,
+        }
+        if "schedule" in changes and "fire_order" not in changes:
+            new_schedule = changes["schedule"]
+            assert isinstance(new_schedule, Mapping)
+            args["fire_order"] = [t for t in self.fire_order if t in new_schedule] + [
+                t for t in new_schedule if t not in self._fire_index
+            ]
+        if "schedule" in changes and "tasks" not in changes:
+            new_schedule = changes["schedule"]
+            assert isinstance(new_schedule, Mapping)
+            args["tasks"] = [io for t, io in self._tasks.items() if t in new_schedule]
+        args.update(changes)
+        return PipelinePlan(**args)  # type: ignore[arg-type]
+
+    def with_schedule(self, task: str, **changes: object) -> PipelinePlan:
+        """A new plan where one task's schedule fields are changed."""
+        sched = dict(self._schedule)
+        sched[task] = self.task(task).schedule.replace(**changes)
+        return self.replace(schedule=sched)
+
+    def with_thread_map(self, thread_map: ThreadMap) -> PipelinePlan:
+        """A new plan with thread groups assigned by ``thread_map``.
+
+        ``"by_stream"``: one thread per stream (the default stream's tasks stay on the calling
+        thread); ``"per_task"``: a thread per task; ``"main"``: everything on the calling thread;
+        a dict ``{task: thread}`` moves the named tasks and leaves the others where they are;
+        a callable gets each ScheduledTask and returns its thread group.
+        """
+        from torchrec_swp.plan.threads import resolve_thread_map
+
+        groups = resolve_thread_map(self, thread_map)
+        sched = {t: s.replace(thread_group=groups[t]) for t, s in self._schedule.items()}
+        return self.replace(schedule=sched)
+
+    # ------------------------------------------------------------- rendering
+    def to_text(self) -> str:
+        from torchrec_swp.plan.text import plan_to_text
+
+        return plan_to_text(self)
+
+    @classmethod
+    def from_text(cls, text: str) -> PipelinePlan:
+        from torchrec_swp.plan.text import plan_from_text
+
+        return plan_from_text(text)
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_text())
+
+    @classmethod
+    def load(cls, path: str) -> PipelinePlan:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_text(f.read())
+
+    def format_schedule(self, num_iterations: int, num_batches: int | None = None) -> str:
+        from torchrec_swp.plan.table import format_schedule
+
+        return format_schedule(self, num_iterations, num_batches)
+
+    def print_schedule(self, num_iterations: int, num_batches: int | None = None) -> None:
+        """Print the stage table of seed 001: one row per task, one column per iteration."""
+        print(self.format_schedule(num_iterations, num_batches))
+
+    # --------------------------------------------------------------- identity
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.name,
+            tuple((t, self._schedule[t], self._tasks[t]) for t in self.fire_order),
+            self.explicit_deps,
+            self.pipeline_depth,
+            self.source,
+            self.output,
+            self.on_exhausted,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PipelinePlan) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"PipelinePlan({self.name}, tasks={list(self.fire_order)}, depth={self.pipeline_depth})"
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def main_thread_only(plan: PipelinePlan) -> bool:
+    return all(s.thread_group == MAIN_THREAD for s in plan.schedule.values())

@@ -1,0 +1,181 @@
+"""Plan validation: reject, before anything runs, every plan that cannot run.
+
+Rules (each violation raises PlanError naming the task or dependency):
+
+1. A plan has at least one task; names are unique; fire order lists every task exactly once.
+2. ``pipeline_depth`` is an int covering the stage span (``depth >= max_stage + 1``).
+3. Every dependency names known tasks, has ``distance >= 0`` and is not a task on itself.
+4. Every read data name has exactly one writer; a task does not read what it writes.
+   Reads become deps ``reader(b) after writer(b)``.
+5. The same-batch (distance 0) dependency graph has no cycle.
+6. Every dependency is satisfiable by stages plus fire order: ``producer(b - k)`` runs at
+   iteration ``b - k + s_p``, ``consumer(b)`` at ``b + s_c``; the producer's iteration must come
+   first, or be the same iteration with the producer earlier in fire order.
+7. The source (if any) is at stage 0, and every other stage-0 task depends on it, so that no
+   task works on a batch that was never loaded. The output (if any) has a writer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchrec_swp.plan.errors import PlanError
+
+if TYPE_CHECKING:
+    from torchrec_swp.plan.plan import Dep, PipelinePlan
+
+
+def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
+    """Check every rule above; return explicit and inferred deps merged (explicit first)."""
+    from torchrec_swp.plan.plan import Dep
+
+    sched = plan._schedule
+    if not sched:
+        raise PlanError(f"plan {plan.name} has no tasks", culprit=plan.name)
+    _check_fire_order(plan)
+    if plan.on_exhausted not in ("drain", "stop"):
+        raise PlanError(f"on_exhausted must be 'drain' or 'stop', got {plan.on_exhausted!r}", culprit="on_exhausted")
+    depth = plan.pipeline_depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise PlanError(f"pipeline_depth must be an int >= 1, got {depth!r}", culprit="pipeline_depth")
+    top = max(sched, key=lambda t: sched[t].stage)
+    if depth < sched[top].stage + 1:
+        raise PlanError(
+            f"pipeline_depth {depth} is smaller than the stage span {sched[top].stage + 1} "
+            f"(task {top} is at stage {sched[top].stage})",
+            culprit=top,
+        )
+
+    for dep in plan.explicit_deps:
+        for role, task in (("consumer", dep.consumer), ("producer", dep.producer)):
+            if task not in sched:
+                raise PlanError(f"dependency {dep}: unknown {role} task {task!r}", culprit=str(dep))
+        if isinstance(dep.distance, bool) or not isinstance(dep.distance, int) or dep.distance < 0:
+            raise PlanError(f"dependency {dep}: distance must be an int >= 0", culprit=str(dep))
+        if dep.distance == 0 and dep.consumer == dep.producer:
+            raise PlanError(f"dependency {dep}: a task cannot depend on itself in the same batch", culprit=str(dep))
+
+    inferred = _infer_io_deps(plan, Dep)
+    merged = list(dict.fromkeys([*plan.explicit_deps, *inferred]))
+    _check_acyclic(plan, [d for d in merged if d.distance == 0])
+    for dep in merged:
+        _check_satisfiable(plan, dep)
+    _check_source_and_output(plan, merged)
+    return tuple(merged)
+
+
+def _check_fire_order(plan: PipelinePlan) -> None:
+    seen: set[str] = set()
+    for task in plan.fire_order:
+        if task in seen:
+            raise PlanError(f"task {task} appears twice in the fire order", culprit=task)
+        if task not in plan._schedule:
+            raise PlanError(f"fire order names unknown task {task!r}", culprit=str(task))
+        seen.add(task)
+    missing = [t for t in plan._schedule if t not in seen]
+    if missing:
+        raise PlanError(f"task {missing[0]} is scheduled but missing from the fire order", culprit=missing[0])
+
+
+def _infer_io_deps(plan: PipelinePlan, dep_type: type[Dep]) -> list[Dep]:
+    writers: dict[str, str] = {}
+    for task in plan.fire_order:
+        for data in plan._tasks[task].writes:
+            if data in writers:
+                raise PlanError(f"data {data!r} is written by both {writers[data]} and {task}", culprit=task)
+            writers[data] = task
+    deps = []
+    for task in plan.fire_order:
+        io = plan._tasks[task]
+        for data in io.reads:
+            if data in io.writes:
+                raise PlanError(f"task {task} reads {data!r}, which it writes itself", culprit=task)
+            if data not in writers:
+                raise PlanError(f"task {task} reads {data!r}, which no task writes", culprit=task)
+            deps.append(dep_type(task, writers[data], 0))
+    return deps
+
+
+def _check_acyclic(plan: PipelinePlan, deps: list[Dep]) -> None:
+    after: dict[str, list[str]] = {t: [] for t in plan._schedule}
+    for d in deps:
+        after[d.consumer].append(d.producer)
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    for root in plan.fire_order:
+        if root in state:
+            continue
+        stack: list[tuple[str, int]] = [(root, 0)]
+        path: list[str] = [root]
+        state[root] = 1
+        while stack:
+            node, i = stack[-1]
+            if i < len(after[node]):
+                stack[-1] = (node, i + 1)
+                nxt = after[node][i]
+                if state.get(nxt) == 1:
+                    cycle = path[path.index(nxt):] + [nxt]
+                    raise PlanError(
+                        "dependency cycle in one batch: " + " -> ".join(cycle) + " (read 'A -> B' as A after B)",
+                        culprit=nxt,
+                    )
+                if nxt not in state:
+                    state[nxt] = 1
+                    stack.append((nxt, 0))
+                    path.append(nxt)
+            else:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+
+
+def _check_satisfiable(plan: PipelinePlan, dep: Dep) -> None:
+    s_c = plan._schedule[dep.consumer].stage
+    s_p = plan._schedule[dep.producer].stage
+    lead = s_c - (s_p - dep.distance)  # iterations between producer and consumer instances
+    if lead > 0:
+        return
+    if lead < 0:
+        raise PlanError(
+            f"dependency {dep} cannot be satisfied: {dep.producer} (stage {s_p}) works on batch b-{dep.distance} "
+            f"at iteration b{s_p - dep.distance:+d}, after {dep.consumer} (stage {s_c}) works on batch b "
+            f"at iteration b{s_c:+d}",
+            culprit=str(dep),
+        )
+    if plan.fire_index(dep.producer) > plan.fire_index(dep.consumer):
+        raise PlanError(
+            f"dependency {dep} cannot be satisfied: both run in the same iteration, so {dep.producer} "
+            f"must come before {dep.consumer} in the fire order",
+            culprit=str(dep),
+        )
+
+
+def _check_source_and_output(plan: PipelinePlan, deps: list[Dep]) -> None:
+    sched = plan._schedule
+    if plan.output is not None and plan.writer_of(plan.output) is None:
+        raise PlanError(f"output {plan.output!r} is not written by any task", culprit=str(plan.output))
+    src = plan.source
+    if src is None:
+        return
+    if src not in sched:
+        raise PlanError(f"source {src!r} is not a task of the plan", culprit=str(src))
+    if sched[src].stage != 0:
+        raise PlanError(f"source {src} must be at stage 0 (where a batch enters), not {sched[src].stage}", culprit=src)
+    before: dict[str, set[str]] = {t: set() for t in sched}
+    for d in deps:
+        if d.distance == 0:
+            before[d.consumer].add(d.producer)
+    for task in plan.fire_order:
+        if task == src or sched[task].stage != 0:
+            continue
+        seen, todo = set(), [task]
+        while todo:
+            for p in before[todo.pop()]:
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        if src not in seen:
+            raise PlanError(
+                f"task {task} is at stage 0 but does not depend on the source {src}: "
+                "it could run for a batch that was never loaded",
+                culprit=task,
+            )
