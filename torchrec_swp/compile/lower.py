@@ -99,16 +99,21 @@ def _cross_stream_deps(plan: PipelinePlan, consumer: str) -> list[Dep]:
 
 
 def _place_stream_waits(plan: PipelinePlan, per_thread: dict[str, list[Instr]]) -> dict[str, list[Instr]]:
+    """Device syncs. A stream that already waited for a producer instance earlier on this thread
+    is not made to wait again: its work is FIFO."""
     recorded = {d.producer for t in plan.fire_order for d in _cross_stream_deps(plan, t)}
     out: dict[str, list[Instr]] = {}
     for group, instrs in per_thread.items():
         new: list[Instr] = []
+        done: set[tuple[str, str, int]] = set()  # (stream, producer, batch offset from P)
         for i in instrs:
             if isinstance(i, Run):
                 c = plan.task(i.task)
                 for d in _cross_stream_deps(plan, i.task):
-                    p_stage = plan.task(d.producer).stage
-                    new.append(WaitStream(c.stream, d.producer, d.distance, p_stage, c.stage))
+                    key = (c.stream, d.producer, c.stage + d.distance)
+                    if key not in done:
+                        done.add(key)
+                        new.append(WaitStream(c.stream, d.producer, d.distance, plan.task(d.producer).stage, c.stage))
                 new.append(i)
                 if i.task in recorded:
                     new.append(RecordEvent(i.task, c.stream, c.stage))

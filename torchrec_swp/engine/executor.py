@@ -270,7 +270,8 @@ class Engine:
                 ctx.done.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self._abort(ctx, "timeout")
-                raise EngineTimeout(self._timeout_report(ctx)) from None
+                cause = ctx.failures[0].exc if ctx.failures else None
+                raise EngineTimeout(self._timeout_report(ctx)) from cause
         if ctx.failures:
             first = ctx.failures[0]
             for other in ctx.failures[1:]:
@@ -289,9 +290,9 @@ class Engine:
 
     def _interpret(self, thread: str, instrs: tuple[Any, ...], ctx: _IterationContext) -> None:
         p = ctx.iteration
-        task, b = "-", p
+        task, b, at = "-", p, 0
         try:
-            for instr in instrs:
+            for at, instr in enumerate(instrs):
                 ctx.position[thread] = str(instr)
                 match instr:
                     case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
@@ -310,17 +311,17 @@ class Engine:
                         if event is not None:
                             self.streams.wait(stream, event)
                     case RecordEvent(task=producer, stream=stream, stage=stage):
-                        self._events[(producer, p - stage)] = self.streams.record(stream)
+                        if p - stage < self.loaded:  # not for a batch that was never loaded
+                            self._events[(producer, p - stage)] = self.streams.record(stream)
                     case _:
                         raise EngineError(f"unknown instruction {instr!r}")
             ctx.position[thread] = "finished"
         except _Stopped:
+            # the tasks left on this thread are cancelled: let whoever waits on them stop too
+            for rest in instrs[at:]:
+                if isinstance(rest, Signal):
+                    ctx.latches[rest.task].set("stopped")
             ctx.position[thread] = "stopped (data exhausted)"
-        except CollectiveAborted:
-            if ctx.stopped:
-                ctx.position[thread] = "stopped (data exhausted)"
-            else:
-                self._record_failure(ctx, thread, task, b)
         except BaseException:
             self._record_failure(ctx, thread, task, b)
 
@@ -336,9 +337,9 @@ class Engine:
             ctx.position[thread] = f"failed in {task}"
         self._abort(ctx, f"{describe(task, b, thread, ctx.iteration)} failed: {exc!r}")
 
-    def _abort(self, ctx: _IterationContext, reason: str, state: str = "failed") -> None:
+    def _abort(self, ctx: _IterationContext, reason: str) -> None:
         for latch in ctx.latches.values():
-            latch.set(state)
+            latch.set("failed")
         for group, _ in ctx.program.tickets:
             self._turnstile(group).fail(reason)
 
@@ -355,8 +356,9 @@ class Engine:
                 del self.slots[b]
                 self.num_batches = b
                 if self.plan.on_exhausted == "stop":
+                    # Everything firing after the source waits on it (the compiler makes sure),
+                    # so stopping its latch cancels exactly what single-thread order would.
                     self.stopped = ctx.stopped = True
-                    self._abort(ctx, "data exhausted (on_exhausted=stop)", state="stopped")
                     raise _Stopped from None
                 return
             self.loaded = b + 1

@@ -1,0 +1,328 @@
+"""The engine on real threads: ordering, collectives, failures, timeouts, fake streams."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from torchrec_swp.engine import (
+    CollectiveAborted,
+    Engine,
+    EngineTimeout,
+    RecordingStreamPool,
+    TaskAborted,
+    Turnstile,
+)
+from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
+
+S = TaskSchedule
+
+
+def toy_plan(**changes: object) -> PipelinePlan:
+    """A 3-stage pipeline whose numbers depend on order: Fwd(b) folds in the state Opt(b-1) left."""
+    args: dict[str, object] = dict(
+        schedule={
+            "Fwd": S(2, comm_group="world"),
+            "Dist": S(1, "data_dist", comm_group="world"),
+            "H2D": S(0, "memcpy"),
+            "Opt": S(2, comm_group="world"),
+        },
+        tasks=[
+            PipelineTask("H2D", writes=("x",)),
+            PipelineTask("Dist", reads=("x",), writes=("y",)),
+            PipelineTask("Fwd", reads=("y",), writes=("out",)),
+            PipelineTask("Opt", reads=("out",)),
+        ],
+        intra_iter_deps=[("Opt", "Fwd")],
+        inter_iter_deps=[("Fwd", "Opt")],
+        source="H2D",
+        output="out",
+        name="toy",
+    )
+    args.update(changes)
+    return PipelinePlan(**args)  # type: ignore[arg-type]
+
+
+class Toy:
+    """Task functions with random sleeps that record the order collectives are issued in."""
+
+    def __init__(self, n: int, jitter_s: float = 0.0, seed: int = 0) -> None:
+        self.data: Iterator[int] = iter(range(n))
+        self.state = 0
+        self.jitter = jitter_s
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.collectives: list[tuple[str, int]] = []
+        self.finished: set[tuple[str, int]] = set()
+
+    def _sleep(self) -> None:
+        if self.jitter:
+            with self.lock:
+                d = self.rng.random() * self.jitter
+            time.sleep(d)
+
+    def _done(self, task: str, b: int, needs: list[tuple[str, int]] = ()) -> None:  # type: ignore[assignment]
+        with self.lock:
+            missing = [n for n in needs if n not in self.finished]
+            assert not missing, f"{task}({b}) ran before {missing}"
+            self.finished.add((task, b))
+
+    def _collective(self, task: str, b: int) -> None:
+        with self.lock:
+            self.collectives.append((task, b))
+
+    def bindings(self) -> dict[str, Callable[..., Any]]:
+        def h2d(b: int) -> int:
+            self._sleep()
+            v = next(self.data)
+            self._done("H2D", b)
+            return v
+
+        def dist(b: int, x: int) -> int:
+            self._collective("Dist", b)
+            self._sleep()
+            self._done("Dist", b, [("H2D", b)])
+            return x * 10
+
+        def fwd(b: int, y: int) -> int:
+            self._collective("Fwd", b)
+            self._sleep()
+            self._done("Fwd", b, [("Dist", b)] + ([("Opt", b - 1)] if b else []))
+            return y + self.state
+
+        def opt(b: int, out: int) -> None:
+            self._collective("Opt", b)
+            self._sleep()
+            self._done("Opt", b, [("Fwd", b)])
+            self.state = self.state * 3 + out + 1
+
+        return {"H2D": h2d, "Dist": dist, "Fwd": fwd, "Opt": opt}
+
+
+def run_all(engine: Engine) -> list[Any]:
+    outs = []
+    while True:
+        try:
+            outs.append(engine.step())
+        except StopIteration:
+            return outs
+
+
+THREAD_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}, {"Dist": "io", "Opt": "io"}]
+
+
+@pytest.mark.parametrize("thread_map", THREAD_MAPS, ids=str)
+@pytest.mark.parametrize("on_exhausted", ["drain", "stop"])
+def test_any_thread_map_gives_the_single_thread_results(thread_map: Any, on_exhausted: str) -> None:
+    reference = Toy(12)
+    ref_engine = Engine(toy_plan(on_exhausted=on_exhausted), reference.bindings())
+    expected = run_all(ref_engine)
+    assert len(expected) == (12 if on_exhausted == "drain" else 10)
+    for seed in range(3):
+        toy = Toy(12, jitter_s=0.002, seed=seed)
+        engine = Engine(toy_plan(on_exhausted=on_exhausted).with_thread_map(thread_map), toy.bindings())
+        assert run_all(engine) == expected
+        assert toy.state == reference.state
+        # collectives were issued in the single-thread fire order
+        assert toy.collectives == reference.collectives
+        with pytest.raises(StopIteration):
+            engine.step()  # stays exhausted
+        engine.close()
+
+
+def test_single_thread_plan_starts_no_threads_and_no_locks() -> None:
+    toy = Toy(5)
+    engine = Engine(toy_plan(), toy.bindings())
+    before = threading.active_count()
+    assert len(run_all(engine)) == 5
+    assert threading.active_count() == before
+    assert engine._workers == {} and engine._turnstiles == {}
+    assert all(engine.compiled.program(p, 5).flat for p in range(7))
+
+
+def test_empty_data_raises_stop_iteration_at_once() -> None:
+    for thread_map in THREAD_MAPS:
+        engine = Engine(toy_plan().with_thread_map(thread_map), Toy(0).bindings())
+        with pytest.raises(StopIteration):
+            engine.step()
+        assert engine.delivered == 0 and engine.num_batches == 0
+        engine.close()
+
+
+def test_turnstile_orders_collectives_under_contention() -> None:
+    gate = Turnstile("world")
+    order: list[int] = []
+    rng = random.Random(7)
+    delays = [rng.random() * 0.003 for _ in range(40)]
+
+    def worker(tickets: list[int]) -> None:
+        for t in tickets:
+            time.sleep(delays[t])
+            gate.acquire(t, timeout_s=10)
+            order.append(t)
+            gate.release(t)
+
+    threads = [threading.Thread(target=worker, args=(list(range(k, 40, 4)),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert order == list(range(40))
+
+
+def test_turnstile_failure_aborts_later_tickets_instead_of_hanging() -> None:
+    gate = Turnstile("world")
+    errors: list[BaseException] = []
+
+    def later() -> None:
+        try:
+            gate.acquire(2, timeout_s=10)
+        except CollectiveAborted as e:
+            errors.append(e)
+
+    t = threading.Thread(target=later)
+    t.start()
+    gate.acquire(0, timeout_s=1)
+    gate.fail("ticket 0 raised")
+    t.join(5)
+    assert not t.is_alive()
+    assert len(errors) == 1 and "ticket 0 raised" in str(errors[0])
+    with pytest.raises(CollectiveAborted):
+        gate.acquire(1, timeout_s=1)
+
+
+def test_turnstile_times_out() -> None:
+    gate = Turnstile("world")
+    with pytest.raises(EngineTimeout, match="collective ticket 1"):
+        gate.acquire(1, timeout_s=0.05)
+
+
+@pytest.mark.parametrize("thread_map", THREAD_MAPS, ids=str)
+@pytest.mark.parametrize("failing", [("H2D", 0), ("Dist", 2), ("Fwd", 3), ("Opt", 5), ("H2D", 7)])
+def test_a_failing_task_surfaces_with_where_it_failed(thread_map: Any, failing: tuple[str, int]) -> None:
+    task, batch = failing
+    toy = Toy(8, jitter_s=0.001)
+    bindings = toy.bindings()
+    inner = bindings[task]
+
+    def broken(b: int, **kw: Any) -> Any:
+        if b == batch:
+            raise ValueError(f"boom in {task}")
+        return inner(b, **kw)
+
+    bindings[task] = broken
+    plan = toy_plan().with_thread_map(thread_map)
+    engine = Engine(plan, bindings, timeout_s=10)
+    with pytest.raises(ValueError, match=f"boom in {task}") as info:
+        run_all(engine)
+    err = info.value
+    assert (err.swp_task, err.swp_batch) == (task, batch)  # type: ignore[attr-defined]
+    assert err.swp_thread == plan.task(task).thread_group  # type: ignore[attr-defined]
+    assert err.swp_iteration == batch + plan.task(task).stage  # type: ignore[attr-defined]
+    assert f"task {task} (batch {batch}" in "\n".join(err.__notes__)
+    # every worker is idle again: alive, waiting on its inbox
+    for worker in engine._workers.values():
+        assert worker.thread.is_alive() and worker.inbox.empty()
+    engine.close()
+    for worker in engine._workers.values():
+        assert not worker.thread.is_alive()
+
+
+def test_failure_aborts_later_collectives_on_other_threads() -> None:
+    toy = Toy(6)
+    bindings = toy.bindings()
+    inner = bindings["Dist"]
+
+    def broken_dist(b: int, x: int) -> int:
+        if b == 2:
+            raise RuntimeError("all-to-all failed")
+        return inner(b, x)
+
+    bindings["Dist"] = broken_dist
+    engine = Engine(toy_plan().with_thread_map({"Dist": "dd"}), bindings, timeout_s=10)
+    with pytest.raises(RuntimeError, match="all-to-all failed"):
+        run_all(engine)
+    # iteration 3 fires Fwd(1) #0, Dist(2) #1, H2D(3), Opt(1) #2: Fwd(1) ran, Dist(2) failed,
+    # and the collective after it, Opt(1), was aborted rather than issued
+    assert ("Fwd", 1) in toy.finished and ("Opt", 1) not in toy.finished
+    assert ("Opt", 1) not in toy.collectives
+    assert engine._turnstiles["world"].failed is not None
+    engine.reset()
+    assert engine._turnstiles["world"].failed is None
+    engine.close()
+
+
+def test_blocking_wait_times_out_with_a_diagnostic() -> None:
+    release = threading.Event()
+    toy = Toy(6)
+    bindings = toy.bindings()
+    inner = bindings["H2D"]
+
+    def stuck(b: int) -> int:
+        if b == 3:
+            release.wait(5)
+        return inner(b)
+
+    bindings["H2D"] = stuck
+    plan = PipelinePlan(
+        schedule={"H2D": S(0, "memcpy", thread_group="io"), "Dist": S(0), "Fwd": S(1), "Opt": S(1)},
+        tasks=toy_plan().tasks.values(),
+        intra_iter_deps=[("Opt", "Fwd")],
+        source="H2D",
+        output="out",
+        name="waits",
+    )
+    engine = Engine(plan, bindings, timeout_s=0.3)
+    with pytest.raises(EngineTimeout) as info:
+        run_all(engine)
+    release.set()
+    # the report says what each thread was doing and marks the stuck cell in the schedule
+    message = str(info.value)
+    assert "internal iteration 3 of plan waits did not finish within 0.3s" in message
+    assert "thread 'io': at run! H2D" in message
+    assert "thread 'default': at failed in wait H2D" in message
+    assert "io       memcpy        | i0    i1    i2    i3*" in message
+    assert "waited 0.3s for task H2D" in str(info.value.__cause__)
+    engine.close()
+
+
+def test_unbound_or_extra_tasks_are_rejected() -> None:
+    bindings = Toy(1).bindings()
+    with pytest.raises(PlanError, match="no function bound to task Opt"):
+        Engine(toy_plan(), {k: v for k, v in bindings.items() if k != "Opt"})
+    with pytest.raises(PlanError, match="'Log', which is not a task"):
+        Engine(toy_plan(), {**bindings, "Log": print})
+    with pytest.raises(PlanError, match="has no source"):
+        Engine(toy_plan(source=None), bindings)
+
+
+def test_wrong_number_of_returned_values_is_an_error() -> None:
+    plan = toy_plan(tasks=[*toy_plan().tasks.values()][:3] + [PipelineTask("Opt", reads=("out",), writes=("a", "b"))])
+    bindings = Toy(3).bindings()
+    bindings["Opt"] = lambda b, out: 1
+    with pytest.raises(Exception, match="must return a tuple of 2 values"):
+        run_all(Engine(plan, bindings))
+
+
+def test_fake_streams_record_and_wait_in_dependency_order() -> None:
+    pool = RecordingStreamPool()
+    toy = Toy(4)
+    engine = Engine(toy_plan(), toy.bindings(), streams=pool)
+    assert len(run_all(engine)) == 4
+    log = pool.log
+    # H2D(b) runs on memcpy and is recorded; Dist(b) on data_dist waits that very event
+    records = {e[2]: i for i, e in enumerate(log) if e[0] == "record"}
+    waits = [(i, e) for i, e in enumerate(log) if e[0] == "wait"]
+    assert waits, "no cross-stream waits were issued"
+    for i, (_, stream, event) in waits:
+        assert event in records and records[event] < i, f"{stream} waited {event} before it was recorded"
+    assert ("enter", "memcpy") in log and ("enter", "data_dist") in log
+    # Dist(b) waits H2D(b): the n-th wait on data_dist is on the n-th event recorded on memcpy
+    memcpy_events = [e[2] for e in log if e[0] == "record" and e[1] == "memcpy"]
+    dist_waits = [e[2] for e in log if e[0] == "wait" and e[1] == "data_dist"]
+    assert dist_waits == memcpy_events

@@ -1,0 +1,226 @@
+"""The plan language: construction, inferred deps, validation, text form, thread maps, table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from torchrec_swp.plan import Dep, PipelinePlan, PipelineTask, PlanError, TaskSchedule
+
+S = TaskSchedule
+
+
+def three_stage(**changes: object) -> PipelinePlan:
+    args: dict[str, object] = dict(
+        schedule={"Fwd": S(2), "Dist": S(1, "data_dist", comm_group="world"), "H2D": S(0, "memcpy")},
+        tasks=[
+            PipelineTask("H2D", writes=("batch_gpu",)),
+            PipelineTask("Dist", reads=("batch_gpu",), writes=("dist",)),
+            PipelineTask("Fwd", reads=("batch_gpu", "dist"), writes=("out",)),
+        ],
+        inter_iter_deps=[("Fwd", "Fwd")],
+        source="H2D",
+        output="out",
+        name="toy",
+    )
+    args.update(changes)
+    return PipelinePlan(**args)  # type: ignore[arg-type]
+
+
+def test_reads_and_writes_become_deps_merged_with_explicit_ones() -> None:
+    plan = three_stage()
+    assert set(plan.deps) == {
+        Dep("Fwd", "Fwd", 1),  # explicit
+        Dep("Dist", "H2D"),  # Dist reads batch_gpu, which H2D writes
+        Dep("Fwd", "H2D"),
+        Dep("Fwd", "Dist"),
+    }
+    assert plan.deps[0] == Dep("Fwd", "Fwd", 1)  # explicit first
+    assert plan.intra_iter_deps == tuple(d for d in plan.deps if d.distance == 0)
+
+
+def test_explicit_dep_equal_to_an_inferred_one_is_kept_once() -> None:
+    plan = three_stage(intra_iter_deps=[("Dist", "H2D")])
+    assert plan.deps.count(Dep("Dist", "H2D")) == 1
+
+
+def test_defaults_depth_and_fire_order() -> None:
+    plan = three_stage()
+    assert plan.pipeline_depth == 3
+    assert plan.fire_order == ("Fwd", "Dist", "H2D")
+    assert plan.max_stage == 2
+    assert plan.task("Dist").comm_group == "world"
+    assert plan.streams == ("default", "data_dist", "memcpy")
+
+
+def test_globally_ordered_without_group_joins_world() -> None:
+    assert S(1, globally_ordered=True).comm_group == "world"
+    assert S(1, comm_group="pg2").globally_ordered
+    assert not S(1, comm_group="pg2").replace(globally_ordered=False).globally_ordered
+
+
+# ------------------------------------------------------------------ validation
+BAD_PLANS: list[tuple[str, dict[str, object], str]] = [
+    ("empty plan", {"schedule": {}, "tasks": [], "source": None, "output": None, "inter_iter_deps": []}, "no tasks"),
+    ("unknown producer", {"intra_iter_deps": [("Fwd", "Nope")]}, "unknown producer task 'Nope'"),
+    ("unknown consumer", {"inter_iter_deps": [("Nope", "Fwd")]}, "unknown consumer task 'Nope'"),
+    (
+        "cycle",
+        {"intra_iter_deps": [("H2D", "Fwd")], "schedule": {"Fwd": S(0), "Dist": S(0), "H2D": S(0)}},
+        "dependency cycle in one batch",
+    ),
+    (
+        "consumer at a lower stage than its producer",
+        {
+            "schedule": {"Fwd": S(2), "Log": S(2), "Dist": S(1, "data_dist"), "H2D": S(0, "memcpy")},
+            "intra_iter_deps": [("Dist", "Log")],
+        },
+        "cannot be satisfied: Log (stage 2) works on batch b-0 at iteration b+2, after Dist (stage 1)",
+    ),
+    (
+        "same stage, wrong fire order",
+        {"schedule": {"Fwd": S(2), "Dist": S(0), "H2D": S(0, "memcpy")}},
+        "must come before Dist in the fire order",
+    ),
+    ("depth below stage span", {"pipeline_depth": 2}, "smaller than the stage span 3"),
+    ("duplicate in fire order", {"fire_order": ["Fwd", "Dist", "H2D", "Fwd"]}, "appears twice"),
+    ("task missing from fire order", {"fire_order": ["Fwd", "Dist"]}, "missing from the fire order"),
+    ("unknown task in fire order", {"fire_order": ["Fwd", "Dist", "H2D", "X"]}, "unknown task 'X'"),
+    ("self dep in one batch", {"intra_iter_deps": [("Fwd", "Fwd")]}, "cannot depend on itself"),
+    ("negative distance", {"inter_iter_deps": [("Fwd", "Dist", -1)]}, "distance must be an int >= 0"),
+    (
+        "read that nobody writes",
+        {"tasks": [PipelineTask("Fwd", reads=("ghost",))]},
+        "reads 'ghost', which no task writes",
+    ),
+    (
+        "two writers",
+        {"tasks": [PipelineTask("H2D", writes=("x",)), PipelineTask("Dist", writes=("x",))], "output": None},
+        "written by both Dist and H2D",
+    ),
+    ("source not at stage 0", {"source": "Dist"}, "must be at stage 0"),
+    ("unknown source", {"source": "Loader"}, "source 'Loader' is not a task"),
+    ("output nobody writes", {"output": "loss"}, "output 'loss' is not written"),
+    (
+        "stage-0 task not fed by the source",
+        {"schedule": {"Fwd": S(2), "Dist": S(1, "data_dist"), "H2D": S(0, "memcpy"), "Side": S(0)}},
+        "does not depend on the source H2D",
+    ),
+    ("bad exhausted policy", {"on_exhausted": "retry"}, "on_exhausted must be"),
+    ("schedule of wrong type", {"schedule": {"Fwd": 2, "Dist": S(1), "H2D": S(0)}}, "must be a TaskSchedule"),
+]
+
+
+@pytest.mark.parametrize("what,changes,message", BAD_PLANS, ids=[b[0] for b in BAD_PLANS])
+def test_plans_that_cannot_run_are_rejected_with_a_named_culprit(what: str, changes: dict[str, object], message: str) -> None:
+    with pytest.raises(PlanError, match=re.escape(message)) as info:
+        three_stage(**changes)
+    assert info.value.culprit, f"{what}: the error names no culprit"
+
+
+def test_cycle_message_shows_the_path() -> None:
+    with pytest.raises(PlanError) as info:
+        PipelinePlan(
+            schedule={"A": S(0), "B": S(0), "C": S(0)},
+            intra_iter_deps=[("B", "A"), ("C", "B"), ("A", "C")],
+        )
+    assert "A -> C -> B -> A" in str(info.value) or "B -> A -> C -> B" in str(info.value) or "C -> B -> A -> C" in str(info.value)
+
+
+def test_bad_schedule_fields_and_names() -> None:
+    with pytest.raises(PlanError, match="stage must be >= 0"):
+        S(-1)
+    with pytest.raises(PlanError, match="stage must be an int"):
+        S("1")  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="not an identifier"):
+        S(0, stream="mem cpy")
+    with pytest.raises(PlanError, match="not an identifier"):
+        PipelineTask("for ward")
+    with pytest.raises(PlanError, match="reads a name twice"):
+        PipelineTask("F", reads=("x", "x"))
+
+
+def test_inter_dep_across_stages_is_satisfiable_by_earlier_iteration() -> None:
+    # Dist(b) (stage 1) after Fwd(b-1) (stage 2): Fwd(b-1) runs at iteration b+1, Dist(b) at b+1:
+    # same iteration, so Fwd must fire first -- it does (fire order Fwd, Dist, H2D).
+    plan = three_stage(inter_iter_deps=[("Dist", "Fwd")])
+    assert Dep("Dist", "Fwd", 1) in plan.deps
+    with pytest.raises(PlanError, match="must come before"):
+        three_stage(inter_iter_deps=[("Dist", "Fwd")], fire_order=["Dist", "Fwd", "H2D"])
+    # distance 2 reaches an instance two iterations back: always satisfied
+    assert Dep("H2D", "Fwd", 2) in three_stage(inter_iter_deps=[("H2D", "Fwd", 2)]).deps
+
+
+# ------------------------------------------------------------------ text form
+def test_text_round_trip_is_exact() -> None:
+    plan = three_stage(inter_iter_deps=[("Fwd", "Fwd"), ("H2D", "Fwd", 2)], on_exhausted="stop").with_thread_map(
+        {"H2D": "io"}
+    )
+    text = plan.to_text()
+    again = PipelinePlan.from_text(text)
+    assert again == plan
+    assert hash(again) == hash(plan)
+    assert again.to_text() == text
+    assert "task H2D stage=0 stream=memcpy thread=io writes=batch_gpu" in text
+    assert "dep H2D <- Fwd @2" in text
+
+
+def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
+    text = three_stage().to_text().replace("depth 3", "depth 3   # three batches in flight") + "\n# the end\n"
+    assert PipelinePlan.from_text(text) == three_stage()
+    with pytest.raises(PlanError, match="line 6: bad task field 'colour=red'"):
+        PipelinePlan.from_text(three_stage().to_text().replace("task Fwd stage=2", "task Fwd colour=red stage=2"))
+    with pytest.raises(PlanError, match="unknown keyword 'tsak'"):
+        PipelinePlan.from_text("plan p\ndepth 1\ntsak A\n")
+    with pytest.raises(PlanError, match="no 'depth' line"):
+        PipelinePlan.from_text("plan p\ntask A stage=0\n")
+    with pytest.raises(PlanError, match="dep line reads"):
+        PipelinePlan.from_text("plan p\ndepth 1\ntask A\ntask B\ndep A B\n")
+
+
+def test_save_and_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "p.plan"
+    three_stage().save(str(path))
+    assert PipelinePlan.load(str(path)) == three_stage()
+
+
+# ------------------------------------------------------------------ thread maps
+def test_thread_map_strategies() -> None:
+    plan = three_stage()
+    by_stream = plan.with_thread_map("by_stream")
+    assert [by_stream.task(t).thread_group for t in plan.fire_order] == ["default", "data_dist", "memcpy"]
+    per_task = plan.with_thread_map("per_task")
+    assert [per_task.task(t).thread_group for t in plan.fire_order] == ["Fwd", "Dist", "H2D"]
+    moved = plan.with_thread_map({"H2D": "io"})
+    assert moved.task("H2D").thread_group == "io" and moved.task("Fwd").thread_group == "default"
+    assert moved.with_thread_map("main") == plan
+    by_fn = plan.with_thread_map(lambda t: "io" if t.stream == "memcpy" else "compute")
+    assert by_fn.thread_groups == ("compute", "io")
+    # the thread map changes threads only
+    assert [s.stream for s in by_fn.schedule.values()] == [s.stream for s in plan.schedule.values()]
+
+
+def test_thread_map_errors() -> None:
+    plan = three_stage()
+    with pytest.raises(PlanError, match="unknown task 'h2d'"):
+        plan.with_thread_map({"h2d": "io"})
+    with pytest.raises(PlanError, match="unknown thread_map strategy 'by_thread'"):
+        plan.with_thread_map("by_thread")
+    with pytest.raises(PlanError, match="not an identifier"):
+        plan.with_thread_map(lambda t: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(PlanError, match="must be a strategy name"):
+        plan.with_thread_map(3)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ table
+def test_print_schedule_shows_fill_steady_and_drain(capsys) -> None:  # type: ignore[no-untyped-def]
+    plan = three_stage().with_thread_map({"H2D": "io"})
+    plan.print_schedule(6, num_batches=3)
+    assert capsys.readouterr().out == (
+        "   #  Task               Thread   Stream        | P0    P1    P2    P3    P4    P5\n"
+        "  --  -----------------  -------  ------------  + ----- ----- ----- ----- ----- -----\n"
+        "   0  Fwd                default  default       |  --    --   i0    i1    i2     --\n"
+        "   1  Dist               default  data_dist     |  --   i0    i1    i2     --    --\n"
+        "   2  H2D                io       memcpy        | i0    i1    i2     --    --    --\n"
+    )
