@@ -326,3 +326,18 @@ def test_fake_streams_record_and_wait_in_dependency_order() -> None:
     memcpy_events = [e[2] for e in log if e[0] == "record" and e[1] == "memcpy"]
     dist_waits = [e[2] for e in log if e[0] == "wait" and e[1] == "data_dist"]
     assert dist_waits == memcpy_events
+
+
+def test_one_stage_plan_delivers_every_batch_and_stops() -> None:
+    # the exit stage is the source's stage: the iteration that finds no batch delivers nothing
+    plan = PipelinePlan(
+        schedule={"Load": S(0), "Step": S(0, thread_group="worker")},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Step", reads=("x",), writes=("y",))],
+        source="Load",
+        output="y",
+    )
+    for p in (plan, plan.with_thread_map("main")):
+        data = iter(range(4))
+        engine = Engine(p, {"Load": lambda b: next(data), "Step": lambda b, x: x * 2})
+        assert run_all(engine) == [0, 2, 4, 6]
+        engine.close()

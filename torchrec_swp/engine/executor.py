@@ -204,7 +204,7 @@ class Engine:
                 self._run_threaded(p, program)
             self.iteration = p + 1
             self._forget_events(p)
-            if top in program.active_stages:
+            if top in program.active_stages and p - top < self.loaded:
                 b = p - top
                 self.delivered += 1
                 slot = self.slots.pop(b, {})

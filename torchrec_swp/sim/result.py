@@ -1,0 +1,145 @@
+"""What a simulation returns: the timeline, every executed instruction, per-iteration spans.
+
+Lanes: ``cpu:<thread group>`` for each CPU thread, ``stream:<stream>`` for each device stream
+that received work. A lane runs one thing at a time, so its intervals never overlap.
+
+Steady state: an internal iteration is *steady* when every stage of the plan is active in it
+(neither fill nor drain). ``steady_iteration_time`` is the median, over steady iterations
+``P``, of ``end(P) - end(P')`` where ``P'`` is the iteration before ``P`` in the run (the run
+starts at time 0) and ``end`` is the time the last CPU or device work of an iteration ended.
+With the iteration barrier and no device model this is exactly the time between two barriers;
+with a device model it is the throughput period, whichever of CPU and device is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from torchrec_swp.compile import Instr, IterationProgram
+from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.sim import render
+
+
+def cpu_lane(thread: str) -> str:
+    return f"cpu:{thread}"
+
+
+def stream_lane(stream: str) -> str:
+    return f"stream:{stream}"
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """``task`` working on ``batch`` (in internal iteration ``iteration``) on ``lane`` from
+    ``start`` to ``end``."""
+
+    lane: str
+    task: str
+    batch: int
+    iteration: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One executed instruction.
+
+    ``start``: when the thread began running the task (``Run``) or reached the instruction
+    (a ``WaitTask`` starts waiting here); ``end``: when it was done. ``batch``: the batch of
+    the task the instruction names (for ``WaitStream``, the producer's batch). ``seq``: the
+    1-based position of the step on its thread over the whole run. ``clock``: a vector clock
+    over ``SimResult.threads``: entry ``j`` is the ``seq`` of the last step of thread ``j``
+    that happens before this step starts, through program order, the iteration barrier,
+    signal -> wait and collective tickets (entry of its own thread: its own ``seq``).
+    """
+
+    iteration: int
+    thread: str
+    index: int
+    instr: Instr
+    batch: int
+    start: float
+    end: float
+    seq: int
+    clock: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IterationSpan:
+    """Internal iteration ``iteration``: its CPU work ran from ``start`` to ``cpu_end``, its
+    last device work ended at ``end`` (``end == cpu_end`` without device work)."""
+
+    iteration: int
+    active_stages: tuple[int, ...]
+    start: float
+    cpu_end: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """The replay of a run. ``timeline`` is sorted by start time, then lane."""
+
+    plan: PipelinePlan
+    phases: tuple[tuple[int, IterationProgram], ...]
+    threads: tuple[str, ...]
+    timeline: tuple[Interval, ...]
+    steps: tuple[Step, ...]
+    iterations: tuple[IterationSpan, ...]
+    iteration_barrier: bool
+    device_modelled: bool
+
+    @property
+    def makespan(self) -> float:
+        """Time from the start of the run to the end of its last CPU or device work."""
+        return max((s.end for s in self.iterations), default=0.0)
+
+    @property
+    def steady_iterations(self) -> tuple[int, ...]:
+        stages = tuple(sorted({s.stage for s in self.plan.schedule.values()}))
+        return tuple(s.iteration for s in self.iterations if s.active_stages == stages)
+
+    @property
+    def steady_iteration_time(self) -> float | None:
+        """Median steady iteration period (see the module docstring); None when the run is too
+        short to have a steady iteration (fewer batches than stages)."""
+        steady = set(self.steady_iterations)
+        periods = []
+        previous_end = 0.0
+        for span in self.iterations:
+            if span.iteration in steady:
+                periods.append(span.end - previous_end)
+            previous_end = span.end
+        return statistics.median(periods) if periods else None
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        """CPU lanes in thread order, then stream lanes in order of first work."""
+        streams = dict.fromkeys(i.lane for i in self.timeline if not i.lane.startswith("cpu:"))
+        return (*(cpu_lane(t) for t in self.threads), *streams)
+
+    @property
+    def busy(self) -> dict[str, float]:
+        """Total time each lane spent working."""
+        out = dict.fromkeys(self.lanes, 0.0)
+        for i in self.timeline:
+            out[i.lane] += i.duration
+        return out
+
+    @property
+    def num_batches(self) -> int:
+        """Batches the run worked on (one past the highest batch any task saw)."""
+        return 1 + max((i.batch for i in self.timeline), default=-1)
+
+    def format_timeline(self, width: int = 100) -> str:
+        return render.format_timeline(self, width)
+
+    def to_chrome_trace(self, us_per_unit: float = 1.0) -> dict[str, Any]:
+        return render.to_chrome_trace(self, us_per_unit)

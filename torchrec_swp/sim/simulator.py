@@ -1,0 +1,353 @@
+"""Discrete-event replay of compiled programs, mirroring the engine's semantics.
+
+Every CPU thread group is one lane that executes its instructions of each internal iteration
+in order (the iterations of a run in increasing order):
+
+* ``run T`` occupies the lane for T's CPU duration on batch ``P - stage``. Source and guarded
+  runs always run: the simulated data holds exactly the batches the phases work on.
+* ``run T #k@g`` first waits until tickets ``0 .. k-1`` of comm group ``g`` in the same
+  iteration were released (and every ticket of ``g`` in earlier iterations); it releases
+  ticket ``k`` when it ends.
+* ``wait T`` blocks until ``signal T`` of the same iteration executed (on any thread).
+* ``signal T``, ``record T`` and ``stream S <- T@k`` take no CPU time; the last two submit
+  markers to the device model (see ``torchrec_swp.sim.device``).
+* With ``iteration_barrier=True`` (the engine's behaviour) every thread finishes iteration
+  ``P`` before any starts ``P + 1``. Without it, a thread goes on to its next iteration as soon
+  as its own instructions are done - useful to see what the barrier is needed for.
+
+The replay is a max-plus evaluation: an instruction executes as soon as what it waits for has
+executed, at the latest of those times. If nothing can execute while instructions remain, the
+run deadlocks and ``SimDeadlock`` names every stuck thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
+from torchrec_swp.plan.table import format_schedule
+from torchrec_swp.sim.device import Submission, replay_streams
+from torchrec_swp.sim.durations import Durations, cpu_time, device_time
+from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
+from torchrec_swp.sim.result import Interval, IterationSpan, SimResult, Step, cpu_lane
+
+Phases = Sequence[tuple[int, IterationProgram]]
+
+
+def simulate(
+    plan_or_compiled: PipelinePlan | CompiledPlan,
+    durations: Durations,
+    num_batches: int,
+    *,
+    device_durations: Durations | None = None,
+    iteration_barrier: bool = True,
+) -> SimResult:
+    """Replay a whole run over ``num_batches`` batches (fill, steady state, drain).
+
+    A PipelinePlan is compiled with device syncs iff ``device_durations`` is given; a
+    CompiledPlan is replayed as it was compiled. ``durations`` gives every task's CPU time,
+    ``device_durations`` the time a task occupies its stream (tasks it does not name submit no
+    device work). Raises SimDeadlock if the programs deadlock, SimError for bad durations.
+    """
+    match plan_or_compiled:
+        case CompiledPlan():
+            compiled = plan_or_compiled
+        case PipelinePlan():
+            compiled = CompiledPlan(plan_or_compiled, device_streams=device_durations is not None)
+        case _:
+            raise TypeError(f"simulate needs a PipelinePlan or a CompiledPlan, got {type(plan_or_compiled).__name__}")
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
+    return simulate_programs(
+        compiled.plan,
+        compiled.phases(num_batches),
+        durations,
+        device_durations=device_durations,
+        iteration_barrier=iteration_barrier,
+    )
+
+
+def simulate_programs(
+    plan: PipelinePlan,
+    phases: Phases,
+    durations: Durations,
+    *,
+    device_durations: Durations | None = None,
+    iteration_barrier: bool = True,
+) -> SimResult:
+    """Replay ``(iteration, program)`` pairs of ``plan`` (compiled or written by hand).
+
+    The programs are validated first (SimError names the thread, iteration and instruction):
+    iterations increase, every instruction names a task of the plan with its stage, a task runs
+    at most once per iteration, every ``wait T`` has a ``signal T`` in its iteration, and tickets
+    are distinct and within the counts the program declares.
+    """
+    phases = tuple(phases)
+    validate_programs(plan, phases)
+    replay = _Replay(plan, phases, durations, device_durations)
+    if iteration_barrier:
+        for phase in phases:
+            replay.run((phase,))
+            replay.barrier()
+    else:
+        replay.run(phases)
+    timeline = sorted(
+        [*replay.cpu_intervals, *replay_streams(replay.submissions)],
+        key=lambda i: (i.start, i.lane, i.end),
+    )
+    return SimResult(
+        plan=plan,
+        phases=phases,
+        threads=replay.threads,
+        timeline=tuple(timeline),
+        steps=tuple(replay.steps),
+        iterations=_spans(phases, replay.steps, timeline),
+        iteration_barrier=iteration_barrier,
+        device_modelled=device_durations is not None,
+    )
+
+
+# ------------------------------------------------------------------ validation
+def validate_programs(plan: PipelinePlan, phases: Phases) -> None:
+    """Raise SimError for the first malformed program (rules in ``simulate_programs``)."""
+    previous: int | None = None
+    for p, prog in phases:
+        if previous is not None and p <= previous:
+            raise SimError(f"internal iteration {p} follows iteration {previous}: iterations must increase")
+        previous = p
+        _validate_program(plan, p, prog)
+
+
+def _validate_program(plan: PipelinePlan, p: int, prog: IterationProgram) -> None:
+    threads = [t for t, _ in prog.threads]
+    if len(set(threads)) != len(threads):
+        raise SimError(f"internal iteration {p}: a thread appears twice in {threads}")
+    declared = dict(prog.tickets)
+    signalled = {i.task for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)}
+    ran: set[str] = set()
+    held: set[tuple[str, int]] = set()
+    for thread, instrs in prog.threads:
+        for index, instr in enumerate(instrs):
+            where = f"thread {thread!r}, internal iteration {p}, instruction {index} `{instr}`"
+            if instr.task not in plan.schedule:
+                raise SimError(f"{where}: {instr.task!r} is not a task of plan {plan.name}")
+            match instr:
+                case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
+                    if stage != plan.task(task).stage:
+                        raise SimError(f"{where}: stage {stage}, but {task} is at stage {plan.task(task).stage}")
+                    if task in ran:
+                        raise SimError(f"{where}: {task} runs twice in one iteration")
+                    ran.add(task)
+                    if ticket is not None:
+                        if group not in declared or not 0 <= ticket < declared[group]:
+                            raise SimError(f"{where}: ticket {ticket} of comm group {group!r} is not among the "
+                                           f"tickets the program declares {prog.tickets}")
+                        if (group, ticket) in held:
+                            raise SimError(f"{where}: ticket {ticket} of comm group {group!r} is held twice")
+                        held.add((group, ticket))
+                case WaitTask(task=task):
+                    if task not in signalled:
+                        raise SimError(f"{where}: no thread signals {task} in this iteration")
+                case Signal() | WaitStream() | RecordEvent():
+                    pass
+                case _:
+                    raise SimError(f"{where}: unknown instruction {instr!r}")
+
+
+# ---------------------------------------------------------------------- replay
+@dataclass(slots=True)
+class _Lane:
+    """A CPU thread: the time it is free, its vector clock, how many steps it executed, and
+    the instructions ``(iteration, index, instr)`` of the segment being replayed."""
+
+    index: int
+    time: float
+    clock: list[int]
+    seq: int = 0
+    todo: list[tuple[int, int, Instr]] = field(default_factory=list)
+    at: int = 0
+
+
+def _ticket(instr: Instr) -> tuple[str, int] | None:
+    """``(comm group, ticket)`` held by a ticketed run (validated: the group is declared)."""
+    if isinstance(instr, Run) and instr.ticket is not None and instr.comm_group is not None:
+        return instr.comm_group, instr.ticket
+    return None
+
+
+class _Replay:
+    """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes."""
+
+    def __init__(self, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...],
+                 durations: Durations, device_durations: Durations | None) -> None:
+        self.plan = plan
+        self.phases = phases
+        self.durations = durations
+        self.device_durations = device_durations
+        self.threads = tuple(dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)]))
+        self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
+        self.signals: dict[tuple[int, str], Step] = {}
+        # tickets: runs holding one per (group, iteration); iterations of a group not fully
+        # released yet, in order; released count per (group, iteration); last holder per group
+        self.ticket_runs: dict[tuple[str, int], int] = {}
+        for p, prog in phases:
+            for run in prog.runs():
+                if (held := _ticket(run)) is not None:
+                    self.ticket_runs[(held[0], p)] = self.ticket_runs.get((held[0], p), 0) + 1
+        self.pending: dict[str, list[int]] = {}
+        for group, p in self.ticket_runs:
+            self.pending.setdefault(group, []).append(p)
+        self.released: dict[tuple[str, int], int] = {}
+        self.last_ticket: dict[str, Step] = {}
+        self.steps: list[Step] = []
+        self.cpu_intervals: list[Interval] = []
+        self.submissions: list[Submission] = []
+
+    def barrier(self) -> None:
+        time = max(lane.time for lane in self.lanes.values())
+        clock = [max(c) for c in zip(*(lane.clock for lane in self.lanes.values()))]
+        for lane in self.lanes.values():
+            lane.time, lane.clock = time, list(clock)
+
+    def run(self, segment: tuple[tuple[int, IterationProgram], ...]) -> None:
+        """Execute every instruction of ``segment`` (one iteration, or all of them without the
+        barrier); raise SimDeadlock when nothing can execute while some remain."""
+        for lane in self.lanes.values():
+            lane.todo, lane.at = [], 0
+        for p, prog in segment:
+            for thread, instrs in prog.threads:
+                self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
+        while any(lane.at < len(lane.todo) for lane in self.lanes.values()):
+            progressed = False
+            for thread, lane in self.lanes.items():
+                while lane.at < len(lane.todo):
+                    p, index, instr = lane.todo[lane.at]
+                    if self._blocker(p, instr) is not None:
+                        break
+                    self._execute(thread, lane, p, index, instr)
+                    lane.at += 1
+                    progressed = True
+            if not progressed:
+                raise self._deadlock()
+
+    # -------------------------------------------------------------- one step
+    def _blocker(self, p: int, instr: Instr) -> str | None:
+        """Why ``instr`` of iteration ``p`` cannot execute now, or None if it can."""
+        if isinstance(instr, WaitTask) and (p, instr.task) not in self.signals:
+            return f"no thread has signalled {instr.task} (batch {p - self.plan.task(instr.task).stage}) in this iteration"
+        if (held := _ticket(instr)) is not None:
+            group, ticket = held
+            earliest = self.pending[group][0]
+            if earliest < p:
+                return f"comm group {group!r} still has tickets of internal iteration {earliest} to release"
+            released = self.released.get((group, p), 0)
+            if released != ticket:
+                return f"ticket {ticket} of comm group {group!r} is not next: {released} released so far"
+        return None
+
+    def _execute(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr) -> None:
+        where = f"thread {thread!r}, internal iteration {p}"
+        match instr:
+            case Run(task=task, stage=stage):
+                held = _ticket(instr)
+                sources = [self.last_ticket[held[0]]] if held is not None and held[0] in self.last_ticket else []
+                b = p - stage
+                start = max([lane.time, *(s.end for s in sources)])
+                end = start + cpu_time(self.durations, task, b, where)
+                step = self._record(thread, lane, p, index, instr, b, start, end, sources)
+                self.cpu_intervals.append(Interval(cpu_lane(thread), task, b, p, start, end))
+                if held is not None:
+                    self._release(held[0], p, step)
+                d = device_time(self.device_durations, task, b, where)
+                if d > 0:
+                    self._submit(step, "work", self.plan.task(task).stream, task, b, d)
+            case WaitTask(task=task):
+                signal = self.signals[(p, task)]
+                b = p - self.plan.task(task).stage
+                self._record(thread, lane, p, index, instr, b, lane.time, max(lane.time, signal.end), [signal])
+            case Signal(task=task):
+                b = p - self.plan.task(task).stage
+                self.signals[(p, task)] = self._record(thread, lane, p, index, instr, b, lane.time, lane.time, [])
+            case WaitStream(stream=stream, task=task, distance=k, consumer_stage=cs):
+                step = self._record(thread, lane, p, index, instr, p - cs - k, lane.time, lane.time, [])
+                self._submit(step, "wait", stream, task, step.batch)
+            case RecordEvent(task=task, stream=stream, stage=stage):
+                step = self._record(thread, lane, p, index, instr, p - stage, lane.time, lane.time, [])
+                self._submit(step, "record", stream, task, step.batch)
+            case _:
+                raise SimError(f"{where}: unknown instruction {instr!r}")
+
+    def _release(self, group: str, p: int, step: Step) -> None:
+        released = self.released[(group, p)] = self.released.get((group, p), 0) + 1
+        if released == self.ticket_runs[(group, p)]:
+            self.pending[group].pop(0)
+        self.last_ticket[group] = step
+
+    def _record(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr, batch: int,
+                start: float, end: float, sources: list[Step]) -> Step:
+        clock = lane.clock
+        for s in sources:
+            clock = [max(a, b) for a, b in zip(clock, s.clock)]
+        lane.seq += 1
+        clock[lane.index] = lane.seq
+        step = Step(p, thread, index, instr, batch, start, end, lane.seq, tuple(clock))
+        lane.time, lane.clock = end, list(clock)
+        self.steps.append(step)
+        return step
+
+    def _submit(self, step: Step, kind: Literal["work", "record", "wait"], stream: str, task: str, batch: int,
+                duration: float = 0.0) -> None:
+        self.submissions.append(Submission(step.end, len(self.steps), kind, stream, task, batch, step.iteration, duration))
+
+    # -------------------------------------------------------------- deadlock
+    def _deadlock(self) -> SimDeadlock:
+        blocked = []
+        mark: tuple[str, int] | None = None
+        for thread, lane in self.lanes.items():
+            if lane.at >= len(lane.todo):
+                continue
+            p, index, instr = lane.todo[lane.at]
+            blocked.append(Blocked(thread, p, index, str(instr), self._blocker(p, instr) or ""))
+            if mark is None:
+                mark = (_blocked_task(lane), p)
+        last = self.phases[-1][0] + 1
+        num_batches = 1 + max((p - r.stage for p, prog in self.phases for r in prog.runs()), default=-1)
+        message = "\n".join([
+            f"deadlock in plan {self.plan.name}: no thread can make progress",
+            *(f"  {b}" for b in blocked),
+            format_schedule(self.plan, last, num_batches, mark=mark),
+        ])
+        return SimDeadlock(message, tuple(blocked))
+
+
+def _blocked_task(lane: _Lane) -> str:
+    """The task a blocked lane is trying to run: its next run in the blocked iteration, else
+    the task the blocked instruction names."""
+    p, _, head = lane.todo[lane.at]
+    for q, _, instr in lane.todo[lane.at:]:
+        if q != p:
+            break
+        if isinstance(instr, Run):
+            return instr.task
+    return head.task
+
+
+def _spans(phases: tuple[tuple[int, IterationProgram], ...], steps: list[Step],
+           timeline: list[Interval]) -> tuple[IterationSpan, ...]:
+    cpu: dict[int, tuple[float, float]] = {}
+    for s in steps:
+        lo, hi = cpu.get(s.iteration, (s.start, s.end))
+        cpu[s.iteration] = (min(lo, s.start), max(hi, s.end))
+    last: dict[int, float] = {}
+    for i in timeline:
+        last[i.iteration] = max(last.get(i.iteration, i.end), i.end)
+    out = []
+    previous = 0.0
+    for p, prog in phases:
+        start, cpu_end = cpu.get(p, (previous, previous))
+        out.append(IterationSpan(p, prog.active_stages, start, cpu_end, max(cpu_end, last.get(p, cpu_end))))
+        previous = cpu_end
+    return tuple(out)
