@@ -129,7 +129,7 @@ def _place_tickets(
     runs = {i.task: (g, i) for g, instrs in per_thread.items() for i in instrs if isinstance(i, Run)}
     groups: dict[str, list[str]] = {}
     for name in plan.fire_order:
-        if name in runs and runs[name][1].comm_group is None and plan.task(name).comm_group is not None:
+        if name in runs and plan.task(name).comm_group is not None:
             groups.setdefault(plan.task(name).comm_group or "", []).append(name)
     ticketed: dict[str, tuple[int, str]] = {}
     counts: list[tuple[str, int]] = []

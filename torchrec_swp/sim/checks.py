@@ -63,11 +63,15 @@ def check_happens_before(
     races = _Checker(result, plan, device).races()
     if not races:
         return
-    message = "\n".join([
-        f"{len(races)} dependenc{'y is' if len(races) == 1 else 'ies are'} not enforced in plan {plan.name}:",
-        *(f"  {r}" for r in races),
-        format_schedule(result.plan, len(result.phases), result.num_batches, mark=(races[0].consumer, races[0].iteration)),
-    ])
+    message = "\n".join(
+        [
+            f"{len(races)} dependenc{'y is' if len(races) == 1 else 'ies are'} not enforced in plan {plan.name}:",
+            *(f"  {r}" for r in races),
+            format_schedule(
+                result.plan, len(result.phases), result.num_batches, mark=(races[0].consumer, races[0].iteration)
+            ),
+        ]
+    )
     raise SimRace(message, tuple(races))
 
 
@@ -85,11 +89,13 @@ def _zero(task: str, batch: int) -> float:
 
 
 class _Checker:
+    """Indexes the steps of a result once, then checks every dependency instance."""
+
     def __init__(self, result: SimResult, plan: PipelinePlan, device: bool) -> None:
         self.result = result
-        self.plan = plan
         self.device = device
         self.lane = {t: k for k, t in enumerate(result.threads)}
+        self.stream = {t: s.stream for t, s in plan.schedule.items()}
         self.runs: dict[tuple[str, int], Step] = {}
         self.records: dict[tuple[str, int], list[Step]] = {}
         self.waits: dict[tuple[str, str, int], list[Step]] = {}
@@ -129,24 +135,42 @@ class _Checker:
 
         out = []
         if not self._before(p, c):
-            out.append(race("cpu-order", f"no happens-before edge from {d.producer} on thread {p.thread!r} "
-                                         f"(internal iteration {p.iteration}) in the program"))
+            out.append(
+                race(
+                    "cpu-order",
+                    f"no happens-before edge from {d.producer} on thread {p.thread!r} "
+                    f"(internal iteration {p.iteration}) in the program",
+                )
+            )
         if p.end > c.start:
             out.append(race("cpu-time", f"{d.producer} ends at {p.end:g}, {d.consumer} starts at {c.start:g}"))
-        producer_stream = self.plan.task(d.producer).stream
-        consumer_stream = self.plan.task(d.consumer).stream
-        if self.device and producer_stream != consumer_stream and not self._stream_synced(p, c, producer_stream, consumer_stream):
-            out.append(race("device-order", f"no `stream {consumer_stream} <- {d.producer}` on an event recorded "
-                                            f"after {d.producer}({p.batch}) happens before {d.consumer}"))
+        producer_stream, consumer_stream = self.stream[d.producer], self.stream[d.consumer]
+        if (
+            self.device
+            and producer_stream != consumer_stream
+            and not self._stream_synced(p, c, producer_stream, consumer_stream)
+        ):
+            out.append(
+                race(
+                    "device-order",
+                    f"no `stream {consumer_stream} <- {d.producer}` on an event recorded "
+                    f"after {d.producer}({p.batch}) happens before {d.consumer}",
+                )
+            )
         pw, cw = self.work.get((d.producer, p.batch)), self.work.get((d.consumer, c.batch))
         if pw is not None and cw is not None and pw.end > cw.start:
-            out.append(race("device-time", f"{d.producer} ends on {pw.lane} at {pw.end:g}, "
-                                           f"{d.consumer} starts on {cw.lane} at {cw.start:g}"))
+            out.append(
+                race(
+                    "device-time",
+                    f"{d.producer} ends on {pw.lane} at {pw.end:g}, {d.consumer} starts on {cw.lane} at {cw.start:g}",
+                )
+            )
         return out
 
     def _stream_synced(self, p: Step, c: Step, producer_stream: str, consumer_stream: str) -> bool:
         records = [
-            r for r in self.records.get((p.instr.task, p.batch), ())
+            r
+            for r in self.records.get((p.instr.task, p.batch), ())
             if isinstance(r.instr, RecordEvent) and r.instr.stream == producer_stream and self._before(p, r)
         ]
         return any(

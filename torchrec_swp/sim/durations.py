@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Union
 
 from torchrec_swp.sim.errors import SimError
 
-Durations = Union[Mapping[str, float], Callable[[str, int], float]]
+Durations = Mapping[str, float] | Callable[[str, int], float]
 
 
 def cpu_time(durations: Durations, task: str, batch: int, where: str) -> float:
@@ -21,7 +20,9 @@ def cpu_time(durations: Durations, task: str, batch: int, where: str) -> float:
     thread and iteration for the error raised when it is missing or invalid."""
     if isinstance(durations, Mapping):
         if task not in durations:
-            raise SimError(f"no CPU duration for task {task} (batch {batch}, {where}); durations name {sorted(durations)}")
+            raise SimError(
+                f"no CPU duration for task {task} (batch {batch}, {where}); durations name {sorted(durations)}"
+            )
         return _checked(durations[task], "CPU", task, batch, where)
     return _checked(durations(task, batch), "CPU", task, batch, where)
 
@@ -37,6 +38,14 @@ def device_time(durations: Durations | None, task: str, batch: int, where: str) 
 
 
 def _checked(value: object, kind: str, task: str, batch: int, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0 or math.isinf(value):
-        raise SimError(f"{kind} duration of task {task} (batch {batch}, {where}) must be a finite number >= 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or value < 0
+        or math.isinf(value)
+    ):
+        raise SimError(
+            f"{kind} duration of task {task} (batch {batch}, {where}) must be a finite number >= 0, got {value!r}"
+        )
     return float(value)

@@ -51,14 +51,16 @@ def to_chrome_trace(result: SimResult, us_per_unit: float = 1.0) -> dict[str, An
         *({"name": "thread_name", "ph": "M", "pid": 0, "tid": k, "args": {"name": lane}} for lane, k in tid.items()),
     ]
     for i in result.timeline:
-        events.append({
-            "name": f"{i.task} {i.batch}",
-            "cat": "cpu" if i.lane.startswith("cpu:") else "device",
-            "ph": "X",
-            "pid": 0,
-            "tid": tid[i.lane],
-            "ts": i.start * us_per_unit,
-            "dur": i.duration * us_per_unit,
-            "args": {"task": i.task, "batch": i.batch, "iteration": i.iteration},
-        })
+        events.append(
+            {
+                "name": f"{i.task} {i.batch}",
+                "cat": "cpu" if i.lane.startswith("cpu:") else "device",
+                "ph": "X",
+                "pid": 0,
+                "tid": tid[i.lane],
+                "ts": i.start * us_per_unit,
+                "dur": i.duration * us_per_unit,
+                "args": {"task": i.task, "batch": i.batch, "iteration": i.iteration},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -103,13 +103,14 @@ class SimResult:
 
     @property
     def steady_iterations(self) -> tuple[int, ...]:
+        """Iterations in which every stage of the plan is active."""
         stages = tuple(sorted({s.stage for s in self.plan.schedule.values()}))
         return tuple(s.iteration for s in self.iterations if s.active_stages == stages)
 
     @property
     def steady_iteration_time(self) -> float | None:
         """Median steady iteration period (see the module docstring); None when the run is too
-        short to have a steady iteration (fewer batches than stages)."""
+        short to have a steady iteration (``num_batches <= plan.max_stage``)."""
         steady = set(self.steady_iterations)
         periods = []
         previous_end = 0.0
@@ -139,7 +140,9 @@ class SimResult:
         return 1 + max((i.batch for i in self.timeline), default=-1)
 
     def format_timeline(self, width: int = 100) -> str:
+        """Text Gantt chart, one row per lane (``render.format_timeline``)."""
         return render.format_timeline(self, width)
 
     def to_chrome_trace(self, us_per_unit: float = 1.0) -> dict[str, Any]:
+        """Chrome/Perfetto trace dict (``render.to_chrome_trace``)."""
         return render.to_chrome_trace(self, us_per_unit)

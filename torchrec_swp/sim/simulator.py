@@ -4,7 +4,9 @@ Every CPU thread group is one lane that executes its instructions of each intern
 in order (the iterations of a run in increasing order):
 
 * ``run T`` occupies the lane for T's CPU duration on batch ``P - stage``. Source and guarded
-  runs always run: the simulated data holds exactly the batches the phases work on.
+  runs always run: the simulated data holds exactly the batches the phases work on. (The
+  engine learns the number of batches M only when the source fails at iteration M, so it runs
+  the steady program there: one more source call and skipped stage-0 tasks, not simulated.)
 * ``run T #k@g`` first waits until tickets ``0 .. k-1`` of comm group ``g`` in the same
   iteration were released (and every ticket of ``g`` in earlier iterations); it releases
   ticket ``k`` when it ends.
@@ -125,6 +127,7 @@ def _validate_program(plan: PipelinePlan, p: int, prog: IterationProgram) -> Non
     threads = [t for t, _ in prog.threads]
     if len(set(threads)) != len(threads):
         raise SimError(f"internal iteration {p}: a thread appears twice in {threads}")
+    stages = {t: s.stage for t, s in plan.schedule.items()}
     declared = dict(prog.tickets)
     signalled = {i.task for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)}
     ran: set[str] = set()
@@ -132,29 +135,28 @@ def _validate_program(plan: PipelinePlan, p: int, prog: IterationProgram) -> Non
     for thread, instrs in prog.threads:
         for index, instr in enumerate(instrs):
             where = f"thread {thread!r}, internal iteration {p}, instruction {index} `{instr}`"
-            if instr.task not in plan.schedule:
+            if not isinstance(instr, (Run, WaitTask, Signal, WaitStream, RecordEvent)):
+                raise SimError(f"{where}: unknown instruction {instr!r}")
+            if instr.task not in stages:
                 raise SimError(f"{where}: {instr.task!r} is not a task of plan {plan.name}")
             match instr:
                 case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
-                    if stage != plan.task(task).stage:
-                        raise SimError(f"{where}: stage {stage}, but {task} is at stage {plan.task(task).stage}")
+                    if stage != stages[task]:
+                        raise SimError(f"{where}: stage {stage}, but {task} is at stage {stages[task]}")
                     if task in ran:
                         raise SimError(f"{where}: {task} runs twice in one iteration")
                     ran.add(task)
                     if ticket is not None:
                         if group not in declared or not 0 <= ticket < declared[group]:
-                            raise SimError(f"{where}: ticket {ticket} of comm group {group!r} is not among the "
-                                           f"tickets the program declares {prog.tickets}")
+                            raise SimError(
+                                f"{where}: ticket {ticket} of comm group {group!r} is not among the "
+                                f"tickets the program declares {prog.tickets}"
+                            )
                         if (group, ticket) in held:
                             raise SimError(f"{where}: ticket {ticket} of comm group {group!r} is held twice")
                         held.add((group, ticket))
-                case WaitTask(task=task):
-                    if task not in signalled:
-                        raise SimError(f"{where}: no thread signals {task} in this iteration")
-                case Signal() | WaitStream() | RecordEvent():
-                    pass
-                case _:
-                    raise SimError(f"{where}: unknown instruction {instr!r}")
+                case WaitTask(task=task) if task not in signalled:
+                    raise SimError(f"{where}: no thread signals {task} in this iteration")
 
 
 # ---------------------------------------------------------------------- replay
@@ -181,9 +183,16 @@ def _ticket(instr: Instr) -> tuple[str, int] | None:
 class _Replay:
     """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes."""
 
-    def __init__(self, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...],
-                 durations: Durations, device_durations: Durations | None) -> None:
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        phases: tuple[tuple[int, IterationProgram], ...],
+        durations: Durations,
+        device_durations: Durations | None,
+    ) -> None:
         self.plan = plan
+        self.stage = {t: s.stage for t, s in plan.schedule.items()}
+        self.stream = {t: s.stream for t, s in plan.schedule.items()}
         self.phases = phases
         self.durations = durations
         self.device_durations = device_durations
@@ -208,7 +217,7 @@ class _Replay:
 
     def barrier(self) -> None:
         time = max(lane.time for lane in self.lanes.values())
-        clock = [max(c) for c in zip(*(lane.clock for lane in self.lanes.values()))]
+        clock = [max(c) for c in zip(*(lane.clock for lane in self.lanes.values()), strict=True)]
         for lane in self.lanes.values():
             lane.time, lane.clock = time, list(clock)
 
@@ -237,7 +246,7 @@ class _Replay:
     def _blocker(self, p: int, instr: Instr) -> str | None:
         """Why ``instr`` of iteration ``p`` cannot execute now, or None if it can."""
         if isinstance(instr, WaitTask) and (p, instr.task) not in self.signals:
-            return f"no thread has signalled {instr.task} (batch {p - self.plan.task(instr.task).stage}) in this iteration"
+            return f"no thread has signalled {instr.task} (batch {p - self.stage[instr.task]}) in this iteration"
         if (held := _ticket(instr)) is not None:
             group, ticket = held
             earliest = self.pending[group][0]
@@ -263,13 +272,13 @@ class _Replay:
                     self._release(held[0], p, step)
                 d = device_time(self.device_durations, task, b, where)
                 if d > 0:
-                    self._submit(step, "work", self.plan.task(task).stream, task, b, d)
+                    self._submit(step, "work", self.stream[task], task, b, d)
             case WaitTask(task=task):
                 signal = self.signals[(p, task)]
-                b = p - self.plan.task(task).stage
+                b = p - self.stage[task]
                 self._record(thread, lane, p, index, instr, b, lane.time, max(lane.time, signal.end), [signal])
             case Signal(task=task):
-                b = p - self.plan.task(task).stage
+                b = p - self.stage[task]
                 self.signals[(p, task)] = self._record(thread, lane, p, index, instr, b, lane.time, lane.time, [])
             case WaitStream(stream=stream, task=task, distance=k, consumer_stage=cs):
                 step = self._record(thread, lane, p, index, instr, p - cs - k, lane.time, lane.time, [])
@@ -286,21 +295,40 @@ class _Replay:
             self.pending[group].pop(0)
         self.last_ticket[group] = step
 
-    def _record(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr, batch: int,
-                start: float, end: float, sources: list[Step]) -> Step:
-        clock = lane.clock
+    def _record(
+        self,
+        thread: str,
+        lane: _Lane,
+        p: int,
+        index: int,
+        instr: Instr,
+        batch: int,
+        start: float,
+        end: float,
+        sources: list[Step],
+    ) -> Step:
+        clock = list(lane.clock)
         for s in sources:
-            clock = [max(a, b) for a, b in zip(clock, s.clock)]
+            clock = [max(a, b) for a, b in zip(clock, s.clock, strict=True)]
         lane.seq += 1
         clock[lane.index] = lane.seq
         step = Step(p, thread, index, instr, batch, start, end, lane.seq, tuple(clock))
-        lane.time, lane.clock = end, list(clock)
+        lane.time, lane.clock = end, clock
         self.steps.append(step)
         return step
 
-    def _submit(self, step: Step, kind: Literal["work", "record", "wait"], stream: str, task: str, batch: int,
-                duration: float = 0.0) -> None:
-        self.submissions.append(Submission(step.end, len(self.steps), kind, stream, task, batch, step.iteration, duration))
+    def _submit(
+        self,
+        step: Step,
+        kind: Literal["work", "record", "wait"],
+        stream: str,
+        task: str,
+        batch: int,
+        duration: float = 0.0,
+    ) -> None:
+        self.submissions.append(
+            Submission(step.end, len(self.steps), kind, stream, task, batch, step.iteration, duration)
+        )
 
     # -------------------------------------------------------------- deadlock
     def _deadlock(self) -> SimDeadlock:
@@ -315,11 +343,13 @@ class _Replay:
                 mark = (_blocked_task(lane), p)
         last = self.phases[-1][0] + 1
         num_batches = 1 + max((p - r.stage for p, prog in self.phases for r in prog.runs()), default=-1)
-        message = "\n".join([
-            f"deadlock in plan {self.plan.name}: no thread can make progress",
-            *(f"  {b}" for b in blocked),
-            format_schedule(self.plan, last, num_batches, mark=mark),
-        ])
+        message = "\n".join(
+            [
+                f"deadlock in plan {self.plan.name}: no thread can make progress",
+                *(f"  {b}" for b in blocked),
+                format_schedule(self.plan, last, num_batches, mark=mark),
+            ]
+        )
         return SimDeadlock(message, tuple(blocked))
 
 
@@ -327,7 +357,7 @@ def _blocked_task(lane: _Lane) -> str:
     """The task a blocked lane is trying to run: its next run in the blocked iteration, else
     the task the blocked instruction names."""
     p, _, head = lane.todo[lane.at]
-    for q, _, instr in lane.todo[lane.at:]:
+    for q, _, instr in lane.todo[lane.at :]:
         if q != p:
             break
         if isinstance(instr, Run):
@@ -335,8 +365,9 @@ def _blocked_task(lane: _Lane) -> str:
     return head.task
 
 
-def _spans(phases: tuple[tuple[int, IterationProgram], ...], steps: list[Step],
-           timeline: list[Interval]) -> tuple[IterationSpan, ...]:
+def _spans(
+    phases: tuple[tuple[int, IterationProgram], ...], steps: list[Step], timeline: list[Interval]
+) -> tuple[IterationSpan, ...]:
     cpu: dict[int, tuple[float, float]] = {}
     for s in steps:
         lo, hi = cpu.get(s.iteration, (s.start, s.end))
