@@ -154,20 +154,48 @@ class Engine:
             raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {plan.name}", culprit=extra[0])
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        self.plan = plan
         self.streams: StreamPool = streams if streams is not None else NullStreamPool()
-        self.compiled = CompiledPlan(plan, device_streams=self.streams.has_streams)
         self.timeout_s = float(timeout_s)
         self.name = name
-        self._bindings = dict(bindings)
         self.slots: dict[int, dict[str, Any]] = {}
-        self._invokers = {t: self._make_invoker(t, self._bindings[t]) for t in plan.fire_order}
-        self._flat_cache: dict[int, list[tuple[Invoker, int, int, str]]] = {}
         self._workers: dict[str, _Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
-        self._max_distance = max((d.distance for d in plan.deps), default=0)
+        self._install(plan, bindings)
         self.reset()
+
+    def _install(self, plan: PipelinePlan, bindings: Mapping[str, Binding]) -> None:
+        self.plan = plan
+        self.compiled = CompiledPlan(plan, device_streams=self.streams.has_streams)
+        self._bindings = dict(bindings)
+        self._invokers = {t: self._make_invoker(t, self._bindings[t]) for t in plan.fire_order}
+        self._flat_cache: dict[int, list[tuple[Invoker, int, int, str]]] = {}
+        self._max_distance = max((d.distance for d in plan.deps), default=0)
+
+    def switch_plan(self, plan: PipelinePlan, bindings: Mapping[str, Binding] | None = None) -> None:
+        """Run ``plan`` from the next internal iteration on, keeping the batches in flight.
+
+        Allowed between steps when the plans agree on what the batches in flight hold: same
+        source, output and stages; every task in both has the same stage and reads/writes; a
+        task in only one of them writes nothing. ``bindings`` adds functions for new tasks.
+        """
+        old = self.plan
+        problems = []
+        if (old.source, old.output, old.max_stage) != (plan.source, plan.output, plan.max_stage):
+            problems.append("source, output and highest stage must stay the same")
+        for task in set(old.fire_order) | set(plan.fire_order):
+            if task in old.schedule and task in plan.schedule:
+                if old.task(task).stage != plan.task(task).stage or old.tasks[task] != plan.tasks[task]:
+                    problems.append(f"task {task} changes its stage or its reads/writes")
+            elif (old.tasks.get(task) or plan.tasks[task]).writes:
+                problems.append(f"task {task}, in only one plan, writes data")
+        merged = {**self._bindings, **(bindings or {})}
+        missing = [t for t in plan.fire_order if t not in merged]
+        if missing:
+            problems.append(f"no function bound to task {missing[0]}")
+        if problems:
+            raise PlanError(f"cannot switch from plan {old.name} to {plan.name}: " + "; ".join(problems), culprit=plan.name)
+        self._install(plan, {t: merged[t] for t in plan.fire_order})
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:

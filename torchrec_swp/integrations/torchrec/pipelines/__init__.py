@@ -1,0 +1,21 @@
+"""Drop-in subclasses of TorchRec's pipelines whose ``progress()`` is the engine running a plan.
+
+Change one import line and training is identical; pass ``plan=`` or ``thread_map=`` to change
+the schedule without changing code::
+
+    from torchrec_swp import TrainPipelineSparseDist
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)
+    pipeline.plan.print_schedule(5)
+    pipeline = TrainPipelineSparseDist(model, optimizer, device, thread_map={"H2D": "io"})
+
+One module per upstream family; ``_driven`` holds what they share.
+"""
+
+from torchrec_swp.integrations.torchrec.compat import check_torchrec_version
+
+check_torchrec_version()
+
+from torchrec_swp.integrations.torchrec.pipelines.base import TrainPipelineBase  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
+
+__all__ = ["TrainPipelineBase", "TrainPipelineSparseDist"]

@@ -1,0 +1,91 @@
+"""What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
+
+Every pipeline class keeps its upstream constructor (every argument passes through unchanged)
+and adds keyword-only engine options:
+
+* ``plan``: a PipelinePlan (or the path of a plan text file) replacing the default plan; its
+  tasks must be among the class's task functions (``available_tasks()``).
+* ``thread_map``: ``"by_stream"``, ``"per_task"``, ``"main"``, a dict ``{task: thread}`` or a
+  callable, applied on top of the plan.
+* ``engine_timeout_s``: bound on every blocking wait of the engine.
+
+Task functions call upstream's helpers through ``self`` (``enqueue_batch``,
+``start_sparse_data_dist``, ``wait_sparse_data_dist``, ``_wait_for_batch``, ...), so user code
+that patches them by name keeps working, and get the batch and context of the batch they work
+on from the engine, not from a position in ``self.batches``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torchrec_swp.engine import Engine, StreamPool
+from torchrec_swp.plan import PipelinePlan, PlanError, ThreadMap
+
+PlanLike = PipelinePlan | str | os.PathLike[str]
+
+
+class _PlanDriven:
+    """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine."""
+
+    _swp_engine: Engine
+    _swp_iter: Iterator[Any] | None
+
+    def _swp_setup(
+        self,
+        default_plan: PipelinePlan,
+        plan: PlanLike | None,
+        thread_map: ThreadMap | None,
+        timeout_s: float,
+        streams: StreamPool,
+    ) -> None:
+        if plan is None:
+            chosen = default_plan
+        elif isinstance(plan, PipelinePlan):
+            chosen = plan
+        elif isinstance(plan, (str, os.PathLike)):
+            chosen = PipelinePlan.load(os.fspath(plan))
+        else:
+            raise TypeError(f"plan must be a PipelinePlan or a path to a plan file, got {type(plan).__name__}")
+        if thread_map is not None:
+            chosen = chosen.with_thread_map(thread_map)
+        functions = self._swp_task_functions()
+        unknown = [t for t in chosen.fire_order if t not in functions]
+        if unknown:
+            raise PlanError(
+                f"{type(self).__name__} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
+                culprit=unknown[0],
+            )
+        self._swp_iter = None
+        self._swp_engine = Engine(
+            chosen,
+            {t: functions[t] for t in chosen.fire_order},
+            streams=streams,
+            timeout_s=timeout_s,
+            name=f"swp-{type(self).__name__}",
+        )
+
+    # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
+    _swp_task_functions: Callable[[], Mapping[str, Callable[..., Any]]]
+
+    @classmethod
+    def available_tasks(cls) -> tuple[str, ...]:
+        """Names of the tasks a plan for this pipeline may use."""
+        return tuple(cls._SWP_TASKS)  # type: ignore[attr-defined]
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The plan ``progress()`` runs (print it with ``plan.print_schedule(n)``)."""
+        return self._swp_engine.plan
+
+    @property
+    def engine(self) -> Engine:
+        return self._swp_engine
+
+    def close(self) -> None:
+        """Stop the engine's worker threads (they also stop when the pipeline is collected)."""
+        self._swp_engine.close()
+
+

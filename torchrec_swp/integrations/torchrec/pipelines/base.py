@@ -1,0 +1,93 @@
+"""TrainPipelineBase on the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.plan import ThreadMap
+
+__all__ = ["TrainPipelineBase"]
+
+
+class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], _PlanDriven):
+    """TrainPipelineBase on the engine: LoadBatch(i+1), forward/backward(i), H2D(i+1), optimizer(i).
+
+    The default plan is ``plans.train_pipeline_base_plan()``.
+    """
+
+    _SWP_TASKS = ("LoadBatch", "ZeroGrad", "WaitBatch", "Forward", "Backward", "H2D", "OptimizerStep")
+
+    def __init__(
+        self,
+        *args: Any,
+        plan: PlanLike | None = None,
+        thread_map: ThreadMap | None = None,
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        streams = stream_pool_for(self._device, {"memcpy": self._memcpy_stream})
+        self._swp_setup(plans.train_pipeline_base_plan(), plan, thread_map, engine_timeout_s, streams)
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        self._swp_iter = dataloader_iter
+        self._connected = True
+        return self._swp_engine.step()
+
+    def reset(self) -> None:
+        super().reset()
+        self._swp_engine.reset()
+
+    # ------------------------------------------------------------ task functions
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "LoadBatch": self._task_load_batch,
+            "ZeroGrad": self._task_zero_grad,
+            "WaitBatch": self._task_wait_batch,
+            "Forward": self._task_forward,
+            "Backward": self._task_backward,
+            "H2D": self._task_h2d,
+            "OptimizerStep": self._task_optimizer_step,
+        }
+
+    def _task_load_batch(self, b: int) -> Any:
+        batch = self._next_batch(self._swp_iter)  # type: ignore[arg-type]
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def _task_h2d(self, b: int, host_batch: Any) -> Any:
+        self._copy_batch_to_gpu(host_batch)
+        return self._cur_batch
+
+    def _task_zero_grad(self, b: int) -> None:
+        if self._model.training:
+            with record_function("## zero_grad ##"):
+                self._optimizer.zero_grad()
+
+    def _task_wait_batch(self, b: int, batch: Any) -> None:
+        self._batch_count += 1
+        self._wait_for_batch(batch)
+
+    def _task_forward(self, b: int, batch: Any) -> tuple[Any, Any]:
+        with record_function("## forward ##"):
+            losses, output = self._model(batch)
+        return losses, output
+
+    def _task_backward(self, b: int, losses: torch.Tensor) -> None:
+        if self._model.training:
+            self._backward(losses)
+
+    def _task_optimizer_step(self, b: int) -> None:
+        if self._model.training:
+            with record_function("## optimizer ##"):
+                self._optimizer.step()

@@ -1,0 +1,143 @@
+"""TrainPipelineSparseDist on the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
+
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.plan import PipelinePlan, ThreadMap
+
+__all__ = ["TrainPipelineSparseDist"]
+
+
+class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDriven):
+    """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
+
+    The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
+    ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``.
+    """
+
+    _SWP_TASKS = (
+        "ZeroGrad",
+        "WaitBatch",
+        "ClearDataDistInputs",
+        "InputDistStart",
+        "H2D",
+        "Forward",
+        "InputDistWait",
+        "Backward",
+        "OptimizerStep",
+        "Dequeue",
+    )
+
+    def __init__(
+        self,
+        *args: Any,
+        plan: PlanLike | None = None,
+        thread_map: ThreadMap | None = None,
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._swp_setup(self._swp_default_plan(), plan, thread_map, engine_timeout_s, self._swp_streams())
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.sparse_dist_plan(
+            enqueue_batch_after_forward=self._enqueue_batch_after_forward,
+            execute_all_batches=self._execute_all_batches,
+            clear_data_dist_inputs=self._clear_data_dist_inputs,
+            name=type(self).__name__,
+        )
+
+    def _swp_streams(self) -> StreamPool:
+        return stream_pool_for(self._device, {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream})
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        self._state = PipelineState.IDLE
+        # attach the model in case the user detached it and forgot to attach it (as upstream does)
+        if not self._model_attached:
+            self.attach(self._model)
+        engine = self._swp_engine
+        if dataloader_iter is not self._swp_iter:
+            # a new iterator after the previous one was drained: a new epoch
+            if engine.num_batches is not None and engine.delivered >= engine.num_batches and not engine.stopped:
+                engine.reset()
+            self._swp_iter = dataloader_iter
+        return engine.step()
+
+    def reset(self) -> None:
+        super().reset()
+        self._swp_engine.reset()
+
+    # ------------------------------------------------------------ task functions
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "ZeroGrad": self._task_zero_grad,
+            "WaitBatch": self._task_wait_batch,
+            "ClearDataDistInputs": self._task_clear_data_dist_inputs,
+            "InputDistStart": self._task_input_dist_start,
+            "H2D": self._task_h2d,
+            "Forward": self._task_forward,
+            "InputDistWait": self._task_input_dist_wait,
+            "Backward": self._task_backward,
+            "OptimizerStep": self._task_optimizer_step,
+            "Dequeue": self._task_dequeue,
+        }
+
+    def _task_h2d(self, b: int) -> tuple[Any, Any]:
+        # enqueue_batch appends to self.batches/self.contexts (user-visible state) and, with
+        # execute_all_batches=False, raises StopIteration itself at the end of data.
+        if not self.enqueue_batch(self._swp_iter):  # type: ignore[arg-type]
+            raise StopIteration
+        return self.batches[-1], self.contexts[-1]
+
+    def _task_input_dist_start(self, b: int, batch: Any, context: Any) -> None:
+        if b == self._swp_engine.delivered:
+            # the oldest batch in flight: the pipeline is (re)filling. The first time this
+            # rewrites the model; afterwards it sets the module context and starts input dist.
+            self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
+        else:
+            self.start_sparse_data_dist(batch, context)
+
+    def _task_input_dist_wait(self, b: int, context: Any) -> None:
+        self.wait_sparse_data_dist(context)
+
+    def _task_zero_grad(self, b: int) -> None:
+        if self._model.training:
+            with record_function("## zero_grad ##"):
+                self._optimizer.zero_grad()
+
+    def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
+        self._set_module_context(context)
+        self._wait_for_batch()
+
+    def _task_clear_data_dist_inputs(self, b: int, context: Any) -> None:
+        self.clear_sparse_data_dist_inputs(context)
+
+    def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
+        with record_function(f"## forward {context.index} ##"):
+            self._state = PipelineState.CALL_FWD
+            losses, output = self._model_fwd(batch)
+        return losses, output
+
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+        if self._model.training:
+            self._state = PipelineState.CALL_BWD
+            self._backward(losses)
+            self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, context)
+
+    def _task_optimizer_step(self, b: int, context: Any) -> None:
+        if self._model.training:
+            self._optimizer_step()
+
+    def _task_dequeue(self, b: int, context: Any) -> None:
+        self.dequeue_batch()
