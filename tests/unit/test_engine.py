@@ -370,5 +370,5 @@ def test_switching_plans_between_steps_keeps_the_batches_in_flight() -> None:
     with pytest.raises(PlanError, match="task Opt changes its stage or its reads/writes"):
         engine.switch_plan(toy_plan(tasks=[*toy_plan().tasks.values()][:3] + [PipelineTask("Opt", reads=("out",), writes=("z",))]))
     with pytest.raises(PlanError, match="highest stage"):
-        engine.switch_plan(toy_plan(schedule={**toy_plan().schedule, "Opt": S(3, comm_group="world")}))
+        engine.switch_plan(toy_plan(schedule={**toy_plan().schedule, "Opt": S(3, comm_group="world")}, inter_iter_deps=[]))
     engine.close()
