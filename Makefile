@@ -21,7 +21,7 @@ $(STAMP): setup.py requirements/runtime.txt requirements/torchrec.txt requiremen
 
 # The main job: 2 CPU ranks (gloo) training with torchrec_swp's TrainPipelineSparseDist.
 run: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py $(ARGS)
 
 # The whole suite, slow multi-process tests included (as CI runs it).
 test: $(STAMP)
