@@ -372,3 +372,41 @@ def test_switching_plans_between_steps_keeps_the_batches_in_flight() -> None:
     with pytest.raises(PlanError, match="highest stage"):
         engine.switch_plan(toy_plan(schedule={**toy_plan().schedule, "Opt": S(3, comm_group="world")}, inter_iter_deps=[]))
     engine.close()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, int, str, int]] = []
+        self.waits: list[tuple[str, str, int]] = []
+        self.iterations: list[int] = []
+
+    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None:
+        assert end >= start
+        self.runs.append((task, batch, thread, iteration))
+
+    def on_wait(self, producer: str, thread: str, iteration: int, start: float, end: float) -> None:
+        self.waits.append((producer, thread, iteration))
+
+    def on_iteration(self, iteration: int, start: float, end: float) -> None:
+        self.iterations.append(iteration)
+
+
+def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> None:
+    plan = PipelinePlan(
+        schedule={"Load": S(0, "memcpy", thread_group="io"), "Prep": S(0), "Fwd": S(1)},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Prep", reads=("x",), writes=("y",)), PipelineTask("Fwd", reads=("y",), writes=("out",))],
+        source="Load",
+        output="out",
+    )
+    data = iter(range(3))
+    engine = Engine(plan, {"Load": lambda b: next(data), "Prep": lambda b, x: x, "Fwd": lambda b, y: y})
+    recorder = Recorder()
+    engine.instrument(recorder, labels=True)
+    assert run_all(engine) == [0, 1, 2]
+    assert recorder.iterations == [0, 1, 2, 3]
+    assert ("Load", 0, "io", 0) in recorder.runs and ("Fwd", 2, "default", 3) in recorder.runs
+    assert ("Load", "default", 1) in recorder.waits  # Prep waited for Load on the calling thread
+    engine.instrument()
+    bare = engine._invokers["Fwd"]
+    assert bare.__name__ != "timed"
+    engine.close()

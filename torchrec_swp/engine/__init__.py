@@ -1,7 +1,7 @@
 """The torch runtime: threads, stream pools, the collective turnstile, the interpreter."""
 
 from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted
-from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, Binding, Engine
+from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, Binding, Engine, Observer
 from torchrec_swp.engine.streams import (
     CudaStreamPool,
     NullStreamPool,
@@ -20,6 +20,7 @@ __all__ = [
     "EngineError",
     "EngineTimeout",
     "NullStreamPool",
+    "Observer",
     "RecordingStreamPool",
     "StreamPool",
     "TaskAborted",

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -51,6 +51,16 @@ Binding = Callable[..., Any]
 Invoker = Callable[[int], Any]
 
 DEFAULT_TIMEOUT_S = 600.0
+
+
+class Observer(Protocol):
+    """Receives timings (``time.perf_counter()`` seconds) while attached with ``Engine.instrument``."""
+
+    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None: ...
+
+    def on_wait(self, producer: str, thread: str, iteration: int, start: float, end: float) -> None: ...
+
+    def on_iteration(self, iteration: int, start: float, end: float) -> None: ...
 
 
 class _Stopped(Exception):
@@ -161,6 +171,8 @@ class Engine:
         self._workers: dict[str, _Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._observer: Observer | None = None
+        self._labels = False
         self._install(plan, bindings)
         self.reset()
 
@@ -168,9 +180,40 @@ class Engine:
         self.plan = plan
         self.compiled = CompiledPlan(plan, device_streams=self.streams.has_streams)
         self._bindings = dict(bindings)
-        self._invokers = {t: self._make_invoker(t, self._bindings[t]) for t in plan.fire_order}
+        self._invokers = {t: self._instrumented(t, self._make_invoker(t, self._bindings[t])) for t in plan.fire_order}
         self._flat_cache: dict[int, list[tuple[Invoker, int, int, str]]] = {}
         self._max_distance = max((d.distance for d in plan.deps), default=0)
+
+    def instrument(self, observer: Observer | None = None, *, labels: bool = False) -> None:
+        """Attach (or, with no arguments, detach) instrumentation.
+
+        ``observer`` gets every task run, every cross-thread wait and every iteration with its
+        times; ``labels`` wraps each task in ``torch.profiler.record_function("## Task b ##")``
+        so profiler traces show the plan's tasks. Detached, the engine runs the bare calls.
+        """
+        self._observer = observer
+        self._labels = labels
+        self._install(self.plan, self._bindings)
+
+    def _instrumented(self, task: str, invoke: Invoker) -> Invoker:
+        observer, labels = self._observer, self._labels
+        if observer is None and not labels:
+            return invoke
+        thread = self.plan.task(task).thread_group
+        record_function = torch.profiler.record_function
+
+        def timed(b: int) -> Any:
+            start = time.perf_counter()
+            try:
+                if labels:
+                    with record_function(f"## {task} {b} ##"):
+                        return invoke(b)
+                return invoke(b)
+            finally:
+                if observer is not None:
+                    observer.on_run(task, b, thread, self.iteration, start, time.perf_counter())
+
+        return timed
 
     def switch_plan(self, plan: PipelinePlan, bindings: Mapping[str, Binding] | None = None) -> None:
         """Run ``plan`` from the next internal iteration on, keeping the batches in flight.
@@ -226,10 +269,13 @@ class Engine:
                 raise StopIteration
             p = self.iteration
             program = self.compiled.program(p, self.num_batches)
+            start = time.perf_counter() if self._observer is not None else 0.0
             if program.flat:
                 self._run_flat(p, program)
             else:
                 self._run_threaded(p, program)
+            if self._observer is not None:
+                self._observer.on_iteration(p, start, time.perf_counter())
             self.iteration = p + 1
             self._forget_events(p)
             if top in program.active_stages and p - top < self.loaded:
@@ -331,7 +377,12 @@ class Engine:
                             self._run_ticketed(instr, b, ctx, group, ticket)
                     case WaitTask(task=producer):
                         task = f"wait {producer}"
-                        ctx.latches[producer].wait(producer, self.timeout_s)
+                        if self._observer is None:
+                            ctx.latches[producer].wait(producer, self.timeout_s)
+                        else:
+                            start = time.perf_counter()
+                            ctx.latches[producer].wait(producer, self.timeout_s)
+                            self._observer.on_wait(producer, thread, p, start, time.perf_counter())
                     case Signal(task=producer):
                         ctx.latches[producer].set()
                     case WaitStream(stream=stream, task=producer, distance=k, consumer_stage=cs):
