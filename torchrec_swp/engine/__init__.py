@@ -1,7 +1,7 @@
 """The torch runtime: threads, stream pools, the collective turnstile, the interpreter."""
 
 from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted
-from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, Binding, Engine, Observer
+from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, BatchLedger, Binding, Engine, Observer
 from torchrec_swp.engine.streams import (
     CudaStreamPool,
     NullStreamPool,
@@ -13,6 +13,7 @@ from torchrec_swp.engine.turnstile import Turnstile
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "BatchLedger",
     "Binding",
     "CollectiveAborted",
     "CudaStreamPool",

@@ -97,6 +97,20 @@ class _Latch:
 
 
 @dataclass
+class BatchLedger:
+    """What became of every batch the source drew, across epochs and resets.
+
+    Batches are numbered by ``serial`` in the order they were drawn (0, 1, ... over the
+    engine's life). A batch is trained once it left the highest stage; one that never will is
+    listed in ``dropped`` with the reason.
+    """
+
+    drawn: int = 0
+    trained: int = 0
+    dropped: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
 class _Failure:
     exc: BaseException
     task: str
@@ -111,6 +125,8 @@ class _IterationContext:
     program: IterationProgram
     latches: dict[str, _Latch]
     grad_enabled: bool
+    skip: frozenset[str] = frozenset()
+    completed: set[str] = field(default_factory=set)
     done: queue.SimpleQueue[str] = field(default_factory=queue.SimpleQueue)
     failures: list[_Failure] = field(default_factory=list)
     position: dict[str, str] = field(default_factory=dict)
@@ -173,6 +189,9 @@ class Engine:
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._observer: Observer | None = None
         self._labels = False
+        self.ledger = BatchLedger()
+        self._epoch_serial = 0
+        self.loaded = self.delivered = 0
         self._install(plan, bindings)
         self.reset()
 
@@ -242,7 +261,14 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        """Forget every batch in flight and start again at iteration 0 (workers are kept)."""
+        """Forget every batch in flight and start again at iteration 0 (workers are kept).
+
+        Batches in flight are recorded in ``ledger.dropped``: they were drawn, never trained.
+        """
+        for b in self.in_flight():
+            self.ledger.dropped.append((self._epoch_serial + b, "in flight when reset() was called"))
+        self._epoch_serial = self.ledger.drawn
+        self._resume: frozenset[str] = frozenset()  # tasks done in a failed iteration
         self.iteration = 0
         self.loaded = 0  # batches the source produced
         self.num_batches: int | None = None  # M, once the source found the data exhausted
@@ -254,8 +280,18 @@ class Engine:
             t.clear_failure()
 
     def in_flight(self) -> list[int]:
-        """Batches loaded but not delivered (in order)."""
+        """Batches loaded but not delivered (in order), by index in this epoch."""
         return list(range(self.delivered, self.loaded))
+
+    @property
+    def ended(self) -> bool:
+        """The data is exhausted and no batch is left to deliver (or the plan stopped)."""
+        return self.stopped or (self.num_batches is not None and self.delivered >= self.num_batches)
+
+    def untrained(self) -> list[tuple[int, str]]:
+        """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
+        reason = "left in flight: the plan stopped at the end of data" if self.stopped else "in flight"
+        return [*self.ledger.dropped, *((self._epoch_serial + b, reason) for b in self.in_flight())]
 
     def close(self) -> None:
         """Stop the worker threads (idempotent)."""
@@ -281,6 +317,7 @@ class Engine:
             if top in program.active_stages and p - top < self.loaded:
                 b = p - top
                 self.delivered += 1
+                self.ledger.trained += 1
                 slot = self.slots.pop(b, {})
                 return slot.get(self.plan.output) if self.plan.output is not None else None
 
@@ -294,7 +331,10 @@ class Engine:
                 if isinstance(i, Run)
             ]
             self._flat_cache[id(program)] = steps
-        for invoke, stage, kind, task in steps:
+        if self._resume:
+            # resuming an iteration that failed: what already ran must not run twice
+            steps = [step for step in steps if step[3] not in self._resume]
+        for k, (invoke, stage, kind, task) in enumerate(steps):
             b = p - stage
             try:
                 if kind == 2:
@@ -304,11 +344,13 @@ class Engine:
                     continue
                 else:
                     invoke(b)
-            except StopIteration as e:
-                raise RuntimeError(f"{describe(task, b, MAIN_THREAD, p)} raised StopIteration") from e
             except BaseException as e:
+                self._resume = self._resume | {step[3] for step in steps[:k]}
+                if isinstance(e, StopIteration):
+                    raise RuntimeError(f"{describe(task, b, MAIN_THREAD, p)} raised StopIteration") from e
                 self._annotate(e, _Failure(e, task, b, MAIN_THREAD, p))
                 raise
+        self._resume = frozenset()
         if self.stopped:
             raise StopIteration
 
@@ -325,12 +367,13 @@ class Engine:
             self.stopped = self.plan.on_exhausted == "stop"
             return not self.stopped
         self.loaded = b + 1
+        self.ledger.drawn += 1
         return True
 
     # ---------------------------------------------------------- threaded path
     def _run_threaded(self, p: int, program: IterationProgram) -> None:
         signalled = {i.task for _, instrs in program.threads for i in instrs if isinstance(i, Signal)}
-        ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled())
+        ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled(), self._resume)
         for group, _ in program.tickets:
             self._turnstile(group).restart()
         workers = [(g, instrs) for g, instrs in program.threads if g != MAIN_THREAD and instrs]
@@ -347,11 +390,13 @@ class Engine:
                 cause = ctx.failures[0].exc if ctx.failures else None
                 raise EngineTimeout(self._timeout_report(ctx)) from cause
         if ctx.failures:
+            self._resume = ctx.skip | ctx.completed
             first = ctx.failures[0]
             for other in ctx.failures[1:]:
                 first.exc.add_note(f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}")
             self._annotate(first.exc, first)
             raise first.exc
+        self._resume = frozenset()
         if ctx.stopped:
             raise StopIteration
 
@@ -371,10 +416,14 @@ class Engine:
                 match instr:
                     case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
                         b = p - stage
+                        if task in ctx.skip:
+                            continue
                         if ticket is None:
                             self._run_one(instr, b, ctx)
                         else:
                             self._run_ticketed(instr, b, ctx, group, ticket)
+                        with ctx.lock:
+                            ctx.completed.add(task)
                     case WaitTask(task=producer):
                         task = f"wait {producer}"
                         if self._observer is None:
@@ -441,6 +490,7 @@ class Engine:
                     raise _Stopped from None
                 return
             self.loaded = b + 1
+            self.ledger.drawn += 1
             return
         if instr.guarded and b >= self.loaded:
             return

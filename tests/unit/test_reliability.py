@@ -1,0 +1,111 @@
+"""Nothing lost: failures, resumes, resets and stops keep an exact account of every batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.unit.test_engine import THREAD_MAPS, Toy, run_all, toy_plan
+from torchrec_swp.engine import CollectiveAborted, Engine
+
+N = 9
+
+
+def flaky(toy: Toy, task: str, batch: int) -> dict[str, Any]:
+    """Bindings where ``task`` fails the first time it sees ``batch`` (a transient error)."""
+    bindings = toy.bindings()
+    inner = bindings[task]
+    failed: list[bool] = []
+
+    def once(b: int, **kw: Any) -> Any:
+        if b == batch and not failed:
+            failed.append(True)
+            raise OSError(f"transient failure of {task} on batch {b}")
+        return inner(b, **kw)
+
+    bindings[task] = once
+    return bindings
+
+
+# Thread maps without collective tickets: a failed collective poisons its comm group on purpose
+# (later collectives must not be issued out of step with other ranks) until reset().
+RESUMABLE = ["main", {"H2D": "io"}, "per_task without collectives"]
+
+
+def resumable_plan(thread_map: Any) -> Any:
+    if thread_map == "per_task without collectives":
+        plan = toy_plan()
+        local = {t: s.replace(globally_ordered=False) for t, s in plan.schedule.items()}
+        return plan.replace(schedule=local).with_thread_map("per_task")
+    return toy_plan().with_thread_map(thread_map)
+
+
+@pytest.mark.parametrize("thread_map", RESUMABLE, ids=str)
+@pytest.mark.parametrize("where", [("H2D", 0), ("H2D", 4), ("Dist", 3), ("Fwd", 0), ("Fwd", 5), ("Opt", 8)])
+def test_calling_progress_again_after_a_failure_resumes_without_losing_or_repeating(
+    thread_map: Any, where: tuple[str, int]
+) -> None:
+    reference = Toy(N)
+    expected = run_all(Engine(toy_plan(), reference.bindings()))
+    toy = Toy(N, jitter_s=0.001)
+    engine = Engine(resumable_plan(thread_map), flaky(toy, *where), timeout_s=10)
+    outs: list[Any] = []
+    failures = 0
+    while True:
+        try:
+            outs.append(engine.step())
+        except StopIteration:
+            break
+        except OSError:
+            failures += 1
+    assert failures == 1
+    assert outs == expected and toy.state == reference.state
+    assert engine.ledger.drawn == engine.ledger.trained == N
+    assert engine.untrained() == []
+    engine.close()
+
+
+def test_reset_after_a_failure_reports_the_batches_it_drops() -> None:
+    toy = Toy(N)
+    engine = Engine(toy_plan(), flaky(toy, "Fwd", 3))
+    assert [engine.step() for _ in range(3)] == run_all(Engine(toy_plan(), Toy(3).bindings()))
+    with pytest.raises(OSError):
+        engine.step()
+    # batches 3 and 4 were drawn (batch 5's H2D fires after Fwd, so it was not)
+    assert engine.in_flight() == [3, 4]
+    engine.reset()
+    assert engine.ledger.dropped == [(3, "in flight when reset() was called"), (4, "in flight when reset() was called")]
+    rest = run_all(engine)  # resumes on the same data iterator: batches 5..8 as a new epoch
+    assert len(rest) == N - 5
+    ledger = engine.ledger
+    assert ledger.drawn == N and ledger.trained == 3 + len(rest)
+    assert ledger.drawn == ledger.trained + len(ledger.dropped)
+
+
+@pytest.mark.parametrize("thread_map", THREAD_MAPS, ids=str)
+def test_stop_policy_reports_the_batches_left_in_flight(thread_map: Any) -> None:
+    engine = Engine(toy_plan(on_exhausted="stop").with_thread_map(thread_map), Toy(N).bindings(), timeout_s=10)
+    assert len(run_all(engine)) == N - 2
+    reason = "left in flight: the plan stopped at the end of data"
+    assert engine.untrained() == [(N - 2, reason), (N - 1, reason)]
+    assert engine.ledger.drawn == N
+    engine.close()
+
+
+def test_after_a_failure_collectives_on_several_threads_stay_aborted_until_reset() -> None:
+    toy = Toy(N)
+    engine = Engine(toy_plan().with_thread_map({"Opt": "io"}), flaky(toy, "H2D", 4), timeout_s=10)
+    for _ in range(2):
+        engine.step()
+    with pytest.raises(OSError):
+        engine.step()
+    # resuming would issue this rank's collectives out of step with the other ranks
+    with pytest.raises(CollectiveAborted, match="transient failure of H2D on batch 4"):
+        engine.step()
+    engine.reset()
+    rest = run_all(engine)  # a new epoch on what is left of the data
+    ledger = engine.ledger
+    assert ledger.trained == 2 + len(rest)
+    assert ledger.drawn == ledger.trained + len(ledger.dropped) == N
+    engine.close()
