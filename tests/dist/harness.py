@@ -124,6 +124,7 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Queue[tuple[int, bool, Any]],
+    group_may_break: bool,
 ) -> None:
     """Body of one child: joins the gloo group, runs ``fn`` and reports to the parent.
 
@@ -150,19 +151,31 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, payload))
+    if group_may_break:
+        # fn may have left the process group unusable (a peer failed on purpose): flush the
+        # report and leave without the collective goodbye.
+        results.close()
+        results.join_thread()
+        os._exit(0)
     # Leave together: rank 0 hosts the TCP store that the others still use while shutting down.
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run_on_ranks(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 300.0
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout_s: float = 300.0,
+    group_may_break: bool = False,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns results by rank.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function) and so must ``fn``'s
     result (keep tensors on the CPU). Each rank starts with deterministic algorithms, one
-    intra-op thread and seeded RNGs.
+    intra-op thread and seeded RNGs. ``group_may_break=True`` is for tests that break the
+    process group on purpose (a rank failing mid-collective): ranks then exit without the final
+    barrier.
 
     Raises:
         RankError: a rank raised (the message holds its full traceback) or exited without
@@ -179,7 +192,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, os.getpid(), fn, args, results),
+            args=(rank, world_size, port, os.getpid(), fn, args, results, group_may_break),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
