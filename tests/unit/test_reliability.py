@@ -109,3 +109,69 @@ def test_after_a_failure_collectives_on_several_threads_stay_aborted_until_reset
     assert ledger.trained == 2 + len(rest)
     assert ledger.drawn == ledger.trained + len(ledger.dropped) == N
     engine.close()
+
+
+class Refillable:
+    """An iterator object that a new epoch refills in place (like a DataLoader with persistent
+    workers, whose ``iter()`` returns the same iterator object every epoch)."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+
+    def refill(self, items: list[int]) -> None:
+        self.items = list(items)
+
+    def __iter__(self) -> Refillable:
+        return self
+
+    def __next__(self) -> int:
+        if not self.items:
+            raise StopIteration
+        return self.items.pop(0)
+
+
+def counting_plan_bindings(source: list[Any]) -> dict[str, Any]:
+    return {
+        "H2D": lambda b: next(source[0]),
+        "Dist": lambda b, x: x,
+        "Fwd": lambda b, y: y,
+        "Opt": lambda b, out: None,
+    }
+
+
+@pytest.mark.parametrize("thread_map", ["main", {"H2D": "io"}], ids=str)
+def test_new_data_after_a_stop_trains_what_was_left_in_flight(thread_map: Any) -> None:
+    source: list[Any] = [iter(range(6))]
+    engine = Engine(toy_plan(on_exhausted="stop").with_thread_map(thread_map), counting_plan_bindings(source), timeout_s=10)
+    first = run_all(engine)
+    assert first == [0, 1, 2, 3]  # batches 4 and 5 stayed in flight
+    source[0] = iter(range(100, 103))
+    engine.new_data()
+    second = run_all(engine)
+    assert second == [4, 5, 100]  # 101 and 102 in flight: the plan stopped again
+    assert [s for s, _ in engine.untrained()] == [7, 8]
+    engine.close()
+
+
+def test_new_data_while_draining_continues_without_a_stop() -> None:
+    source: list[Any] = [iter(range(4))]
+    engine = Engine(toy_plan(), counting_plan_bindings(source))
+    outs = [engine.step() for _ in range(3)]  # batch 4 was looked for: the drain has begun
+    assert engine.num_batches == 4
+    source[0] = iter(range(10, 12))
+    engine.new_data()
+    outs += run_all(engine)
+    assert outs == [0, 1, 2, 3, 10, 11]
+    assert engine.ledger.drawn == engine.ledger.trained == 6
+
+
+def test_same_iterator_object_refilled_for_a_new_epoch() -> None:
+    data = Refillable()
+    source: list[Any] = [data]
+    engine = Engine(toy_plan(), counting_plan_bindings(source))
+    for epoch in range(3):
+        data.refill([10 * epoch + k for k in range(5)])
+        if epoch:
+            engine.new_data()
+        assert run_all(engine) == [10 * epoch + k for k in range(5)]
+    assert engine.ledger.drawn == engine.ledger.trained == 15

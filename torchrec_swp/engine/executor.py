@@ -268,7 +268,9 @@ class Engine:
         for b in self.in_flight():
             self.ledger.dropped.append((self._epoch_serial + b, "in flight when reset() was called"))
         self._epoch_serial = self.ledger.drawn
-        self._resume: frozenset[str] = frozenset()  # tasks done in a failed iteration
+        self._resume: frozenset[str] = frozenset()  # tasks done in a failed or stopped iteration
+        self._end_reported = False  # step() raised StopIteration for the end of the data
+        self._restart_after_drain = False
         self.iteration = 0
         self.loaded = 0  # batches the source produced
         self.num_batches: int | None = None  # M, once the source found the data exhausted
@@ -282,6 +284,29 @@ class Engine:
     def in_flight(self) -> list[int]:
         """Batches loaded but not delivered (in order), by index in this epoch."""
         return list(range(self.delivered, self.loaded))
+
+    def new_data(self) -> None:
+        """The source has new data (a new iterator, or a new epoch of the same one).
+
+        Stopped at the end of data: resume the iteration that stopped, where it stopped.
+        Drained: start a new epoch. Still draining: finish the batches in flight, then start a
+        new epoch without raising StopIteration in between. Otherwise nothing changes: the
+        source reads the new data from its next batch on.
+        """
+        if self.stopped:
+            self.stopped = False
+            self.num_batches = None
+        elif self.num_batches is None:
+            return
+        elif self.delivered >= self.num_batches:
+            self.reset()
+        else:
+            self._restart_after_drain = True
+
+    @property
+    def end_reported(self) -> bool:
+        """The last step() raised StopIteration because the data ended."""
+        return self._end_reported
 
     @property
     def ended(self) -> bool:
@@ -301,8 +326,12 @@ class Engine:
     def step(self) -> Any:
         top = self.plan.max_stage
         while True:
-            if self.stopped or (self.num_batches is not None and self.delivered >= self.num_batches):
-                raise StopIteration
+            if self.ended:
+                if not self._restart_after_drain:
+                    self._end_reported = True
+                    raise StopIteration
+                self.reset()
+            self._end_reported = False
             p = self.iteration
             program = self.compiled.program(p, self.num_batches)
             start = time.perf_counter() if self._observer is not None else 0.0
@@ -350,9 +379,12 @@ class Engine:
                     raise RuntimeError(f"{describe(task, b, MAIN_THREAD, p)} raised StopIteration") from e
                 self._annotate(e, _Failure(e, task, b, MAIN_THREAD, p))
                 raise
-        self._resume = frozenset()
-        if self.stopped:
-            raise StopIteration
+        else:
+            self._resume = frozenset()
+            return
+        # stopped at the end of data: if data comes again, resume from the source
+        self._resume = self._resume | {step[3] for step in steps[:k]}
+        raise StopIteration
 
     def _pull(self, invoke: Invoker, b: int) -> bool:
         """Run the source for batch ``b``; False when the data is exhausted and the plan stops."""
@@ -396,9 +428,10 @@ class Engine:
                 first.exc.add_note(f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}")
             self._annotate(first.exc, first)
             raise first.exc
-        self._resume = frozenset()
         if ctx.stopped:
+            self._resume = ctx.skip | ctx.completed
             raise StopIteration
+        self._resume = frozenset()
 
     def _worker_job(self, group: str, instrs: tuple[Any, ...], ctx: _IterationContext) -> None:
         try:

@@ -330,7 +330,9 @@ def eval_fused_sparse_dist_plan(
     return plan.replace(schedule={**plan.schedule, "EmbLookup": plan.schedule["EmbLookup"].replace(stage=1)}, fire_order=fire)
 
 
-def semi_sync_plan(*, phase: str = "semi_sync", execute_all_batches: bool = True) -> PipelinePlan:
+def semi_sync_plan(
+    *, phase: str = "semi_sync", execute_all_batches: bool = True, clear_data_dist_inputs: bool = False
+) -> PipelinePlan:
     """TrainPipelineSemiSync: H2D(i+3) -> InputDist(i+2) -> EmbLookup(i+1) -> fwd/bwd/opt(i).
 
     Two plans with the same tasks and stages, switched by the pipeline when the batch being
@@ -345,6 +347,7 @@ def semi_sync_plan(*, phase: str = "semi_sync", execute_all_batches: bool = True
     InputDistStart(i+2), pops batch i right after Forward(i) (Dequeue), zeroes gradients last,
     and in the semi-sync phase issues EmbLookup(i+1) before Backward(i). ``execute_all_batches``
     does not change SemiSync upstream (its copy never raises), so the plan always drains.
+    ``clear_data_dist_inputs`` adds ClearDataDistInputs(i), upstream's first call in progress().
     """
     s = TaskSchedule
     schedule = {
@@ -382,6 +385,9 @@ def semi_sync_plan(*, phase: str = "semi_sync", execute_all_batches: bool = True
         inter.append(("EmbLookup", "EmbBackward", 2))
     else:
         raise ValueError(f"phase must be 'sync' or 'semi_sync', got {phase!r}")
+    if clear_data_dist_inputs:
+        schedule["ClearDataDistInputs"] = s(3, "data_dist")
+        fire.insert(0, "ClearDataDistInputs")
     del execute_all_batches  # accepted for symmetry: upstream SemiSync always drains
     return _plan(
         f"TrainPipelineSemiSync_{phase}",
@@ -438,7 +444,7 @@ def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True) -> PipelinePl
     )
 
 
-def eval_sparse_dist_plan() -> PipelinePlan:
+def eval_sparse_dist_plan(*, clear_data_dist_inputs: bool = False) -> PipelinePlan:
     """EvalPipelineSparseDist: a background loader thread copies batch i+2 while the calling
     thread runs input dist (i+1) and forward (i). The loader is a thread group of the plan.
 
@@ -446,26 +452,33 @@ def eval_sparse_dist_plan() -> PipelinePlan:
     modules are re-initialised on every call. Upstream starts the input dist of batch i+1 in the
     call that forwards batch i, so there are three stages (depth 3), and initialises the
     pipelined modules only on the first call. It also starts batch 0's input dist twice; the
-    plan starts it once.
+    plan starts it once. ``clear_data_dist_inputs`` adds ClearDataDistInputs after WaitBatch.
     """
     s = TaskSchedule
+    schedule = {
+        "H2D": s(0, "memcpy", thread_group="loader"),
+        "WaitBatch": s(2),
+        "InputDistStart": s(1, "data_dist", comm_group=WORLD),
+        "Forward": s(2, comm_group=WORLD),
+        "InputDistWait": s(1, "data_dist", comm_group=WORLD),
+        "Dequeue": s(2),
+    }
+    fire = ["H2D", "WaitBatch", "InputDistStart", "Forward", "InputDistWait", "Dequeue"]
+    intra = [
+        ("InputDistWait", "InputDistStart"),
+        ("WaitBatch", "InputDistWait"),
+        ("Forward", "WaitBatch"),
+        ("Dequeue", "Forward"),
+    ]
+    if clear_data_dist_inputs:
+        schedule["ClearDataDistInputs"] = s(2, "data_dist")
+        fire.insert(fire.index("WaitBatch") + 1, "ClearDataDistInputs")
+        intra.append(("ClearDataDistInputs", "WaitBatch"))
     return _plan(
         "EvalPipelineSparseDist",
-        {
-            "H2D": s(0, "memcpy", thread_group="loader"),
-            "WaitBatch": s(2),
-            "InputDistStart": s(1, "data_dist", comm_group=WORLD),
-            "Forward": s(2, comm_group=WORLD),
-            "InputDistWait": s(1, "data_dist", comm_group=WORLD),
-            "Dequeue": s(2),
-        },
-        ["H2D", "WaitBatch", "InputDistStart", "Forward", "InputDistWait", "Dequeue"],
-        intra=[
-            ("InputDistWait", "InputDistStart"),
-            ("WaitBatch", "InputDistWait"),
-            ("Forward", "WaitBatch"),
-            ("Dequeue", "Forward"),
-        ],
+        schedule,
+        fire,
+        intra=intra,
         inter=[],
         source="H2D",
         depth=3,
@@ -477,10 +490,13 @@ def staged_plan(stage_names: list[str], stage_streams: list[str] | None = None) 
     an Emit task hands the batch that left the last stage to the caller (who runs fwd/bwd/opt).
 
     UPSTREAM: seed 001 gives depth N; the batch being returned is one more position, so the
-    depth is N + 1. Within a call upstream runs stage 0 (the newest batch) first.
+    depth is N + 1. Within a call upstream first pops the batch it returns (``_advance``, the
+    Emit task), then runs stage 0 (the newest batch), stage 1, ... stage N-1.
     """
     if not stage_names:
         raise ValueError("StagedTrainPipeline needs at least one stage")
+    if len(set(stage_names)) != len(stage_names) or "Emit" in stage_names:
+        raise ValueError(f"stage names must be distinct and not 'Emit', got {stage_names}")
     streams = stage_streams or ["default"] * len(stage_names)
     s = TaskSchedule
     schedule = {name: s(k, streams[k]) for k, name in enumerate(stage_names)}
@@ -493,6 +509,7 @@ def staged_plan(stage_names: list[str], stage_streams: list[str] | None = None) 
     return PipelinePlan(
         schedule=schedule,
         pipeline_depth=len(stage_names) + 1,
+        fire_order=["Emit", *stage_names],
         tasks=tasks,
         source=stage_names[0],
         output="output",

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torchrec_swp.engine import Engine, StreamPool
+from torchrec_swp.engine import BatchLedger, Engine, StreamPool
 from torchrec_swp.plan import PipelinePlan, PlanError, ThreadMap
 
 PlanLike = PipelinePlan | str | os.PathLike[str]
@@ -74,6 +74,30 @@ class _PlanDriven:
     def available_tasks(cls) -> tuple[str, ...]:
         """Names of the tasks a plan for this pipeline may use."""
         return tuple(cls._SWP_TASKS)  # type: ignore[attr-defined]
+
+    def _swp_take_iterator(self, dataloader_iter: Iterator[Any]) -> None:
+        """Note the iterator progress() was given; new data for the engine when it is a new
+        iterator, or when progress() is called again after it raised StopIteration at the end
+        of the data (a new epoch of a DataLoader whose iterator object is reused, e.g. with
+        persistent workers). Nothing in flight is lost either way: see Engine.new_data."""
+        engine = self._swp_engine
+        if engine.end_reported or (self._swp_iter is not None and dataloader_iter is not self._swp_iter):
+            engine.new_data()
+            self._swp_on_new_data()
+        self._swp_iter = dataloader_iter
+
+    def _swp_on_new_data(self) -> None:
+        """Clear the upstream class's own end-of-data flag (overridden where it has one)."""
+
+    @property
+    def batch_ledger(self) -> BatchLedger:
+        """How many batches were drawn and trained, and which were dropped (and why)."""
+        return self._swp_engine.ledger
+
+    def untrained_batches(self) -> list[tuple[int, str]]:
+        """Every batch drawn from the data and not trained, as (serial, reason): dropped by a
+        reset(), left in flight by a stop at the end of data, or still in flight."""
+        return self._swp_engine.untrained()
 
     @property
     def plan(self) -> PipelinePlan:

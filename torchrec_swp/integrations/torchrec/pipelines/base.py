@@ -39,9 +39,12 @@ class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], _PlanDriven):
         self._swp_setup(plans.train_pipeline_base_plan(), plan, thread_map, engine_timeout_s, streams)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        self._swp_iter = dataloader_iter
+        self._swp_take_iterator(dataloader_iter)
         self._connected = True
         return self._swp_engine.step()
+
+    def _swp_on_new_data(self) -> None:
+        self._data_iter_stopped = False
 
     def reset(self) -> None:
         super().reset()

@@ -66,13 +66,11 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
         # attach the model in case the user detached it and forgot to attach it (as upstream does)
         if not self._model_attached:
             self.attach(self._model)
-        engine = self._swp_engine
-        if dataloader_iter is not self._swp_iter:
-            # a new iterator after the previous one was drained: a new epoch
-            if engine.num_batches is not None and engine.delivered >= engine.num_batches and not engine.stopped:
-                engine.reset()
-            self._swp_iter = dataloader_iter
-        return engine.step()
+        self._swp_take_iterator(dataloader_iter)
+        return self._swp_engine.step()
+
+    def _swp_on_new_data(self) -> None:
+        self._dataloader_exhausted = False
 
     def reset(self) -> None:
         super().reset()

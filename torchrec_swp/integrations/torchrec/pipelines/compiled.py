@@ -1,0 +1,217 @@
+"""TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd on the engine: the pipelines that compile.
+
+Both constructors change global dynamo/inductor settings, as upstream's do.
+TrainPipelineSparseDistCompAutograd also switches the model's DistributedDataParallel to DDP's
+Python reducer (compiled autograd refuses the C++ one); see ``_use_ddp_python_reducer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch._dynamo.trace_rules
+import torch._inductor.config
+from torch.autograd.profiler import record_function
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.comm_ops import torchrec_use_sync_collectives
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
+from torchrec.distributed.train_pipeline.utils import _to_device
+
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.plan import PipelinePlan, ThreadMap
+
+__all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], _PlanDriven):
+    """TrainPipelinePT2 on the engine: one batch per call, no overlap; the model is compiled in
+    the Forward of call ``compile_configs.compile_on_iter + 1`` (the 4th by default).
+
+    Same constructor as upstream's (which does not run TrainPipelineBase's), plus the keyword-only
+    engine options. The default plan is ``plans.pt2_plan()``. At the end of data the
+    dataloader's StopIteration ends the call; every later call asks the iterator again, as
+    upstream does, so a new iterator starts a new epoch.
+    """
+
+    _SWP_TASKS = ("LoadBatch", "H2D", "InputTransform", "ZeroGrad", "Forward", "Backward", "OptimizerStep")
+
+    def __init__(
+        self,
+        *args: Any,
+        plan: PlanLike | None = None,
+        thread_map: ThreadMap | None = None,
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._swp_setup(plans.pt2_plan(), plan, thread_map, engine_timeout_s, stream_pool_for(self._device))
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        self._state = PipelineState.IDLE
+        self._swp_iter = dataloader_iter
+        engine = self._swp_engine
+        if engine.num_batches is not None:
+            # Nothing is in flight in a depth-1 plan: start over and let the source call next()
+            # again, as upstream does on every call.
+            engine.reset()
+        return engine.step()
+
+    def reset(self) -> None:
+        super().reset()
+        self._swp_engine.reset()
+
+    # ------------------------------------------------------------ task functions
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "LoadBatch": self._task_load_batch,
+            "H2D": self._task_h2d,
+            "InputTransform": self._task_input_transform,
+            "ZeroGrad": self._task_zero_grad,
+            "Forward": self._task_forward,
+            "Backward": self._task_backward,
+            "OptimizerStep": self._task_optimizer_step,
+        }
+
+    def _task_load_batch(self, b: int) -> Any:
+        with record_function("## load_batch ##"):
+            return next(self._swp_iter)  # type: ignore[arg-type]
+
+    def _task_h2d(self, b: int, host_batch: Any) -> Any:
+        with record_function("## copy_batch_to_gpu ##"):
+            self._cur_batch = _to_device(host_batch, self._device, non_blocking=False)
+        return self._cur_batch
+
+    def _task_input_transform(self, b: int, batch: Any) -> Any:
+        # Upstream applies it after the copy, to the very object the compiled model receives.
+        if self._input_transformer:
+            self._cur_batch = self._input_transformer(batch)
+        return self._cur_batch
+
+    def _task_zero_grad(self, b: int) -> None:
+        if self._model.training:
+            with record_function("## zero_grad ##"):
+                self._optimizer.zero_grad()
+
+    def _task_forward(self, b: int, model_input: Any) -> tuple[Any, Any]:
+        with record_function("## forward ##"):
+            self._state = PipelineState.CALL_FWD
+            if self._iter == self._compile_configs.compile_on_iter:
+                self._compile_model()
+            losses, output = self._model(model_input)
+            self._iter += 1
+        return losses, output
+
+    def _compile_model(self) -> None:
+        """Upstream's compile step: pre-compile hook, the dynamo settings TorchRec's PT2 tracing
+        needs, ``model.compile(...)`` with ``compile_configs``, post-compile hook."""
+        cc = self._compile_configs
+        logger.info("Compiling model...")
+        if self._pre_compile_fn:
+            self._pre_compile_fn(self._model)
+        torch._dynamo.config.capture_scalar_outputs = True
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
+        torch._dynamo.config.force_unspec_int_unbacked_size_like_on_torchrec_kjt = True
+        torch._dynamo.config.skip_torchrec = False
+        torch.ops.import_module("fbgemm_gpu.sparse_ops")
+        self._model.compile(fullgraph=cc.fullgraph, dynamic=cc.dynamic, backend=cc.backend)
+        if self._post_compile_fn:
+            self._post_compile_fn(self._model)
+
+    def _task_backward(self, b: int, losses: torch.Tensor) -> None:
+        if self._model.training:
+            with record_function("## backward ##"):
+                self._state = PipelineState.CALL_BWD
+                torch.sum(losses).backward()
+
+    def _task_optimizer_step(self, b: int) -> None:
+        if self._model.training:
+            with record_function("## optimizer ##"):
+                self._optimizer.step()
+
+
+class TrainPipelineSparseDistCompAutograd(
+    TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistCompAutograd[In, Out]
+):
+    """TrainPipelineSparseDistCompAutograd on the engine: TrainPipelineSparseDist's schedule with
+    Forward and Backward under compiled autograd and TorchRec's synchronous collectives.
+
+    Same constructor as upstream's, plus TrainPipelineSparseDist's keyword-only engine options.
+    The default plan is ``plans.comp_autograd_plan(...)`` with this pipeline's
+    ``execute_all_batches`` and ``clear_data_dist_inputs``. As upstream, the first Forward runs
+    without compiled autograd and every Backward runs under it.
+
+    Two changes make it run as shipped, on any device:
+
+    * the model's DDP switches to the Python reducer (``_use_ddp_python_reducer``): upstream
+      fails in the first backward unless ``torch._dynamo.config.optimize_ddp`` was
+      ``"python_reducer"`` when the model was built;
+    * on the CPU, unless the model sets ``_compiled_autograd_options``, compiled autograd uses
+      ``fullgraph=False``: fbgemm_gpu_cpu registers no fake kernel for the TBE backward op
+      (``split_embedding_codegen_grad_indice_weights_pt2_wrapper``), so dynamo must break the
+      graph there. Other devices keep upstream's ``fullgraph=True``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _use_ddp_python_reducer(self._model)
+        if self._device.type == "cpu" and not hasattr(self._model, "_compiled_autograd_options"):
+            self.compiled_autograd_options = {**self.compiled_autograd_options, "fullgraph": False}
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.comp_autograd_plan(
+            execute_all_batches=self._execute_all_batches,
+            clear_data_dist_inputs=self._clear_data_dist_inputs,
+        )
+
+    # ------------------------------------------------------------ task functions
+    def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
+        ctx = self.get_compiled_autograd_ctx()
+        with ctx, torchrec_use_sync_collectives(), record_function("## forward ##"):
+            losses, output = self._model_fwd(batch)
+        return losses, output
+
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+        if self._model.training:
+            ctx = self.get_compiled_autograd_ctx()
+            with ctx, torchrec_use_sync_collectives(), record_function("## backward ##"):
+                torch.sum(losses, dim=0).backward()
+
+    def _task_optimizer_step(self, b: int, context: Any) -> None:
+        if self._model.training:
+            with record_function("## optimizer ##"):
+                self._optimizer.step()
+
+
+def _use_ddp_python_reducer(model: torch.nn.Module) -> None:
+    """Switch every DistributedDataParallel in ``model`` to DDP's Python reducer, in place.
+
+    Afterwards each DDP is as if built under ``torch._dynamo.config.optimize_ddp =
+    "python_reducer"``: every parameter's gradient is divided by the world size and all-reduced
+    in a post-accumulate-grad hook, which compiled autograd traces into the backward graph.
+    The C++ reducer's gradient hooks are removed, because compiled autograd raises on them
+    ("Compiled autograd is not compatible with C++ DDP Reducer"), and DMP builds its DDP before
+    any pipeline exists. The C++ reducer then stays idle: DDP's forward no longer prepares it.
+    The rest repeats what DDP's constructor does in that mode (torch 2.13,
+    ``nn/parallel/distributed.py``): inductor fuses the all-reduces into buckets, and dynamo
+    inlines DDP's module so the hooks trace instead of breaking the graph.
+    """
+    for module in model.modules():
+        if not isinstance(module, DistributedDataParallel) or module._use_python_reducer:
+            continue
+        module._remove_autograd_hooks()
+        module._use_python_reducer = True
+        torch._inductor.config._fuse_ddp_communication = True
+        torch._inductor.config._fuse_ddp_bucket_size = module._bucket_config.bucket_cap_mb
+        torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.add("torch.nn.parallel.distributed")
+        torch._dynamo.trace_rules.get_legacy_mod_inlinelist.cache_clear()
+        module._register_accum_grad_hook()

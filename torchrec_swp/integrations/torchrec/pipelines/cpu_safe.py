@@ -1,0 +1,117 @@
+"""Stream handling for upstream helpers that assume a CUDA-like device.
+
+TorchRec 1.8.0's Fused, EvalFused and Prefetch pipelines fail on CPU as shipped. Our pipelines
+fix that in their own types and helpers, never by patching torchrec:
+
+* ``InSyncEmbeddingForward``: upstream's ``InSyncEmbeddingPipelinedForward`` that knows the
+  pipeline's device. Without a stream, upstream's ``BaseForward`` assumes
+  ``torch.device("cuda")`` and then asks CUDA for its current stream on every forward.
+* ``prefetch_embeddings``: upstream's ``utils.prefetch_embeddings``, which returns without doing
+  anything when there is no data_dist stream (always so on CPU), so the forward then finds no
+  prefetched input ("Invalid PrefetchPipelinedForward usage"). Without streams this does the
+  same work with no stream syncs; with streams it is upstream's function unchanged.
+* (in ``fused.py``) ``start_embedding_lookup`` records the looked-up KJTs on the engine's
+  compute stream, which is None on CPU; upstream records them on ``current_stream()``, which
+  on CPU is a ``torch.cpu.Stream`` that ``Tensor.record_stream`` rejects ("unknown parameter type").
+
+With CUDA (or MTIA) streams every path here issues exactly upstream's waits and
+``record_stream`` calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch.autograd.profiler import record_function
+from torchrec.distributed.model_parallel import ShardedModule
+from torchrec.distributed.train_pipeline import runtime_forwards
+from torchrec.distributed.train_pipeline import utils as upstream_utils
+from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
+from torchrec.distributed.train_pipeline.types import CallArgs
+
+__all__ = ["InSyncEmbeddingForward", "prefetch_embeddings"]
+
+class InSyncEmbeddingForward(runtime_forwards.InSyncEmbeddingPipelinedForward):
+    """Upstream's forward for TrainPipelineFusedSparseDist, on the pipeline's device.
+
+    Contract: identical to upstream's when it has a stream (its device is the stream's). Without
+    one, its device is ``device`` (the pipeline's; set by ``on(device)``), not CUDA; the forward
+    then only asks that device for its current stream, to hand it to ``detach_embeddings``,
+    which does nothing in this forward.
+    """
+
+    device: ClassVar[torch.device] = torch.device("cpu")
+
+    def __init__(
+        self,
+        name: str,
+        args: CallArgs,
+        module: ShardedModule,
+        context: Any,
+        stream: torch.Stream | None = None,
+    ) -> None:
+        super().__init__(name, args, module, context, stream)
+        if stream is None:
+            self._device = self.device
+
+    @classmethod
+    def on(cls, device: torch.device) -> type[InSyncEmbeddingForward]:
+        """This forward type bound to ``device`` (one class per device, reused)."""
+        return _bound_forward(cls, torch.device(device))
+
+
+@functools.cache
+def _bound_forward(cls: type[InSyncEmbeddingForward], device: torch.device) -> type[InSyncEmbeddingForward]:
+    return type(cls.__name__, (cls,), {"device": device, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def prefetch_embeddings(
+    context: PrefetchTrainPipelineContext,
+    pipelined_modules: Sequence[ShardedModule],
+    device: torch.device,
+    stream_context: Callable[[Any], AbstractContextManager[Any]],
+    data_dist_stream: torch.Stream | None,
+    forward_stream: torch.Stream | None,
+) -> None:
+    """Prefetch the embeddings of the batch of ``context`` into the modules' caches.
+
+    Reads and pops ``context.input_dist_tensors_requests[name]`` and
+    ``context.module_contexts[name]`` for every pipelined module; writes
+    ``context.module_input_post_prefetch[name]`` and ``context.module_contexts_post_prefetch[name]``,
+    which PrefetchPipelinedForward consumes. With a data_dist stream this is upstream's
+    ``prefetch_embeddings`` (stream waits and ``record_stream`` included); without one, the same
+    steps with no stream work.
+
+    Raises:
+        RuntimeError: a module is not pipelined with a PrefetchPipelinedForward, or the input
+            dist of a module was not waited for (no request for it in the context).
+    """
+    if data_dist_stream is not None:
+        upstream_utils.prefetch_embeddings(
+            context, list(pipelined_modules), device, stream_context, data_dist_stream, forward_stream
+        )
+        return
+    for module in pipelined_modules:
+        forward = module.forward
+        if not isinstance(forward, runtime_forwards.PrefetchPipelinedForward):
+            raise RuntimeError(
+                f"cannot prefetch for {type(module).__name__}: its forward is {type(forward).__name__}, "
+                "not a PrefetchPipelinedForward (was the model detached from the pipeline?)"
+            )
+        name = forward.name
+        if name not in context.input_dist_tensors_requests:
+            raise RuntimeError(
+                f"cannot prefetch module {name!r} for batch {context.index}: its input dist was not waited "
+                f"for (requests available: {sorted(context.input_dist_tensors_requests)})"
+            )
+        request = context.input_dist_tensors_requests.pop(name)
+        with record_function(f"## _prefetch_embeddings {name}: {context.index} ##"):
+            dist_input = request.wait()
+        module_context = context.module_contexts[name]
+        module.prefetch(ctx=module_context, dist_input=dist_input, forward_stream=forward_stream)
+        context.module_input_post_prefetch[name] = dist_input
+        context.module_contexts_post_prefetch[name] = context.module_contexts.pop(name)

@@ -1,0 +1,82 @@
+"""EvalPipelineSparseDist on the engine: the background loader is a thread group of the plan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch.autograd.profiler import record_function
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
+
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.plan import PipelinePlan
+
+__all__ = ["EvalPipelineSparseDist"]
+
+logger = logging.getLogger(__name__)
+
+
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):
+    """EvalPipelineSparseDist on the engine: H2D(i+2) on a loader thread || InputDist(i+1) || forward(i).
+
+    Same constructor as upstream's, plus the keyword-only engine options of
+    TrainPipelineSparseDist (``plan``, ``thread_map``, ``engine_timeout_s``). The default plan
+    is ``plans.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is the
+    plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
+    memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can
+    move it like any other task.
+
+    As upstream: ``progress()`` returns the second element of ``model(batch)`` (no backward,
+    no optimizer, no ``no_grad``, no ``model.eval()``); the loader binds the first iterator
+    given, and later ones are ignored until ``reset()``; after the last batch every call raises
+    StopIteration; a data loading error that says it is retriable skips the batch.
+
+    Differences: batch 0's input dist is started once (upstream starts it twice and discards
+    the first result); the loader appends each batch and its context to ``batches``/``contexts``
+    when it loads it, so between calls they hold batches i+1 and i+2 (upstream: i+1).
+    """
+
+    _SWP_TASKS = ("H2D", "WaitBatch", "ClearDataDistInputs", "InputDistStart", "Forward", "InputDistWait", "Dequeue")
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        if self._swp_iter is None:
+            self._swp_iter = dataloader_iter
+        return self._swp_engine.step()
+
+    def reset(self) -> None:
+        super().reset()
+        self._swp_iter = None
+
+    # ------------------------------------------------------------ task functions
+    def _task_h2d(self, b: int) -> tuple[Any, Any]:
+        # what upstream's DataLoadingThread does for one batch; the engine has entered the
+        # memcpy stream. StopIteration from the iterator is the end of data.
+        while True:
+            try:
+                batch = next(self._swp_iter)  # type: ignore[arg-type]
+                break
+            except Exception as e:  # StopIteration too: it is not retriable
+                if not _is_data_loading_retriable(e):
+                    raise
+                logger.warning("%s: retriable exception in data loading (skipping batch): %r", type(self).__name__, e)
+        batch = batch.to(self._device, non_blocking=True)
+        context = self._create_context()
+        self.batches.append(batch)
+        self.contexts.append(context)
+        return batch, context
+
+    def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
+        with record_function("## wait_for_batch ##"):
+            upstream._wait_for_batch(batch, self._data_dist_stream)
+
+    def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
+        with record_function("## forward ##"):
+            losses, output = self._model(batch)
+        return losses, output

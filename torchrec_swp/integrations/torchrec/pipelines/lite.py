@@ -1,0 +1,32 @@
+"""TrainPipelineSparseDistLite on the engine."""
+
+from __future__ import annotations
+
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.plan import PipelinePlan
+
+__all__ = ["TrainPipelineSparseDistLite"]
+
+
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistLite[In, Out]):
+    """TrainPipelineSparseDistLite on the engine: H2D(i+1) || input dist, fwd/bwd/opt(i).
+
+    Same constructor as upstream's Lite, plus the engine options of TrainPipelineSparseDist
+    (``plan``, ``thread_map``, ``engine_timeout_s``, keyword-only). The default plan is
+    ``plans.sparse_dist_lite_plan()``; upstream forces the options that would change it.
+
+    Method resolution puts our TrainPipelineSparseDist (engine ``progress()``, task functions)
+    before upstream's Lite, so Lite's own helpers stay in force: its constructor sets
+    ``_data_dist_stream = None`` (input dist on the default stream, in the critical path) and
+    its ``_wait_for_batch()`` waits on the memcpy stream. The inherited InputDistStart calls
+    ``_init_pipelined_modules`` for the oldest batch in flight, which in Lite is every batch:
+    upstream's call, which rewrites the model the first time and then sets the module context
+    and starts input dist.
+    """
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.sparse_dist_lite_plan()

@@ -1,0 +1,129 @@
+"""PrefetchTrainPipelineSparseDist on the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PrefetchTrainPipelineContext
+from torchrec.distributed.train_pipeline.utils import _wait_for_batch
+
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.plan import PipelinePlan, ThreadMap
+
+__all__ = ["PrefetchTrainPipelineSparseDist"]
+
+
+class PrefetchTrainPipelineSparseDist(
+    upstream.PrefetchTrainPipelineSparseDist[In, Out], TrainPipelineSparseDist[In, Out]
+):
+    """PrefetchTrainPipelineSparseDist on the engine: H2D and InputDistStart(i+2),
+    InputDistWait and EmbPrefetch(i+1), forward/backward/optimizer(i).
+
+    The default plan is ``plans.prefetch_sparse_dist_plan(...)`` with this pipeline's
+    ``execute_all_batches``. With ``execute_all_batches=False`` it stops at the first missing
+    batch, as TrainPipelineSparseDist does (upstream's refills on every call and drops the last
+    four batches).
+
+    Runs on CPU as shipped: ``_prefetch`` uses ``cpu_safe.prefetch_embeddings``, which prefetches
+    without streams where upstream's skips the prefetch (and its forward then fails).
+    """
+
+    _SWP_TASKS = (
+        "ZeroGrad",
+        "WaitBatch",
+        "ClearDataDistInputs",
+        "H2D",
+        "InputDistWait",
+        "Forward",
+        "EmbPrefetch",
+        "Backward",
+        "OptimizerStep",
+        "InputDistStart",
+        "Dequeue",
+    )
+
+    def __init__(
+        self,
+        *args: Any,
+        plan: PlanLike | None = None,
+        thread_map: ThreadMap | None = None,
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        # Our TrainPipelineSparseDist's constructor built an engine before upstream's constructor
+        # had created the prefetch stream; that engine never ran a task. Build the real one.
+        self._swp_setup(self._swp_default_plan(), plan, thread_map, engine_timeout_s, self._swp_streams())
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        # upstream's hand-written progress() precedes ours in the MRO. Unlike upstream's, ours
+        # re-attaches a detached model, as TrainPipelineSparseDist does (upstream's would fail
+        # in prefetch on a detached model).
+        return TrainPipelineSparseDist.progress(self, dataloader_iter)
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.prefetch_sparse_dist_plan(execute_all_batches=self._execute_all_batches)
+
+    def _swp_streams(self) -> StreamPool:
+        streams = {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream}
+        # absent while upstream's constructor is still running (see __init__)
+        prefetch = getattr(self, "_prefetch_stream", None)
+        if prefetch is not None:
+            streams["prefetch"] = prefetch
+        return stream_pool_for(self._device, streams)
+
+    def _prefetch(self, context: PrefetchTrainPipelineContext) -> None:
+        """Upstream's ``_prefetch``: prefetch the embeddings of the batch of ``context`` on the
+        prefetch stream, also where there are no streams (see ``cpu_safe.prefetch_embeddings``)."""
+        context.module_input_post_prefetch.clear()
+        context.module_contexts_post_prefetch.clear()
+        with record_function(f"## sharded_module_prefetch {context.index} ##"):
+            with self._stream_context(self._prefetch_stream):  # type: ignore[arg-type]
+                cpu_safe.prefetch_embeddings(
+                    context,
+                    self._pipelined_modules,
+                    self._device,
+                    self._stream_context,  # type: ignore[arg-type]
+                    self._data_dist_stream,
+                    self._default_stream,
+                )
+
+    # ------------------------------------------------------------ task functions
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        return {**super()._swp_task_functions(), "EmbPrefetch": self._task_emb_prefetch}
+
+    def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
+        self._set_module_context(context)
+        with record_function("## wait_for_batch ##"):
+            _wait_for_batch(batch, self._prefetch_stream)
+
+    def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
+        with record_function("## forward ##"):
+            losses, output = self._model_fwd(batch)
+        # free what forward consumed, so batch i+1's prefetch can reuse the memory
+        context.module_input_post_prefetch.clear()
+        context.module_contexts_post_prefetch.clear()
+        return losses, output
+
+    def _task_emb_prefetch(self, b: int, context: Any) -> None:
+        self._prefetch(context)
+
+    # Upstream's Prefetch progress() runs backward and the optimizer inline: no ``_state``, no
+    # ``_backward``/``_optimizer_step`` hooks, no 2D embedding sync.
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+        if self._model.training:
+            with record_function("## backward ##"):
+                torch.sum(losses, dim=0).backward()
+
+    def _task_optimizer_step(self, b: int, context: Any) -> None:
+        if self._model.training:
+            with record_function("## optimizer ##"):
+                self._optimizer.step()

@@ -1,0 +1,185 @@
+"""StagedTrainPipeline on the engine: a list of PipelineStage is a plan."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torchrec.distributed.train_pipeline import train_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In
+from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, StageOut
+
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
+from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
+
+__all__ = ["StagedTrainPipeline"]
+
+logger = logging.getLogger(__name__)
+
+# Devices with streams and events; elsewhere (the CPU) nothing crosses a stream.
+_STREAM_DEVICES = ("cuda", "mtia")
+
+
+def _stream_device(stream: Any) -> torch.device:
+    """The device of a stage's stream; the CPU for a stream without one (``torch.cpu.Stream``)."""
+    device = getattr(stream, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def stage_task_names(stages: Sequence[PipelineStage]) -> list[str]:
+    """The plan's task name of each stage: its name made an identifier, unique, never ``Emit``."""
+    names: list[str] = []
+    for k, stage in enumerate(stages):
+        name = re.sub(r"[^A-Za-z0-9_.]", "_", stage.name)
+        if not re.match(r"[A-Za-z_]", name):
+            name = f"stage{k}_{name}"
+        if name in names or name == "Emit":
+            name = f"{name}_{k}"
+        names.append(name)
+    return names
+
+
+class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDriven):
+    """StagedTrainPipeline on the engine: stage k of the list works on batch i+N-k while the
+    caller trains batch i on what ``progress()`` returned.
+
+    Same constructor as upstream's, plus keyword-only engine options (``plan``, ``thread_map``,
+    ``engine_timeout_s``). The default plan is ``plans.staged_plan(names, streams)``: stage k
+    is a task at stage k (named after the stage, made an identifier), and Emit, at stage N,
+    hands out the batch that left the last stage, first in each call as upstream's
+    ``_advance()``. Stages sharing a stream object share a stream name in the plan, so
+    ``thread_map="by_stream"`` gives each stream its own thread.
+
+    Contract, as upstream's:
+
+    * Stage 0 pulls with upstream's ``_next_batch`` (None once the iterator is exhausted or
+      while flushing). A None flows through the stages like a batch: each stage whose input is
+      None skips its runnable and calls its ``data_exhausted_callback``, on every call.
+      ``progress()`` returns None at the end of data, again on every later call, and a new
+      iterator starts feeding stage 0 again.
+    * During the fill (the first N internal iterations after construction or a flush) each stage
+      calls its ``fill_callback`` after it ran, whether its input was None or not.
+    * ``set_flush(True)``: stage 0 stops pulling, the batches in flight are returned; in the call
+      where the output would be None, ``flush_end()`` runs ``on_flush_end`` and the same call
+      refills from the iterator and returns the first new batch.
+
+    Difference: within the fill, upstream runs the stages batch by batch (b0: s0 s1 s2, b1:
+    s0 s1, b2: s0); the engine runs them iteration by iteration (s0(b0) | s0(b1) s1(b0) |
+    s0(b2) s1(b1) s2(b0)). Every stage sees the same batches in the same order and every
+    callback is called as often, in the same ``progress()`` call.
+
+    Runs on CPU as shipped: upstream reads ``.device`` of its default compute stream (the CPU's
+    has none) and calls ``record_stream`` on CPU tensors. Here the CPU gets a
+    ``torch.Stream(device="cpu")`` as compute stream for upstream's constructor, and the engine
+    does the stream waits, with ``record_stream`` only on devices that have streams.
+    """
+
+    # and one task per stage, named by stage_task_names()
+    _SWP_TASKS = ("Emit",)
+
+    def __init__(
+        self,
+        pipeline_stages: list[PipelineStage],
+        debug_mode: bool = False,
+        compute_stream: torch.Stream | None = None,
+        on_flush_end: Callable[[], None] | None = None,
+        *,
+        plan: PlanLike | None = None,
+        thread_map: ThreadMap | None = None,
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not pipeline_stages:
+            raise ValueError("StagedTrainPipeline needs at least one PipelineStage in pipeline_stages")
+        device = _stream_device(compute_stream if compute_stream is not None else pipeline_stages[0].stream)
+        if compute_stream is None and device.type not in _STREAM_DEVICES:
+            # upstream would take torch.cpu.current_stream(), which has no .device
+            compute_stream = torch.Stream(device="cpu")
+        super().__init__(pipeline_stages, debug_mode, compute_stream, on_flush_end)
+        self._swp_has_streams = device.type in _STREAM_DEVICES
+        self._swp_stage_tasks = stage_task_names(pipeline_stages)
+        stream_names, streams = self._swp_stream_names()
+        self._swp_setup(
+            plans.staged_plan(self._swp_stage_tasks, stream_names),
+            plan,
+            thread_map,
+            engine_timeout_s,
+            stream_pool_for(device, streams),
+        )
+
+    def _swp_stream_names(self) -> tuple[list[str], dict[str, Any]]:
+        """Each stage's stream name in the plan (the compute stream is ``default``, another
+        stream is named after the first stage on it), and the stream objects by name."""
+        streams: dict[str, Any] = {DEFAULT_STREAM: self._compute_stream}
+        names = []
+        for task, stage in zip(self._swp_stage_tasks, self._pipeline_stages):
+            # Every CPU stream object compares equal to every other (the CPU has one stream);
+            # there, stages are told apart by object so that "by_stream" still separates them.
+            name = next(
+                (n for n, s in streams.items() if s is stage.stream or (self._swp_has_streams and s == stage.stream)),
+                task,
+            )
+            streams.setdefault(name, stage.stream)
+            names.append(name)
+        return names, streams
+
+    def progress(self, dataloader_iter: Iterator[In]) -> StageOut | None:
+        self._swp_iter = dataloader_iter
+        out = self._swp_engine.step()
+        if out is None and self._flushing:
+            # everything in flight has drained: end the flush and refill within this call
+            self.flush_end()
+            return self.progress(dataloader_iter)
+        return out
+
+    def flush_end(self) -> None:
+        """Upstream's flush_end (stop flushing, refill next, ``on_flush_end()``); the batches
+        in flight, all None by now, are dropped so that the next step refills."""
+        self._swp_engine.reset()
+        super().flush_end()
+
+    # ------------------------------------------------------------ task functions
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        functions: dict[str, Callable[..., Any]] = {"Emit": self._task_emit}
+        for k, task in enumerate(self._swp_stage_tasks):
+            functions[task] = functools.partial(self._task_stage, k)
+        return functions
+
+    def _task_stage(self, k: int, b: int, **inputs: Any) -> Any:
+        """Upstream's _run_stage for stage k: the runnable on the input, or the
+        data_exhausted_callback on None; the fill_callback after it during the fill."""
+        stage = self._pipeline_stages[k]
+        with record_function(f"## Pipeline Stage {k} : {stage.name} for batch {b} ##"):
+            if k == 0:
+                batch = self._next_batch(self._swp_iter)  # type: ignore[arg-type]
+            else:
+                (batch,) = inputs.values()
+            if self._debug_mode:
+                logger.info("%s ## Pipeline Stage %d : %s for batch %d ##", "Skipping" if batch is None else "Executing", k, stage.name, b)
+            if batch is not None:
+                if k and self._swp_has_streams:
+                    # the engine made this stage's stream wait for the previous stage
+                    batch.record_stream(stage.stream)
+                output = stage.runnable(batch)
+            else:
+                output = None
+                if stage.data_exhausted_callback is not None:
+                    stage.data_exhausted_callback()
+        if self._swp_engine.iteration < self.num_stages and stage.fill_callback is not None:
+            stage.fill_callback()
+        return output
+
+    def _task_emit(self, b: int, **inputs: Any) -> Any:
+        (out,) = inputs.values()
+        self._initialized = True
+        self._num_steps += 1
+        if out is not None and self._swp_has_streams:
+            # the engine made the compute stream wait for the last stage
+            out.record_stream(self._compute_stream)
+        return out
