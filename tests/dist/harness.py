@@ -511,18 +511,20 @@ def train_pipeline_run(
     max_calls: int | None = None,
     *,
     model: nn.Module | None = None,
+    iterator: Iterator[Any] | None = None,
 ) -> RunResult:
     """Calls ``pipeline.progress(it)`` on ``it = iter(batches)`` until it raises StopIteration.
 
     At most ``max_calls`` calls are made (default ``len(batches) + 2``, enough for any pipeline
     that signals the end). ``model`` is the model the pipeline trains, by default
-    ``pipeline._model``, where TorchRec's train pipelines keep it. Other exceptions propagate.
+    ``pipeline._model``, where TorchRec's train pipelines keep it. ``iterator`` continues an
+    iterator already in use (default: a fresh ``iter(batches)``). Other exceptions propagate.
     """
     if model is None:
         model = getattr(pipeline, "_model")
     if max_calls is None:
         max_calls = len(batches) + 2
-    it = iter(batches)
+    it = iter(batches) if iterator is None else iterator
     outputs: list[Any] = []
     stop_iteration_call: int | None = None
     with record_losses(model) as losses:
