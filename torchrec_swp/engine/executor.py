@@ -51,6 +51,8 @@ Binding = Callable[..., Any]
 Invoker = Callable[[int], Any]
 
 DEFAULT_TIMEOUT_S = 600.0
+MAX_THREADS = 16
+MAX_IN_FLIGHT = 8
 
 
 class Observer(Protocol):
@@ -169,7 +171,23 @@ class Engine:
         streams: StreamPool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         name: str = "swp",
+        max_threads: int = MAX_THREADS,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
+        if not isinstance(plan, PipelinePlan):
+            raise TypeError(f"plan must be a PipelinePlan, got {type(plan).__name__}")
+        if len(plan.thread_groups) > max_threads:
+            raise PlanError(
+                f"plan {plan.name} uses {len(plan.thread_groups)} threads ({', '.join(plan.thread_groups)}); "
+                f"at most {max_threads} are allowed (max_threads)",
+                culprit="thread_map",
+            )
+        if plan.pipeline_depth > max_in_flight:
+            raise PlanError(
+                f"plan {plan.name} keeps {plan.pipeline_depth} batches in flight; at most {max_in_flight} are allowed "
+                "(max_in_flight)",
+                culprit="pipeline_depth",
+            )
         if plan.source is None:
             raise PlanError(f"plan {plan.name} has no source task: the engine needs one to pull batches", culprit="source")
         missing = [t for t in plan.fire_order if t not in bindings]
@@ -178,8 +196,11 @@ class Engine:
         extra = [t for t in bindings if t not in plan.schedule]
         if extra:
             raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {plan.name}", culprit=extra[0])
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        for name_, fn in bindings.items():
+            if not callable(fn):
+                raise TypeError(f"the function bound to task {name_} is not callable: {fn!r}")
         self.streams: StreamPool = streams if streams is not None else NullStreamPool()
         self.timeout_s = float(timeout_s)
         self.name = name

@@ -114,6 +114,8 @@ def _parse_task(rest: str) -> tuple[str, TaskSchedule, PipelineTask]:
         if not sep or key not in ("stage", "stream", "thread", "comm", "reads", "writes") or key in kv:
             raise PlanError(f"bad task field {f!r}", culprit=name)
         kv[key] = value
+    if "," in kv.get("comm", ""):
+        raise PlanError(f"task {name} names several comm groups ({kv['comm']}); a task belongs to one", culprit=name)
     try:
         stage = int(kv.get("stage", "0"))
     except ValueError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -11,29 +11,33 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
+from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec import plans
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
-from torchrec_swp.plan import PipelinePlan, ThreadMap
+from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["PrefetchTrainPipelineSparseDist"]
 
 
 class PrefetchTrainPipelineSparseDist(
-    upstream.PrefetchTrainPipelineSparseDist[In, Out], TrainPipelineSparseDist[In, Out]
+    TrainPipelineSparseDist[In, Out], upstream.PrefetchTrainPipelineSparseDist[In, Out]
 ):
     """PrefetchTrainPipelineSparseDist on the engine: H2D and InputDistStart(i+2),
     InputDistWait and EmbPrefetch(i+1), forward/backward/optimizer(i).
 
-    The default plan is ``plans.prefetch_sparse_dist_plan(...)`` with this pipeline's
+    Same constructor as upstream's, plus the keyword-only engine options of
+    TrainPipelineSparseDist (``plan``, ``thread_map``, ``engine_timeout_s``). The default plan
+    is ``plans.prefetch_sparse_dist_plan(...)`` with this pipeline's
     ``execute_all_batches``. With ``execute_all_batches=False`` it stops at the first missing
     batch, as TrainPipelineSparseDist does (upstream's refills on every call and drops the last
     four batches).
 
     Runs on CPU as shipped: ``_prefetch`` uses ``cpu_safe.prefetch_embeddings``, which prefetches
     without streams where upstream's skips the prefetch (and its forward then fails).
+
+    Differences from upstream: ``progress()`` re-attaches a detached model, as
+    TrainPipelineSparseDist does (upstream's Prefetch does not, and would fail in prefetch).
     """
 
     _SWP_TASKS = (
@@ -50,35 +54,14 @@ class PrefetchTrainPipelineSparseDist(
         "Dequeue",
     )
 
-    def __init__(
-        self,
-        *args: Any,
-        plan: PlanLike | None = None,
-        thread_map: ThreadMap | None = None,
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        # Our TrainPipelineSparseDist's constructor built an engine before upstream's constructor
-        # had created the prefetch stream; that engine never ran a task. Build the real one.
-        self._swp_setup(self._swp_default_plan(), plan, thread_map, engine_timeout_s, self._swp_streams())
-
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        # upstream's hand-written progress() precedes ours in the MRO. Unlike upstream's, ours
-        # re-attaches a detached model, as TrainPipelineSparseDist does (upstream's would fail
-        # in prefetch on a detached model).
-        return TrainPipelineSparseDist.progress(self, dataloader_iter)
-
     def _swp_default_plan(self) -> PipelinePlan:
         return plans.prefetch_sparse_dist_plan(execute_all_batches=self._execute_all_batches)
 
     def _swp_streams(self) -> StreamPool:
-        streams = {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream}
-        # absent while upstream's constructor is still running (see __init__)
-        prefetch = getattr(self, "_prefetch_stream", None)
-        if prefetch is not None:
-            streams["prefetch"] = prefetch
-        return stream_pool_for(self._device, streams)
+        return stream_pool_for(
+            self._device,
+            {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream, "prefetch": self._prefetch_stream},
+        )
 
     def _prefetch(self, context: PrefetchTrainPipelineContext) -> None:
         """Upstream's ``_prefetch``: prefetch the embeddings of the batch of ``context`` on the

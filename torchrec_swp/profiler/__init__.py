@@ -1,0 +1,27 @@
+"""Measure the tasks of a real run (pure Python; the engine is only observed).
+
+* ``TaskProfiler``: an engine observer - ``engine.instrument(profiler)`` or
+  ``profiler.attach(pipeline.engine)`` - that turns runs, waits and iterations into a Profile.
+* ``Profile`` / ``TaskStats``: per task its median duration, exposed time and count, with the
+  plan's text; ``save``/``load`` a JSON file, ``print_table()``.
+* ``exposed_times``: the critical-path attribution of one iteration.
+
+``torchrec_swp.profiler.synthetic`` (sleeping tasks on an Engine) and
+``torchrec_swp.profiler.overhead`` (the profiler's cost) import the engine and are not loaded here.
+"""
+
+from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
+from torchrec_swp.profiler.exposure import exposed_times
+from torchrec_swp.profiler.profile import Profile, ProfileError, TaskStats
+from torchrec_swp.profiler.task_profiler import TaskProfiler
+
+__all__ = [
+    "IterationRecord",
+    "Profile",
+    "ProfileError",
+    "RunEvent",
+    "TaskProfiler",
+    "TaskStats",
+    "WaitEvent",
+    "exposed_times",
+]

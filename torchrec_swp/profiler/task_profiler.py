@@ -1,0 +1,172 @@
+"""TaskProfiler: an engine observer that measures every task of a real run.
+
+Attach it to any engine (a bare ``Engine`` or a pipeline's ``pipeline.engine``)::
+
+    profiler = TaskProfiler(warmup=2)
+    pipeline.engine.instrument(profiler)     # or profiler.attach(pipeline.engine)
+    for _ in range(50):
+        pipeline.progress(it)
+    profile = profiler.profile(pipeline.plan)
+    profile.print_table(); profile.save("run.profile.json")
+
+Recording costs one tuple append per task run and per cross-thread wait (safe from any thread:
+``list.append`` is atomic); everything else happens in ``profile()``. Detached (``engine.instrument()``),
+the engine runs its bare calls and the profiler costs nothing.
+
+Measured iterations are the *complete* ones - every task of the plan ran exactly once (neither
+fill nor drain) - after the first ``warmup`` of them, which are skipped (first calls, caches,
+thread start-up).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Protocol
+
+from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
+from torchrec_swp.profiler.exposure import exposed_times
+from torchrec_swp.profiler.profile import Profile, ProfileError, TaskStats
+
+
+RawRun = tuple[str, int, str, int, float, float]  # task, batch, thread, iteration, start, end
+RawWait = tuple[str, str, int, float, float]  # producer, thread, iteration, start, end
+
+
+class Instrumentable(Protocol):
+    """What ``attach`` needs from an engine: its plan and ``instrument``."""
+
+    plan: PipelinePlan
+
+    def instrument(self, observer: Any = None, *, labels: bool = False) -> None: ...
+
+
+class TaskProfiler:
+    """Engine observer (``on_run``, ``on_wait``, ``on_iteration``) building a Profile."""
+
+    def __init__(self, *, warmup: int = 2) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        self.warmup = warmup
+        self._engine: Instrumentable | None = None
+        self._runs: list[RawRun] = []
+        self._waits: list[RawWait] = []
+        self._raw: list[tuple[int, float, float, list[RawRun], list[RawWait]]] = []
+        self._records: list[IterationRecord] = []
+
+    # -------------------------------------------------------------- attaching
+    def attach(self, engine: Instrumentable) -> TaskProfiler:
+        """``engine.instrument(self)``; ``profile()`` then defaults to the engine's plan."""
+        engine.instrument(self)
+        self._engine = engine
+        return self
+
+    def detach(self) -> None:
+        """Detach from the engine given to ``attach`` (records are kept)."""
+        if self._engine is not None:
+            self._engine.instrument()
+            self._engine = None
+
+    def clear(self) -> None:
+        """Forget everything recorded so far."""
+        self._runs, self._waits, self._raw, self._records = [], [], [], []
+
+    # --------------------------------------------------------------- observer
+    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None:
+        self._runs.append((task, batch, thread, iteration, start, end))
+
+    def on_wait(self, producer: str, thread: str, iteration: int, start: float, end: float) -> None:
+        self._waits.append((producer, thread, iteration, start, end))
+
+    def on_iteration(self, iteration: int, start: float, end: float) -> None:
+        # Called on the calling thread after the iteration barrier: no worker appends now.
+        # Events are turned into records only in profile(), to keep this call cheap.
+        self._raw.append((iteration, start, end, self._runs, self._waits))
+        self._runs, self._waits = [], []
+
+    # ---------------------------------------------------------------- results
+    @property
+    def records(self) -> tuple[IterationRecord, ...]:
+        """Every iteration recorded so far, complete or not."""
+        if len(self._records) < len(self._raw):
+            self._records.extend(_record(*raw) for raw in self._raw[len(self._records) :])
+        return tuple(self._records)
+
+    def complete(self, plan: PipelinePlan) -> list[IterationRecord]:
+        """The recorded iterations in which every task of ``plan`` ran exactly once."""
+        tasks = frozenset(plan.fire_order)
+        return [r for r in self.records if r.ran() == tasks and len(r.runs) == len(tasks)]
+
+    def measured(self, plan: PipelinePlan) -> list[IterationRecord]:
+        """The complete iterations of ``plan`` after the warm-up."""
+        return self.complete(plan)[self.warmup :]
+
+    def profile(self, plan: PipelinePlan | None = None) -> Profile:
+        """Statistics of the measured iterations of ``plan`` (default: the attached engine's).
+
+        Raises ProfileError when no iteration qualifies (too few steps for the warm-up).
+        """
+        if plan is None:
+            if self._engine is None:
+                raise ProfileError("profile() needs the plan that ran: pass it, or attach() the profiler to the engine")
+            plan = self._engine.plan
+        measured = self.measured(plan)
+        if not measured:
+            raise ProfileError(
+                f"no iteration of plan {plan.name} to profile: {len(self._raw)} recorded, "
+                f"{len(self.complete(plan))} complete, the first {self.warmup} of which are warm-up; run more steps"
+            )
+        comm = {t: plan.task(t).comm_group for t in plan.fire_order}
+        durations: dict[str, list[float]] = {t: [] for t in plan.fire_order}
+        exposed: dict[str, float] = dict.fromkeys(plan.fire_order, 0.0)
+        unattributed = 0.0
+        for record in measured:
+            for r in record.runs:
+                durations[r.task].append(r.duration)
+            shares, rest = exposed_times(record, comm)
+            for task, share in shares.items():
+                exposed[task] += share
+            unattributed += rest
+        n = len(measured)
+        stats = tuple(
+            TaskStats(
+                task=t,
+                thread=plan.task(t).thread_group,
+                stream=plan.task(t).stream,
+                stage=plan.task(t).stage,
+                count=len(durations[t]),
+                median_s=statistics.median(durations[t]),
+                mean_s=statistics.fmean(durations[t]),
+                max_s=max(durations[t]),
+                exposed_s=exposed[t] / n,
+            )
+            for t in plan.fire_order
+        )
+        times = [r.duration for r in measured]
+        return Profile(
+            plan=plan,
+            tasks=stats,
+            iterations=n,
+            warmup=self.warmup,
+            iteration_s=statistics.median(times),
+            iteration_mean_s=statistics.fmean(times),
+            unattributed_s=unattributed / n,
+        )
+
+
+def _record(
+    iteration: int,
+    start: float,
+    end: float,
+    runs: list[RawRun],
+    waits: list[RawWait],
+) -> IterationRecord:
+    """An IterationRecord from raw events. Events of an attempt of this iteration that failed
+    (and was resumed) carry the same number but began before ``start``: they are dropped."""
+    return IterationRecord(
+        iteration,
+        start,
+        end,
+        tuple(RunEvent(t, b, th, s, e) for t, b, th, p, s, e in runs if p == iteration and s >= start),
+        tuple(WaitEvent(t, th, s, e) for t, th, p, s, e in waits if p == iteration and s >= start),
+    )
