@@ -175,3 +175,40 @@ def test_same_iterator_object_refilled_for_a_new_epoch() -> None:
             engine.new_data()
         assert run_all(engine) == [10 * epoch + k for k in range(5)]
     assert engine.ledger.drawn == engine.ledger.trained == 15
+
+
+FAULT_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}]
+FAULTS = [(task, batch) for task in ("H2D", "Dist", "Fwd", "Opt") for batch in range(6)]
+
+
+@pytest.mark.parametrize("thread_map", FAULT_MAPS, ids=str)
+def test_fault_injection_matrix_every_task_every_phase(thread_map: Any) -> None:
+    """6 batches: batch 0 and 1 fail during fill, 2-3 in steady state, 4-5 while draining.
+    Each fault surfaces from step() within the timeout, names task/batch/thread/iteration,
+    and leaves every worker idle."""
+    import time
+
+    for task, batch in FAULTS:
+        toy = Toy(6, jitter_s=0.0005)
+        bindings = toy.bindings()
+        inner = bindings[task]
+
+        def broken(b: int, _inner: Any = inner, _task: str = task, _batch: int = batch, **kw: Any) -> Any:
+            if b == _batch:
+                raise KeyError(f"fault in {_task}({b})")
+            return _inner(b, **kw)
+
+        bindings[task] = broken
+        plan = toy_plan().with_thread_map(thread_map)
+        engine = Engine(plan, bindings, timeout_s=5)
+        start = time.monotonic()
+        with pytest.raises(KeyError) as info:
+            run_all(engine)
+        assert time.monotonic() - start < 5
+        err = info.value
+        assert (err.swp_task, err.swp_batch, err.swp_thread) == (task, batch, plan.task(task).thread_group)  # type: ignore[attr-defined]
+        assert err.swp_iteration == batch + plan.task(task).stage  # type: ignore[attr-defined]
+        for worker in engine._workers.values():
+            assert worker.thread.is_alive() and worker.inbox.empty()
+        engine.close()
+        assert all(not w.thread.is_alive() for w in engine._workers.values())
