@@ -11,9 +11,19 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# The 11 upstream pipelines (also those upstream exports only from train_pipelines).
 _PIPELINES = (
     "TrainPipelineBase",
+    "TrainPipelinePT2",
     "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "PrefetchTrainPipelineSparseDist",
+    "EvalPipelineSparseDist",
+    "EvalPipelineFusedSparseDist",
+    "StagedTrainPipeline",
+    "TrainPipelineSparseDistCompAutograd",
 )
 
 __all__ = ["__version__", *_PIPELINES]

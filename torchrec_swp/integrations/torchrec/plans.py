@@ -345,8 +345,9 @@ def semi_sync_plan(
 
     UPSTREAM: seed 001 lists the tasks stage by stage. Upstream's real order starts with
     InputDistStart(i+2), pops batch i right after Forward(i) (Dequeue), zeroes gradients last,
-    and in the semi-sync phase issues EmbLookup(i+1) before Backward(i). ``execute_all_batches``
-    does not change SemiSync upstream (its copy never raises), so the plan always drains.
+    and in the semi-sync phase issues EmbLookup(i+1) before Backward(i). ``execute_all_batches=False``
+    stops at the first missing batch; upstream's SemiSync copy never raises, so only its in-place
+    copy (``enable_inplace_copy_batch``) stops, and otherwise the pipeline passes True.
     ``clear_data_dist_inputs`` adds ClearDataDistInputs(i), upstream's first call in progress().
     """
     s = TaskSchedule
@@ -388,7 +389,6 @@ def semi_sync_plan(
     if clear_data_dist_inputs:
         schedule["ClearDataDistInputs"] = s(3, "data_dist")
         fire.insert(0, "ClearDataDistInputs")
-    del execute_all_batches  # accepted for symmetry: upstream SemiSync always drains
     return _plan(
         f"TrainPipelineSemiSync_{phase}",
         schedule,
@@ -397,6 +397,7 @@ def semi_sync_plan(
         inter=inter,
         source="H2D",
         depth=4,
+        on_exhausted="drain" if execute_all_batches else "stop",
     )
 
 

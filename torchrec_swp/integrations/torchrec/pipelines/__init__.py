@@ -16,6 +16,31 @@ from torchrec_swp.integrations.torchrec.compat import check_torchrec_version
 check_torchrec_version()
 
 from torchrec_swp.integrations.torchrec.pipelines.base import TrainPipelineBase  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.compiled import (  # noqa: E402
+    TrainPipelinePT2,
+    TrainPipelineSparseDistCompAutograd,
+)
+from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparseDist  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.fused import (  # noqa: E402
+    EvalPipelineFusedSparseDist,
+    TrainPipelineFusedSparseDist,
+)
+from torchrec_swp.integrations.torchrec.pipelines.lite import TrainPipelineSparseDistLite  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.prefetch import PrefetchTrainPipelineSparseDist  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipelineSemiSync  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline  # noqa: E402
 
-__all__ = ["TrainPipelineBase", "TrainPipelineSparseDist"]
+__all__ = [
+    "EvalPipelineFusedSparseDist",
+    "EvalPipelineSparseDist",
+    "PrefetchTrainPipelineSparseDist",
+    "StagedTrainPipeline",
+    "TrainPipelineBase",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelinePT2",
+    "TrainPipelineSemiSync",
+    "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistLite",
+]

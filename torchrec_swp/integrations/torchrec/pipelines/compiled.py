@@ -58,13 +58,10 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], _PlanDriven):
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         self._state = PipelineState.IDLE
-        self._swp_iter = dataloader_iter
-        engine = self._swp_engine
-        if engine.num_batches is not None:
-            # Nothing is in flight in a depth-1 plan: start over and let the source call next()
-            # again, as upstream does on every call.
-            engine.reset()
-        return engine.step()
+        # After a StopIteration this is new data: the next call asks the iterator again, as
+        # upstream does on every call.
+        self._swp_take_iterator(dataloader_iter)
+        return self._swp_engine.step()
 
     def reset(self) -> None:
         super().reset()

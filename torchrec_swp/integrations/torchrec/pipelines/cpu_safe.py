@@ -35,6 +35,7 @@ from torchrec.distributed.train_pipeline.types import CallArgs
 
 __all__ = ["InSyncEmbeddingForward", "prefetch_embeddings"]
 
+
 class InSyncEmbeddingForward(runtime_forwards.InSyncEmbeddingPipelinedForward):
     """Upstream's forward for TrainPipelineFusedSparseDist, on the pipeline's device.
 

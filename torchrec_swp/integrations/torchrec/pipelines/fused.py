@@ -135,9 +135,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
                 self._optimizer.step()
 
 
-class EvalPipelineFusedSparseDist(
-    TrainPipelineFusedSparseDist[In, Out], upstream.EvalPipelineFusedSparseDist[In, Out]
-):
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstream.EvalPipelineFusedSparseDist[In, Out]):
     """EvalPipelineFusedSparseDist on the engine: TrainPipelineFusedSparseDist's schedule without
     backward or optimizer, forward under ``torch.no_grad()``.
 

@@ -118,7 +118,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     def _swp_phase_plan(self, phase: str) -> PipelinePlan:
         return plans.semi_sync_plan(
             phase=phase,
-            execute_all_batches=self._execute_all_batches,
+            # SemiSync's own copy never raises at the end of data; the in-place copy does
+            execute_all_batches=self._execute_all_batches or not self._enable_inplace_copy_batch,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
         )
 

@@ -69,11 +69,14 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
     * ``set_flush(True)``: stage 0 stops pulling, the batches in flight are returned; in the call
       where the output would be None, ``flush_end()`` runs ``on_flush_end`` and the same call
       refills from the iterator and returns the first new batch.
+    * With a ``thread_map`` the stages of one call (and their callbacks) run on the plan's
+      threads, concurrently with each other.
 
     Difference: within the fill, upstream runs the stages batch by batch (b0: s0 s1 s2, b1:
     s0 s1, b2: s0); the engine runs them iteration by iteration (s0(b0) | s0(b1) s1(b0) |
     s0(b2) s1(b1) s2(b0)). Every stage sees the same batches in the same order and every
-    callback is called as often, in the same ``progress()`` call.
+    callback is called as often, in the same ``progress()`` call. The stage outputs live in the
+    engine's slots; upstream's ``_stage_outputs`` list stays unused.
 
     Runs on CPU as shipped: upstream reads ``.device`` of its default compute stream (the CPU's
     has none) and calls ``record_stream`` on CPU tensors. Here the CPU gets a
@@ -119,6 +122,9 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
         streams: dict[str, Any] = {DEFAULT_STREAM: self._compute_stream}
         names = []
         for task, stage in zip(self._swp_stage_tasks, self._pipeline_stages):
+            if stage.stream is None:
+                names.append(DEFAULT_STREAM)  # no stream of its own: the compute stream
+                continue
             # Every CPU stream object compares equal to every other (the CPU has one stream);
             # there, stages are told apart by object so that "by_stream" still separates them.
             name = next(
@@ -161,7 +167,8 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
             else:
                 (batch,) = inputs.values()
             if self._debug_mode:
-                logger.info("%s ## Pipeline Stage %d : %s for batch %d ##", "Skipping" if batch is None else "Executing", k, stage.name, b)
+                action = "Skipping due to None" if batch is None else "Executing"
+                logger.info("%s ## Pipeline Stage %d : %s for batch %d ##", action, k, stage.name, b)
             if batch is not None:
                 if k and self._swp_has_streams:
                     # the engine made this stage's stream wait for the previous stage
