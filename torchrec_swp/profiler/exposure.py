@@ -37,7 +37,8 @@ def exposed_times(record: IterationRecord, comm_group: Mapping[str, str | None])
     ``comm_group`` maps tasks to their comm group (None or absent: not a collective).
     """
     threads: dict[str, list[Event]] = {}
-    for e in (*record.runs, *record.waits):
+    every: list[Event] = [*record.runs, *record.waits]
+    for e in every:
         threads.setdefault(e.thread, []).append(e)
     position: dict[int, tuple[str, int]] = {}
     for thread, events in threads.items():

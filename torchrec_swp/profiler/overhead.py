@@ -101,7 +101,10 @@ def measure_overhead(tasks: int = 8, iterations: int = 2000, repeats: int = 5) -
     """Time the three variants (and the two-thread pair) and return microseconds per task call."""
     flat, threaded = chain_plan(tasks), chain_plan(tasks, threads=2)
     calls = tasks * iterations
-    best = lambda f: min(f() for _ in range(repeats)) / calls * 1e6  # noqa: E731
+
+    def best(run: Callable[[], float]) -> float:
+        return min(run() for _ in range(repeats)) / calls * 1e6
+
     return Overhead(
         tasks=tasks,
         iterations=iterations,

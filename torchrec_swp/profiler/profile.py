@@ -76,7 +76,9 @@ class Profile:
         for s in self.tasks:
             if s.task == task:
                 return s
-        raise ProfileError(f"profile of plan {self.plan.name} has no task {task!r}; it has {[s.task for s in self.tasks]}")
+        raise ProfileError(
+            f"profile of plan {self.plan.name} has no task {task!r}; it has {[s.task for s in self.tasks]}"
+        )
 
     def durations(self) -> dict[str, float]:
         """Median duration (s) of every task: the cost model the auto-scheduler uses."""
@@ -139,8 +141,10 @@ class Profile:
             "  exposed ms  exposed %"
         )
         lines = [
-            f"profile of plan {self.plan.name}: {self.iterations} iterations measured after {self.warmup} warm-up, "
-            f"iteration {self.iteration_s * 1e3:.3f} ms median, {self.iteration_mean_s * 1e3:.3f} ms mean",
+            (
+                f"profile of plan {self.plan.name}: {self.iterations} iterations measured after {self.warmup} warm-up, "
+                f"iteration {self.iteration_s * 1e3:.3f} ms median, {self.iteration_mean_s * 1e3:.3f} ms mean"
+            ),
             head,
         ]
         for s in self.tasks:

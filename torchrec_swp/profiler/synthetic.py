@@ -29,7 +29,9 @@ class SleepWorkload:
     def __post_init__(self) -> None:
         missing = [t for t in self.plan.fire_order if t not in self.durations]
         if missing:
-            raise PlanError(f"SleepWorkload: no duration for task {missing[0]} of plan {self.plan.name}", culprit=missing[0])
+            raise PlanError(
+                f"SleepWorkload: no duration for task {missing[0]} of plan {self.plan.name}", culprit=missing[0]
+            )
 
     def bindings(self, num_batches: int, plan: PipelinePlan | None = None) -> dict[str, Callable[..., Any]]:
         """Functions for every task of ``plan`` (default: the workload's)."""

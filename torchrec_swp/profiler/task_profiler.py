@@ -28,7 +28,6 @@ from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
 from torchrec_swp.profiler.exposure import exposed_times
 from torchrec_swp.profiler.profile import Profile, ProfileError, TaskStats
 
-
 RawRun = tuple[str, int, str, int, float, float]  # task, batch, thread, iteration, start, end
 RawWait = tuple[str, str, int, float, float]  # producer, thread, iteration, start, end
 

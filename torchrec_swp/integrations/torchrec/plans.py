@@ -89,7 +89,7 @@ def train_pipeline_base_plan() -> PipelinePlan:
         },
         ["LoadBatch", "ZeroGrad", "WaitBatch", "Forward", "Backward", "H2D", "OptimizerStep"],
         intra=[("WaitBatch", "ZeroGrad"), ("Forward", "WaitBatch"), ("Backward", "Forward"), ("OptimizerStep", "Backward")],
-        inter=[("Forward", "OptimizerStep")],
+        inter=[("Forward", "OptimizerStep"), ("ZeroGrad", "OptimizerStep")],
         source="LoadBatch",
         depth=2,
         io={
@@ -152,7 +152,8 @@ def sparse_dist_plan(
             ("Dequeue", "OptimizerStep"),
             *([("ClearDataDistInputs", "WaitBatch")] if clear_data_dist_inputs else []),
         ],
-        inter=[("Forward", "OptimizerStep")],
+        # ZeroGrad(i) clears what OptimizerStep(i-1) consumed: order only by fire order otherwise
+        inter=[("Forward", "OptimizerStep"), ("ZeroGrad", "OptimizerStep")],
         source="H2D",
         depth=3,
         on_exhausted="drain" if execute_all_batches else "stop",
@@ -179,7 +180,7 @@ def pt2_plan() -> PipelinePlan:
         },
         ["LoadBatch", "H2D", "InputTransform", "ZeroGrad", "Forward", "Backward", "OptimizerStep"],
         intra=[("ZeroGrad", "InputTransform"), ("Forward", "ZeroGrad"), ("Backward", "Forward"), ("OptimizerStep", "Backward")],
-        inter=[("Forward", "OptimizerStep")],
+        inter=[("Forward", "OptimizerStep"), ("ZeroGrad", "OptimizerStep")],
         source="LoadBatch",
         depth=1,
         io={
@@ -218,7 +219,7 @@ def sparse_dist_lite_plan() -> PipelinePlan:
             ("OptimizerStep", "Backward"),
             ("Dequeue", "OptimizerStep"),
         ],
-        inter=[("Forward", "OptimizerStep")],
+        inter=[("Forward", "OptimizerStep"), ("ZeroGrad", "OptimizerStep")],
         source="H2D",
         depth=2,
     )
@@ -286,7 +287,7 @@ def fused_sparse_dist_plan(
     if train:
         intra += [("Backward", "Forward"), ("OptimizerStep", "Backward"), ("Dequeue", "OptimizerStep")]
         # the fused TBE updates embeddings in backward: the next lookup must follow it
-        inter += [("EmbLookup", "Backward"), ("Forward", "OptimizerStep")]
+        inter += [("EmbLookup", "Backward"), ("Forward", "OptimizerStep"), ("ZeroGrad", "OptimizerStep")]
     if clear_data_dist_inputs:
         intra.append(("ClearDataDistInputs", "WaitBatch"))
     return _plan(
@@ -438,7 +439,7 @@ def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True) -> PipelinePl
             ("Dequeue", "OptimizerStep"),
         ],
         # EmbPrefetch(i+1) refills the cache Forward(i) reads from
-        inter=[("EmbPrefetch", "Forward"), ("Forward", "OptimizerStep")],
+        inter=[("EmbPrefetch", "Forward"), ("Forward", "OptimizerStep"), ("ZeroGrad", "OptimizerStep")],
         source="H2D",
         depth=3,
         on_exhausted="drain" if execute_all_batches else "stop",

@@ -1,0 +1,252 @@
+"""The auto-scheduler: the direct estimate against the simulator, the lookahead oracle's rules,
+the beam search's hard constraints on every plan it proposes, and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+
+from torchrec_swp.autosched import (
+    Layout,
+    Problem,
+    assign_lookaheads,
+    auto_assign_lookaheads,
+    beam_search,
+    check_constraints,
+    is_anchor,
+    iteration_time,
+    layout_of,
+    to_plan,
+)
+from torchrec_swp.autosched.__main__ import main
+from torchrec_swp.autosched.estimate import lead
+from torchrec_swp.autosched.workloads import TORCHREC_MS, Workload, random_workload, torchrec_workloads
+from torchrec_swp.integrations.torchrec.plans import default_plans, sparse_dist_plan
+from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, PlanError
+from torchrec_swp.profiler import Profile, TaskStats
+from torchrec_swp.sim import check_happens_before, simulate
+
+
+def random_layout(problem: Problem, rng: random.Random) -> Layout:
+    order = list(range(len(problem.tasks)))
+    rng.shuffle(order)
+    return Layout(
+        tuple(rng.choice(problem.thread_pool) for _ in order),
+        tuple(problem.plan.task(t).stream for t in problem.tasks),
+        tuple(order),
+    )
+
+
+def test_anchor_names_match_without_case_and_underscores() -> None:
+    for name in (
+        "Forward",
+        "backward",
+        "OptimizerStep",
+        "optimizer_step",
+        "finalize_model_grads",
+        "FinalizeModelGrads",
+    ):
+        assert is_anchor(name)
+    for name in ("Opt", "ForwardPrep", "ZeroGrad"):
+        assert not is_anchor(name)
+    assert is_anchor("Fwd", {"Fwd"}) and not is_anchor("Forward", {"Fwd"})
+
+
+def test_the_estimate_is_the_simulated_iteration_and_every_staged_layout_is_race_free() -> None:
+    rng = random.Random(1)
+    checked = 0
+    for plan in default_plans().values():
+        problem = Problem(plan, {t: rng.uniform(0.1, 5.0) for t in plan.fire_order})
+        for _ in range(80):
+            layout = random_layout(problem, rng)
+            lookaheads = assign_lookaheads(problem, layout)
+            if lookaheads is None:
+                continue
+            candidate = to_plan(problem, layout, lookaheads)
+            result = simulate(candidate, problem.durations, candidate.max_stage + 3)
+            assert result.steady_iteration_time == pytest.approx(iteration_time(problem, layout, lookaheads), abs=1e-9)
+            check_happens_before(result, candidate)
+            checked += 1
+    assert checked > 150
+
+
+def test_oracle_rules_on_a_per_task_layout() -> None:
+    plan = sparse_dist_plan().with_thread_map("per_task")
+    problem = Problem(plan, {t: TORCHREC_MS[t] for t in plan.fire_order})
+    layout = layout_of(problem, plan)
+    lookaheads = assign_lookaheads(problem, layout)
+    assert lookaheads is not None
+    staged = to_plan(problem, layout, lookaheads)
+    top = staged.max_stage
+    # rule 1: anchors at lookahead 0 (highest stage), source at stage 0, depth within the limit
+    for anchor in ("Forward", "Backward", "OptimizerStep"):
+        assert staged.task(anchor).stage == top
+    assert staged.task("H2D").stage == 0 and staged.pipeline_depth == top + 1 <= 5
+    # rule 3: the input-dist chain is cut off the anchors' iteration; what is left is the comm
+    # group's tickets in fire order (InputDistStart, Forward, InputDistWait, Backward: each on its
+    # own thread, so they serialize) and the optimizer after Backward
+    chain = ("InputDistStart", "Forward", "InputDistWait", "Backward", "OptimizerStep", "Dequeue")
+    assert iteration_time(problem, layout, lookaheads) == pytest.approx(sum(TORCHREC_MS[t] for t in chain))
+    assert staged.task("InputDistWait").stage < top
+    # threads, streams and fire order are kept
+    assert staged.fire_order == plan.fire_order
+    assert all(staged.task(t).thread_group == plan.task(t).thread_group for t in plan.fire_order)
+    assert auto_assign_lookaheads(plan, problem.durations) == staged
+
+
+def test_oracle_cuts_a_dependency_the_fire_order_reverses_and_respects_the_limit() -> None:
+    plan = sparse_dist_plan()  # InputDistStart fires before H2D: only a cut (stage difference) allows it
+    problem = Problem(plan, {t: 1.0 for t in plan.fire_order})
+    layout = layout_of(problem, plan)
+    lookaheads = assign_lookaheads(problem, layout)
+    assert lookaheads is not None
+    k = next(
+        d for d in problem.deps if problem.tasks[d.consumer] == "InputDistStart" and problem.tasks[d.producer] == "H2D"
+    )
+    assert lead(k, lookaheads) >= 1
+    # with one batch in flight, InputDistStart firing before its producer cannot be staged
+    tight = Problem(plan, problem.durations, max_in_flight=1)
+    assert assign_lookaheads(tight, layout) is None
+    with pytest.raises(PlanError, match="at most 1 batches in flight"):
+        auto_assign_lookaheads(plan, problem.durations, max_in_flight=1)
+    # an anchor firing before its producer cannot be staged at all
+    backward = problem.index["Backward"]
+    backwards = Layout(layout.threads, layout.streams, (backward, *(i for i in layout.order if i != backward)))
+    assert assign_lookaheads(problem, backwards) is None
+
+
+WORKLOADS: list[tuple[Workload, dict[str, int]]] = [
+    *((w, {}) for w in torchrec_workloads()),
+    (torchrec_workloads()[1], {"max_threads": 2, "max_in_flight": 2}),
+    (random_workload(0, 10), {}),
+    (random_workload(1, 10), {"max_threads": 2, "max_in_flight": 2}),
+    (random_workload(2, 9), {"max_threads": 4, "max_in_flight": 5}),
+]
+
+
+@pytest.mark.parametrize("workload,limits", WORKLOADS, ids=[f"{w.name}-{lim}" for w, lim in WORKLOADS])
+def test_no_proposed_plan_breaks_a_constraint(workload: Workload, limits: dict[str, int]) -> None:
+    problem = Problem(
+        workload.plan,
+        workload.durations,
+        max_threads=limits.get("max_threads", workload.max_threads),
+        max_in_flight=limits.get("max_in_flight", workload.max_in_flight),
+    )
+    result = beam_search(problem, beam_width=4, max_passes=2)
+    plan = result.plan
+    assert check_constraints(plan, problem) == []
+    # the same rules, spelled out
+    assert len(plan.thread_groups) <= problem.max_threads
+    assert plan.pipeline_depth <= problem.max_in_flight
+    for anchor in problem.anchors:
+        assert plan.task(anchor).stream == DEFAULT_STREAM and plan.task(anchor).stage == plan.max_stage
+    assert set(workload.plan.deps) <= set(plan.deps)
+    assert plan.tasks == workload.plan.tasks and plan.source == workload.plan.source
+    run = simulate(plan, problem.durations, plan.max_stage + 4)
+    check_happens_before(run, plan)
+    # collectives of one comm group never overlap, whatever their threads
+    for group in {plan.task(t).comm_group for t in plan.fire_order} - {None}:
+        spans = sorted((i.start, i.end) for i in run.timeline if plan.task(i.task).comm_group == group)
+        assert all(a_end <= b_start + 1e-9 for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    assert PipelinePlan.from_text(plan.to_text()) == plan
+    assert result.predicted <= result.baseline + 1e-9
+
+
+def test_check_constraints_names_every_broken_rule() -> None:
+    workload = torchrec_workloads()[0]
+    problem = Problem(workload.plan, workload.durations, max_threads=2, max_in_flight=2)
+    plan = workload.plan.with_thread_map("per_task").with_schedule("Forward", stream="data_dist")
+    rules = {v.rule: v for v in check_constraints(plan, problem)}
+    assert set(rules) == {"threads", "in_flight", "anchor"}
+    assert rules["anchor"].culprit == "Forward" and "data_dist" in rules["anchor"].message
+    dropped = workload.plan.replace(inter_iter_deps=[("Forward", "OptimizerStep")])
+    assert [v.rule for v in check_constraints(dropped, Problem(workload.plan, workload.durations))] == ["deps"]
+    other = workload.plan.with_schedule("H2D", comm_group="world")
+    assert [v.rule for v in check_constraints(other, Problem(workload.plan, workload.durations))] == ["tasks"]
+
+
+def test_device_durations_move_only_device_work_between_streams() -> None:
+    workload = torchrec_workloads()[0]
+    device = {
+        "H2D": 3.0,
+        "InputDistStart": 2.0,
+        "InputDistWait": 2.0,
+        "Forward": 8.0,
+        "Backward": 12.0,
+        "OptimizerStep": 3.0,
+    }
+    problem = Problem(workload.plan, workload.durations, device_durations=device)
+    result = beam_search(problem, beam_width=3, max_passes=1)
+    assert check_constraints(result.plan, problem) == []
+    for t in workload.plan.fire_order:
+        if t not in device:
+            assert result.plan.task(t).stream == workload.plan.task(t).stream
+    assert result.bounds.binding.kind == "stream"  # the anchors' 23 units of device time
+    assert result.predicted >= 23.0 - 1e-9
+
+
+def test_problem_rejects_bad_input() -> None:
+    plan = sparse_dist_plan()
+    durations = {t: 1.0 for t in plan.fire_order}
+    with pytest.raises(PlanError, match="no CPU duration for task"):
+        Problem(plan, {t: 1.0 for t in plan.fire_order[1:]})
+    with pytest.raises(PlanError, match="'Nope'"):
+        Problem(plan, {**durations, "Nope": 1.0})
+    with pytest.raises(PlanError, match="finite number"):
+        Problem(plan, {**durations, "H2D": -1.0})
+    with pytest.raises(PlanError, match="cannot be an anchor"):
+        Problem(plan, durations, anchor_names=frozenset({"H2D"}))
+    with pytest.raises(ValueError, match="max_threads"):
+        Problem(plan, durations, max_threads=0)
+
+
+def profile_of(workload: Workload) -> Profile:
+    """A Profile as a TaskProfiler would write it, with the workload's durations in seconds."""
+    plan = workload.plan
+    stats = tuple(
+        TaskStats(
+            t,
+            plan.task(t).thread_group,
+            plan.task(t).stream,
+            plan.task(t).stage,
+            20,
+            d / 1e3,
+            d / 1e3,
+            d / 1e3,
+            d / 1e3,
+        )
+        for t, d in ((t, workload.durations[t]) for t in plan.fire_order)
+    )
+    total = sum(workload.durations.values()) / 1e3
+    return Profile(plan, stats, 20, 2, total, total, 0.0)
+
+
+def test_cli_writes_a_plan_pipelines_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload = torchrec_workloads()[0]
+    profile_path, out = tmp_path / "run.profile.json", tmp_path / "best.plan"
+    profile_of(workload).save(str(profile_path))
+    code = main(
+        [
+            "--profile",
+            str(profile_path),
+            "--out",
+            str(out),
+            "--quiet",
+            "--beam-width",
+            "3",
+            "--passes",
+            "1",
+            "--exact",
+            "--time-limit",
+            "10",
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "binds" in text and "predicted iteration" in text and "efficiency" in text and "CP-SAT" in text
+    plan = PipelinePlan.load(str(out))
+    assert check_constraints(plan, Problem.from_profile(profile_of(workload))) == []
+    assert main(["--profile", str(tmp_path / "missing.json"), "--out", str(out), "--quiet"]) == 2

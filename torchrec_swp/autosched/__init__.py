@@ -1,0 +1,56 @@
+"""The auto-scheduler: search plans, and prove how close they are to the best.
+
+Pure Python; CP-SAT (``cpsat``) imports OR-Tools on first use, ``loop`` runs the engine.
+
+* ``Problem``: a plan, its task durations and the hard constraints (``Problem.from_profile``).
+* ``plan_bounds`` / ``search_bounds``: steady-state lower bounds, and which one binds.
+* ``auto_assign_lookaheads``: the lookahead oracle (stages for fixed threads/streams/order).
+* ``beam_search``: joint search of thread map, stream map and fire order -> ``SearchResult``.
+* ``check_constraints``: every hard constraint a proposed plan must meet.
+* ``solve_periodic`` / ``solve_dag`` (``cpsat``): exact schedules with CP-SAT, proven optimal
+  or not, within a time limit; ``list_schedule``: the greedy baseline for DAGs.
+* CLI: ``python -m torchrec_swp.autosched --profile P --out Q``.
+"""
+
+from torchrec_swp.autosched.beam import SearchResult, beam_search
+from torchrec_swp.autosched.bounds import Bound, BoundReport, plan_bounds, search_bounds
+from torchrec_swp.autosched.constraints import ConstraintError, Violation, check_constraints, ensure_constraints
+from torchrec_swp.autosched.cpsat import DagSolution, PeriodicSolution, solve_dag, solve_periodic
+from torchrec_swp.autosched.dag import Dag, DagError, DagSchedule, DagTask, Memory, interleaved_pipeline, list_schedule
+from torchrec_swp.autosched.estimate import iteration_time
+from torchrec_swp.autosched.layout import Layout, layout_of, to_plan
+from torchrec_swp.autosched.lookahead import assign_lookaheads, auto_assign_lookaheads
+from torchrec_swp.autosched.problem import ANCHOR_NAMES, Problem, is_anchor
+
+__all__ = [
+    "ANCHOR_NAMES",
+    "Bound",
+    "BoundReport",
+    "ConstraintError",
+    "Dag",
+    "DagError",
+    "DagSchedule",
+    "DagSolution",
+    "DagTask",
+    "Layout",
+    "Memory",
+    "PeriodicSolution",
+    "Problem",
+    "SearchResult",
+    "Violation",
+    "assign_lookaheads",
+    "auto_assign_lookaheads",
+    "beam_search",
+    "check_constraints",
+    "ensure_constraints",
+    "interleaved_pipeline",
+    "is_anchor",
+    "iteration_time",
+    "layout_of",
+    "list_schedule",
+    "plan_bounds",
+    "search_bounds",
+    "solve_dag",
+    "solve_periodic",
+    "to_plan",
+]

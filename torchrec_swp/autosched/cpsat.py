@@ -1,0 +1,300 @@
+"""Exact mode with OR-Tools CP-SAT (imported on first use): proven-optimal schedules.
+
+``solve_dag``: a one-shot DAG. Interval variables per task, NoOverlap per resource, the edges,
+a Cumulative per resource for the memory uses (with ``memory_limit`` as capacity). Phase 1
+minimizes the makespan; phase 2 (``minimize_memory``) keeps that makespan and minimizes the
+largest peak memory of any resource.
+
+``solve_periodic``: a pipeline's steady state, in the engine's semantics (an iteration runs
+one instance of every task, iterations are separated by a barrier; see
+``estimate.iteration_time``). Per task: a start time, a thread (optional intervals, NoOverlap
+per thread, at most ``max_threads``), a lookahead in ``[0, max_in_flight - 1]`` (anchors 0, the
+source the largest, rule 1 of ``lookahead``). A dependency either shares the iteration
+(``lead == 0``: the consumer starts after the producer ends) or is cut (``lead >= 1``: free);
+each comm group is a NoOverlap resource (its tickets serialize it across threads); with
+``on_exhausted="stop"`` whatever fires after the source starts after it ends. The objective is
+the iteration time, then the batches in flight. Fire order is the order of start times.
+Streams keep the problem's plan (they only matter with a device model, which exact mode does
+not have: it raises for a problem with device durations).
+
+Durations are scaled to integers (the longest task becomes ``resolution`` units, every task at
+least one unit): "optimal" is exact for the scaled durations. Both solvers honour
+``time_limit_s`` and report whether the answer is proven optimal and how long it took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torchrec_swp.autosched.dag import Dag, DagSchedule
+from torchrec_swp.autosched.estimate import iteration_ends
+from torchrec_swp.autosched.layout import Layout, layout_of, named_threads, to_plan
+from torchrec_swp.autosched.problem import Problem
+from torchrec_swp.autosched.score import predict
+from torchrec_swp.plan import PipelinePlan
+
+
+def _cp_model() -> Any:
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as e:
+        raise ImportError("exact mode needs OR-Tools: pip install ortools") from e
+    return cp_model
+
+
+def _solver(time_limit_s: float, workers: int) -> Any:
+    cp_model = _cp_model()
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_s))
+    solver.parameters.num_workers = workers
+    return solver
+
+
+# --------------------------------------------------------------------- one-shot DAG
+@dataclass(frozen=True)
+class DagSolution:
+    """CP-SAT's schedule of a DAG: its makespan (``makespan_optimal`` if proven), its largest
+    peak memory (``memory_optimal``: proven minimal at that makespan; None when phase 2 did not
+    run), and the solver's wall time."""
+
+    schedule: DagSchedule
+    makespan: int
+    makespan_optimal: bool
+    peak_memory: int
+    memory_optimal: bool | None
+    seconds: float
+
+
+def solve_dag(
+    dag: Dag,
+    *,
+    memory_limit: int | None = None,
+    minimize_memory: bool = True,
+    time_limit_s: float = 30.0,
+    workers: int = 2,
+) -> DagSolution:
+    """Phase 1 (makespan) gets up to ``time_limit_s``; phase 2 (memory) the time left.
+
+    Raises RuntimeError when phase 1 finds no schedule in time (or the memory limit makes the
+    DAG infeasible).
+    """
+    began = time.perf_counter()
+    cp_model = _cp_model()
+    tasks = dag.task_map
+    horizon = sum(t.duration for t in dag.tasks)
+
+    def build() -> tuple[Any, dict[str, Any], Any, Any]:
+        model = cp_model.CpModel()
+        start = {t.name: model.new_int_var(0, horizon, f"s_{t.name}") for t in dag.tasks}
+        interval = {
+            t.name: model.new_fixed_size_interval_var(start[t.name], t.duration, f"i_{t.name}") for t in dag.tasks
+        }
+        for a, b in dag.edges:
+            model.add(start[b] >= start[a] + tasks[a].duration)
+        for r in dag.resources:
+            model.add_no_overlap([interval[t.name] for t in dag.tasks if t.resource == r])
+        makespan = model.new_int_var(0, horizon, "makespan")
+        for t in dag.tasks:
+            model.add(makespan >= start[t.name] + t.duration)
+        peak = model.new_int_var(0, sum(m.amount for m in dag.memory), "peak")
+        for r in dag.resources:
+            uses = [m for m in dag.memory if tasks[m.start].resource == r]
+            if not uses:
+                continue
+            held = []
+            for m in uses:
+                end = start[m.end] + tasks[m.end].duration
+                size = model.new_int_var(0, horizon, f"held_{m.start}")
+                model.add(size == end - start[m.start])
+                held.append(model.new_interval_var(start[m.start], size, end, f"m_{m.start}"))
+            model.add_cumulative(held, [m.amount for m in uses], peak)
+        if memory_limit is not None:
+            model.add(peak <= memory_limit)
+        return model, start, makespan, peak
+
+    model, start, makespan, peak = build()
+    model.minimize(makespan)
+    solver = _solver(time_limit_s, workers)
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(
+            f"CP-SAT found no schedule of the DAG in {time_limit_s:g}s (status {solver.status_name(status)}"
+            + (f", memory limit {memory_limit}" if memory_limit is not None else "")
+            + ")"
+        )
+    best = {n: solver.value(v) for n, v in start.items()}
+    best_makespan = int(solver.value(makespan))
+    makespan_optimal = status == cp_model.OPTIMAL
+    memory_optimal: bool | None = None
+    left = time_limit_s - (time.perf_counter() - began)
+    if minimize_memory and dag.memory and left > 0:
+        model, start, makespan, peak = build()
+        model.add(makespan <= best_makespan)
+        for n, v in start.items():
+            model.add_hint(v, best[n])
+        model.minimize(peak)
+        solver = _solver(left, workers)
+        status = solver.solve(model)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            best = {n: solver.value(v) for n, v in start.items()}
+            memory_optimal = status == cp_model.OPTIMAL
+    schedule = DagSchedule(dag, best)
+    return DagSolution(
+        schedule=schedule,
+        makespan=schedule.makespan,
+        makespan_optimal=makespan_optimal,
+        peak_memory=max(schedule.peak_memory().values(), default=0),
+        memory_optimal=memory_optimal,
+        seconds=time.perf_counter() - began,
+    )
+
+
+# ---------------------------------------------------------------- periodic pipeline
+@dataclass(frozen=True)
+class PeriodicSolution:
+    """CP-SAT's best plan for a problem: its steady iteration time (simulated with the problem's
+    durations), the solver's proven lower bound on it, whether it is proven optimal, the
+    solver's status and wall time."""
+
+    plan: PipelinePlan
+    iteration: float
+    lower_bound: float
+    optimal: bool
+    status: str
+    seconds: float
+
+    def format(self, scale: float = 1.0, unit: str = "") -> str:
+        proof = "proven optimal" if self.optimal else f"not proven (bound {self.lower_bound * scale:.4g}{unit})"
+        return (
+            f"CP-SAT: iteration {self.iteration * scale:.4g}{unit}, {proof}, {self.plan.pipeline_depth} batches in flight, "
+            f"{len(self.plan.thread_groups)} threads, {self.seconds:.2f}s ({self.status})"
+        )
+
+
+def solve_periodic(
+    problem: Problem,
+    *,
+    time_limit_s: float = 30.0,
+    workers: int = 2,
+    resolution: int = 10_000,
+    hint: PipelinePlan | None = None,
+) -> PeriodicSolution:
+    """The optimal steady-state plan of ``problem`` (model in the module docstring).
+
+    ``hint``: a plan of the problem (e.g. the beam search's) to start from. Raises ValueError for
+    a problem with device durations, RuntimeError when no plan is found in time.
+    """
+    if problem.models_device:
+        raise ValueError("exact mode models CPU threads and comm groups only; drop device_durations or use beam_search")
+    began = time.perf_counter()
+    cp_model = _cp_model()
+    n = len(problem.tasks)
+    longest = max(problem.cpu) or 1.0
+    scale = resolution / longest
+    d = [max(1, round(c * scale)) for c in problem.cpu]
+    horizon = sum(d)
+    limit = problem.max_in_flight - 1
+    threads = problem.max_threads
+    model = cp_model.CpModel()
+
+    start = [model.new_int_var(0, horizon - d[i], f"s_{t}") for i, t in enumerate(problem.tasks)]
+    on = [[model.new_bool_var(f"x_{t}_{k}") for k in range(threads)] for t in problem.tasks]
+    for i in range(n):
+        model.add_exactly_one(on[i])
+        for k in range(i + 1, threads):  # threads are interchangeable: task i uses one of the first i + 1
+            model.add(on[i][k] == 0)
+    for k in range(threads):
+        model.add_no_overlap(
+            [model.new_optional_fixed_size_interval_var(start[i], d[i], on[i][k], f"i_{i}_{k}") for i in range(n)]
+        )
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(problem.comm):
+        if g is not None:
+            groups.setdefault(g, []).append(i)
+    for g, members in groups.items():
+        model.add_no_overlap([model.new_fixed_size_interval_var(start[i], d[i], f"c_{g}_{i}") for i in members])
+
+    look = [model.new_int_var(0, limit, f"l_{t}") for t in problem.tasks]
+    top = model.new_int_var(0, limit, "A")
+    src = problem.source_index
+    model.add(look[src] == top)
+    for i in range(n):
+        if i in problem.anchor_index:
+            model.add(look[i] == 0)
+        model.add(look[i] <= top if problem.on_source[i] else look[i] <= top - 1)
+    for dep in problem.deps:
+        c, p = dep.consumer, dep.producer
+        lead = look[p] - look[c] + dep.distance
+        model.add(lead >= 0)
+        shared = model.new_bool_var(f"same_{c}_{p}_{dep.distance}")
+        model.add(lead >= 1).only_enforce_if(shared.Not())
+        model.add(start[c] >= start[p] + d[p]).only_enforce_if(shared)
+    if problem.plan.on_exhausted == "stop":
+        for i in range(n):
+            if i != src:
+                after = model.new_bool_var(f"after_source_{i}")
+                model.add(start[i] >= start[src] + d[src]).only_enforce_if(after)
+                model.add(start[i] + 1 <= start[src]).only_enforce_if(after.Not())
+
+    makespan = model.new_int_var(max(d), horizon, "iteration")
+    for i in range(n):
+        model.add(makespan >= start[i] + d[i])
+    model.minimize(makespan * (limit + 1) + top)
+    if hint is not None:
+        _add_hint(model, problem, hint, start, on, look, d)
+
+    solver = _solver(time_limit_s, workers)
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(
+            f"CP-SAT found no plan for {problem.plan.name} in {time_limit_s:g}s (status {solver.status_name(status)})"
+        )
+    starts = [solver.value(s) for s in start]
+    pool = problem.thread_pool
+    layout = Layout(
+        threads=tuple(pool[next(k for k in range(threads) if solver.boolean_value(on[i][k]))] for i in range(n)),
+        streams=layout_of(problem, problem.plan).streams,
+        order=tuple(sorted(range(n), key=lambda i: (starts[i], starts[i] + d[i], i))),
+    )
+    lookaheads = tuple(int(solver.value(v)) for v in look)
+    plan = to_plan(problem, named_threads(problem, layout), lookaheads)
+    iteration = predict(problem, plan)
+    bound_units = solver.best_objective_bound // (limit + 1)
+    return PeriodicSolution(
+        plan=plan,
+        iteration=iteration,
+        lower_bound=bound_units / scale,
+        optimal=status == cp_model.OPTIMAL,
+        status=solver.status_name(status),
+        seconds=time.perf_counter() - began,
+    )
+
+
+def _add_hint(
+    model: Any,
+    problem: Problem,
+    plan: PipelinePlan,
+    start: list[Any],
+    on: list[list[Any]],
+    look: list[Any],
+    d: list[int],
+) -> None:
+    """Hint the solver with ``plan``: its ASAP start times in scaled units (same estimate as the
+    search), its threads renumbered in order of first task index, its lookaheads."""
+    layout = layout_of(problem, plan)
+    lookaheads = tuple(plan.max_stage - plan.task(t).stage for t in problem.tasks)
+    number: dict[str, int] = {}
+    for i in range(len(problem.tasks)):
+        number.setdefault(layout.threads[i], len(number))
+    if len(number) > len(on[0]):
+        return
+    scaled = dataclasses.replace(problem, durations=dict(zip(problem.tasks, map(float, d), strict=True)))
+    ends = iteration_ends(scaled, layout, lookaheads)
+    for i in range(len(problem.tasks)):
+        model.add_hint(start[i], int(ends[i] - d[i]))
+        for k in range(len(on[i])):
+            model.add_hint(on[i][k], number[layout.threads[i]] == k)
+        model.add_hint(look[i], lookaheads[i])

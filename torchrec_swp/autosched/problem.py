@@ -1,0 +1,188 @@
+"""Problem: what the auto-scheduler searches - a plan's tasks and dependencies, their
+durations, and the hard constraints.
+
+The search may change, per task, its thread group, its stream, its stage and its place in the
+fire order - nothing else: the tasks, what they read and write, their comm groups, the
+dependencies, the source and the output stay those of ``plan``. Hard constraints:
+
+* at most ``max_threads`` thread groups and ``max_in_flight`` batches in flight
+  (``pipeline_depth``);
+* the anchors (tasks named like forward, backward, finalize_model_grads, optimizer_step: see
+  ``is_anchor``) stay on the default stream at lookahead 0 (the highest stage);
+* collectives of one comm group are serialized in fire order whatever their threads and
+  streams (the engine's tickets), and every dependency holds (the plan validates and the
+  simulator finds no race).
+
+Durations are in any unit, used consistently (a Profile gives seconds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PipelinePlan, PlanError
+from torchrec_swp.profiler.profile import Profile
+
+#: Task names (compared without case and underscores) that are anchors by default.
+ANCHOR_NAMES = frozenset({"forward", "backward", "finalize_model_grads", "optimizer_step"})
+
+
+def _normal(name: str) -> str:
+    return name.replace("_", "").lower()
+
+
+def is_anchor(task: str, anchor_names: Iterable[str] = ANCHOR_NAMES) -> bool:
+    """``Forward``, ``forward``, ``OptimizerStep`` and ``optimizer_step`` all match
+    ``optimizer_step``/``forward``: names are compared without case and underscores."""
+    return _normal(task) in {_normal(a) for a in anchor_names}
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedDep:
+    """A dependency by task index: ``consumer(b)`` after ``producer(b - distance)``."""
+
+    consumer: int
+    producer: int
+    distance: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The search input (see the module docstring). ``stream_options``: the streams a task that
+    is not an anchor may move to (default: the plan's streams); streams only matter when
+    ``device_durations`` are given."""
+
+    plan: PipelinePlan
+    durations: Mapping[str, float] = field(hash=False)
+    device_durations: Mapping[str, float] | None = field(default=None, hash=False)
+    max_threads: int = 4
+    max_in_flight: int = 5
+    anchor_names: frozenset[str] = ANCHOR_NAMES
+    stream_options: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name, limit in (("max_threads", self.max_threads), ("max_in_flight", self.max_in_flight)):
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
+        for table, kind in ((self.durations, "CPU"), (self.device_durations or {}, "device")):
+            for task, value in table.items():
+                if task not in self.plan.schedule:
+                    raise PlanError(
+                        f"{kind} duration given for {task!r}, which is not a task of plan {self.plan.name}",
+                        culprit=task,
+                    )
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or value < 0
+                ):
+                    raise PlanError(
+                        f"{kind} duration of task {task} must be a finite number >= 0, got {value!r}", culprit=task
+                    )
+        missing = [t for t in self.plan.fire_order if t not in self.durations]
+        if missing:
+            raise PlanError(f"no CPU duration for task {missing[0]} of plan {self.plan.name}", culprit=missing[0])
+        if self.plan.source is None:
+            raise PlanError(
+                f"plan {self.plan.name} has no source task: the search needs one (stage 0)", culprit="source"
+            )
+        if self.plan.source in self.anchors:
+            raise PlanError(
+                f"the source {self.plan.source} cannot be an anchor (lookahead 0)", culprit=self.plan.source
+            )
+
+    @classmethod
+    def from_profile(cls, profile: Profile, **options: object) -> Problem:
+        """The profiled plan with the median durations (seconds) of the profile."""
+        return cls(profile.plan, profile.durations(), **options)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------- by index
+    @cached_property
+    def tasks(self) -> tuple[str, ...]:
+        """Task names; a task's index is its position in the plan's fire order."""
+        return self.plan.fire_order
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tasks)}
+
+    @cached_property
+    def cpu(self) -> tuple[float, ...]:
+        return tuple(float(self.durations[t]) for t in self.tasks)
+
+    @cached_property
+    def deps(self) -> tuple[IndexedDep, ...]:
+        """Every dependency of the plan (explicit and inferred) except a task on itself."""
+        return tuple(
+            IndexedDep(self.index[d.consumer], self.index[d.producer], d.distance)
+            for d in self.plan.deps
+            if d.consumer != d.producer
+        )
+
+    @cached_property
+    def producers(self) -> tuple[tuple[IndexedDep, ...], ...]:
+        """Deps by consumer index."""
+        return tuple(tuple(d for d in self.deps if d.consumer == i) for i in range(len(self.tasks)))
+
+    @cached_property
+    def comm(self) -> tuple[str | None, ...]:
+        return tuple(self.plan.task(t).comm_group for t in self.tasks)
+
+    @cached_property
+    def anchors(self) -> frozenset[str]:
+        return frozenset(t for t in self.tasks if is_anchor(t, self.anchor_names))
+
+    @cached_property
+    def anchor_index(self) -> frozenset[int]:
+        return frozenset(self.index[t] for t in self.anchors)
+
+    @cached_property
+    def source_index(self) -> int:
+        return self.index[self.plan.source or ""]
+
+    @cached_property
+    def on_source(self) -> tuple[bool, ...]:
+        """Per task: it is the source or depends on it in the same batch (may sit at stage 0)."""
+        before: dict[int, set[int]] = {i: set() for i in range(len(self.tasks))}
+        for d in self.deps:
+            if d.distance == 0:
+                before[d.consumer].add(d.producer)
+        out = []
+        for i in range(len(self.tasks)):
+            seen, todo = {i}, [i]
+            while todo:
+                for p in before[todo.pop()]:
+                    if p not in seen:
+                        seen.add(p)
+                        todo.append(p)
+            out.append(self.source_index in seen)
+        return tuple(out)
+
+    @cached_property
+    def thread_pool(self) -> tuple[str, ...]:
+        """``max_threads`` thread names: the calling thread, the plan's other groups, ``w1``..."""
+        names = [MAIN_THREAD, *(g for g in self.plan.thread_groups if g != MAIN_THREAD)]
+        k = 1
+        while len(names) < self.max_threads:
+            if f"w{k}" not in names:
+                names.append(f"w{k}")
+            k += 1
+        return tuple(names[: self.max_threads])
+
+    @cached_property
+    def streams(self) -> tuple[str, ...]:
+        """Streams a non-anchor task may use."""
+        return self.stream_options or tuple(dict.fromkeys([DEFAULT_STREAM, *self.plan.streams]))
+
+    @property
+    def models_device(self) -> bool:
+        return self.device_durations is not None
+
+    def simulation_batches(self, depth: int) -> int:
+        """Batches to simulate for a plan of ``depth``: enough steady iterations for a median
+        (more with a device model, whose queues need iterations to settle)."""
+        return depth + (8 if self.models_device else 3)
