@@ -8,25 +8,11 @@ from torchrec_swp.sim import SimResult, simulate
 
 
 def steady_period(result: SimResult) -> float | None:
-    """Time per steady iteration (None with fewer than two steady iterations): the larger of the
-    CPU period and the overall period, each the slope from the first to the last steady
-    iteration - of the CPU end (which the iteration barrier paces), and of the latest end of any
-    CPU or device work so far.
-
-    Without a device model every steady iteration takes the same time and this equals
-    ``SimResult.steady_iteration_time``. With one, device work trails the CPU by an amount that
-    settles only once the bottleneck stream's queue is full; single periods vary meanwhile and
-    their median can fall below the bottleneck, the slope over the steady run does not.
-    """
-    steady = set(result.steady_iterations)
-    spans = result.iterations
-    at = [k for k, s in enumerate(spans) if s.iteration in steady]
-    if len(at) < 2:
+    """Time per steady iteration of a simulated run (see ``SimResult.steady_iteration_time``);
+    None with fewer than two steady iterations."""
+    if len(result.steady_iterations) < 2:
         return None
-    first, last = at[0], at[-1]
-    cpu = spans[last].cpu_end - spans[first].cpu_end
-    overall = max(s.end for s in spans[: last + 1]) - max(s.end for s in spans[: first + 1])
-    return max(cpu, overall) / (last - first)
+    return result.steady_iteration_time
 
 
 def predict(problem: Problem, plan: PipelinePlan) -> float:

@@ -13,7 +13,6 @@ with a device model it is the throughput period, whichever of CPU and device is 
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,16 +108,29 @@ class SimResult:
 
     @property
     def steady_iteration_time(self) -> float | None:
-        """Median steady iteration period (see the module docstring); None when the run is too
-        short to have a steady iteration (``num_batches <= plan.max_stage``)."""
+        """Time per steady iteration; None when the run is too short to have a steady iteration
+        (``num_batches <= plan.max_stage``).
+
+        With two or more steady iterations: the larger of the CPU period and the overall period,
+        each the slope from the first to the last steady iteration, of the CPU end (which the
+        iteration barrier paces) and of the latest end of any CPU or device work so far. With a
+        device model, device work trails the CPU until the bottleneck stream's queue is full;
+        single periods vary meanwhile and their median can fall below the bottleneck, the slope
+        does not. Without a device model every steady iteration takes the same time. With one
+        steady iteration: its own period.
+        """
         steady = set(self.steady_iterations)
-        periods = []
-        previous_end = 0.0
-        for span in self.iterations:
-            if span.iteration in steady:
-                periods.append(span.end - previous_end)
-            previous_end = span.end
-        return statistics.median(periods) if periods else None
+        spans = self.iterations
+        at = [k for k, s in enumerate(spans) if s.iteration in steady]
+        if not at:
+            return None
+        if len(at) == 1:
+            k = at[0]
+            return spans[k].end - (spans[k - 1].end if k else 0.0)
+        first, last = at[0], at[-1]
+        cpu = spans[last].cpu_end - spans[first].cpu_end
+        overall = max(s.end for s in spans[: last + 1]) - max(s.end for s in spans[: first + 1])
+        return max(cpu, overall) / (last - first)
 
     @property
     def lanes(self) -> tuple[str, ...]:
