@@ -70,10 +70,9 @@ class _PlanDriven:
     # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
     _swp_task_functions: Callable[[], Mapping[str, Callable[..., Any]]]
 
-    @classmethod
-    def available_tasks(cls) -> tuple[str, ...]:
+    def available_tasks(self) -> tuple[str, ...]:
         """Names of the tasks a plan for this pipeline may use."""
-        return tuple(cls._SWP_TASKS)  # type: ignore[attr-defined]
+        return tuple(self._swp_task_functions())
 
     def _swp_take_iterator(self, dataloader_iter: Iterator[Any]) -> None:
         """Note the iterator progress() was given; new data for the engine when it is a new

@@ -24,7 +24,6 @@ class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], _PlanDriven):
     The default plan is ``plans.train_pipeline_base_plan()``.
     """
 
-    _SWP_TASKS = ("LoadBatch", "ZeroGrad", "WaitBatch", "Forward", "Backward", "H2D", "OptimizerStep")
 
     def __init__(
         self,

@@ -43,7 +43,6 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], _PlanDriven):
     upstream does, so a new iterator starts a new epoch.
     """
 
-    _SWP_TASKS = ("LoadBatch", "H2D", "InputTransform", "ZeroGrad", "Forward", "Backward", "OptimizerStep")
 
     def __init__(
         self,

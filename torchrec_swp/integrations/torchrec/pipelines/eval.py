@@ -40,7 +40,6 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
     when it loads it, so between calls they hold batches i+1 and i+2 (upstream: i+1).
     """
 
-    _SWP_TASKS = ("H2D", "WaitBatch", "ClearDataDistInputs", "InputDistStart", "Forward", "InputDistWait", "Dequeue")
 
     def _swp_default_plan(self) -> PipelinePlan:
         return plans.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)

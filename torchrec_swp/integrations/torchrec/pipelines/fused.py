@@ -56,19 +56,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
 
     _pipelined_forward_type = InSyncEmbeddingForward
 
-    _SWP_TASKS = (
-        "EmbLookup",
-        "ZeroGrad",
-        "WaitBatch",
-        "ClearDataDistInputs",
-        "InputDistStart",
-        "H2D",
-        "Forward",
-        "InputDistWait",
-        "Backward",
-        "OptimizerStep",
-        "Dequeue",
-    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._swp_emb_lookup_stream = _emb_lookup_stream_option(args, kwargs)

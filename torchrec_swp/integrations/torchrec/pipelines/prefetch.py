@@ -40,19 +40,6 @@ class PrefetchTrainPipelineSparseDist(
     TrainPipelineSparseDist does (upstream's Prefetch does not, and would fail in prefetch).
     """
 
-    _SWP_TASKS = (
-        "ZeroGrad",
-        "WaitBatch",
-        "ClearDataDistInputs",
-        "H2D",
-        "InputDistWait",
-        "Forward",
-        "EmbPrefetch",
-        "Backward",
-        "OptimizerStep",
-        "InputDistStart",
-        "Dequeue",
-    )
 
     def _swp_default_plan(self) -> PipelinePlan:
         return plans.prefetch_sparse_dist_plan(execute_all_batches=self._execute_all_batches)

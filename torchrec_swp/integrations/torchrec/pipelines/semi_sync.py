@@ -82,20 +82,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
 
     _pipelined_forward_type = _EmbeddingPipelinedForward
 
-    _SWP_TASKS = (
-        "ClearDataDistInputs",
-        "InputDistStart",
-        "Forward",
-        "Dequeue",
-        "H2D",
-        "EmbLookup",
-        "InputDistWait",
-        "Backward",
-        "EmbBackward",
-        "OptimizerStep",
-        "ZeroGrad",
-        "Synchronize",
-    )
 
     def __init__(
         self,

@@ -26,18 +26,6 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
     ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``.
     """
 
-    _SWP_TASKS = (
-        "ZeroGrad",
-        "WaitBatch",
-        "ClearDataDistInputs",
-        "InputDistStart",
-        "H2D",
-        "Forward",
-        "InputDistWait",
-        "Backward",
-        "OptimizerStep",
-        "Dequeue",
-    )
 
     def __init__(
         self,

@@ -85,7 +85,6 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
     """
 
     # and one task per stage, named by stage_task_names()
-    _SWP_TASKS = ("Emit",)
 
     def __init__(
         self,
