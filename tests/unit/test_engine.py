@@ -410,3 +410,40 @@ def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> Non
     bare = engine._invokers["Fwd"]
     assert bare.__name__ != "timed"
     engine.close()
+
+
+def test_shortcuts_noop_tasks_become_aliases_and_pure_tasks_reuse_their_result() -> None:
+    calls: dict[str, int] = {"Copy": 0, "Config": 0, "Fwd": 0}
+    plan = PipelinePlan(
+        schedule={"Load": S(0), "Copy": S(0, "memcpy"), "Config": S(1), "Fwd": S(1)},
+        tasks=[
+            PipelineTask("Load", writes=("host", "table")),
+            PipelineTask("Copy", reads=("host",), writes=("batch",), noop_on=("cpu",)),
+            PipelineTask("Config", reads=("table",), writes=("config",), pure=True),
+            PipelineTask("Fwd", reads=("batch", "config"), writes=("out",)),
+        ],
+        source="Load",
+        output="out",
+    )
+    table = {"scale": 3}  # the same object every batch: Config's input does not change
+    data = iter(range(5))
+
+    def count(name: str, value: Any) -> Any:
+        calls[name] += 1
+        return value
+
+    bindings = {
+        "Load": lambda b: (next(data), table),
+        "Copy": lambda b, host: count("Copy", host),
+        "Config": lambda b, table: count("Config", table["scale"]),
+        "Fwd": lambda b, batch, config: count("Fwd", batch * config),
+    }
+    cpu = Engine(plan, bindings, device_type="cpu")
+    assert "alias Copy batch=host" in [str(i) for i in cpu.compiled.program(1, None).instructions("default")]
+    assert run_all(cpu) == [0, 3, 6, 9, 12]
+    assert calls == {"Copy": 0, "Config": 1, "Fwd": 5}  # Copy never called, Config once
+    assert cpu.shortcuts == 4
+    # on another device the copy is real
+    data = iter(range(5))
+    assert run_all(Engine(plan.with_thread_map({"Copy": "io"}), bindings, device_type="cuda")) == [0, 3, 6, 9, 12]
+    assert calls["Copy"] == 5

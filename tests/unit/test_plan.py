@@ -164,6 +164,10 @@ def test_text_round_trip_is_exact() -> None:
     assert again.to_text() == text
     assert "task H2D stage=0 stream=memcpy thread=io writes=batch_gpu" in text
     assert "dep H2D <- Fwd @2" in text
+    shortcut = plan.replace(tasks=[*plan.tasks.values()][:2] + [PipelineTask("H2D", writes=("batch_gpu",), pure=True)])
+    assert PipelinePlan.from_text(shortcut.to_text()) == shortcut
+    copy = PipelinePlan(schedule={"A": S(0), "B": S(0)}, tasks=[PipelineTask("A", writes=("x",)), PipelineTask("B", reads=("x",), writes=("y",), noop_on=("cpu", "mtia"))])
+    assert "noop_on=cpu,mtia" in copy.to_text() and PipelinePlan.from_text(copy.to_text()) == copy
 
 
 def test_text_form_ignores_comments_and_reports_bad_lines() -> None:

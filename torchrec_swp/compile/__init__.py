@@ -2,6 +2,7 @@
 
 from torchrec_swp.compile.lower import CompiledPlan, active_stages, compile_iteration
 from torchrec_swp.compile.program import (
+    Alias,
     Instr,
     IterationProgram,
     RecordEvent,
@@ -13,6 +14,7 @@ from torchrec_swp.compile.program import (
 )
 
 __all__ = [
+    "Alias",
     "CompiledPlan",
     "Instr",
     "IterationProgram",

@@ -10,13 +10,16 @@ Passes, in order (each guarantees what its docstring states):
    producer whose consumer is on another stream, ``stream S <- T@k`` before the consumer.
 4. ``place_tickets``: collective tickets, in fire order, for every comm group whose active
    tasks span more than one thread (one thread already issues them in fire order).
+5. ``drop_noops`` (when a device type is given): a task declared ``noop_on`` that device
+   becomes an ``alias`` of its inputs, in the same place, keeping every wait and signal
+   (shortcut: no call, no device work; on the CPU, stream syncs are already absent).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torchrec_swp.compile.program import Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.compile.program import Alias, Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
 from torchrec_swp.plan import MAIN_THREAD, Dep, PipelinePlan
 
 
@@ -28,8 +31,10 @@ def active_stages(plan: PipelinePlan, iteration: int, num_batches: int | None) -
     )
 
 
-def compile_iteration(plan: PipelinePlan, stages: Iterable[int], *, device_streams: bool = False) -> IterationProgram:
-    """Lower one iteration of ``plan`` with ``stages`` active."""
+def compile_iteration(
+    plan: PipelinePlan, stages: Iterable[int], *, device_streams: bool = False, device_type: str | None = None
+) -> IterationProgram:
+    """Lower one iteration of ``plan`` with ``stages`` active (for ``device_type`` if given)."""
     active = tuple(sorted(set(stages)))
     tasks = [t for t in plan.scheduled() if t.stage in active]
     per_thread = _select(plan, [t.name for t in tasks])
@@ -37,6 +42,8 @@ def compile_iteration(plan: PipelinePlan, stages: Iterable[int], *, device_strea
     if device_streams:
         per_thread = _place_stream_waits(plan, per_thread)
     per_thread, tickets = _place_tickets(plan, per_thread)
+    if device_type is not None:
+        per_thread = _drop_noops(plan, per_thread, device_type)
     threads = tuple((g, tuple(instrs)) for g, instrs in per_thread.items())
     return IterationProgram(active, threads, tickets)
 
@@ -151,19 +158,34 @@ def _place_tickets(
     return out, tuple(counts)
 
 
+def _drop_noops(plan: PipelinePlan, per_thread: dict[str, list[Instr]], device_type: str) -> dict[str, list[Instr]]:
+    out: dict[str, list[Instr]] = {}
+    for group, instrs in per_thread.items():
+        new: list[Instr] = []
+        for i in instrs:
+            io = plan.tasks[i.task] if isinstance(i, Run) else None
+            if isinstance(i, Run) and io is not None and device_type in io.noop_on and not i.source and i.ticket is None:
+                new.append(Alias(i.task, i.stage, tuple(zip(io.writes, io.reads))))
+            else:
+                new.append(i)
+        out[group] = new
+    return out
+
+
 class CompiledPlan:
     """A plan with its iteration programs, compiled once per distinct set of active stages."""
 
-    def __init__(self, plan: PipelinePlan, *, device_streams: bool = False) -> None:
+    def __init__(self, plan: PipelinePlan, *, device_streams: bool = False, device_type: str | None = None) -> None:
         self.plan = plan
         self.device_streams = device_streams
+        self.device_type = device_type
         self._cache: dict[tuple[int, ...], IterationProgram] = {}
 
     def program(self, iteration: int, num_batches: int | None) -> IterationProgram:
         stages = active_stages(self.plan, iteration, num_batches)
         prog = self._cache.get(stages)
         if prog is None:
-            prog = compile_iteration(self.plan, stages, device_streams=self.device_streams)
+            prog = compile_iteration(self.plan, stages, device_streams=self.device_streams, device_type=self.device_type)
             self._cache[stages] = prog
         return prog
 

@@ -11,6 +11,7 @@ Roughly:
   ``signal T``          tell waiting threads that T finished (or was skipped, or failed)
   ``stream S <- T@k``   device: stream S waits for the event recorded after T(b - k)
   ``record T``          device: record an event on T's stream after T ran
+  ``alias T x=y``       T is a no-op on this device: its batch's slot gets x = y, no call
 """
 
 from __future__ import annotations
@@ -74,7 +75,17 @@ class RecordEvent:
         return f"record {self.task}"
 
 
-Instr = Union[Run, WaitTask, Signal, WaitStream, RecordEvent]
+@dataclass(frozen=True, slots=True)
+class Alias:
+    task: str
+    stage: int
+    pairs: tuple[tuple[str, str], ...]  # (write, read)
+
+    def __str__(self) -> str:
+        return f"alias {self.task} " + " ".join(f"{w}={r}" for w, r in self.pairs)
+
+
+Instr = Union[Run, Alias, WaitTask, Signal, WaitStream, RecordEvent]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +109,9 @@ class IterationProgram:
         """Only the calling thread works, and only plain runs: no waits, signals, tickets or
         device events."""
         return all(
-            not instrs if thread != MAIN_THREAD else all(isinstance(i, Run) and i.ticket is None for i in instrs)
+            not instrs
+            if thread != MAIN_THREAD
+            else all((isinstance(i, Run) and i.ticket is None) or isinstance(i, Alias) for i in instrs)
             for thread, instrs in self.threads
         )
 

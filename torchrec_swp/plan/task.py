@@ -82,19 +82,34 @@ class PipelineTask:
     ``writes``: names this task stores in the slot of the batch it works on.
     ``reads``: names it is handed from that slot; each must be written by exactly one task,
         and reading it makes the task depend on that writer (same batch).
-    ``pure``: the task has no effect besides its declared writes.
+    ``pure``: the task has no effect besides its declared writes, which depend only on its
+        declared reads: the engine may skip it when it is handed the very same inputs as the
+        last time it ran, and reuse what it wrote then.
+    ``noop_on``: device types (``"cpu"``, ...) on which the task does nothing but hand its
+        inputs on (a host-to-device copy of a batch already on the device). There the
+        compiler replaces the call by an alias: ``writes[i]`` is ``reads[i]``.
     """
 
     name: str
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     pure: bool = False
+    noop_on: tuple[str, ...] = ()
     doc: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         check_name(self.name, "task")
         object.__setattr__(self, "reads", tuple(self.reads))
         object.__setattr__(self, "writes", tuple(self.writes))
+        object.__setattr__(self, "noop_on", tuple(self.noop_on))
+        if self.noop_on and len(self.writes) > len(self.reads):
+            raise PlanError(
+                f"task {self.name} is a no-op on {', '.join(self.noop_on)} but writes more names than it reads: "
+                "each write must be one of its inputs handed on",
+                culprit=self.name,
+            )
+        for device in self.noop_on:
+            check_name(device, f"device type (in task {self.name})")
         for data in (*self.reads, *self.writes):
             check_name(data, f"data (in task {self.name})")
         for names, kind in ((self.reads, "reads"), (self.writes, "writes")):

@@ -42,6 +42,8 @@ def plan_to_text(plan: PipelinePlan) -> str:
             parts.append("reads=" + ",".join(io.reads))
         if io.writes:
             parts.append("writes=" + ",".join(io.writes))
+        if io.noop_on:
+            parts.append("noop_on=" + ",".join(io.noop_on))
         if io.pure:
             parts.append("pure")
         lines.append(" ".join(parts))
@@ -111,7 +113,7 @@ def _parse_task(rest: str) -> tuple[str, TaskSchedule, PipelineTask]:
             pure = True
             continue
         key, sep, value = f.partition("=")
-        if not sep or key not in ("stage", "stream", "thread", "comm", "reads", "writes") or key in kv:
+        if not sep or key not in ("stage", "stream", "thread", "comm", "reads", "writes", "noop_on") or key in kv:
             raise PlanError(f"bad task field {f!r}", culprit=name)
         kv[key] = value
     if "," in kv.get("comm", ""):
@@ -127,7 +129,13 @@ def _parse_task(rest: str) -> tuple[str, TaskSchedule, PipelineTask]:
         comm_group=kv.get("comm"),
     )
     split = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731
-    io = PipelineTask(name, reads=split(kv.get("reads", "")), writes=split(kv.get("writes", "")), pure=pure)
+    io = PipelineTask(
+        name,
+        reads=split(kv.get("reads", "")),
+        writes=split(kv.get("writes", "")),
+        pure=pure,
+        noop_on=split(kv.get("noop_on", "")),
+    )
     return name, sched, io
 
 

@@ -93,7 +93,8 @@ def train_pipeline_base_plan() -> PipelinePlan:
         source="LoadBatch",
         depth=2,
         io={
-            "H2D": PipelineTask("H2D", reads=("host_batch",), writes=("batch",)),
+            # a copy to the device the batch is already on is skipped there (compiled as an alias)
+            "H2D": PipelineTask("H2D", reads=("host_batch",), writes=("batch",), noop_on=("cpu",)),
             "WaitBatch": PipelineTask("WaitBatch", reads=("batch",)),
             "Forward": PipelineTask("Forward", reads=("batch",), writes=("losses", "output")),
             "Backward": PipelineTask("Backward", reads=("losses",)),
@@ -184,7 +185,8 @@ def pt2_plan() -> PipelinePlan:
         source="LoadBatch",
         depth=1,
         io={
-            "H2D": PipelineTask("H2D", reads=("host_batch",), writes=("batch",)),
+            # a copy to the device the batch is already on is skipped there (compiled as an alias)
+            "H2D": PipelineTask("H2D", reads=("host_batch",), writes=("batch",), noop_on=("cpu",)),
             "Forward": PipelineTask("Forward", reads=("model_input",), writes=("losses", "output")),
             "Backward": PipelineTask("Backward", reads=("losses",)),
             "OptimizerStep": PipelineTask("OptimizerStep"),

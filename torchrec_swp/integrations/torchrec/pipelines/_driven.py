@@ -65,6 +65,7 @@ class _PlanDriven:
             streams=streams,
             timeout_s=timeout_s,
             name=f"swp-{type(self).__name__}",
+            device_type=getattr(getattr(self, "_device", None), "type", None),
         )
 
     # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
