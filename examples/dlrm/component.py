@@ -1,0 +1,69 @@
+"""torchx component for the DLRM example: ``examples/dlrm/train.py`` on N local ranks (gloo).
+
+    torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 200 --thread_map io
+    torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
+
+The named parameters are the common ones; anything after ``--`` goes to train.py unchanged (see
+``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j 1x{nproc}`` and the
+script filled in: torchx runs ``torchrun``, which must be on PATH (the venv's bin first). Run it
+from the repository root.
+"""
+
+from torchx import specs
+from torchx.components.dist import ddp
+
+# Relative to the repository root, where local_cwd runs the job (torchx loads this file from a
+# copy of its source, so __file__ does not point here).
+TRAIN = "examples/dlrm/train.py"
+
+
+def dlrm(
+    *script_args: str,
+    nproc: int = 2,
+    pipeline: str = "TrainPipelineSparseDist",
+    impl: str = "ours",
+    steps: int = 100,
+    thread_map: str = "main",
+    loader_latency_ms: float = 0.0,
+    json: str = "",
+    cpu: int = 2,
+    memMB: int = 4096,
+) -> specs.AppDef:
+    """Train TorchRec's DLRM on synthetic Criteo-like data with one of the 11 train pipelines.
+
+    Args:
+        script_args: further arguments for train.py (after --)
+        nproc: ranks (processes) on this machine
+        pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase
+        impl: ours (torchrec_swp) or upstream (TorchRec)
+        steps: batches per rank
+        thread_map: ours: main, by_stream, per_task, io, or a JSON object {task: thread}
+        loader_latency_ms: the loader waits this long per batch (storage latency)
+        json: rank 0 writes the summary to this file ("" for none)
+        cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
+        memMB: memory of the job in MB (a resource request; local_cwd does not enforce it)
+    """
+    args = [
+        "--pipeline",
+        pipeline,
+        "--impl",
+        impl,
+        "--steps",
+        str(steps),
+        "--loader-latency-ms",
+        str(loader_latency_ms),
+    ]
+    if impl == "ours":
+        args += ["--thread-map", thread_map]
+    if json:
+        args += ["--json", json]
+    return ddp(
+        *args,
+        *script_args,
+        script=TRAIN,
+        name="dlrm",
+        j=f"1x{nproc}",
+        cpu=cpu,
+        memMB=memMB,
+        env={"OMP_NUM_THREADS": "1"},
+    )

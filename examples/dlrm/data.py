@@ -1,0 +1,230 @@
+"""Criteo-like batches for the DLRM example: synthetic ones made on the fly, or real Criteo TSV files.
+
+Both yield ``torchrec.datasets.utils.Batch`` (dense features, sparse features as a KJT, labels):
+what TorchRec's DLRM and every train pipeline take.
+
+* ``SyntheticCriteo``: 13 dense and (by default) 26 sparse features, generated batch by batch
+  from a seed, so the example runs with no download. Dense values look like Criteo's
+  log-transformed counts, ids are heavy-tailed (a few ids are frequent, as in Criteo), and the
+  labels carry a learnable signal so the loss goes down.
+* ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``): one example
+  per line, tab-separated: label, 13 integer features, 26 categorical features in hex; any field
+  may be empty. Dense values become ``log(1 + max(x, 0))``, hex ids ``int(x, 16) % num_embeddings``,
+  an empty categorical field no id.
+* ``with_latency``: wraps an iterable so that each batch arrives ``latency_s`` late, like a
+  loader waiting on storage (the wait sleeps, releasing the GIL).
+
+Every rank reads its own share: synthetic data is seeded per rank; a TSV file is cut into rounds
+of ``world_size`` batches, rank r takes the r-th batch of each round, and an incomplete last
+round is dropped on every rank, so all ranks train the same number of batches (a rank with one
+batch more would wait forever in a collective).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+
+T = TypeVar("T")
+
+
+def sparse_names(num_sparse: int = NUM_SPARSE) -> list[str]:
+    """Names of the sparse features (``cat_0`` ...), as in TorchRec's Criteo datasets."""
+    return [f"cat_{i}" for i in range(num_sparse)]
+
+
+class SyntheticCriteo:
+    """``num_batches`` Criteo-like batches of ``batch_size`` examples, made on the fly.
+
+    Batch ``k`` of rank ``rank`` depends only on ``(seed, rank, k % distinct)``: iterating again
+    gives the same batches. ``distinct`` (default: all of them) bounds how many different
+    batches are generated; later ones repeat them from a cache, which keeps data generation out
+    of step-time measurements. ``ids_per_feature`` > 1 makes multi-hot features (1 to that many
+    ids per example).
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        num_batches: int,
+        num_embeddings: int,
+        num_sparse: int = NUM_SPARSE,
+        ids_per_feature: int = 1,
+        rank: int = 0,
+        seed: int = 1000,
+        distinct: int | None = None,
+    ) -> None:
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("num_batches", num_batches, 0),
+            ("num_embeddings", num_embeddings, 1),
+            ("num_sparse", num_sparse, 1),
+            ("ids_per_feature", ids_per_feature, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if distinct is not None and distinct < 1:
+            raise ValueError(f"distinct must be >= 1 or None, got {distinct!r}")
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.num_embeddings = num_embeddings
+        self.keys = sparse_names(num_sparse)
+        self.ids_per_feature = ids_per_feature
+        self.rank = rank
+        self.seed = seed
+        self.distinct = distinct
+        self._cache: dict[int, Batch] = {}
+        # The hidden model behind the labels: the same on every rank.
+        g = torch.Generator().manual_seed(seed)
+        self._dense_weight = torch.randn(NUM_DENSE, generator=g) / math.sqrt(NUM_DENSE)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        for k in range(self.num_batches):
+            yield self.batch(k)
+
+    def batch(self, k: int) -> Batch:
+        """Batch ``k`` of this rank."""
+        key = k if self.distinct is None else k % self.distinct
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        batch = self._generate(key)
+        if self.distinct is not None:
+            self._cache[key] = batch
+        return batch
+
+    def _generate(self, key: int) -> Batch:
+        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.rank) * 1_000_003 + key) % 2**63)
+        n, f = self.batch_size, len(self.keys)
+        # Criteo's integer features are counts; models see log(1 + count).
+        counts = torch.empty(n, NUM_DENSE).exponential_(generator=g) * 20
+        dense = torch.log1p(counts.floor())
+        if self.ids_per_feature == 1:
+            lengths = torch.ones(f * n, dtype=torch.int32)
+        else:
+            lengths = torch.randint(1, self.ids_per_feature + 1, (f * n,), dtype=torch.int32, generator=g)
+        # u**4 piles ids up near 0: a few ids are very frequent, most are rare.
+        u = torch.rand(int(lengths.sum()), generator=g)
+        values = (u.pow(4) * self.num_embeddings).long().clamp_(max=self.num_embeddings - 1)
+        sparse = KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=values, lengths=lengths)
+        # Click probability from the dense features and the parity of each example's first id.
+        first_ids = values[torch.cumsum(lengths[:n], 0) - lengths[:n]]
+        logit = (dense - dense.mean(0)) @ self._dense_weight + (first_ids % 2).float() - 0.5
+        labels = torch.bernoulli(torch.sigmoid(2 * logit), generator=g).long()
+        return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
+
+
+class CriteoTsv:
+    """Batches read from Criteo TSV files (see the module docstring), this rank's share.
+
+    ``max_batches`` stops after that many batches of this rank (None: the whole files).
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        *,
+        batch_size: int,
+        num_embeddings: int,
+        num_sparse: int = NUM_SPARSE,
+        rank: int = 0,
+        world_size: int = 1,
+        max_batches: int | None = None,
+    ) -> None:
+        if not paths:
+            raise ValueError("CriteoTsv needs at least one file")
+        missing = [str(p) for p in paths if not Path(p).is_file()]
+        if missing:
+            raise FileNotFoundError(f"Criteo TSV file not found: {missing[0]}")
+        if not 1 <= num_sparse <= NUM_SPARSE:
+            raise ValueError(
+                f"Criteo has {NUM_SPARSE} sparse features; num_sparse must be 1..{NUM_SPARSE}, got {num_sparse}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.paths = [Path(p) for p in paths]
+        self.batch_size = batch_size
+        self.num_embeddings = num_embeddings
+        self.keys = sparse_names(num_sparse)
+        self.rank = rank
+        self.world_size = world_size
+        self.max_batches = max_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        round_lines = self.batch_size * self.world_size
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        produced = 0
+        chunk: list[tuple[str, str]] = []
+        for row in self._lines():
+            chunk.append(row)
+            if len(chunk) < round_lines:
+                continue
+            if self.max_batches is not None and produced >= self.max_batches:
+                return
+            yield self._parse(chunk[mine])
+            produced += 1
+            chunk = []
+
+    def _lines(self) -> Iterator[tuple[str, str]]:
+        """Every non-empty line, with where it is (``path:line``) for error messages."""
+        for path in self.paths:
+            with path.open(encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        yield line, f"{path}:{number}"
+
+    def _parse(self, rows: list[tuple[str, str]]) -> Batch:
+        num_sparse = len(self.keys)
+        labels = []
+        dense = []
+        ids: list[list[int]] = [[] for _ in range(num_sparse)]
+        lengths: list[list[int]] = [[] for _ in range(num_sparse)]
+        for line, where in rows:
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
+                raise ValueError(
+                    f"{where}: {len(fields)} tab-separated fields; a Criteo TSV line has "
+                    f"{1 + NUM_DENSE + NUM_SPARSE} (label, {NUM_DENSE} integers, {NUM_SPARSE} hex ids)"
+                )
+            try:
+                labels.append(int(fields[0] or 0))
+                dense.append([math.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1 : 1 + NUM_DENSE]])
+                for j, x in enumerate(fields[1 + NUM_DENSE : 1 + NUM_DENSE + num_sparse]):
+                    if x:
+                        ids[j].append(int(x, 16) % self.num_embeddings)
+                    lengths[j].append(1 if x else 0)
+            except ValueError as e:
+                raise ValueError(f"{where}: not a Criteo TSV line: {e}") from None
+        return Batch(
+            dense_features=torch.tensor(dense, dtype=torch.float32),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=self.keys,
+                values=torch.tensor([i for per in ids for i in per], dtype=torch.long),
+                lengths=torch.tensor([n for per in lengths for n in per], dtype=torch.int32),
+            ),
+            labels=torch.tensor(labels, dtype=torch.long),
+        )
+
+
+def with_latency(batches: Iterable[T], latency_s: float) -> Iterator[T]:
+    """Yield ``batches``, each ``latency_s`` seconds late (storage latency; sleeping frees the GIL)."""
+    if latency_s < 0:
+        raise ValueError(f"latency must be >= 0, got {latency_s}")
+    for batch in batches:
+        if latency_s:
+            time.sleep(latency_s)
+        yield batch

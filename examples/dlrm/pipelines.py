@@ -1,0 +1,275 @@
+"""The 11 TorchRec train pipelines by name, upstream's or ours, ready to train one DLRM.
+
+``make_runner(name, impl, build)`` builds a model with ``build()`` and wraps it in pipeline
+``name`` of ``impl`` ("upstream": TorchRec 1.8.0's class; "ours": the torchrec_swp class of the
+same name). ``Runner.step(it)`` trains (or, for the eval pipelines, evaluates) one batch and
+returns what the model returned for it, ``(loss, logits, labels)``.
+
+Our pipelines are the names ``torchrec_swp`` exports (``torchrec_swp.__all__``); a name it does
+not export (yet) is reported by ``not_exported()`` and refused by ``make_runner`` with a
+message saying so.
+
+Upstream on CPU (see ``/work/shared/UPSTREAM_CPU_NOTES.md``): Base, SparseDist, Lite, PT2 and
+EvalSparseDist run as shipped. The others fail there; they run only with ``upstream_patch=True``,
+which applies the repository's test-only patch (``tests/dist/upstream_cpu_patch.py``: CPU tensors
+ignore ``record_stream``, the CUDA fallback device becomes the CPU) for as long as the runner
+lives, plus the per-pipeline tweaks the parity tests use (Prefetch: a CPU data_dist stream during
+prefetch; CompAutograd: DDP's Python reducer and ``fullgraph=False``; Staged: CPU streams with a
+``.device``). The patch is process-wide: while it is on, our pipelines run under it too.
+
+How each kind trains:
+
+* train pipelines: ``progress()`` does zero_grad, forward, backward and the optimizer step;
+* eval pipelines: the model is put in eval mode, ``progress()`` runs the forward only;
+* StagedTrainPipeline: its stages copy the batch and start the sparse data dist
+  (``SparseDataDistUtil``); the caller trains on the batch ``progress()`` returns, as upstream's
+  docs show; ``Runner.step`` does both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Impl = Literal["upstream", "ours"]
+Kind = Literal["train", "eval", "staged"]
+ModelAndOptimizer = tuple[torch.nn.Module, torch.optim.Optimizer]
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What the example needs to know about one pipeline.
+
+    ``upstream_fails``: why upstream's class fails on CPU as shipped ("" when it runs).
+    ``options``: constructor options passed to both implementations.
+    ``compiles``: it compiles the model (the first steps take tens of seconds).
+    """
+
+    name: str
+    kind: Kind = "train"
+    upstream_fails: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    compiles: bool = False
+
+
+_RECORD_STREAM = "record_stream on CPU tensors, and a CUDA fallback device in runtime_forwards"
+
+INFO: dict[str, PipelineInfo] = {
+    i.name: i
+    for i in (
+        PipelineInfo("TrainPipelineBase"),
+        PipelineInfo("TrainPipelineSparseDist"),
+        PipelineInfo("TrainPipelineSparseDistLite"),
+        PipelineInfo("TrainPipelineFusedSparseDist", upstream_fails=_RECORD_STREAM),
+        # start_batch: the semi-sync phase (stale embeddings) starts at batch 10, not 900, so
+        # that a short run measures it.
+        PipelineInfo("TrainPipelineSemiSync", upstream_fails=_RECORD_STREAM, options={"start_batch": 10}),
+        PipelineInfo(
+            "PrefetchTrainPipelineSparseDist",
+            upstream_fails="prefetch returns early without a data_dist stream (always so on CPU)",
+        ),
+        PipelineInfo("EvalPipelineSparseDist", kind="eval"),
+        PipelineInfo("EvalPipelineFusedSparseDist", kind="eval", upstream_fails=_RECORD_STREAM),
+        PipelineInfo("StagedTrainPipeline", kind="staged", upstream_fails="the CPU's default stream has no .device"),
+        PipelineInfo("TrainPipelinePT2", compiles=True),
+        PipelineInfo(
+            "TrainPipelineSparseDistCompAutograd",
+            upstream_fails="compiled autograd rejects the C++ DDP reducer",
+            compiles=True,
+        ),
+    )
+}
+
+PIPELINES: tuple[str, ...] = tuple(INFO)
+
+
+class PipelineUnavailable(RuntimeError):
+    """The pipeline cannot be built here; the message says why and what to do."""
+
+
+def not_exported() -> dict[str, str]:
+    """``{name: reason}`` for every pipeline torchrec_swp does not export (yet)."""
+    exported = _ours_exports()
+    return {n: f"torchrec_swp does not export {n} (yet)" for n in PIPELINES if n not in exported}
+
+
+def _ours_exports() -> set[str]:
+    import torchrec_swp
+
+    return set(torchrec_swp.__all__)
+
+
+def _pipeline_class(name: str, impl: Impl) -> type:
+    if impl == "upstream":
+        import torchrec.distributed.train_pipeline.train_pipelines as upstream
+
+        if name == "PrefetchTrainPipelineSparseDist":
+            return _upstream_prefetch_on_cpu()
+        return getattr(upstream, name)
+    if name not in _ours_exports():
+        raise PipelineUnavailable(
+            f"torchrec_swp does not export {name} (yet); it exports "
+            + ", ".join(sorted(_ours_exports() - {"__version__"}))
+        )
+    import torchrec_swp
+
+    return getattr(torchrec_swp, name)
+
+
+class Runner:
+    """One pipeline and the model it trains. ``step(it)`` handles one batch; ``close()`` ends it.
+
+    ``model`` / ``optimizer`` are the ones ``build()`` returned; ``pipeline`` is the pipeline
+    object (ours has ``.plan`` and ``.engine``).
+    """
+
+    def __init__(
+        self,
+        info: PipelineInfo,
+        impl: Impl,
+        pipeline: Any,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        patch: contextlib.ExitStack,
+    ) -> None:
+        self.info, self.impl = info, impl
+        self.pipeline, self.model, self.optimizer = pipeline, model, optimizer
+        self._patch = patch
+
+    def step(self, batches: Iterator[Any]) -> Any:
+        """Train (or evaluate) one batch; return ``(loss, logits, labels)``. StopIteration at the end of data."""
+        return self.finish(self.pipeline.progress(batches))
+
+    def finish(self, progressed: Any) -> Any:
+        """What ``step`` does after ``pipeline.progress()`` returned ``progressed``: nothing for
+        the pipelines that train in ``progress()``; for StagedTrainPipeline, train on the batch
+        it returned (StopIteration when it returned None, the end of data)."""
+        if self.info.kind != "staged":
+            return progressed
+        if progressed is None:
+            raise StopIteration
+        self.optimizer.zero_grad()
+        loss, output = self.model(progressed)
+        loss.backward()
+        self.optimizer.step()
+        return output
+
+    def close(self) -> None:
+        """Stop our engine's worker threads and lift the upstream CPU patch (idempotent)."""
+        if hasattr(self.pipeline, "close"):
+            self.pipeline.close()
+        self._patch.close()
+
+
+def make_runner(
+    name: str,
+    impl: Impl,
+    build: Callable[[], ModelAndOptimizer],
+    *,
+    plan: Any = None,
+    thread_map: Any = None,
+    options: Mapping[str, Any] | None = None,
+    upstream_patch: bool = False,
+) -> Runner:
+    """Build a model with ``build()`` and pipeline ``name`` of ``impl`` around it.
+
+    ``plan`` and ``thread_map`` (ours only) replace the default plan and thread map;
+    ``options`` add constructor options (on top of ``INFO[name].options``).
+    ``upstream_patch`` allows upstream pipelines that need the test-only CPU patch (see the
+    module docstring). Raises PipelineUnavailable when the pipeline cannot run as asked.
+    """
+    if name not in INFO:
+        raise PipelineUnavailable(f"unknown pipeline {name!r}; choose one of {', '.join(PIPELINES)}")
+    info = INFO[name]
+    if impl not in ("upstream", "ours"):
+        raise PipelineUnavailable(f"impl must be 'upstream' or 'ours', got {impl!r}")
+    if impl == "upstream" and (plan is not None or thread_map is not None):
+        raise PipelineUnavailable("a plan or a thread_map applies to our pipelines only (impl='ours')")
+    if impl == "upstream" and info.upstream_fails and not upstream_patch:
+        raise PipelineUnavailable(
+            f"upstream's {name} fails on CPU as shipped ({info.upstream_fails}); "
+            "allow the test-only CPU patch (--upstream-cpu-patch) or use our pipeline"
+        )
+    cls = _pipeline_class(name, impl)
+    engine_options = {k: v for k, v in (("plan", plan), ("thread_map", thread_map)) if v is not None}
+    kwargs = {**info.options, **(options or {})}
+    patch = contextlib.ExitStack()
+    try:
+        if impl == "upstream" and info.upstream_fails:
+            from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+
+            patch.enter_context(upstream_cpu_patch())
+        if impl == "upstream" and name == "TrainPipelineSparseDistCompAutograd":
+            # DDP picks its reducer when built; compiled autograd needs the Python one, and
+            # fbgemm_gpu_cpu has no fake kernel for the TBE backward, so no full graph.
+            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+                model, optimizer = build()
+            model._compiled_autograd_options = {"backend": "inductor", "dynamic": True, "fullgraph": False}
+        else:
+            model, optimizer = build()
+        if info.kind == "eval":
+            model.eval()
+        if info.kind == "staged":
+            if kwargs:
+                raise PipelineUnavailable(f"StagedTrainPipeline takes no options here, got {sorted(kwargs)}")
+            pipeline = _staged(cls, impl, model, engine_options)
+        else:
+            pipeline = cls(model, optimizer, CPU, **kwargs, **engine_options)
+    except BaseException:
+        patch.close()
+        raise
+    return Runner(info, impl, pipeline, model, optimizer, patch)
+
+
+def _staged(cls: type, impl: Impl, model: torch.nn.Module, engine_options: dict[str, Any]) -> Any:
+    """StagedTrainPipeline with two stages: copy the batch, start its sparse data dist.
+
+    Upstream needs streams with a ``.device`` on CPU (``torch.Stream(device="cpu")``); ours runs
+    with the CPU's own streams and input dist on the current stream (no data_dist stream).
+    """
+    from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
+
+    sdd = SparseDataDistUtil(model, data_dist_stream=torch.Stream(device="cpu"))
+    if impl == "ours":
+        sdd.data_dist_stream = None
+        stream: Callable[[], Any] = torch.cpu.Stream
+    else:
+        stream = lambda: torch.Stream(device="cpu")
+    stages = [
+        PipelineStage("data_copy", lambda b: b.to(CPU, non_blocking=True), stream()),
+        PipelineStage(
+            "start_sparse_data_dist",
+            sdd.start_sparse_data_dist,
+            stream(),
+            fill_callback=sdd.wait_sdd_fill_callback,
+            data_exhausted_callback=sdd.data_exhausted_callback,
+        ),
+    ]
+    if impl == "ours":
+        return cls(stages, **engine_options)
+    return cls(stages, compute_stream=torch.Stream(device="cpu"))
+
+
+def _upstream_prefetch_on_cpu() -> type:
+    import torchrec.distributed.train_pipeline.train_pipelines as upstream
+    from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
+
+    class UpstreamPrefetchOnCpu(upstream.PrefetchTrainPipelineSparseDist):
+        """Upstream's Prefetch pipeline, whose ``prefetch_embeddings`` does nothing without a
+        data_dist stream: during ``_prefetch`` only, that stream is the CPU's current stream (a
+        dummy whose context and waits do nothing). The same tweak as the parity tests'."""
+
+        def _prefetch(self, context: PrefetchTrainPipelineContext) -> None:
+            self._data_dist_stream = torch.cpu.current_stream()
+            try:
+                super()._prefetch(context)
+            finally:
+                self._data_dist_stream = None
+
+    return UpstreamPrefetchOnCpu
