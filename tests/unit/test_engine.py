@@ -447,3 +447,30 @@ def test_shortcuts_noop_tasks_become_aliases_and_pure_tasks_reuse_their_result()
     data = iter(range(5))
     assert run_all(Engine(plan.with_thread_map({"Copy": "io"}), bindings, device_type="cuda")) == [0, 3, 6, 9, 12]
     assert calls["Copy"] == 5
+
+
+def test_pure_task_runs_again_when_a_tensor_input_changed_in_place() -> None:
+    import torch
+
+    weights = torch.ones(2)
+    calls = [0]
+    plan = PipelinePlan(
+        schedule={"Load": S(0), "Scale": S(0)},
+        tasks=[PipelineTask("Load", writes=("w",)), PipelineTask("Scale", reads=("w",), writes=("out",), pure=True)],
+        source="Load",
+        output="out",
+    )
+    data = iter(range(3))
+
+    def load(b: int) -> Any:
+        next(data)
+        if b == 2:
+            weights.add_(1)  # same object, new values
+        return weights
+
+    def scale(b: int, w: Any) -> float:
+        calls[0] += 1
+        return float(w.sum())
+
+    assert run_all(Engine(plan, {"Load": load, "Scale": scale})) == [2.0, 2.0, 4.0]
+    assert calls[0] == 2

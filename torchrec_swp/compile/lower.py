@@ -180,9 +180,18 @@ class CompiledPlan:
         self.device_streams = device_streams
         self.device_type = device_type
         self._cache: dict[tuple[int, ...], IterationProgram] = {}
+        self._top = plan.max_stage
+        self._steady: IterationProgram | None = None
 
     def program(self, iteration: int, num_batches: int | None) -> IterationProgram:
-        stages = active_stages(self.plan, iteration, num_batches)
+        if num_batches is None and iteration >= self._top:
+            # steady state: every stage active (the common case, looked up without work)
+            if self._steady is None:
+                self._steady = self._compiled(active_stages(self.plan, iteration, None))
+            return self._steady
+        return self._compiled(active_stages(self.plan, iteration, num_batches))
+
+    def _compiled(self, stages: tuple[int, ...]) -> IterationProgram:
         prog = self._cache.get(stages)
         if prog is None:
             prog = compile_iteration(self.plan, stages, device_streams=self.device_streams, device_type=self.device_type)

@@ -16,7 +16,7 @@ Roughly:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from torchrec_swp.plan import MAIN_THREAD
@@ -99,20 +99,24 @@ class IterationProgram:
     active_stages: tuple[int, ...]
     threads: tuple[tuple[str, tuple[Instr, ...]], ...]
     tickets: tuple[tuple[str, int], ...] = ()
+    #: Only one thread has instructions.
+    single_thread: bool = field(init=False, compare=False)
+    #: Only the calling thread works, and only plain runs (and aliases): no waits, signals,
+    #: tickets or device events. Such a program runs as a flat list of calls.
+    flat: bool = field(init=False, compare=False)
 
-    @property
-    def single_thread(self) -> bool:
-        return sum(1 for _, instrs in self.threads if instrs) <= 1
-
-    @property
-    def flat(self) -> bool:
-        """Only the calling thread works, and only plain runs: no waits, signals, tickets or
-        device events."""
-        return all(
-            not instrs
-            if thread != MAIN_THREAD
-            else all((isinstance(i, Run) and i.ticket is None) or isinstance(i, Alias) for i in instrs)
-            for thread, instrs in self.threads
+    def __post_init__(self) -> None:
+        # computed once: the engine asks on every iteration
+        object.__setattr__(self, "single_thread", sum(1 for _, instrs in self.threads if instrs) <= 1)
+        object.__setattr__(
+            self,
+            "flat",
+            all(
+                not instrs
+                if thread != MAIN_THREAD
+                else all((isinstance(i, Run) and i.ticket is None) or isinstance(i, Alias) for i in instrs)
+                for thread, instrs in self.threads
+            ),
         )
 
     def instructions(self, thread: str) -> tuple[Instr, ...]:
