@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run test test-fast clean
+.PHONY: install run quickstart bench test test-fast clean
 
 install: $(STAMP)
 
@@ -19,9 +19,19 @@ $(STAMP): setup.py requirements/runtime.txt requirements/torchrec.txt requiremen
 	$(PY) -c "import torchrec_swp.integrations.torchrec.pipelines"
 	touch $(STAMP)
 
-# The main job: 2 CPU ranks (gloo) training with torchrec_swp's TrainPipelineSparseDist.
+# The main job: the DLRM example on 2 CPU ranks (gloo), launched through torchx, with
+# torchrec_swp's TrainPipelineSparseDist. ARGS go to examples/dlrm/train.py (see --help).
+ARGS ?= --steps 200
 run: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py $(ARGS)
+	$(VENV)/bin/torchx run -s local_cwd dist.ddp -j 1x2 --script examples/dlrm/train.py -- $(ARGS)
+
+# A shorter first look: 20 steps that print the plan and every step's loss.
+quickstart: $(STAMP)
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py
+
+# Side-by-side benchmarks with upstream (out/bench/, out/timeline/); about 15 minutes.
+bench: $(STAMP)
+	$(PY) benchmarks/compare.py && $(PY) benchmarks/overlap.py && $(PY) benchmarks/timeline.py
 
 # The whole suite, slow multi-process tests included (as CI runs it).
 test: $(STAMP)
