@@ -358,8 +358,8 @@ def _markdown(report: dict[str, Any]) -> str:
                 f"events): {bare['kept_us'] - bare['removed_us']:.1f} us saved per iteration."
             ),
             "",
-            "Not removed yet (needs a compiler pass, see docs/benchmarks.md): the H2D copy of a batch already on the "
-            "CPU costs "
+            "A copy of a batch already on the CPU (compiled as an alias in TrainPipelineBase and TrainPipelinePT2, "
+            "whose H2D is declared noop_on cpu) costs "
             + ", ".join(f"{us:.1f} us ({size})" for size, us in report["noop_copy_us"].items())
             + " per step.",
         ]
