@@ -244,11 +244,7 @@ def _engine_only_shortcut(iterations: int = 3000) -> dict[str, float]:
         engine = Engine(plan, bindings(), streams=streams, name="swp-shortcut")
         start = time.perf_counter()
         try:
-            while True:
-                try:
-                    engine.step()
-                except StopIteration:
-                    break
+            engine.run_to_end()
         finally:
             engine.close()
         return 1e6 * (time.perf_counter() - start) / (iterations + plan.max_stage)

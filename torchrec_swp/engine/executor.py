@@ -374,6 +374,15 @@ class Engine:
                 slot = self.slots.pop(b, {})
                 return slot.get(self.plan.output) if self.plan.output is not None else None
 
+    def run_to_end(self) -> list[Any]:
+        """Step until the data ends; the outputs in order."""
+        outputs = []
+        while True:
+            try:
+                outputs.append(self.step())
+            except StopIteration:
+                return outputs
+
     # -------------------------------------------------------------- flat path
     def _run_flat(self, p: int, program: IterationProgram) -> None:
         steps = self._flat_cache.get(id(program))

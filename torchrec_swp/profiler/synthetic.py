@@ -60,11 +60,7 @@ class SleepWorkload:
         engine = Engine(plan, self.bindings(num_batches, plan), name="swp-sleep")
         profiler = TaskProfiler(warmup=warmup).attach(engine)
         try:
-            while True:
-                try:
-                    engine.step()
-                except StopIteration:
-                    break
+            engine.run_to_end()
         finally:
             engine.close()
         return profiler.profile(plan)
