@@ -3,6 +3,7 @@
 from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted
 from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, BatchLedger, Binding, Engine, Observer
 from torchrec_swp.engine.streams import (
+    STREAM_DEVICE_TYPES,
     CudaStreamPool,
     NullStreamPool,
     RecordingStreamPool,
@@ -12,6 +13,7 @@ from torchrec_swp.engine.streams import (
 from torchrec_swp.engine.turnstile import Turnstile
 
 __all__ = [
+    "STREAM_DEVICE_TYPES",
     "DEFAULT_TIMEOUT_S",
     "BatchLedger",
     "Binding",

@@ -225,6 +225,10 @@ class Engine:
         self._bindings = dict(bindings)
         self._invokers = {t: self._instrumented(t, self._make_invoker(t, self._bindings[t])) for t in plan.fire_order}
         self._flat_cache: dict[int, list[tuple[Invoker, int, int, str]]] = {}
+        # per task, looked up on every threaded run: its stream, and its alias where it is one
+        self._stream_of = {t: plan.task(t).stream for t in plan.fire_order}
+        self._alias_invokers: dict[str, Invoker] = {}
+        self._signalled: dict[int, frozenset[str]] = {}
         self._max_distance = max((d.distance for d in plan.deps), default=0)
 
     def instrument(self, observer: Observer | None = None, *, labels: bool = False) -> None:
@@ -390,7 +394,7 @@ class Engine:
             steps = [
                 (self._invokers[i.task], i.stage, 2 if i.source else 1 if i.guarded else 0, i.task)
                 if isinstance(i, Run)
-                else (self._instrumented(i.task, self._aliaser(i)), i.stage, 1, i.task)
+                else (self._alias_invoker(i), i.stage, 1, i.task)
                 for i in program.instructions(MAIN_THREAD)
                 if isinstance(i, (Run, Alias))
             ]
@@ -439,7 +443,10 @@ class Engine:
 
     # ---------------------------------------------------------- threaded path
     def _run_threaded(self, p: int, program: IterationProgram) -> None:
-        signalled = {i.task for _, instrs in program.threads for i in instrs if isinstance(i, Signal)}
+        signalled = self._signalled.get(id(program))
+        if signalled is None:
+            signalled = frozenset(i.task for _, instrs in program.threads for i in instrs if isinstance(i, Signal))
+            self._signalled[id(program)] = signalled
         ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled(), self._resume)
         for group, _ in program.tickets:
             self._turnstile(group).restart()
@@ -495,7 +502,7 @@ class Engine:
                     case Alias(task=task, stage=stage):
                         b = p - stage
                         if b < self.loaded and task not in ctx.skip:
-                            self._instrumented(task, self._aliaser(instr))(b)
+                            self._alias_invoker(instr)(b)
                     case WaitTask(task=producer):
                         task = f"wait {producer}"
                         if self._observer is None:
@@ -550,7 +557,7 @@ class Engine:
                 return
             self.slots[b] = {}
             try:
-                with self.streams.context(self.plan.task(instr.task).stream):
+                with self.streams.context(self._stream_of[instr.task]):
                     invoke(b)
             except StopIteration:
                 del self.slots[b]
@@ -567,7 +574,7 @@ class Engine:
         if instr.guarded and b >= self.loaded:
             return
         try:
-            with self.streams.context(self.plan.task(instr.task).stream):
+            with self.streams.context(self._stream_of[instr.task]):
                 invoke(b)
         except StopIteration as e:
             raise RuntimeError(f"task {instr.task} raised StopIteration") from e
@@ -583,6 +590,13 @@ class Engine:
         turnstile.release(ticket)
 
     # ---------------------------------------------------------------- helpers
+    def _alias_invoker(self, instr: Alias) -> Invoker:
+        """The (instrumented) alias of a task, built once per plan and instrumentation."""
+        invoke = self._alias_invokers.get(instr.task)
+        if invoke is None:
+            invoke = self._alias_invokers[instr.task] = self._instrumented(instr.task, self._aliaser(instr))
+        return invoke
+
     def _aliaser(self, instr: Alias) -> Invoker:
         """The call-free stand-in of a task that is a no-op on this device."""
         slots, pairs = self.slots, instr.pairs

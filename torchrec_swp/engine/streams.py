@@ -23,6 +23,10 @@ import torch
 from torchrec_swp.plan import DEFAULT_STREAM
 
 
+#: Device types with streams and events; everywhere else (the CPU) nothing crosses a stream.
+STREAM_DEVICE_TYPES = ("cuda", "mtia")
+
+
 class StreamPool(Protocol):
     has_streams: bool
 
@@ -137,6 +141,6 @@ class RecordingStreamPool:
 
 def stream_pool_for(device: torch.device, streams: Mapping[str, Any] | None = None) -> StreamPool:
     """The pool for ``device``: CUDA/MTIA streams on those devices, null streams elsewhere."""
-    if device.type in ("cuda", "mtia"):
+    if device.type in STREAM_DEVICE_TYPES:
         return CudaStreamPool(device, streams)
     return NullStreamPool()

@@ -13,7 +13,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipeli
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup, _wait_for_events
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES
 from torchrec_swp.integrations.torchrec import plans
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -22,10 +22,6 @@ from torchrec_swp.plan import PipelinePlan, ThreadMap
 __all__ = ["TrainPipelineSemiSync"]
 
 SYNC, SEMI_SYNC = "sync", "semi_sync"
-
-# Devices whose pipelines have side streams (upstream creates memcpy and data_dist streams only
-# for these); on any other device nothing crosses a stream and nothing needs record_stream.
-_STREAM_DEVICES = ("cuda", "mtia")
 
 
 class _EmbeddingPipelinedForward(EmbeddingPipelinedForward):
@@ -128,7 +124,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     # ------------------------------------------------- upstream helpers, CPU-safe
     def _swp_current_stream(self) -> torch.Stream | None:
         """The compute stream, or None on a device without streams (nothing to record there)."""
-        if self._device.type in _STREAM_DEVICES:
+        if self._device.type in STREAM_DEVICE_TYPES:
             return torch.get_device_module(self._device).current_stream()
         return None
 
@@ -209,5 +205,5 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     def _task_synchronize(self, b: int) -> None:
         # Upstream synchronizes the device before the next batch's lookup, and only when there
         # is a next batch. A device without streams runs everything in order already.
-        if b + 1 < self._swp_engine.loaded and self._device.type in _STREAM_DEVICES:
+        if b + 1 < self._swp_engine.loaded and self._device.type in STREAM_DEVICE_TYPES:
             torch.get_device_module(self._device).synchronize()

@@ -14,7 +14,7 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, StageOut
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, stream_pool_for
 from torchrec_swp.integrations.torchrec import plans
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
 from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
@@ -23,8 +23,6 @@ __all__ = ["StagedTrainPipeline"]
 
 logger = logging.getLogger(__name__)
 
-# Devices with streams and events; elsewhere (the CPU) nothing crosses a stream.
-_STREAM_DEVICES = ("cuda", "mtia")
 
 
 def _stream_device(stream: Any) -> torch.device:
@@ -100,11 +98,11 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
         if not pipeline_stages:
             raise ValueError("StagedTrainPipeline needs at least one PipelineStage in pipeline_stages")
         device = _stream_device(compute_stream if compute_stream is not None else pipeline_stages[0].stream)
-        if compute_stream is None and device.type not in _STREAM_DEVICES:
+        if compute_stream is None and device.type not in STREAM_DEVICE_TYPES:
             # upstream would take torch.cpu.current_stream(), which has no .device
             compute_stream = torch.Stream(device="cpu")
         super().__init__(pipeline_stages, debug_mode, compute_stream, on_flush_end)
-        self._swp_has_streams = device.type in _STREAM_DEVICES
+        self._swp_has_streams = device.type in STREAM_DEVICE_TYPES
         self._swp_stage_tasks = stage_task_names(pipeline_stages)
         stream_names, streams = self._swp_stream_names()
         self._swp_setup(
