@@ -492,6 +492,10 @@ class Engine:
                     case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
                         b = p - stage
                         if task in ctx.skip:
+                            # it ran before a failure or stop: its collective was issued then, but
+                            # its ticket in this (restarted) numbering must still be passed on
+                            if ticket is not None:
+                                self._pass_ticket(group, ticket)
                             continue
                         if ticket is None:
                             self._run_one(instr, b, ctx)
@@ -578,6 +582,12 @@ class Engine:
                 invoke(b)
         except StopIteration as e:
             raise RuntimeError(f"task {instr.task} raised StopIteration") from e
+
+    def _pass_ticket(self, group: str | None, ticket: int) -> None:
+        """Take ``ticket``'s turn without running anything (its task already ran)."""
+        turnstile = self._turnstile(group or "")
+        turnstile.acquire(ticket, self.timeout_s)
+        turnstile.release(ticket)
 
     def _run_ticketed(self, instr: Run, b: int, ctx: _IterationContext, group: str | None, ticket: int) -> None:
         turnstile = self._turnstile(group or "")
