@@ -1,8 +1,10 @@
 """Multi-process harness for comparing train pipelines bit for bit on CPU gloo ranks.
 
 Everything here runs on loopback with the gloo backend, so it needs neither a GPU nor a
-launcher. A test hands a module-level *rank function* to :func:`run_on_ranks`; inside it,
-the rank builds a fresh model with :func:`build_model`, fresh batches with
+launcher. (On a CUDA machine the same harness runs with ``backend="nccl"``, rank ``r`` on
+``cuda:r``, and :func:`build_model` takes the ``device`` to shard onto; the defaults are the
+CPU.) A test hands a module-level *rank function* to :func:`run_on_ranks`; inside it, the rank
+builds a fresh model with :func:`build_model`, fresh batches with
 :func:`make_batches`, trains with :func:`train_pipeline_run` (any object with
 ``progress(iterator)``, e.g. a TorchRec train pipeline) or :func:`plain_loop_run` (the
 non-pipelined reference), and returns the :class:`RunResult` objects to the parent, where
@@ -125,8 +127,10 @@ def _rank_main(
     args: tuple[Any, ...],
     results: Queue[tuple[int, bool, Any]],
     group_may_break: bool,
+    backend: str = "gloo",
 ) -> None:
-    """Body of one child: joins the gloo group, runs ``fn`` and reports to the parent.
+    """Body of one child: joins the process group (gloo, or nccl on ``cuda:rank``), runs ``fn``
+    and reports to the parent.
 
     ``results`` gets ``(rank, True, pickled result)`` or ``(rank, False, traceback text)``.
     The result is pickled here, with the plain pickler, so that tensors travel as bytes
@@ -137,10 +141,15 @@ def _rank_main(
     # Keep gloo on the loopback interface instead of whatever the host name resolves to.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
+        if backend == "nccl":
+            # cuBLAS is deterministic only with a fixed workspace, read when its handle is made
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}"
+            backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}"
         )
-        torch.use_deterministic_algorithms(True)
+        # On CUDA some kernels have no deterministic twin: warn there instead of failing the run.
+        torch.use_deterministic_algorithms(True, warn_only=backend != "gloo")
         # One intra-op thread per rank: the machine's cores are shared by all ranks, and a fixed
         # thread count keeps CPU reductions identical from run to run.
         torch.set_num_threads(1)
@@ -168,14 +177,16 @@ def run_on_ranks(
     world_size: int = 2,
     timeout_s: float = 300.0,
     group_may_break: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns results by rank.
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns results by rank.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function) and so must ``fn``'s
     result (keep tensors on the CPU). Each rank starts with deterministic algorithms, one
     intra-op thread and seeded RNGs. ``group_may_break=True`` is for tests that break the
     process group on purpose (a rank failing mid-collective): ranks then exit without the final
-    barrier.
+    barrier. ``backend="nccl"`` runs rank ``r`` on ``cuda:r`` (needs ``world_size`` GPUs), with
+    deterministic algorithms in warn-only mode.
 
     Raises:
         RankError: a rank raised (the message holds its full traceback) or exited without
@@ -192,7 +203,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, os.getpid(), fn, args, results, group_may_break),
+            args=(rank, world_size, port, os.getpid(), fn, args, results, group_may_break, backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -318,7 +329,9 @@ WEIGHTED_TABLES: list[EmbeddingBagConfig] = [
 """Weighted (id-score) table, in ``sparse.weighted_ebc``, row-wise."""
 
 
-def _sharding_plan(model: TestSparseNN, sharder: EmbeddingBagCollectionSharder, world_size: int) -> ShardingPlan:
+def _sharding_plan(
+    model: TestSparseNN, sharder: EmbeddingBagCollectionSharder, world_size: int, device_type: str = "cpu"
+) -> ShardingPlan:
     """Tables 0 and 1 table-wise on ranks 0 and 1 (modulo ``world_size``), all others row-wise; FUSED kernel."""
     fused = EmbeddingComputeKernel.FUSED.value
     ebc_sharding = {
@@ -332,7 +345,7 @@ def _sharding_plan(model: TestSparseNN, sharder: EmbeddingBagCollectionSharder, 
         "sharder": sharder,
         "local_size": world_size,
         "world_size": world_size,
-        "device_type": "cpu",
+        "device_type": device_type,
     }
     return ShardingPlan(
         {
@@ -360,7 +373,9 @@ def _load_full_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> N
                 value.copy_(full)
 
 
-def build_model(rank: int, world_size: int, seed: int) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
+def build_model(
+    rank: int, world_size: int, seed: int, device: torch.device | None = None
+) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """Builds the sharded test model and its dense optimizer, identically for equal seeds.
 
     The model is TorchRec's ``TestSparseNN`` (dense MLP + ``TABLES`` in an
@@ -376,7 +391,9 @@ def build_model(rank: int, world_size: int, seed: int) -> tuple[DistributedModel
     model starts as that unsharded ``TestSparseNN`` (on a global batch their predictions were
     found bit-identical; the tables' own sharded initialization would draw other numbers). The
     caller's RNG state is left untouched. ``rank`` is implied by the process group and only checked.
+    ``device`` is where the model is sharded and placed (default: the CPU).
     """
+    device = torch.device("cpu") if device is None else device
     assert dist.get_rank() == rank and dist.get_world_size() == world_size, "process group mismatch"
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LEARNING_RATE}
@@ -393,9 +410,9 @@ def build_model(rank: int, world_size: int, seed: int) -> tuple[DistributedModel
         model = DistributedModelParallel(
             skeleton,
             env=ShardingEnv.from_process_group(dist.group.WORLD),
-            plan=_sharding_plan(skeleton, sharder, world_size),
+            plan=_sharding_plan(skeleton, sharder, world_size, device.type),
             sharders=[sharder],
-            device=torch.device("cpu"),
+            device=device,
         )
     _load_full_state(model, full.state_dict())
     dense_params = [param for _, param in in_backward_optimizer_filter(model.named_parameters())]
