@@ -1,0 +1,45 @@
+"""Pipeline-parallel schedules as plans: per-rank programs of actions, pure Python (no torch).
+
+* ``actions``: the vocabulary (``Action`` ``0F1``/``1RB0``/``2G``..., ``Program`` with an exact text
+  round trip, stage placements).
+* ``builders``: one pure function per schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1 / ZB1P,
+  ZBV, DualPipeV, TorchRec's sparse-hoist 1F1B split), compute-only; ``build`` adds the rest.
+* ``comm``: passes adding sends/receives (just in time, or Maglev's receive-ahead), gradient
+  sync and optimizer step.
+* ``validate``: static rules; ``simulate``: all ranks replayed together with durations
+  (deadlocks, makespan, bubble, live activations); ``grid``: text grids.
+* ``exact``: CP-SAT optimal programs (OR-Tools imported on first use).
+* ``lower``: one rank's program -> per-thread engine instructions with cross-thread waits.
+"""
+
+from torchrec_swp.pp.actions import Action, Kind, Program, act, loop_placement, v_placement
+from torchrec_swp.pp.builders import SCHEDULES, build
+from torchrec_swp.pp.comm import add_p2p, add_step, recv_ahead
+from torchrec_swp.pp.errors import PPDeadlock, PPError, Stuck
+from torchrec_swp.pp.grid import format_grid, format_ticks
+from torchrec_swp.pp.simulate import Durations, SimResult, Span, simulate
+from torchrec_swp.pp.validate import validate
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Durations",
+    "Kind",
+    "PPDeadlock",
+    "PPError",
+    "Program",
+    "SimResult",
+    "Span",
+    "Stuck",
+    "act",
+    "add_p2p",
+    "add_step",
+    "build",
+    "format_grid",
+    "format_ticks",
+    "loop_placement",
+    "recv_ahead",
+    "simulate",
+    "v_placement",
+    "validate",
+]
