@@ -5,19 +5,31 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VENV18 ?= .venv-tr18
+STAMP18 := $(VENV18)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run quickstart bench test test-fast clean
+.PHONY: install run quickstart bench test test-1.8 test-fast clean
 
 install: $(STAMP)
 
+# A venv with the pinned CPU stack and one TorchRec: $(call venv,DIR,TORCHREC_REQUIREMENTS).
+define venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet -r requirements/runtime.txt -r requirements/dev.txt
+	$(1)/bin/python -m pip install --quiet --no-deps -r $(2)
+	$(1)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(1)/bin/python -c "import torchrec_swp.integrations.torchrec.pipelines"
+	touch $(1)/.installed
+endef
+
+# The default stack (TorchRec 1.9.2): what `make run` and the whole suite use.
 $(STAMP): setup.py requirements/runtime.txt requirements/torchrec.txt requirements/dev.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements/runtime.txt -r requirements/dev.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements/torchrec.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -c "import torchrec_swp.integrations.torchrec.pipelines"
-	touch $(STAMP)
+	$(call venv,$(VENV),requirements/torchrec.txt)
+
+# TorchRec 1.8.0, the older supported release: `make test` runs the parity tests against it too.
+$(STAMP18): setup.py requirements/runtime.txt requirements/torchrec-1.8.txt requirements/dev.txt
+	$(call venv,$(VENV18),requirements/torchrec-1.8.txt)
 
 # The main job: the DLRM example on 2 CPU ranks (gloo), launched through torchx, with
 # torchrec_swp's TrainPipelineSparseDist. ARGS go to examples/dlrm/train.py (see --help).
@@ -33,13 +45,19 @@ quickstart: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py && $(PY) benchmarks/overlap.py && $(PY) benchmarks/timeline.py
 
-# The whole suite, slow multi-process tests included (as CI runs it).
-test: $(STAMP)
+# The whole suite on the default stack, slow multi-process tests included, then the parity tests
+# against upstream TorchRec 1.8.0 (as CI runs it).
+test: $(STAMP) $(STAMP18)
 	$(PY) -m pytest
+	$(VENV18)/bin/python -m pytest -m parity
+
+# Only the parity tests against upstream, on TorchRec 1.8.0.
+test-1.8: $(STAMP18)
+	$(VENV18)/bin/python -m pytest -m parity
 
 # Only the fast, single-process tests.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not multiprocess and not slow"
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV18) build *.egg-info

@@ -7,6 +7,10 @@ shipped (see /work/shared/UPSTREAM_CPU_NOTES.md). torchrec_swp itself never patc
   on CPU it raises "unknown parameter type").
 * ``BaseForward`` (runtime_forwards) falls back to ``torch.device("cuda")`` when it has no
   stream, then asks CUDA for its current stream; the fallback becomes the CPU.
+* TorchRec 1.9's ``_start_embedding_lookup`` (as ``train_pipelines`` imported it) reads
+  ``.device`` of the streams it is handed; Fused and SemiSync hand it
+  ``torch.cpu.current_stream()``, which has none. CPU streams are passed as None (no stream),
+  which is what they are.
 
 Other pipeline-specific tweaks (Prefetch's missing data_dist stream, Staged's compute stream,
 CompAutograd's reducer) belong in the test that needs them, next to a comment saying why.
@@ -19,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torchrec.distributed.train_pipeline import runtime_forwards
+from torchrec.distributed.train_pipeline import runtime_forwards, train_pipelines
 
 
 @contextlib.contextmanager
@@ -37,10 +41,21 @@ def upstream_cpu_patch() -> Iterator[None]:
         if self._stream is None:
             self._device = torch.device("cpu")
 
+    original_lookup = train_pipelines._start_embedding_lookup
+
+    def device_stream(stream: Any) -> Any:
+        device = getattr(stream, "device", None)
+        return stream if device is not None and torch.device(device).type != "cpu" else None
+
+    def start_embedding_lookup(module: Any, context: Any, source_stream: Any, target_stream: Any, stream_context: Any) -> None:
+        original_lookup(module, context, device_stream(source_stream), device_stream(target_stream), stream_context)
+
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
     runtime_forwards.BaseForward.__init__ = init  # type: ignore[method-assign]
+    train_pipelines._start_embedding_lookup = start_embedding_lookup
     try:
         yield
     finally:
         torch.Tensor.record_stream = original_record_stream  # type: ignore[method-assign]
         runtime_forwards.BaseForward.__init__ = original_init  # type: ignore[method-assign]
+        train_pipelines._start_embedding_lookup = original_lookup
