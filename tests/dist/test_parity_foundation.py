@@ -15,9 +15,13 @@ import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
 import torchrec_swp
+from torchrec_swp.integrations.torchrec.compat import installed
 from tests.dist.harness import RunResult, assert_runs_equal, build_model, make_batches, run_on_ranks, train_pipeline_run
 
+pytestmark = pytest.mark.parity
+
 STEPS = 20
+ASYNC_ON_UPSTREAM = {"async_inplace_copy": True} if installed().has_async_inplace_copy else {}
 CPU = torch.device("cpu")
 
 Factory = Callable[[torch.nn.Module, torch.optim.Optimizer], Any]
@@ -67,6 +71,32 @@ CASES: list[tuple[str, Factory, dict[str, Factory]]] = [
         "SparseDist.enable_inplace_copy_batch",
         lambda m, o: upstream.TrainPipelineSparseDist(m, o, CPU, enable_inplace_copy_batch=True),
         {"default": lambda m, o: torchrec_swp.TrainPipelineSparseDist(m, o, CPU, enable_inplace_copy_batch=True)},
+    ),
+    # TorchRec 1.9's async_inplace_copy: ours runs the in-place H2D on an "inplace_copy" thread, on
+    # either version; upstream 1.9 accepts it and keeps it off on CPU (it copies on its background
+    # thread on CUDA/MTIA only), upstream 1.8 has no such option. Same numbers, on and off.
+    (
+        "SparseDist.async_inplace_copy",
+        lambda m, o: upstream.TrainPipelineSparseDist(m, o, CPU, enable_inplace_copy_batch=True, **ASYNC_ON_UPSTREAM),
+        {
+            "on": lambda m, o: torchrec_swp.TrainPipelineSparseDist(
+                m, o, CPU, enable_inplace_copy_batch=True, async_inplace_copy=True
+            ),
+            "off": lambda m, o: torchrec_swp.TrainPipelineSparseDist(
+                m, o, CPU, enable_inplace_copy_batch=True, async_inplace_copy=False
+            ),
+        },
+    ),
+    (
+        "SparseDistLite.async_inplace_copy",
+        lambda m, o: upstream.TrainPipelineSparseDistLite(
+            m, o, CPU, enable_inplace_copy_batch=True, **ASYNC_ON_UPSTREAM
+        ),
+        {
+            "on": lambda m, o: torchrec_swp.TrainPipelineSparseDistLite(
+                m, o, CPU, enable_inplace_copy_batch=True, async_inplace_copy=True
+            )
+        },
     ),
 ]
 

@@ -42,6 +42,8 @@ from tests.dist.upstream_cpu_patch import upstream_cpu_patch
 from torchrec_swp.integrations.torchrec.pipelines.fused import EvalPipelineFusedSparseDist, TrainPipelineFusedSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 
+pytestmark = pytest.mark.parity
+
 STEPS = 20
 CPU = torch.device("cpu")
 

@@ -36,6 +36,8 @@ from tests.dist.harness import (
 from torchrec_swp.integrations.torchrec.pipelines.compiled import TrainPipelinePT2, TrainPipelineSparseDistCompAutograd
 from torchrec_swp.integrations.torchrec.pipelines.lite import TrainPipelineSparseDistLite
 
+pytestmark = pytest.mark.parity
+
 STEPS = 20
 SECOND_EPOCH_STEPS = 5
 SEED = 1234

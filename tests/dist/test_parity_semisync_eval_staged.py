@@ -42,7 +42,7 @@ from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparse
 from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipelineSemiSync
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
 
 STEPS = 20
 START_BATCH = 10

@@ -309,6 +309,48 @@ class Engine:
         for t in self._turnstiles.values():
             t.clear_failure()
 
+    def adopt(self, slots: list[dict[str, Any]]) -> None:
+        """Take batches loaded outside the engine as the batches in flight.
+
+        Batch 0 is placed at the highest stage, due to leave in the next step, batch ``j`` at
+        stage ``max_stage - j``: the tasks of the stages below its own count as done, as if the
+        engine had run them. ``slots[j]`` must hold every value that batch ``j``'s remaining
+        tasks read from those (for the TorchRec pipelines: the batch and its context, which user
+        code put where the pipeline keeps them). Batches placed at or below the source's stage
+        are not drawn again. With fewer batches than the stages above the source, the data is
+        taken to end after them (the pipeline drains them).
+
+        Only while nothing is in flight (fresh, or after the end of data or a reset()).
+        """
+        if self.in_flight():
+            raise EngineError(f"cannot adopt batches while batches {self.in_flight()} are in flight")
+        if not slots:
+            return
+        top, src = self.plan.max_stage, self.plan.task(self.plan.source or "").stage
+        for j, values in enumerate(slots):
+            at = max(top - j, 0)
+            needed = {
+                r
+                for t in self.plan.scheduled()
+                if t.stage >= at
+                for r in t.io.reads
+                if (w := self.plan.writer_of(r)) is not None and self.plan.task(w).stage < at
+            }
+            missing = sorted(needed - set(values))
+            if missing:
+                raise EngineError(
+                    f"cannot adopt batch {j} at stage {at} of plan {self.plan.name}: its remaining tasks read "
+                    f"{', '.join(missing)}, which the slot given for it lacks"
+                )
+        self.reset()
+        for j, values in enumerate(slots):
+            self.slots[j] = dict(values)
+        self.loaded = len(slots)
+        self.ledger.drawn += len(slots)
+        self.iteration = top
+        if len(slots) < top - src:
+            self.num_batches = len(slots)
+
     def in_flight(self) -> list[int]:
         """Batches loaded but not delivered (in order), by index in this epoch."""
         return list(range(self.delivered, self.loaded))
@@ -427,7 +469,7 @@ class Engine:
 
     def _pull(self, invoke: Invoker, b: int) -> bool:
         """Run the source for batch ``b``; False when the data is exhausted and the plan stops."""
-        if self.num_batches is not None:
+        if self.num_batches is not None or b < self.loaded:  # exhausted, or adopted
             return True
         self.slots[b] = {}
         try:
@@ -557,7 +599,7 @@ class Engine:
     def _run_one(self, instr: Run, b: int, ctx: _IterationContext) -> None:
         invoke = self._invokers[instr.task]
         if instr.source:
-            if self.num_batches is not None:
+            if self.num_batches is not None or b < self.loaded:  # exhausted, or adopted
                 return
             self.slots[b] = {}
             try:

@@ -43,6 +43,9 @@ class _PlanDriven:
     ) -> None:
         if plan is None:
             chosen = default_plan
+            option_map = self._swp_option_thread_map()
+            if option_map and all(t in chosen.schedule for t in option_map):
+                chosen = chosen.with_thread_map(option_map)
         elif isinstance(plan, PipelinePlan):
             chosen = plan
         elif isinstance(plan, (str, os.PathLike)):
@@ -67,6 +70,11 @@ class _PlanDriven:
             name=f"swp-{type(self).__name__}",
             device_type=getattr(getattr(self, "_device", None), "type", None),
         )
+
+    def _swp_option_thread_map(self) -> dict[str, str]:
+        """Thread groups that constructor options give tasks of the default plan (applied
+        before the user's ``thread_map``); e.g. ``async_inplace_copy`` moves H2D."""
+        return {}
 
     # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
     _swp_task_functions: Callable[[], Mapping[str, Callable[..., Any]]]

@@ -12,11 +12,20 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
-from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec import compat, plans
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
-from torchrec_swp.plan import PipelinePlan, ThreadMap
+from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, ThreadMap
 
 __all__ = ["TrainPipelineSparseDist"]
+
+ASYNC_INPLACE_COPY = "async_inplace_copy"
+#: The thread group ``async_inplace_copy`` runs the in-place H2D copy on.
+INPLACE_COPY_THREAD = "inplace_copy"
+
+
+def _upstream_name(cls: type) -> str:
+    """The name of the TorchRec class ``cls`` wraps (the first torchrec class in its MRO)."""
+    return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("torchrec."))
 
 
 class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDriven):
@@ -24,8 +33,12 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
 
     The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
     ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``.
-    """
 
+    ``async_inplace_copy`` (TorchRec 1.9's option; accepted here on 1.8 too, and by Lite and
+    Prefetch): with ``enable_inplace_copy_batch`` the H2D task runs on thread group
+    ``inplace_copy``, as upstream's background copy thread would, on every device (upstream
+    keeps it off on CPU). Same results either way.
+    """
 
     def __init__(
         self,
@@ -35,8 +48,22 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
         engine_timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        # async_inplace_copy (TorchRec 1.9) is ours to schedule, on any supported version and
+        # device: never handed to upstream, whose background copy thread would bypass the engine.
+        upstream_init = super().__init__
+        if _upstream_name(type(self)) in compat.ASYNC_INPLACE_COPY_PIPELINES:
+            args, kwargs, async_copy = compat.take_argument(upstream_init, ASYNC_INPLACE_COPY, args, kwargs)
+        else:
+            async_copy = None
+        self._swp_async_inplace_copy = bool(async_copy)
+        upstream_init(*args, **kwargs)
         self._swp_setup(self._swp_default_plan(), plan, thread_map, engine_timeout_s, self._swp_streams())
+
+    def _swp_option_thread_map(self) -> dict[str, str]:
+        # As upstream's AsyncInplaceCopyMixin: the in-place copy (and only it) leaves the calling thread.
+        if self._swp_async_inplace_copy and self._enable_inplace_copy_batch:
+            return {"H2D": INPLACE_COPY_THREAD}
+        return {}
 
     def _swp_default_plan(self) -> PipelinePlan:
         return plans.sparse_dist_plan(
@@ -55,7 +82,12 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
         if not self._model_attached:
             self.attach(self._model)
         self._swp_take_iterator(dataloader_iter)
-        return self._swp_engine.step()
+        engine = self._swp_engine
+        if self.batches and not engine.in_flight():
+            # Batches the engine did not load: user code (or a test) put them where upstream's
+            # progress() reads them. batches[0] is the one to train now, as upstream assumes.
+            engine.adopt([{"batch": b, "context": c} for b, c in zip(self.batches, self.contexts)])
+        return engine.step()
 
     def _swp_on_new_data(self) -> None:
         self._dataloader_exhausted = False
@@ -82,7 +114,16 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
     def _task_h2d(self, b: int) -> tuple[Any, Any]:
         # enqueue_batch appends to self.batches/self.contexts (user-visible state) and, with
         # execute_all_batches=False, raises StopIteration itself at the end of data.
-        if not self.enqueue_batch(self._swp_iter):  # type: ignore[arg-type]
+        if self._enable_inplace_copy_batch:
+            # In-place copy allocates the batch on the current stream and copies on the memcpy
+            # stream itself; upstream allocates on the compute stream (and, from TorchRec 1.9,
+            # skips record_stream for it), so the allocation must not happen on the memcpy
+            # stream the engine entered for this task.
+            with self._swp_engine.streams.context(DEFAULT_STREAM):
+                loaded = self.enqueue_batch(self._swp_iter)  # type: ignore[arg-type]
+        else:
+            loaded = self.enqueue_batch(self._swp_iter)  # type: ignore[arg-type]
+        if not loaded:
             raise StopIteration
         return self.batches[-1], self.contexts[-1]
 
