@@ -58,7 +58,7 @@ def format_ticks(spans: Sequence[Sequence[tuple[str, float, float]]], tick: floa
             rows[r][first] = label
             for t in range(first + 1, last):
                 rows[r][t] = GOES_ON
-    return _table("tick", rows, [str(t) if t % 5 == 0 else "" for t in range(width)])
+    return _table("tick", rows, [str(t) if t % 5 == 0 else "" for t in range(width)], uniform=True)
 
 
 def _ticks(value: float, tick: float, what: str) -> int:
@@ -68,10 +68,12 @@ def _ticks(value: float, tick: float, what: str) -> int:
     return n
 
 
-def _table(corner: str, rows: list[list[str]], header: list[str]) -> str:
+def _table(corner: str, rows: list[list[str]], header: list[str], uniform: bool = False) -> str:
     columns = max([len(header)] + [len(r) for r in rows])
     cells = [header + [""] * (columns - len(header))] + [r + [""] * (columns - len(r)) for r in rows]
     widths = [max(len(row[k]) for row in cells) for k in range(columns)]
+    if uniform:
+        widths = [max(widths, default=0)] * columns
     labels = [corner] + [f"rank {r}" for r in range(len(rows))]
     pad = max(len(x) for x in labels)
     lines = []
