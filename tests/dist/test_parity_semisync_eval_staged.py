@@ -91,28 +91,35 @@ def _prefix(run: RunResult, steps: int) -> RunResult:
     return RunResult(run.outputs[:steps], run.losses[:steps], steps, None, {})
 
 
-def _staged_run(rank: int, world_size: int, seed: int, *, ours: bool, thread_map: Any = None) -> RunResult:
+#: Stream objects a user may pass for the stages on CPU (the data-copy stage's stream; ``None``
+#: is the compute stream). SparseDataDistUtil itself needs a stream with a ``.device``.
+STAGE_STREAMS: dict[str, Callable[[], Any]] = {
+    "torch.Stream(cpu)": lambda: torch.Stream(device="cpu"),
+    "torch.cpu.Stream()": torch.cpu.Stream,
+    "torch.cpu.current_stream()": torch.cpu.current_stream,
+    "None": lambda: None,
+}
+
+
+def _staged_run(
+    rank: int, world_size: int, seed: int, *, ours: bool, thread_map: Any = None, stage_stream: str = "torch.Stream(cpu)"
+) -> RunResult:
     """The caller's loop: ``while (batch := progress(it)) is not None``, train on ``batch``.
 
-    Stages: an H2D copy and SparseDataDistUtil's start_sparse_data_dist stage. Upstream needs
-    test-only tweaks on CPU: streams with a ``.device`` (``torch.Stream(device="cpu")``) for
-    its compute stream and stages, and ``upstream_cpu_patch`` for ``record_stream`` on CPU
-    tensors. SparseDataDistUtil (upstream code that both pipelines call) also needs the latter
-    once it hands its stream to the pipelined forward; for our pipeline, which runs as shipped,
-    its stream is removed instead (``data_dist_stream = None``: input dist on the current
-    stream), and the stages get the CPU's own ``torch.cpu.Stream()`` objects.
+    Stages: an H2D copy and SparseDataDistUtil's start_sparse_data_dist stage, with the stream
+    objects a user writes on CPU: ``SparseDataDistUtil(data_dist_stream=torch.Stream(device="cpu"))``
+    and ``stage_stream`` for the copy. Ours runs as shipped with any of them. Upstream needs
+    test-only tweaks on CPU: a compute stream with a ``.device`` and ``upstream_cpu_patch`` for
+    ``record_stream`` on CPU tensors (its pipelined forward records on the SDD stream).
     """
     model, optimizer = build_model(rank, world_size, seed)
     sdd = SparseDataDistUtil(model, data_dist_stream=torch.Stream(device="cpu"))
-    if ours:
-        sdd.data_dist_stream = None
-    stream: Callable[[], Any] = torch.cpu.Stream if ours else lambda: torch.Stream(device="cpu")
     stages = [
-        PipelineStage("data_copy", lambda b: b.to(CPU, non_blocking=True), stream()),
+        PipelineStage("data_copy", lambda b: b.to(CPU, non_blocking=True), STAGE_STREAMS[stage_stream]()),
         PipelineStage(
             "start_sparse_data_dist",
             sdd.start_sparse_data_dist,
-            stream(),
+            sdd.data_dist_stream,
             fill_callback=sdd.wait_sdd_fill_callback,
             data_exhausted_callback=sdd.data_exhausted_callback,
         ),
@@ -191,8 +198,12 @@ def _all_runs(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     out["Staged"] = (
         _staged_run(rank, world_size, seed, ours=False),
         {
-            "default": _staged_run(rank, world_size, seed, ours=True),
+            **{
+                f"copy stream {kind}": _staged_run(rank, world_size, seed, ours=True, stage_stream=kind)
+                for kind in STAGE_STREAMS
+            },
             "data_copy on an io thread": _staged_run(rank, world_size, seed, ours=True, thread_map={"data_copy": "io"}),
+            "by_stream": _staged_run(rank, world_size, seed, ours=True, thread_map="by_stream"),
         },
     )
 

@@ -10,6 +10,9 @@ fix that in their own types and helpers, never by patching torchrec:
   anything when there is no data_dist stream (always so on CPU), so the forward then finds no
   prefetched input ("Invalid PrefetchPipelinedForward usage"). Without streams this does the
   same work with no stream syncs; with streams it is upstream's function unchanged.
+* ``streamless_on_cpu``: any upstream pipelined-forward type made to treat a stream of a device
+  without streams (``torch.Stream(device="cpu")``, which users pass to ``SparseDataDistUtil``
+  on CPU) as no stream: upstream's forward would ``record_stream`` CPU tensors on it.
 * (in ``fused.py``) ``start_embedding_lookup`` records the looked-up KJTs on the engine's
   compute stream, which is None on CPU; upstream records them on ``current_stream()``, which
   on CPU is a ``torch.cpu.Stream`` that ``Tensor.record_stream`` rejects ("unknown parameter type").
@@ -33,7 +36,9 @@ from torchrec.distributed.train_pipeline import utils as upstream_utils
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.types import CallArgs
 
-__all__ = ["InSyncEmbeddingForward", "prefetch_embeddings"]
+from torchrec_swp.engine import STREAM_DEVICE_TYPES as _STREAM_DEVICE_TYPES
+
+__all__ = ["InSyncEmbeddingForward", "prefetch_embeddings", "streamless_on_cpu"]
 
 
 class InSyncEmbeddingForward(runtime_forwards.InSyncEmbeddingPipelinedForward):
@@ -116,3 +121,29 @@ def prefetch_embeddings(
         module.prefetch(ctx=module_context, dist_input=dist_input, forward_stream=forward_stream)
         context.module_input_post_prefetch[name] = dist_input
         context.module_contexts_post_prefetch[name] = context.module_contexts.pop(name)
+
+
+def _has_streams(stream: Any) -> bool:
+    device = getattr(stream, "device", None)
+    return device is not None and torch.device(device).type in _STREAM_DEVICE_TYPES
+
+
+@functools.cache
+def streamless_on_cpu(forward_type: type[runtime_forwards.BaseForward]) -> type[runtime_forwards.BaseForward]:
+    """``forward_type`` (an upstream pipelined forward) that, handed a stream of a device without
+    streams, behaves as if handed none: no ``record_stream``, no stream switch, and its device is
+    the CPU rather than upstream's CUDA fallback. With a CUDA/MTIA stream it is ``forward_type``."""
+    if getattr(forward_type, "_swp_streamless_on_cpu", False):
+        return forward_type
+
+    def __init__(self: Any, name: str, args: CallArgs, module: ShardedModule, context: Any, stream: Any = None) -> None:
+        device_stream = stream if stream is not None and _has_streams(stream) else None
+        forward_type.__init__(self, name, args, module, context, device_stream)
+        if device_stream is None:
+            self._device = torch.device("cpu")
+
+    return type(
+        forward_type.__name__,
+        (forward_type,),
+        {"__init__": __init__, "__module__": __name__, "__doc__": forward_type.__doc__, "_swp_streamless_on_cpu": True},
+    )

@@ -12,10 +12,11 @@ import torch
 from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In
-from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, StageOut
+from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
 
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, stream_pool_for
 from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
 from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
 
@@ -29,6 +30,17 @@ def _stream_device(stream: Any) -> torch.device:
     """The device of a stage's stream; the CPU for a stream without one (``torch.cpu.Stream``)."""
     device = getattr(stream, "device", None)
     return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _streamless_sparse_data_dist(stages: Sequence[PipelineStage]) -> None:
+    """On a device without streams, the SparseDataDistUtil objects behind the stages rewrite the
+    model with a pipelined forward that ignores their CPU stream objects (``cpu_safe``): given
+    ``torch.Stream(device="cpu")`` upstream's would ``record_stream`` CPU tensors and fail."""
+    for stage in stages:
+        for fn in (stage.runnable, stage.fill_callback, stage.data_exhausted_callback):
+            util = getattr(fn, "__self__", None)
+            if isinstance(util, SparseDataDistUtil) and not util.initialized:
+                util._pipelined_forward = cpu_safe.streamless_on_cpu(util._pipelined_forward)
 
 
 def stage_task_names(stages: Sequence[PipelineStage]) -> list[str]:
@@ -103,6 +115,8 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
             compute_stream = torch.Stream(device="cpu")
         super().__init__(pipeline_stages, debug_mode, compute_stream, on_flush_end)
         self._swp_has_streams = device.type in STREAM_DEVICE_TYPES
+        if not self._swp_has_streams:
+            _streamless_sparse_data_dist(pipeline_stages)
         self._swp_stage_tasks = stage_task_names(pipeline_stages)
         stream_names, streams = self._swp_stream_names()
         self._swp_setup(
