@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.unit.test_engine import THREAD_MAPS, Toy, run_all, toy_plan
-from torchrec_swp.engine import CollectiveAborted, Engine
+from torchrec_swp.engine import CollectiveAborted, Engine, EngineError
 
 N = 9
 
@@ -215,3 +215,30 @@ def test_fault_injection_matrix_every_task_every_phase(thread_map: Any) -> None:
             assert worker.thread.is_alive() and worker.inbox.empty()
         engine.close()
         assert all(not w.thread.is_alive() for w in engine._workers.values())
+
+
+def test_adopted_batches_continue_as_if_the_engine_had_loaded_them() -> None:
+    """Batches loaded elsewhere (user code filling a pipeline's deques) are taken as in flight:
+    batch j at stage max_stage - j, its lower stages done; the source draws only what follows."""
+    source: list[Any] = [iter(range(100, 103))]
+    engine = Engine(toy_plan(), counting_plan_bindings(source))
+    # batch 0 at stage 2 (Fwd reads y), batch 1 at stage 1 (Dist reads x), batch 2 at stage 0 (drawn)
+    engine.adopt([{"x": 0, "y": 7}, {"x": 1}, {"x": 2}])
+    assert engine.in_flight() == [0, 1, 2]
+    assert run_all(engine) == [7, 1, 2, 100, 101, 102]
+    assert engine.ledger.drawn == engine.ledger.trained == 6
+
+
+def test_adopting_fewer_batches_than_stages_drains_them() -> None:
+    engine = Engine(toy_plan(), counting_plan_bindings([iter(range(100, 103))]))
+    engine.adopt([{"x": 0, "y": 5}])
+    assert run_all(engine) == [5]
+
+
+def test_adopt_names_what_a_slot_lacks_and_refuses_while_batches_are_in_flight() -> None:
+    engine = Engine(toy_plan(), counting_plan_bindings([iter(range(10))]))
+    with pytest.raises(EngineError, match="batch 0 at stage 2 .* read y"):
+        engine.adopt([{"x": 0}, {"x": 1}])
+    engine.step()
+    with pytest.raises(EngineError, match="in flight"):
+        engine.adopt([{"x": 0, "y": 1}, {"x": 1}])
