@@ -89,6 +89,8 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Program:
 def _interleaved(name: str, num_ranks: int, num_microbatches: int, v: int, *, zero_bubble: bool) -> Program:
     _positive(num_ranks=num_ranks, num_microbatches=num_microbatches, virtual_stages=v)
     rounds = max(1, num_microbatches // num_ranks)
+    if v == 1:  # rounds only shape the stage rotation; torch still rejects such M with one stage per rank
+        rounds = 1
     if num_microbatches % rounds:
         raise PPError(
             f"{name}: {num_microbatches} microbatches do not split into {rounds} rounds "
@@ -302,7 +304,7 @@ SCHEDULES: dict[str, Schedule] = {
         Schedule("1F1B", one_f_one_b, lambda R, M: True),
         Schedule("Interleaved1F1B", interleaved_1f1b, _rounds_ok),
         Schedule("InterleavedZB", interleaved_zero_bubble, _rounds_ok),
-        Schedule("ZB-H1", zb_h1, _rounds_ok),
+        Schedule("ZB-H1", zb_h1, lambda R, M: True),
         Schedule("ZBV", zbv, lambda R, M: True),
         Schedule("DualPipeV", dualpipev, lambda R, M: M >= 2 * R),
         Schedule("1F1B-split", sparse_hoist_1f1b, lambda R, M: True),
