@@ -95,7 +95,7 @@ def test_maglev_orders_are_upstreams_progress() -> None:
     steady = " ".join(f"1RB{i} 1F{2 + i} 1SF{2 + i} 1RF{3 + i} 1B{i} 1SB{i}" for i in range(5))
     last = "1RB5 1F7 1SF7 1RB6 1B5 1SB5"
     cooldown = "1RB7 1B6 1SB6 1B7 1G 1SB7 1O"
-    assert " ".join(map(str, ahead)) == " ".join([seed, warmup, steady, last, cooldown])
+    assert " ".join(map(str, ahead)) == f"{seed} {warmup} {steady} {last} {cooldown}"
     with pytest.raises(PPError, match="at least one microbatch per stage"):
         maglev_1f1b(4, 3)
 

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("ortools")
 
-from torchrec_swp.pp import Durations, PPError, loop_placement, simulate, validate  # noqa: E402
-from torchrec_swp.pp.actions import COMPUTE  # noqa: E402
-from torchrec_swp.pp.builders import SCHEDULES, interleaved_1f1b, one_f_one_b  # noqa: E402
-from torchrec_swp.pp.exact import greedy, solve  # noqa: E402
+from torchrec_swp.pp import Durations, PPError, loop_placement, simulate, validate
+from torchrec_swp.pp.actions import COMPUTE
+from torchrec_swp.pp.builders import SCHEDULES, interleaved_1f1b, one_f_one_b
+from torchrec_swp.pp.exact import greedy, solve
 
 SEED = Durations(F=5, B=10)
 # seed 002's charts: the layers (stages) each device runs, in order

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.unit.test_pp_builders import check_golden
 from torchrec_swp.compile.program import format_program
 from torchrec_swp.pp import SCHEDULES, PPError, build, simulate
 from torchrec_swp.pp.builders import maglev_1f1b
 from torchrec_swp.pp.lower import lower_rank, replay
-from tests.unit.test_pp_builders import check_golden
 
 
 def test_golden_lowered_maglev_1f1b() -> None:
@@ -46,6 +46,7 @@ def test_every_builder_lowers_without_blocking(name: str) -> None:
                 if threads is None:  # compute stays on one thread, in program order
                     compute = [str(a) for a in program.ranks[r] if not a.is_p2p]
                     assert [x for x in ran if x in set(compute)] == compute
+
 
 def test_lowering_errors() -> None:
     with pytest.raises(PPError, match="rank 5 does not exist"):

@@ -4,6 +4,8 @@ creation) and what they say about receive placement."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from torchrec_swp.pp import Durations, PPDeadlock, PPError, Program, add_p2p, build, recv_ahead, simulate, validate
@@ -78,7 +80,7 @@ def test_compute_only_program_with_latency() -> None:
 def test_timeline_is_ordered_per_rank_and_grid_renders() -> None:
     result = simulate(build("ZB-H1", 3, 4))
     for spans in result.timelines:
-        for a, b in zip(spans, spans[1:], strict=False):
+        for a, b in itertools.pairwise(spans):
             assert a.end <= b.start
     grid = result.grid()
     assert grid.splitlines()[1].startswith("rank 0  0F0")
@@ -180,6 +182,8 @@ def test_bad_arguments() -> None:
         simulate(build("1F1B", 2, 2), comm="eager")  # type: ignore[arg-type]
     with pytest.raises(PPError, match="duration F"):
         Durations(F=-1)
-    assert Durations.from_text(str(Durations(F=5, B=10, stage_scale=(1, 2)))) == Durations(F=5, B=10, stage_scale=(1, 2))
+    assert Durations.from_text(str(Durations(F=5, B=10, stage_scale=(1, 2)))) == Durations(
+        F=5, B=10, stage_scale=(1, 2)
+    )
     with pytest.raises(PPError, match="bad duration"):
         Durations.from_text("X=1")

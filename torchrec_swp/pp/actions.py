@@ -54,9 +54,9 @@ class Kind(str, Enum):
     STEP = "O"
 
 
-F, E, B, I, W = Kind.FORWARD, Kind.SPARSE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
+F, E, B, I, W = Kind.FORWARD, Kind.SPARSE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 SF, RF, SB, RB = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-G, O = Kind.GRAD_SYNC, Kind.STEP  # noqa: E741
+G, O = Kind.GRAD_SYNC, Kind.STEP
 
 COMPUTE = frozenset({F, E, B, I, W})
 P2P = frozenset({SF, RF, SB, RB})
@@ -243,8 +243,10 @@ class Program:
 
 def program_to_text(program: Program) -> str:
     lines = [
-        f"program {program.name} microbatches={program.num_microbatches} "
-        f"placement={','.join(map(str, program.placement))}"
+        (
+            f"program {program.name} microbatches={program.num_microbatches} "
+            f"placement={','.join(map(str, program.placement))}"
+        )
     ]
     for r, actions in enumerate(program.ranks):
         lines.append(f"rank {r}:" + "".join(f" {a}" for a in actions))
@@ -290,4 +292,3 @@ def _parse_header(rest: str) -> tuple[str, int, tuple[int, ...]]:
         return name, int(kv["microbatches"]), tuple(int(x) for x in kv["placement"].split(","))
     except ValueError:
         raise PPError(f"bad number in {rest!r}") from None
-

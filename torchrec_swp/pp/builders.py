@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchrec_swp.pp.actions import B, E, F, I, W, Action, Kind, Program, _positive, loop_placement, v_placement
+from torchrec_swp.pp.actions import Action, B, E, F, I, Kind, Program, W, _positive, loop_placement, v_placement
 from torchrec_swp.pp.errors import PPError
 
 

@@ -43,17 +43,17 @@ from torchrec_swp.pp.actions import (
     COMPUTE,
     INPUT_GRAD,
     P2P,
+    RB,
     RECVS,
+    RF,
+    SB,
+    SF,
     WEIGHT_GRAD,
     Action,
     F,
     G,
     O,
     Program,
-    RB,
-    RF,
-    SB,
-    SF,
 )
 from torchrec_swp.pp.errors import PPError
 
@@ -124,7 +124,9 @@ def recv_ahead(program: Program, ahead: int = 1) -> Program:
                 continue
             consumer = _consumer(actions, k)
             if consumer is None:
-                raise PPError(f"rank {r}, step {k}: receive {a} has no consumer after it", rank=r, step=k, action=str(a))
+                raise PPError(
+                    f"rank {r}, step {k}: receive {a} has no consumer after it", rank=r, step=k, action=str(a)
+                )
             n = compute_at.index(consumer)
             targets.append((compute_at[max(0, n - ahead)], a))
         before: dict[int, list[Action]] = {}  # compute position -> receives posted right before it
@@ -177,4 +179,3 @@ def add_step(program: Program, *, sync_before_send: bool = False) -> Program:
         new += [Action(s, O) for s in program.stages_of(r)]
         out.append(new)
     return program.replace(ranks=out)
-

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torchrec_swp.autosched.dag import Dag, DagSchedule, DagTask, Memory, list_schedule
-from torchrec_swp.pp.actions import B, F, I, W, Action, Program, _positive
+from torchrec_swp.pp.actions import Action, B, F, I, Program, W, _positive
 from torchrec_swp.pp.comm import add_p2p
 from torchrec_swp.pp.errors import PPError
 from torchrec_swp.pp.simulate import Durations

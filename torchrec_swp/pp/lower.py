@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from torchrec_swp.compile.program import IterationProgram, Signal, WaitTask
 from torchrec_swp.plan import MAIN_THREAD
-from torchrec_swp.pp.actions import P2P, WEIGHT_GRAD, Action, B, E, F, G, I, Kind, Program, RB, RF
+from torchrec_swp.pp.actions import P2P, RB, RF, WEIGHT_GRAD, Action, B, E, F, G, I, Kind, Program
 from torchrec_swp.pp.errors import PPError
 
 COMM_THREAD = "comm"
@@ -67,7 +67,7 @@ def lower_rank(
         thread_of = threads
     else:
         mapping = dict(threads)
-        thread_of = lambda a: mapping.get(a.kind.value, MAIN_THREAD)  # noqa: E731
+        thread_of = lambda a: mapping.get(a.kind.value, MAIN_THREAD)
     actions = program.ranks[rank]
     where = {a: (thread_of(a), k) for k, a in enumerate(actions)}
     position: dict[Action, int] = {}  # index of each action within its thread
@@ -156,4 +156,3 @@ def replay(lowered: IterationProgram) -> list[str]:
     if blocked:
         raise PPError("lowered program blocks forever: " + "; ".join(blocked))
     return ran
-

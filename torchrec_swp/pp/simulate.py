@@ -48,11 +48,11 @@ class Durations:
     F: float = 1.0
     E: float = 1.0
     B: float = 2.0
-    I: float = 1.0  # noqa: E741
+    I: float = 1.0
     W: float = 1.0
     P2P: float = 0.0
     G: float = 0.0
-    O: float = 0.0  # noqa: E741
+    O: float = 0.0
     latency: float = 0.0
     stage_scale: tuple[float, ...] = ()
 
@@ -147,7 +147,9 @@ class _Replay:
         self.reached: dict[Action, float] = {}  # P2P: when its rank arrived at it
         self.posted: dict[Action, float] = {}  # P2P: when its post completed
         self.with_p2p = program.has_p2p()
-        self.where: dict[Action, tuple[int, int]] = {a: (r, k) for r, acts in enumerate(program.ranks) for k, a in enumerate(acts)}
+        self.where: dict[Action, tuple[int, int]] = {
+            a: (r, k) for r, acts in enumerate(program.ranks) for k, a in enumerate(acts)
+        }
         # rule 4: the first operation of each side of each channel
         self.first: dict[Action, Action | None] = {}
         seen: dict[tuple[int, int, str, bool], Action] = {}
@@ -175,9 +177,7 @@ class _Replay:
                 raise self._deadlock()
         makespan = max(self.clock, default=0.0)
         busy = tuple(sum(self.d.of(s.action) for s in spans) for spans in self.spans)
-        return SimResult(
-            self.p, self.d, tuple(tuple(s) for s in self.spans), makespan, busy, self._peaks()
-        )
+        return SimResult(self.p, self.d, tuple(tuple(s) for s in self.spans), makespan, busy, self._peaks())
 
     def _step(self, r: int) -> str | None:
         """Run rank ``r``'s next action (or P2P batch); None on success, else what it waits for."""
@@ -342,4 +342,3 @@ class _Replay:
 def _producers(send: Action) -> list[Action]:
     s, m = send.stage, send.microbatch
     return [Action(s, F, m)] if send.kind is Kind.SEND_F else [Action(s, B, m), Action(s, I, m)]
-

@@ -117,7 +117,9 @@ def validate(program: Program) -> None:
         for a, (r, k) in at.items():
             if a.kind in P2P:
                 if a.matching() not in at:
-                    raise fail(program, f"{a} has no matching {a.matching()} on rank {program.rank_of(a.peer_stage)}", r, k)
+                    raise fail(
+                        program, f"{a} has no matching {a.matching()} on rank {program.rank_of(a.peer_stage)}", r, k
+                    )
             elif a.kind in (F, B, I):
                 recvs, sends = needs_p2p(program, a)
                 for c in recvs:
