@@ -9,7 +9,7 @@ VENV18 ?= .venv-tr18
 STAMP18 := $(VENV18)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run quickstart bench test test-1.8 test-fast clean
+.PHONY: install run quickstart bench test test-1.8 test-fast gpu-check clean
 
 install: $(STAMP)
 
@@ -58,6 +58,13 @@ test-1.8: $(STAMP18)
 # Only the fast, single-process tests.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not multiprocess and not slow"
+
+# What only a CUDA device can check (docs/gpu_check.md), into out/gpu_check/: CUDA stream tests,
+# parity with upstream, step time and an overlap trace on one GPU. Runs in .venv-gpu, made over the
+# Python whose torch finds the GPU (TorchRec's CUDA stack pip-installed there where a package index
+# is reachable). Without a CUDA device: one line, exit 0. GPU_CHECK_ARGS: e.g. --parts ab.
+gpu-check:
+	@$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV18) build *.egg-info
