@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = env.stack_status(python)
         stack.installed, stack.install_error = asked, error
     print(f"gpu-check: stack {'ok' if stack.ok else 'not usable'}: {json.dumps(stack.versions)}", flush=True)
-    stack_file = out / "stack.json"
+    stack_file = env.VENV / "stack.json"  # results.json repeats it: OUT keeps few files
     stack_file.write_text(json.dumps(stack.to_json(), indent=2) + "\n")
     command = [
         str(python), "-m", "benchmarks.gpu.run", "--parts", args.parts, "--out", str(out),

@@ -70,7 +70,7 @@ def _rank(
     import torch
 
     from benchmarks.common import rank_setup
-    from benchmarks.gpu.dlrm import make_gpu_runner, pinned_batches
+    from benchmarks.gpu.dlrm import LOOKAHEAD, make_gpu_runner, pinned_batches
     from benchmarks.gpu.parity import device_of
 
     rank_setup()
@@ -89,7 +89,7 @@ def _rank(
         try:
             for impl in ("upstream", "ours"):
                 runner = make_gpu_runner(name, impl, device, rank, world_size, size)
-                contenders.append(Contender(impl, runner, pinned_batches(size, rank, total, pin=on_cuda)))
+                contenders.append(Contender(impl, runner, pinned_batches(size, rank, total + LOOKAHEAD, pin=on_cuda)))
             interleave_blocks(contenders, blocks, block_steps, sync)
             results.append(compare(name, *contenders, warmup_blocks, size.batch_size * world_size))
         except Exception as e:  # noqa: BLE001  (reported as this pipeline's result)

@@ -21,6 +21,9 @@ GPU_SIZE = DlrmSize(
 )
 """A DLRM that gives an H100 milliseconds of work per step (the CPU sizes give it microseconds)."""
 
+LOOKAHEAD = 3
+"""Batches loaded beyond the last step taken, so that no measured step drains the pipeline."""
+
 TIMED_PIPELINES = (
     "TrainPipelineSparseDist",
     "TrainPipelineFusedSparseDist",

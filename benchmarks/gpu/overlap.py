@@ -6,6 +6,8 @@ Attribution: the engine wraps each task in ``record_function("## Task batch ##")
 or ``cuda_driver`` event) inside such a range on the same thread belongs to that task, and so
 does the device work it launched (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events with the
 same ``correlation``), whatever stream it ran on: NCCL's collectives run on NCCL's own stream.
+TorchRec labels its own steps the same way (``## forward 3 ##``, inside our tasks' ranges), so
+only labels naming one of the plan's tasks count.
 
 Categories:
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,10 @@ DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 COMPUTE_TASKS = ("Forward", "Backward")
 H2D_TASKS = ("H2D",)
 INPUT_DIST_TASKS = ("InputDistStart", "InputDistWait")
+PLAN_TASKS = frozenset(
+    {*COMPUTE_TASKS, *H2D_TASKS, *INPUT_DIST_TASKS, "ZeroGrad", "WaitBatch", "OptimizerStep", "Dequeue"}
+)
+"""TrainPipelineSparseDist's tasks: the labels that count unless the caller names others."""
 
 Interval = tuple[float, float]
 
@@ -54,8 +60,9 @@ def _stream(event: Mapping[str, Any]) -> int:
     return int(args.get("stream", event.get("tid", -1)))
 
 
-def device_spans(events: Iterable[Mapping[str, Any]]) -> list[DeviceSpan]:
-    """Every device event of the trace with the task (and batch) that launched it."""
+def device_spans(events: Iterable[Mapping[str, Any]], tasks: Collection[str] = PLAN_TASKS) -> list[DeviceSpan]:
+    """Every device event of the trace with the task (and batch) that launched it; only labels
+    naming one of ``tasks`` count."""
     labels: dict[Any, list[tuple[float, float, str, int]]] = {}
     launches: list[Mapping[str, Any]] = []
     device: list[Mapping[str, Any]] = []
@@ -63,7 +70,7 @@ def device_spans(events: Iterable[Mapping[str, Any]]) -> list[DeviceSpan]:
         if e.get("ph") != "X":
             continue
         cat = e.get("cat")
-        if cat == "user_annotation" and (m := LABEL.match(str(e.get("name", "")))):
+        if cat == "user_annotation" and (m := LABEL.match(str(e.get("name", "")))) and m["task"] in tasks:
             start = float(e["ts"])
             labels.setdefault(e.get("tid"), []).append(
                 (start, start + float(e.get("dur", 0)), m["task"], int(m["batch"]))
@@ -136,9 +143,12 @@ def compute_stream(spans: Sequence[DeviceSpan]) -> int | None:
     return max(time_on, key=lambda k: time_on[k]) if time_on else None
 
 
-def overlap_summary(events: Iterable[Mapping[str, Any]], steps: int) -> dict[str, Any]:
+def overlap_summary(
+    events: Iterable[Mapping[str, Any]], steps: int, tasks: Collection[str] = PLAN_TASKS
+) -> dict[str, Any]:
     """Busy and overlapped device time per step (microseconds) of h2d, input_dist and compute.
 
+    ``tasks``: the plan's task names (labels of other names are ignored).
     ``overlap_us_per_step[c]``: time per step during which category ``c`` ran while compute ran;
     ``overlap_share[c]``: that over ``c``'s busy time (None where ``c`` was never busy).
     ``on_compute_stream_us_per_step``: h2d or input_dist work that ran on the compute stream itself
@@ -146,7 +156,7 @@ def overlap_summary(events: Iterable[Mapping[str, Any]], steps: int) -> dict[str
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    spans = device_spans(events)
+    spans = device_spans(events, tasks)
     stream = compute_stream(spans)
     groups: dict[str, tuple[str, ...]] = {"h2d": H2D_TASKS, "input_dist": INPUT_DIST_TASKS}
     compute = merge((s.start, s.end) for s in spans if s.stream == stream)
@@ -155,8 +165,8 @@ def overlap_summary(events: Iterable[Mapping[str, Any]], steps: int) -> dict[str
     share: dict[str, float | None] = {}
     streams: dict[str, list[int]] = {"compute": [] if stream is None else [stream]}
     on_compute: dict[str, float] = {}
-    for name, tasks in groups.items():
-        mine = [s for s in spans if s.task in tasks]
+    for name, members in groups.items():
+        mine = [s for s in spans if s.task in members]
         off = merge((s.start, s.end) for s in mine if s.stream != stream)
         streams[name] = sorted({s.stream for s in mine if s.stream != stream})
         busy[name] = length(off) / steps

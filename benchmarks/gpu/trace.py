@@ -33,7 +33,7 @@ def _trace_one(
 ) -> dict[str, Any]:
     import torch
 
-    from benchmarks.gpu.dlrm import make_gpu_runner, pinned_batches
+    from benchmarks.gpu.dlrm import LOOKAHEAD, make_gpu_runner, pinned_batches
     from benchmarks.gpu.overlap import overlap_summary
     from benchmarks.gpu.parity import device_of
 
@@ -46,8 +46,9 @@ def _trace_one(
             torch.cuda.synchronize(device)
 
     runner = make_gpu_runner("TrainPipelineSparseDist", "ours", device, rank, world_size, size, thread_map=thread_map)
-    data = pinned_batches(size, rank, warmup + steps, pin=on_cuda)
+    data = pinned_batches(size, rank, warmup + steps + LOOKAHEAD, pin=on_cuda)  # every traced step in steady state
     engine = runner.pipeline.engine
+    tasks = engine.plan.fire_order
     engine.instrument(labels=True)
     step_s = []
     try:
@@ -83,7 +84,7 @@ def _trace_one(
         "thread_map": thread_map,
         "trace": packed.name,
         "step_ms": 1e3 * statistics.median(step_s),
-        "overlap": overlap_summary(events, steps),
+        "overlap": overlap_summary(events, steps, tasks),
     }
 
 

@@ -144,6 +144,7 @@ def _rank_main(
         if backend == "nccl":
             # cuBLAS is deterministic only with a fixed workspace, read when its handle is made
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one host: NCCL's bootstrap on loopback too
             torch.cuda.set_device(rank)
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}"

@@ -138,8 +138,8 @@ def _device(stream: int, ts: float, dur: float, correlation: int, cat: str = "ke
 
 def synthetic_trace() -> list[dict[str, Any]]:
     """Two steps. Main thread 1: Forward/Backward on stream 7, InputDistStart whose kernels run on
-    stream 20 (data_dist) and 30 (NCCL). Thread 2: H2D copies on stream 13. One unlabelled kernel
-    on stream 7 (compute, unattributed)."""
+    stream 20 (data_dist) and 30 (NCCL). Thread 2: H2D copies on stream 13, launched inside a
+    TorchRec label nested in ours. One unlabelled kernel on stream 7 (compute, unattributed)."""
     events = [{"ph": "M", "name": "process_name", "pid": 0}]
     for step, t0 in enumerate((0.0, 1000.0)):
         c = 100 * step
@@ -151,7 +151,8 @@ def synthetic_trace() -> list[dict[str, Any]]:
             _label("InputDistStart", step + 1, 1, t0 + 210, 40),
             _launch(1, t0 + 220, c + 3), _device(20, t0 + 350, 100, c + 3),  # input dist, all overlapped
             _launch(1, t0 + 230, c + 4, "cuda_driver"), _device(30, t0 + 550, 100, c + 4),  # NCCL: half
-            _label("H2D", step + 2, 2, t0 + 5, 20), _launch(2, t0 + 6, c + 5),
+            _label("H2D", step + 2, 2, t0 + 5, 20), _label("copy_batch_to_gpu", step, 2, t0 + 5.5, 5),
+            _launch(2, t0 + 6, c + 5),  # inside TorchRec's own label, inside ours
             _device(13, t0 + 50, 100, c + 5, "gpu_memcpy"),  # copy t0+50..t0+150: 50 overlapped
             _launch(1, t0 + 300, c + 6), _device(7, t0 + 700, 100, c + 6),  # no label: compute, unattributed
         ]  # fmt: skip
