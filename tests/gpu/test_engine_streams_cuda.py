@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.cuda, requires_cuda]
 N = 1 << 20
 """Elements per batch (4 MiB of float32); batch b holds the value b + 1 everywhere."""
 
-BATCHES = 4
+BATCHES = 6
 THREAD_MAPS = ("main", "by_stream")
 
 
