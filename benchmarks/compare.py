@@ -223,7 +223,7 @@ def _engine_only_shortcut(iterations: int = 3000) -> dict[str, float]:
     import time
 
     from torchrec_swp.engine import Engine
-    from torchrec_swp.integrations.torchrec.plans import sparse_dist_plan
+    from torchrec_swp.catalog.torchrec import sparse_dist_plan
 
     plan = sparse_dist_plan()
 

@@ -1,4 +1,4 @@
-"""The auto-scheduler: the direct estimate against the simulator, the lookahead oracle's rules,
+"""The auto-scheduler: the direct estimate against the simulator, the stage oracle's rules,
 the beam search's hard constraints on every plan it proposes, and the CLI."""
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import pytest
 from torchrec_swp.autosched import (
     Layout,
     Problem,
-    assign_lookaheads,
-    auto_assign_lookaheads,
+    assign_stages,
+    auto_assign_stages,
     beam_search,
     check_constraints,
-    is_anchor,
     iteration_time,
     layout_of,
     to_plan,
@@ -24,8 +23,8 @@ from torchrec_swp.autosched import (
 from torchrec_swp.autosched.__main__ import main
 from torchrec_swp.autosched.estimate import lead
 from torchrec_swp.autosched.workloads import TORCHREC_MS, Workload, random_workload, torchrec_workloads
-from torchrec_swp.integrations.torchrec.plans import default_plans, sparse_dist_plan
-from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, PlanError
+from torchrec_swp.catalog.torchrec import default_plans, sparse_dist_plan
+from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PipelineTask, PlanError
 from torchrec_swp.profiler import Profile, TaskStats
 from torchrec_swp.sim import check_happens_before, simulate
 
@@ -40,34 +39,38 @@ def random_layout(problem: Problem, rng: random.Random) -> Layout:
     )
 
 
-def test_anchor_names_match_without_case_and_underscores() -> None:
-    for name in (
-        "Forward",
-        "backward",
-        "OptimizerStep",
-        "optimizer_step",
-        "finalize_model_grads",
-        "FinalizeModelGrads",
-    ):
-        assert is_anchor(name)
-    for name in ("Opt", "ForwardPrep", "ZeroGrad"):
-        assert not is_anchor(name)
-    assert is_anchor("Fwd", {"Fwd"}) and not is_anchor("Forward", {"Fwd"})
+def test_anchors_are_declared_by_the_plan_or_named_by_the_caller() -> None:
+    plan = sparse_dist_plan()
+    problem = Problem(plan, {t: 1.0 for t in plan.fire_order})
+    assert problem.anchors == {"Forward", "Backward", "OptimizerStep"}  # declared anchor in the table
+    more = Problem(plan, problem.durations, anchor_names=frozenset({"Dequeue"}))
+    assert more.anchors == {"Forward", "Backward", "OptimizerStep", "Dequeue"}
+    undeclared = plan.replace(tasks=[PipelineTask(t.name, t.reads, t.writes) for t in plan.tasks.values()])
+    assert Problem(undeclared, problem.durations).anchors == frozenset()
+    with pytest.raises(PlanError, match="anchor 'Fwd' is not a task"):
+        Problem(plan, problem.durations, anchor_names=frozenset({"Fwd"}))
+
+
+def test_tasks_that_run_once_per_epoch_cost_nothing_in_the_steady_state() -> None:
+    plan = sparse_dist_plan()
+    problem = Problem(plan, {t: 1.0 for t in plan.fire_order})
+    steady = dict(zip(problem.tasks, problem.cpu))
+    assert steady["InitPipelinedModules"] == 0.0 and steady["InputDistStart"] == 1.0
 
 
 def test_the_estimate_is_the_simulated_iteration_and_every_staged_layout_is_race_free() -> None:
     rng = random.Random(1)
     checked = 0
-    for plan in default_plans().values():
+    for plan in (p for entry in default_plans().values() for p in getattr(entry, "plans", (entry,))):
         problem = Problem(plan, {t: rng.uniform(0.1, 5.0) for t in plan.fire_order})
         for _ in range(80):
             layout = random_layout(problem, rng)
-            lookaheads = assign_lookaheads(problem, layout)
-            if lookaheads is None:
+            stages = assign_stages(problem, layout)
+            if stages is None:
                 continue
-            candidate = to_plan(problem, layout, lookaheads)
+            candidate = to_plan(problem, layout, stages)
             result = simulate(candidate, problem.durations, candidate.max_stage + 3)
-            assert result.steady_iteration_time == pytest.approx(iteration_time(problem, layout, lookaheads), abs=1e-9)
+            assert result.steady_iteration_time == pytest.approx(iteration_time(problem, layout, stages), abs=1e-9)
             check_happens_before(result, candidate)
             checked += 1
     assert checked > 150
@@ -77,11 +80,11 @@ def test_oracle_rules_on_a_per_task_layout() -> None:
     plan = sparse_dist_plan().with_thread_map("per_task")
     problem = Problem(plan, {t: TORCHREC_MS[t] for t in plan.fire_order})
     layout = layout_of(problem, plan)
-    lookaheads = assign_lookaheads(problem, layout)
-    assert lookaheads is not None
-    staged = to_plan(problem, layout, lookaheads)
+    stages = assign_stages(problem, layout)
+    assert stages is not None
+    staged = to_plan(problem, layout, stages)
     top = staged.max_stage
-    # rule 1: anchors at lookahead 0 (highest stage), source at stage 0, depth within the limit
+    # rule 1: anchors at the highest stage, source at stage 0, depth within the limit
     for anchor in ("Forward", "Backward", "OptimizerStep"):
         assert staged.task(anchor).stage == top
     assert staged.task("H2D").stage == 0 and staged.pipeline_depth == top + 1 <= 5
@@ -89,33 +92,33 @@ def test_oracle_rules_on_a_per_task_layout() -> None:
     # group's tickets in fire order (InputDistStart, Forward, InputDistWait, Backward: each on its
     # own thread, so they serialize) and the optimizer after Backward
     chain = ("InputDistStart", "Forward", "InputDistWait", "Backward", "OptimizerStep", "Dequeue")
-    assert iteration_time(problem, layout, lookaheads) == pytest.approx(sum(TORCHREC_MS[t] for t in chain))
+    assert iteration_time(problem, layout, stages) == pytest.approx(sum(TORCHREC_MS[t] for t in chain))
     assert staged.task("InputDistWait").stage < top
     # threads, streams and fire order are kept
     assert staged.fire_order == plan.fire_order
     assert all(staged.task(t).thread_group == plan.task(t).thread_group for t in plan.fire_order)
-    assert auto_assign_lookaheads(plan, problem.durations) == staged
+    assert auto_assign_stages(plan, problem.durations) == staged
 
 
 def test_oracle_cuts_a_dependency_the_fire_order_reverses_and_respects_the_limit() -> None:
     plan = sparse_dist_plan()  # InputDistStart fires before H2D: only a cut (stage difference) allows it
     problem = Problem(plan, {t: 1.0 for t in plan.fire_order})
     layout = layout_of(problem, plan)
-    lookaheads = assign_lookaheads(problem, layout)
-    assert lookaheads is not None
+    stages = assign_stages(problem, layout)
+    assert stages is not None
     k = next(
         d for d in problem.deps if problem.tasks[d.consumer] == "InputDistStart" and problem.tasks[d.producer] == "H2D"
     )
-    assert lead(k, lookaheads) >= 1
+    assert lead(k, stages) >= 1
     # with one batch in flight, InputDistStart firing before its producer cannot be staged
     tight = Problem(plan, problem.durations, max_in_flight=1)
-    assert assign_lookaheads(tight, layout) is None
+    assert assign_stages(tight, layout) is None
     with pytest.raises(PlanError, match="at most 1 batches in flight"):
-        auto_assign_lookaheads(plan, problem.durations, max_in_flight=1)
+        auto_assign_stages(plan, problem.durations, max_in_flight=1)
     # an anchor firing before its producer cannot be staged at all
     backward = problem.index["Backward"]
     backwards = Layout(layout.threads, layout.streams, (backward, *(i for i in layout.order if i != backward)))
-    assert assign_lookaheads(problem, backwards) is None
+    assert assign_stages(problem, backwards) is None
 
 
 WORKLOADS: list[tuple[Workload, dict[str, int]]] = [

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from torchrec_swp.autosched import Problem, assign_lookaheads, beam_search, plan_bounds, search_bounds, to_plan
+from torchrec_swp.autosched import Problem, assign_stages, beam_search, plan_bounds, search_bounds, to_plan
 from torchrec_swp.autosched.layout import Layout
 from torchrec_swp.autosched.score import steady_period
 from torchrec_swp.autosched.workloads import random_workload, torchrec_workloads
-from torchrec_swp.integrations.torchrec.plans import default_plans
+from torchrec_swp.catalog.torchrec import default_plans
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.sim import simulate
 
@@ -32,7 +32,7 @@ def small_plan() -> PipelinePlan:
         },
         intra_iter_deps=[("Prep", "Load"), ("Forward", "Prep"), ("Backward", "Forward"), ("OptimizerStep", "Backward")],
         inter_iter_deps=[("Forward", "OptimizerStep", 1), ("Prep", "Backward", 2)],
-        tasks=[PipelineTask("Load", writes=("batch",))],
+        tasks=[PipelineTask("Load", writes=("batch",)), *(PipelineTask(t, anchor=True) for t in ("Forward", "Backward", "OptimizerStep"))],
         source="Load",
         name="small",
     )
@@ -95,7 +95,7 @@ def test_search_bounds_by_hand() -> None:
 def test_no_bound_exceeds_a_simulated_iteration_on_random_layouts() -> None:
     rng = random.Random(7)
     checked = 0
-    for plan in [*default_plans().values(), small_plan()]:
+    for plan in [*(p for entry in default_plans().values() for p in getattr(entry, "plans", (entry,))), small_plan()]:
         durations = {t: rng.uniform(0.2, 5.0) for t in plan.fire_order}
         device = {t: rng.uniform(0.0, 5.0) for t in plan.fire_order if rng.random() < 0.5}
         problem = Problem(plan, durations)
@@ -108,10 +108,10 @@ def test_no_bound_exceeds_a_simulated_iteration_on_random_layouts() -> None:
                 tuple(plan.task(t).stream for t in problem.tasks),
                 tuple(order),
             )
-            lookaheads = assign_lookaheads(problem, layout)
-            if lookaheads is None:
+            stages = assign_stages(problem, layout)
+            if stages is None:
                 continue
-            candidate = to_plan(problem, layout, lookaheads)
+            candidate = to_plan(problem, layout, stages)
             simulated = simulate(candidate, durations, candidate.max_stage + 3).steady_iteration_time
             assert simulated is not None
             assert plan_bounds(candidate, durations).value <= simulated + 1e-9, candidate.to_text()

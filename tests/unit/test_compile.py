@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from torchrec_swp.compile import CompiledPlan, active_stages, compile_iteration, format_program
-from torchrec_swp.integrations.torchrec.plans import sparse_dist_plan
+from torchrec_swp.catalog.torchrec import sparse_dist_plan
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 
 S = TaskSchedule
@@ -33,7 +33,8 @@ def test_single_thread_plan_compiles_to_a_flat_list() -> None:
         thread default:
           run ZeroGrad
           run WaitBatch
-          run InputDistStart
+          run InitPipelinedModules if first
+          run InputDistStart if not_first
           run! H2D
           run Forward
           run InputDistWait
@@ -54,7 +55,8 @@ def test_h2d_on_its_own_thread_needs_no_cpu_wait_in_steady_state() -> None:
         thread default:
           run ZeroGrad
           run WaitBatch
-          run InputDistStart
+          run InitPipelinedModules if first
+          run InputDistStart if not_first
           run Forward
           run InputDistWait
           run Backward
@@ -69,21 +71,22 @@ def test_h2d_on_its_own_thread_needs_no_cpu_wait_in_steady_state() -> None:
 def test_collectives_on_two_threads_take_tickets_in_fire_order() -> None:
     plan = sparse_dist_plan().with_thread_map("by_stream")
     prog = compile_iteration(plan, [0, 1, 2])
-    assert prog.tickets == (("world", 4),)
+    assert prog.tickets == (("world", 5),)
     assert format_program(prog) == golden(
         """
         stages 0,1,2
-        tickets world=4
+        tickets world=5
         thread default:
           run ZeroGrad
           run WaitBatch
-          run Forward #1@world
-          run Backward #3@world
+          run Forward #2@world
+          run Backward #4@world
           run OptimizerStep
           run Dequeue
         thread data_dist:
-          run InputDistStart #0@world
-          run InputDistWait #2@world
+          run InitPipelinedModules #0@world if first
+          run InputDistStart #1@world if not_first
+          run InputDistWait #3@world
         thread memcpy:
           run! H2D
         """
@@ -117,8 +120,8 @@ def test_stop_policy_makes_later_tasks_on_other_threads_wait_for_the_source() ->
     plan = sparse_dist_plan(execute_all_batches=False).with_thread_map({"H2D": "io"})
     main = [str(i) for i in compile_iteration(plan, [0, 1, 2]).instructions("default")]
     # Forward fires after H2D: with on_exhausted=stop it must not start before H2D found a batch
-    assert main[:4] == ["run ZeroGrad", "run WaitBatch", "run InputDistStart", "wait H2D"]
-    assert main[4] == "run Forward"
+    assert main[:5] == ["run ZeroGrad", "run WaitBatch", "run InitPipelinedModules if first", "run InputDistStart if not_first", "wait H2D"]
+    assert main[5] == "run Forward"
 
 
 def test_device_streams_get_record_and_wait_pairs() -> None:
@@ -134,7 +137,8 @@ def test_device_streams_get_record_and_wait_pairs() -> None:
           stream default <- H2D@0
           run WaitBatch
           stream data_dist <- H2D@0
-          run InputDistStart
+          run InitPipelinedModules if first
+          run InputDistStart if not_first
           run! H2D
           record H2D
           run Forward
@@ -145,3 +149,18 @@ def test_device_streams_get_record_and_wait_pairs() -> None:
           run Dequeue
         """
     )
+
+
+def test_a_guard_on_the_next_batch_waits_for_the_source_on_another_thread() -> None:
+    # Synchronize(b) runs only when batch b+1 exists: at stage 1 that is known once H2D (stage 0,
+    # same iteration) has looked for b+1, so on another thread it waits for H2D.
+    plan = PipelinePlan(
+        schedule={"H2D": S(0, "memcpy"), "Sync": S(1, when="has_next"), "Fwd": S(1)},
+        tasks=[PipelineTask("H2D", writes=("x",)), PipelineTask("Fwd", reads=("x",))],
+        source="H2D",
+    ).with_thread_map({"H2D": "io"})
+    assert [str(i) for i in compile_iteration(plan, [0, 1]).instructions("default")] == [
+        "wait H2D",
+        "run Sync if has_next",
+        "run Fwd",
+    ]

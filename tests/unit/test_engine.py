@@ -18,7 +18,7 @@ from torchrec_swp.engine import (
     TaskAborted,
     Turnstile,
 )
-from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError, TaskSchedule
 
 S = TaskSchedule
 
@@ -285,7 +285,7 @@ def test_blocking_wait_times_out_with_a_diagnostic() -> None:
     message = str(info.value)
     assert "internal iteration 3 of plan waits did not finish within 0.3s" in message
     assert "thread 'io': at run! H2D" in message
-    assert "thread 'default': at failed in wait H2D" in message
+    assert "thread 'default': failed in wait H2D" in message
     assert "io       memcpy        | i0    i1    i2    i3*" in message
     assert "waited 0.3s for task H2D" in str(info.value.__cause__)
     engine.close()
@@ -412,20 +412,18 @@ def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> Non
     engine.close()
 
 
-def test_shortcuts_noop_tasks_become_aliases_and_pure_tasks_reuse_their_result() -> None:
-    calls: dict[str, int] = {"Copy": 0, "Config": 0, "Fwd": 0}
+def test_noop_tasks_become_aliases_on_their_device() -> None:
+    calls: dict[str, int] = {"Copy": 0, "Fwd": 0}
     plan = PipelinePlan(
-        schedule={"Load": S(0), "Copy": S(0, "memcpy"), "Config": S(1), "Fwd": S(1)},
+        schedule={"Load": S(0), "Copy": S(0, "memcpy"), "Fwd": S(1)},
         tasks=[
-            PipelineTask("Load", writes=("host", "table")),
+            PipelineTask("Load", writes=("host",)),
             PipelineTask("Copy", reads=("host",), writes=("batch",), noop_on=("cpu",)),
-            PipelineTask("Config", reads=("table",), writes=("config",), pure=True),
-            PipelineTask("Fwd", reads=("batch", "config"), writes=("out",)),
+            PipelineTask("Fwd", reads=("batch",), writes=("out",)),
         ],
         source="Load",
         output="out",
     )
-    table = {"scale": 3}  # the same object every batch: Config's input does not change
     data = iter(range(5))
 
     def count(name: str, value: Any) -> Any:
@@ -433,44 +431,99 @@ def test_shortcuts_noop_tasks_become_aliases_and_pure_tasks_reuse_their_result()
         return value
 
     bindings = {
-        "Load": lambda b: (next(data), table),
+        "Load": lambda b: next(data),
         "Copy": lambda b, host: count("Copy", host),
-        "Config": lambda b, table: count("Config", table["scale"]),
-        "Fwd": lambda b, batch, config: count("Fwd", batch * config),
+        "Fwd": lambda b, batch: count("Fwd", batch * 3),
     }
     cpu = Engine(plan, bindings, device_type="cpu")
     assert "alias Copy batch=host" in [str(i) for i in cpu.compiled.program(1, None).instructions("default")]
     assert run_all(cpu) == [0, 3, 6, 9, 12]
-    assert calls == {"Copy": 0, "Config": 1, "Fwd": 5}  # Copy never called, Config once
-    assert cpu.shortcuts == 4
+    assert calls == {"Copy": 0, "Fwd": 5}  # Copy never called
     # on another device the copy is real
     data = iter(range(5))
     assert run_all(Engine(plan.with_thread_map({"Copy": "io"}), bindings, device_type="cuda")) == [0, 3, 6, 9, 12]
     assert calls["Copy"] == 5
 
 
-def test_pure_task_runs_again_when_a_tensor_input_changed_in_place() -> None:
-    import torch
+GUARDED = PipelinePlan(
+    schedule={
+        "Load": S(0, "memcpy"),
+        "Pair": S(1),
+        "Init": S(1, when="first"),
+        "Start": S(1, when="not_first"),
+        "Fwd": S(2),
+        "Sync": S(2, when="has_next"),
+        "Finish": S(2, when="last"),
+        "Warm": S(1, when="fill"),
+    },
+    tasks=[
+        PipelineTask("Load", writes=("x",)),
+        PipelineTask("Pair", reads=("x", "x@1"), writes=("out",)),
+        PipelineTask("Fwd", reads=("out",)),
+    ],
+    source="Load",
+    output="out",
+    name="guarded",
+)
 
-    weights = torch.ones(2)
-    calls = [0]
+
+@pytest.mark.parametrize("thread_map", ["main", {"Load": "io"}, "per_task"], ids=str)
+def test_guards_and_previous_batch_reads(thread_map: Any) -> None:
+    log: list[tuple[str, int]] = []
+    data = iter(range(10, 14))
+    bindings = {
+        "Load": lambda b: next(data),
+        "Pair": lambda b, x, prev_x: (x, prev_x),
+        "Fwd": lambda b, out: None,
+        **{t: (lambda b, t=t: log.append((t, b))) for t in ("Init", "Start", "Sync", "Finish", "Warm")},
+    }
+    engine = Engine(GUARDED.with_thread_map(thread_map), bindings, timeout_s=10)
+    # batch b's Pair gets batch b-1's x, None for the first batch of the epoch
+    assert run_all(engine) == [(10, None), (11, 10), (12, 11), (13, 12)]
+    assert sorted(log) == sorted(
+        [("Init", 0), ("Start", 1), ("Start", 2), ("Start", 3),  # first / not_first
+         ("Sync", 0), ("Sync", 1), ("Sync", 2), ("Finish", 3),  # has_next / last
+         ("Warm", 0)]  # fill: iteration 1 only (iterations before batch 0 reaches stage 2)
+    )
+    engine.close()
+
+
+def test_phases_take_turns_at_batch_numbers_across_epochs() -> None:
+    a = PipelinePlan(
+        schedule={"Load": S(0), "Fwd": S(1), "Tag": S(1)},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Fwd", reads=("x",), writes=("out",))],
+        source="Load", output="out", name="a",
+    )
+    b = a.replace(schedule={"Load": S(0), "Fwd": S(1), "Other": S(1)}, name="b")
+    seen: list[str] = []
+    data: list[Any] = [iter(range(3))]
+    engine = Engine(
+        PhasedPlan([(0, a), (2, b)]),
+        {"Load": lambda n: next(data[0]), "Fwd": lambda n, x: x, "Tag": lambda n: seen.append("a"), "Other": lambda n: seen.append("b")},
+    )
+    assert run_all(engine) == [0, 1, 2] and seen == ["a", "a", "b"]
+    # batch numbers count source calls across epochs (3 batches + the call that found none):
+    # the next epoch is all in phase b
+    data[0] = iter(range(2))
+    engine.new_data()
+    assert run_all(engine) == [0, 1] and seen[3:] == ["b", "b"]
+    engine.reset()  # reset() starts the batch numbers again
+    data[0] = iter(range(1))
+    assert run_all(engine) == [0] and seen[5:] == ["a"]
+
+
+def test_one_thread_plans_enter_each_task_stream_on_a_device_with_streams() -> None:
+    # no cross-stream dependency, so the program is a flat list: each task must still be
+    # submitted inside its own stream
     plan = PipelinePlan(
-        schedule={"Load": S(0), "Scale": S(0)},
-        tasks=[PipelineTask("Load", writes=("w",)), PipelineTask("Scale", reads=("w",), writes=("out",), pure=True)],
+        schedule={"Load": S(0), "Post": S(1, "postproc")},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Post", writes=("out",))],
         source="Load",
         output="out",
     )
+    streams = RecordingStreamPool()
     data = iter(range(3))
-
-    def load(b: int) -> Any:
-        next(data)
-        if b == 2:
-            weights.add_(1)  # same object, new values
-        return weights
-
-    def scale(b: int, w: Any) -> float:
-        calls[0] += 1
-        return float(w.sum())
-
-    assert run_all(Engine(plan, {"Load": load, "Scale": scale})) == [2.0, 2.0, 4.0]
-    assert calls[0] == 2
+    engine = Engine(plan, {"Load": lambda b: next(data), "Post": lambda b: b * 2}, streams=streams)
+    assert engine.compiled.program(1, None).flat
+    assert run_all(engine) == [0, 2, 4]
+    assert streams.log == [("enter", "postproc")] * 3  # Post, once per batch; Load stays on the default stream

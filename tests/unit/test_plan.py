@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from torchrec_swp.plan import Dep, PipelinePlan, PipelineTask, PlanError, TaskSchedule
+from torchrec_swp.plan import Dep, PhasedPlan, PipelinePlan, PipelineTask, PlanError, TaskSchedule, When
 
 S = TaskSchedule
 
@@ -162,25 +162,57 @@ def test_text_round_trip_is_exact() -> None:
     assert again == plan
     assert hash(again) == hash(plan)
     assert again.to_text() == text
-    assert "task H2D stage=0 stream=memcpy thread=io writes=batch_gpu" in text
+    # one row per task, in fire order, columns aligned under the header
+    rows = [line for line in text.splitlines() if line.startswith(("task ", "#"))]
+    assert rows[0].split() == ["#", "task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags"]
+    assert rows[3].split() == ["task", "H2D", "0", "memcpy", "io", "-", "-", "-", "batch_gpu", "-"]
+    assert len({row.index(row.split()[2]) for row in rows[1:]}) == 1  # the stage column is aligned
+    assert [r.split()[1] for r in rows[1:]] == list(plan.fire_order)
     assert "dep H2D <- Fwd @2" in text
-    shortcut = plan.replace(tasks=[*plan.tasks.values()][:2] + [PipelineTask("H2D", writes=("batch_gpu",), pure=True)])
-    assert PipelinePlan.from_text(shortcut.to_text()) == shortcut
-    copy = PipelinePlan(schedule={"A": S(0), "B": S(0)}, tasks=[PipelineTask("A", writes=("x",)), PipelineTask("B", reads=("x",), writes=("y",), noop_on=("cpu", "mtia"))])
-    assert "noop_on=cpu,mtia" in copy.to_text() and PipelinePlan.from_text(copy.to_text()) == copy
+    guarded = PipelinePlan(
+        schedule={"A": S(0), "B": S(1, when="first"), "C": S(2, when="last")},
+        tasks=[PipelineTask("A", writes=("x",)), PipelineTask("B", reads=("x", "x@1"), anchor=True),
+               PipelineTask("C", writes=("y",), noop_on=("cpu", "mtia"), reads=("x",))],
+        source="A",
+    )
+    text = guarded.to_text()
+    assert "task B     1      default  default  -     first  x,x@1  -       anchor" in text
+    assert "noop_on=cpu+mtia" in text
+    assert PipelinePlan.from_text(text) == guarded
+
+
+def test_text_form_reads_the_older_key_value_rows() -> None:
+    old = (
+        "plan toy\ndepth 3\nsource H2D\noutput out\nexhausted drain\n"
+        "task Fwd stage=2 stream=default thread=default comm=world reads=y writes=out\n"
+        "task Dist stage=1 stream=data_dist thread=default reads=batch_gpu writes=y\n"
+        "task H2D stage=0 stream=memcpy thread=default writes=batch_gpu\n"
+        "dep Fwd <- Fwd @1\n"
+    )
+    plan = PipelinePlan.from_text(old)
+    assert plan.task("Fwd").comm_group == "world" and plan.task("Dist").io.reads == ("batch_gpu",)
+    assert PipelinePlan.from_text(plan.to_text()) == plan
 
 
 def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
     text = three_stage().to_text().replace("depth 3", "depth 3   # three batches in flight") + "\n# the end\n"
     assert PipelinePlan.from_text(text) == three_stage()
     with pytest.raises(PlanError, match="line 6: bad task field 'colour=red'"):
-        PipelinePlan.from_text(three_stage().to_text().replace("task Fwd stage=2", "task Fwd colour=red stage=2"))
+        PipelinePlan.from_text("plan p\ndepth 3\nsource H2D\noutput out\nexhausted drain\ntask Fwd stage=2 colour=red\n")
+    with pytest.raises(PlanError, match="a task row has 9 columns"):
+        PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default - -\n")
+    with pytest.raises(PlanError, match="unknown flag 'fast' of task A"):
+        PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default - - - - fast\n")
+    with pytest.raises(PlanError, match="when must be one of"):
+        PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default - sometimes - - -\n")
     with pytest.raises(PlanError, match="unknown keyword 'tsak'"):
         PipelinePlan.from_text("plan p\ndepth 1\ntsak A\n")
     with pytest.raises(PlanError, match="no 'depth' line"):
         PipelinePlan.from_text("plan p\ntask A stage=0\n")
     with pytest.raises(PlanError, match="dep line reads"):
-        PipelinePlan.from_text("plan p\ndepth 1\ntask A\ntask B\ndep A B\n")
+        PipelinePlan.from_text("plan p\ndepth 1\ntask A stage=0\ntask B stage=0\ndep A B\n")
+    with pytest.raises(PlanError, match="phased plan"):
+        PipelinePlan.from_text("phases p\nphase 0\nplan p\ndepth 1\n")
 
 
 def test_save_and_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -218,13 +250,59 @@ def test_thread_map_errors() -> None:
 
 
 # ------------------------------------------------------------------ table
-def test_print_schedule_shows_fill_steady_and_drain(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_print_schedule_shows_fill_steady_and_drain_in_fire_order(capsys) -> None:  # type: ignore[no-untyped-def]
     plan = three_stage().with_thread_map({"H2D": "io"})
     plan.print_schedule(6, num_batches=3)
     assert capsys.readouterr().out == (
-        "   #  Task               Thread   Stream        | P0    P1    P2    P3    P4    P5\n"
-        "  --  -----------------  -------  ------------  + ----- ----- ----- ----- ----- -----\n"
-        "   0  Fwd                default  default       |  --    --   i0    i1    i2     --\n"
-        "   1  Dist               default  data_dist     |  --   i0    i1    i2     --    --\n"
-        "   2  H2D                io       memcpy        | i0    i1    i2     --    --    --\n"
+        "   #  Task               Stage  Thread   Stream        | P0    P1    P2    P3    P4    P5\n"
+        "  --  -----------------  -----  -------  ------------  + ----- ----- ----- ----- ----- -----\n"
+        "   0  Fwd                    2  default  default       |  --    --   i0    i1    i2     --\n"
+        "   1  Dist                   1  default  data_dist     |  --   i0    i1    i2     --    --\n"
+        "   2  H2D                    0  io       memcpy        | i0    i1    i2     --    --    --\n"
     )
+    # the fire order is the table's row order: moving a task moves its row
+    assert three_stage().moved("H2D", before="Fwd").format_schedule(3).splitlines()[2].split()[1] == "H2D"
+
+
+# ------------------------------------------------------------------ guards, previous batches, phases
+def test_guards_and_previous_batch_reads_are_validated() -> None:
+    base = {"A": S(0), "B": S(1), "C": S(2)}
+    tasks = [PipelineTask("A", writes=("x",)), PipelineTask("B", reads=("x",)), PipelineTask("C", reads=("x",))]
+    # b+1 is known only above the source's stage, and one stage above only after the source fires
+    with pytest.raises(PlanError, match="task B runs when=last but the source A has not looked for batch b\\+1"):
+        PipelinePlan(schedule={**base, "B": S(1, when="last")}, tasks=tasks, source="A", fire_order=["B", "A", "C"])
+    ok = PipelinePlan(schedule={**base, "B": S(1, when="has_next")}, tasks=tasks, source="A")
+    assert ok.task("B").when is When.HAS_NEXT
+    with pytest.raises(PlanError, match="needs a source task"):
+        PipelinePlan(schedule={**base, "C": S(2, when="has_next")}, tasks=tasks)
+    # x@1 of batch b-1: inferred dep at distance 1; the batch must still be in flight
+    prev = [tasks[0], PipelineTask("B", reads=("x@1",)), tasks[2]]
+    plan = PipelinePlan(schedule=base, tasks=prev, source="A")
+    assert Dep("B", "A", 1) in plan.deps and plan.tasks["B"].arguments == ("prev_x",)
+    with pytest.raises(PlanError, match="reads 'x@2' from batch b-2, which left the pipeline"):
+        PipelinePlan(schedule=base, tasks=[tasks[0], PipelineTask("B", reads=("x@2",)), tasks[2]], source="A")
+    assert PipelineTask("T", reads=("x@3",)).arguments == ("prev3_x",)
+
+
+def test_phased_plans_take_turns_and_must_agree_on_what_is_in_flight() -> None:
+    a = three_stage()
+    b = three_stage().moved("H2D", before="Fwd").replace(name="other")
+    phased = PhasedPlan([(0, a), (5, b)], name="two")
+    assert [phased.plan_for(n) is p for n, p in ((0, a), (4, a), (5, b), (99, b))] == [True] * 4
+    assert PhasedPlan.from_text(phased.to_text()) == phased
+    assert "phase 1 (batches 5 and on): other" in phased.format_schedule(3)
+    with pytest.raises(PlanError, match="must begin at 0 and increase"):
+        PhasedPlan([(1, a)])
+    with pytest.raises(PlanError, match="task Extra, in only one plan, writes data"):
+        PhasedPlan([(0, a), (3, a.with_task(PipelineTask("Extra", writes=("z",)), S(2), after="Fwd").replace(name="x"))])
+    with pytest.raises(PlanError, match="source, output and highest stage must stay the same"):
+        PhasedPlan([(0, a), (3, a.replace(output=None, name="y"))])
+
+
+def test_insert_and_move_tasks() -> None:
+    plan = three_stage()
+    plus = plan.with_task(PipelineTask("Log", reads=("dist",)), S(2), after="Fwd", deps=[("Log", "Fwd")])
+    assert plus.fire_order == ("Fwd", "Log", "Dist", "H2D") and Dep("Log", "Fwd") in plus.deps
+    assert plan.moved("Fwd", after="H2D").fire_order == ("Dist", "H2D", "Fwd")
+    with pytest.raises(PlanError, match="exactly one of after= and before="):
+        plan.moved("Fwd")

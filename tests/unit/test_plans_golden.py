@@ -1,5 +1,5 @@
-"""The 11 upstream pipelines as plans: golden schedule tables and text forms, and how they
-differ from seed 001's tables (only where upstream 1.8.0's progress() does).
+"""The upstream pipelines as plans: golden schedule tables and text forms, and how they differ
+from seed 001's tables (only where upstream's progress() does).
 
 Regenerate the goldens after an intended change with ``SWP_UPDATE_GOLDEN=1 pytest tests/unit``
 and read the diff.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from torchrec_swp.integrations.torchrec import plans
-from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, When
 
 GOLDEN = Path(__file__).parent.parent / "golden"
 ALL = plans.default_plans()
@@ -32,9 +32,9 @@ VARIANTS = {
 }
 
 
-def render(plan: PipelinePlan) -> str:
-    columns = plan.pipeline_depth + 2
-    return plan.format_schedule(columns) + "\n\n" + plan.to_text()
+def render(plan: PipelinePlan | PhasedPlan) -> str:
+    depth = max(p.pipeline_depth for p in getattr(plan, "plans", (plan,)))
+    return plan.format_schedule(depth + 2) + "\n\n" + plan.to_text()
 
 
 @pytest.mark.parametrize("name", [*ALL, *VARIANTS])
@@ -46,29 +46,51 @@ def test_golden_schedule_and_text(name: str) -> None:
         path.write_text(text)
     assert path.exists(), f"no golden file {path}; run with SWP_UPDATE_GOLDEN=1 to create it"
     assert text == path.read_text()
-    assert PipelinePlan.from_text(plan.to_text()) == plan
+    assert type(plan).from_text(plan.to_text()) == plan
 
 
 def test_all_eleven_pipelines_have_a_plan() -> None:
     assert len(ALL) == 11
 
 
+def test_tables_show_fire_order_so_options_that_reorder_differ() -> None:
+    default = (GOLDEN / "plans" / "TrainPipelineSparseDist.txt").read_text()
+    after_forward = (GOLDEN / "plans" / "TrainPipelineSparseDist.enqueue_batch_after_forward.txt").read_text()
+    table = lambda text: [ln.split()[1] for ln in text.split("\n\n")[0].splitlines()[2:]]  # noqa: E731
+    assert table(default).index("H2D") < table(default).index("Forward")
+    assert table(after_forward).index("H2D") == table(after_forward).index("Forward") + 1
+
+
+def test_semi_sync_table_shows_both_phases() -> None:
+    text = plans.semi_sync_phases(start_batch=10).format_schedule(5)
+    assert "phase 0 (batches 0 to 9): TrainPipelineSemiSync_sync" in text
+    assert "phase 1 (batches 10 and on): TrainPipelineSemiSync_semi_sync" in text
+    sync, semi = text.split("phase 1")
+    assert "Synchronize" in sync and "Synchronize" not in semi
+
+
 # --------------------------------------------------------- against seed 001
-# Where our plan's table departs from seed 001's, and why (each documented in plans.py).
+# Where our plan's table departs from seed 001's, and why (each documented in catalog/torchrec.py).
+FIRST_INPUT_DIST = "upstream's first input dist of an epoch is _init_pipelined_modules (when=first)"
 EXTRA_TASKS = {
     "TrainPipelineBase": {"LoadBatch": "upstream pulls batch i+1 before zero_grad, copies it after backward"},
-    "TrainPipelineSparseDist": {"Dequeue": "upstream pops the trained batch with dequeue_batch()"},
+    "TrainPipelineSparseDist": {"Dequeue": "upstream pops the trained batch with dequeue_batch()",
+                                "InitPipelinedModules": FIRST_INPUT_DIST},
     "TrainPipelineSparseDistLite": {"Dequeue": "as SparseDist"},
-    "TrainPipelineFusedSparseDist": {"Dequeue": "as SparseDist"},
-    "TrainPipelineSemiSync": {"Dequeue": "upstream pops batch i right after Forward(i)"},
-    "PrefetchTrainPipelineSparseDist": {"Dequeue": "as SparseDist"},
-    "TrainPipelineSparseDistCompAutograd": {"Dequeue": "as SparseDist"},
+    "TrainPipelineFusedSparseDist": {"Dequeue": "as SparseDist", "InitPipelinedModules": FIRST_INPUT_DIST},
+    "TrainPipelineSemiSync": {"Dequeue": "upstream pops batch i right after Forward(i)",
+                              "InitPipelinedModules": FIRST_INPUT_DIST},
+    "PrefetchTrainPipelineSparseDist": {"Dequeue": "as SparseDist", "InitPipelinedModules": FIRST_INPUT_DIST},
+    "TrainPipelineSparseDistCompAutograd": {"Dequeue": "as SparseDist", "InitPipelinedModules": FIRST_INPUT_DIST},
 }
+# Lite's input dist is upstream's _init_pipelined_modules on every batch
+RENAMED = {("TrainPipelineSparseDistLite", "InputDistStart"): "InitPipelinedModules"}
 CHANGED_STREAM = {("TrainPipelineFusedSparseDist", "EmbLookup"): "data_dist"}  # upstream default option
 REORDERED = {"TrainPipelineSemiSync"}  # upstream's fire order, not seed 001's stage-by-stage list
 
 
-def parse_table(text: str) -> list[tuple[str, str, str, str]]:
+def parse_seed(text: str) -> list[tuple[str, str, str, str]]:
+    """(task, thread, stream, cells) rows of a seed 001 table."""
     rows = []
     for line in text.splitlines():
         parts = line.split()
@@ -78,20 +100,33 @@ def parse_table(text: str) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def ours(plan: PipelinePlan, columns: int) -> list[tuple[str, str, str, str]]:
+    """Our table's rows in seed 001's row order (stage descending, then fire order), guards
+    ignored (seed 001 has none), as (task, thread, stream, cells)."""
+    unguarded = plan.replace(schedule={t: s.replace(when=When.ALWAYS) for t, s in plan.schedule.items()})
+    rows = []
+    for line in unguarded.format_schedule(columns).splitlines()[2:]:
+        _, task, _stage, thread, stream, *rest = line.split()
+        rows.append((task, thread, stream, " ".join(rest)))
+    return sorted(rows, key=lambda r: (-plan.task(r[0]).stage, plan.fire_index(r[0])))
+
+
 @pytest.mark.parametrize("name", sorted(EXTRA_TASKS))
 def test_tables_match_seed_001_except_documented_differences(name: str) -> None:
-    seed = parse_table((GOLDEN / "seed001" / f"{name}.txt").read_text())
-    ours = parse_table(ALL[name].format_schedule(len(seed[0][3].split("|")[1].split())))
-    seed_tasks = [r[0] for r in seed]
-    our_tasks = [r[0] for r in ours]
+    seed = parse_seed((GOLDEN / "seed001" / f"{name}.txt").read_text())
+    entry = ALL[name]
+    plan = entry.plan_for(10**6) if isinstance(entry, PhasedPlan) else entry  # SemiSync: its semi-sync phase
+    rows = ours(plan, len(seed[0][3].split("|")[1].split()))
+    seed_tasks = [RENAMED.get((name, r[0]), r[0]) for r in seed]
+    our_tasks = [r[0] for r in rows]
     assert not set(seed_tasks) - set(our_tasks), "a task of seed 001 is missing"
     assert set(our_tasks) - set(seed_tasks) == set(EXTRA_TASKS[name])
     common = [t for t in our_tasks if t in seed_tasks]
     if name not in REORDERED:
         assert common == seed_tasks
-    for task, thread, stream, cells in ours:
+    for task, thread, stream, cells in rows:
         if task in EXTRA_TASKS[name]:
             continue
-        (seed_row,) = [r for r in seed if r[0] == task]
+        (seed_row,) = [r for r in seed if RENAMED.get((name, r[0]), r[0]) == task]
         expected_stream = CHANGED_STREAM.get((name, task), seed_row[2])
         assert (thread, stream, cells) == (seed_row[1], expected_stream, seed_row[3]), task

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from torchrec_swp.compile import CompiledPlan, IterationProgram, Run, Signal, WaitStream, WaitTask
-from torchrec_swp.integrations.torchrec.plans import sparse_dist_plan, train_pipeline_base_plan
+from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan
 from torchrec_swp.plan import Dep, PipelinePlan, PipelineTask, PlanError, TaskSchedule
 from torchrec_swp.sim import (
     SimDeadlock,
@@ -285,7 +285,7 @@ def test_a_deadlock_in_a_later_iteration_names_it() -> None:
         ("default", 2, "wait H2D"),
         ("io", 2, "wait Compute"),
     ]
-    assert "Compute            default  default       |  --   i0    i1*" in str(info.value)
+    assert "Compute                1  default  default       |  --   i0    i1*" in str(info.value)
 
 
 # -------------------------------------------------------------------------- races

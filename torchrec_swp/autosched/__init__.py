@@ -4,7 +4,7 @@ Pure Python; CP-SAT (``cpsat``) imports OR-Tools on first use, ``loop`` runs the
 
 * ``Problem``: a plan, its task durations and the hard constraints (``Problem.from_profile``).
 * ``plan_bounds`` / ``search_bounds``: steady-state lower bounds, and which one binds.
-* ``auto_assign_lookaheads``: the lookahead oracle (stages for fixed threads/streams/order).
+* ``auto_assign_stages``: the stage oracle (stages for fixed threads/streams/order).
 * ``beam_search``: joint search of thread map, stream map and fire order -> ``SearchResult``.
 * ``check_constraints``: every hard constraint a proposed plan must meet.
 * ``solve_periodic`` / ``solve_dag`` (``cpsat``): exact schedules with CP-SAT, proven optimal
@@ -19,11 +19,10 @@ from torchrec_swp.autosched.cpsat import DagSolution, PeriodicSolution, solve_da
 from torchrec_swp.autosched.dag import Dag, DagError, DagSchedule, DagTask, Memory, interleaved_pipeline, list_schedule
 from torchrec_swp.autosched.estimate import iteration_time
 from torchrec_swp.autosched.layout import Layout, layout_of, to_plan
-from torchrec_swp.autosched.lookahead import assign_lookaheads, auto_assign_lookaheads
-from torchrec_swp.autosched.problem import ANCHOR_NAMES, Problem, is_anchor
+from torchrec_swp.autosched.stages import assign_stages, auto_assign_stages
+from torchrec_swp.autosched.problem import Problem
 
 __all__ = [
-    "ANCHOR_NAMES",
     "Bound",
     "BoundReport",
     "ConstraintError",
@@ -38,13 +37,12 @@ __all__ = [
     "Problem",
     "SearchResult",
     "Violation",
-    "assign_lookaheads",
-    "auto_assign_lookaheads",
+    "assign_stages",
+    "auto_assign_stages",
     "beam_search",
     "check_constraints",
     "ensure_constraints",
     "interleaved_pipeline",
-    "is_anchor",
     "iteration_time",
     "layout_of",
     "list_schedule",

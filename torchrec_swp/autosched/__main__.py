@@ -17,7 +17,7 @@ from tqdm import tqdm
 from torchrec_swp.autosched.beam import beam_search
 from torchrec_swp.autosched.bounds import plan_bounds
 from torchrec_swp.autosched.cpsat import solve_periodic
-from torchrec_swp.autosched.problem import ANCHOR_NAMES, Problem
+from torchrec_swp.autosched.problem import Problem
 from torchrec_swp.plan import PlanError
 from torchrec_swp.profiler import Profile, ProfileError
 
@@ -31,7 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the plan text")
     p.add_argument("--max-threads", type=int, default=4)
     p.add_argument("--max-in-flight", type=int, default=5)
-    p.add_argument("--anchors", default=",".join(sorted(ANCHOR_NAMES)), help="comma-separated anchor task names")
+    p.add_argument(
+        "--anchors",
+        default="",
+        help="comma-separated task names to keep at the highest stage on the default stream, besides the plan's anchors",
+    )
     p.add_argument("--beam-width", type=int, default=8)
     p.add_argument("--funnel", type=int, default=2)
     p.add_argument("--passes", type=int, default=5)

@@ -1,4 +1,4 @@
-"""Beam search over thread map, stream map and fire order, with the lookahead oracle.
+"""Beam search over thread map, stream map and fire order, with the stage oracle.
 
 The initial beam: the problem's plan and a few simple layouts (``_initial_beam``). Then the
 funnel, one level per task (largest CPU time first) and a swap level, repeated in passes:
@@ -8,7 +8,7 @@ funnel, one level per task (largest CPU time first) and a swap level, repeated i
    default stream; a task with no device work keeps its stream, which changes nothing), at each
    position of the fire order. At the swap level, every two tasks on different threads
    exchange threads and fire positions instead.
-2. The oracle (``lookahead.assign_lookaheads``) gives each new layout its stages; layouts it
+2. The oracle (``stages.assign_stages``) gives each new layout its stages; layouts it
    cannot stage are dropped. Layouts that run alike (``Layout.key``) are considered once.
 3. Candidates are ranked by the direct estimate (``estimate.iteration_time``); the best
    ``beam_width * funnel`` are built as plans (PipelinePlan validates them) and scored with
@@ -34,7 +34,7 @@ from torchrec_swp.autosched.bounds import BoundReport, plan_bounds, search_bound
 from torchrec_swp.autosched.constraints import ensure_constraints
 from torchrec_swp.autosched.estimate import cross_thread_waits, iteration_time
 from torchrec_swp.autosched.layout import Layout, layout_of, named_threads, normalized, to_plan
-from torchrec_swp.autosched.lookahead import assign_lookaheads
+from torchrec_swp.autosched.stages import assign_stages
 from torchrec_swp.autosched.problem import Problem
 from torchrec_swp.autosched.score import predict
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PlanError
@@ -91,7 +91,7 @@ class _Scored:
     score: tuple[float, int, int, int]
     key: tuple[object, ...]
     layout: Layout
-    lookaheads: tuple[int, ...]
+    stages: tuple[int, ...]
 
 
 class _Search:
@@ -105,27 +105,27 @@ class _Search:
     def stage(self, layout: Layout) -> tuple[tuple[object, ...], tuple[int, ...], float] | None:
         key = layout.key(self.problem)
         if key not in self.staged:
-            lookaheads = assign_lookaheads(self.problem, layout)
+            stages = assign_stages(self.problem, layout)
             self.staged[key] = (
-                None if lookaheads is None else (lookaheads, iteration_time(self.problem, layout, lookaheads))
+                None if stages is None else (stages, iteration_time(self.problem, layout, stages))
             )
         entry = self.staged[key]
         return None if entry is None else (key, *entry)
 
-    def score(self, key: tuple[object, ...], layout: Layout, lookaheads: tuple[int, ...]) -> _Scored | None:
+    def score(self, key: tuple[object, ...], layout: Layout, stages: tuple[int, ...]) -> _Scored | None:
         if key not in self.scored:
-            self.scored[key] = self._simulate(key, layout, lookaheads)
+            self.scored[key] = self._simulate(key, layout, stages)
         return self.scored[key]
 
-    def _simulate(self, key: tuple[object, ...], layout: Layout, lookaheads: tuple[int, ...]) -> _Scored | None:
+    def _simulate(self, key: tuple[object, ...], layout: Layout, stages: tuple[int, ...]) -> _Scored | None:
         problem = self.problem
         try:
-            plan = to_plan(problem, layout, lookaheads)
+            plan = to_plan(problem, layout, stages)
         except PlanError:
             return None
         t = predict(problem, plan)
-        waits = cross_thread_waits(problem, layout, lookaheads)
-        return _Scored((t, max(lookaheads) + 1, layout.thread_count(), waits), key, layout, lookaheads)
+        waits = cross_thread_waits(problem, layout, stages)
+        return _Scored((t, max(stages) + 1, layout.thread_count(), waits), key, layout, stages)
 
 
 def beam_search(
@@ -147,7 +147,7 @@ def beam_search(
     beam = _initial_beam(search)
     if not beam:
         raise PlanError(
-            f"no starting layout of plan {problem.plan.name} can be staged with its anchors at lookahead 0 and at most "
+            f"no starting layout of plan {problem.plan.name} can be staged with its anchors at the highest stage and at most "
             f"{problem.max_in_flight} batches in flight",
             culprit=problem.plan.name,
         )
@@ -168,7 +168,7 @@ def beam_search(
     if on_level is not None and done < total:
         on_level(total, total, beam[0].score[0])
     best = beam[0]
-    plan = to_plan(problem, named_threads(problem, best.layout), best.lookaheads)
+    plan = to_plan(problem, named_threads(problem, best.layout), best.stages)
     ensure_constraints(plan, problem)
     baseline = predict(problem, problem.plan)
     return SearchResult(
@@ -323,13 +323,13 @@ def _level(search: _Search, beam: list[_Scored], children: list[Layout], beam_wi
         staged = search.stage(child)
         if staged is None or staged[0] in candidates:
             continue
-        key, lookaheads, estimate = staged
-        candidates[key] = (estimate, max(lookaheads), child, lookaheads)
+        key, stages, estimate = staged
+        candidates[key] = (estimate, max(stages), child, stages)
     ranked = sorted(candidates.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[1][2].thread_count(), repr(kv[0])))
     # what the estimate ranks first is simulated; the simulator has the last word
     pool = {s.key: s for s in beam}
-    for key, (_, _, child, lookaheads) in ranked[: beam_width * funnel]:
-        scored = search.score(key, child, lookaheads)
+    for key, (_, _, child, stages) in ranked[: beam_width * funnel]:
+        scored = search.score(key, child, stages)
         if scored is not None:
             pool[key] = scored
     return _diverse(sorted(pool.values(), key=_rank), beam_width)

@@ -15,7 +15,7 @@ valid for any schedule that runs every task once per iteration:
   at most as many periods as there are batches in flight.
 * ``iteration``: the engine's iteration barrier: dependencies whose producer runs in the same
   iteration (``lead == 0``) form a chain inside one iteration. For a plan, with its stages; for
-  the search, the chain the anchors form (they all sit at lookahead 0).
+  the search, the chain the anchors form (they all sit at the highest stage).
 
 The binding bound is the largest; ``BoundReport.format`` says which it is.
 """
@@ -69,8 +69,10 @@ def plan_bounds(
     plan: PipelinePlan, durations: Mapping[str, float], device_durations: Mapping[str, float] | None = None
 ) -> BoundReport:
     """Lower bounds for ``plan`` as it stands (its threads, streams, stages and batches in flight)."""
-    cpu = {t: float(durations[t]) for t in plan.fire_order}
-    device = {t: float(v) for t, v in (device_durations or {}).items()}
+    # steady state: a task guarded to run once per epoch costs nothing there
+    steady = {t for t in plan.fire_order if plan.task(t).when.in_steady_state}
+    cpu = {t: float(durations[t]) if t in steady else 0.0 for t in plan.fire_order}
+    device = {t: float(v) if t in steady else 0.0 for t, v in (device_durations or {}).items()}
     out: list[Bound] = []
     for g in plan.thread_groups:
         out.append(Bound("thread", g, sum(cpu[t] for t in plan.fire_order if plan.task(t).thread_group == g)))
@@ -101,7 +103,10 @@ def search_bounds(problem: Problem) -> BoundReport:
     """Lower bounds valid for every plan ``beam_search`` or ``solve_periodic`` may propose."""
     plan = problem.plan
     cpu = dict(zip(problem.tasks, problem.cpu, strict=True))
-    device = {t: float(v) for t, v in (problem.device_durations or {}).items()}
+    device = {
+        t: float(v) if problem.plan.task(t).when.in_steady_state else 0.0
+        for t, v in (problem.device_durations or {}).items()
+    }
     total = sum(cpu.values())
     out = [
         Bound("thread", f"total CPU time / {problem.max_threads} threads", total / problem.max_threads),
@@ -125,7 +130,7 @@ def search_bounds(problem: Problem) -> BoundReport:
             _latency(plan, cpu, device) / problem.max_in_flight,
         )
     )
-    forced = _forced_lookahead_zero(problem)
+    forced = _forced_to_the_top(problem)
     same = [d for d in plan.deps if d.distance == 0 and d.consumer in forced and d.producer in forced]
     if forced:
         length, chain = _longest_chain([t for t in plan.fire_order if t in forced], same, cpu)
@@ -194,9 +199,9 @@ def _longest_chain(tasks: Sequence[str], deps: Sequence[Dep], cpu: Mapping[str, 
     return end[last], chain[::-1]
 
 
-def _forced_lookahead_zero(problem: Problem) -> set[str]:
+def _forced_to_the_top(problem: Problem) -> set[str]:
     """The anchors and every task that consumes one of them in the same batch (transitively):
-    such a task can be neither ahead of its producer nor behind lookahead 0."""
+    such a task can be neither ahead of its producer nor above the highest stage."""
     forced = set(problem.anchors)
     grew = True
     while grew:

@@ -8,7 +8,7 @@ is admissible); ``ensure_constraints`` raises ConstraintError listing them:
 2. ``deps``: every dependency of the problem's plan is a dependency of the plan.
 3. ``threads``: at most ``max_threads`` thread groups.
 4. ``in_flight``: ``pipeline_depth <= max_in_flight``.
-5. ``anchor``: every anchor on the default stream, at the highest stage (lookahead 0).
+5. ``anchor``: every anchor on the default stream, at the highest stage.
 6. ``happens_before``: a simulated run (fill, three steady iterations, drain) neither
    deadlocks nor lets a consumer run before its producer (``sim.check_happens_before``), device
    syncs included when the problem has device durations.
@@ -86,7 +86,7 @@ def check_constraints(plan: PipelinePlan, problem: Problem, *, simulate_run: boo
         if s.stream != DEFAULT_STREAM:
             out.append(Violation("anchor", a, f"anchor {a} is on stream {s.stream}, not {DEFAULT_STREAM}"))
         if s.stage != plan.max_stage:
-            out.append(Violation("anchor", a, f"anchor {a} has lookahead {plan.max_stage - s.stage}, not 0"))
+            out.append(Violation("anchor", a, f"anchor {a} is at stage {s.stage}, not the highest stage {plan.max_stage}"))
     if simulate_run and not out:
         try:
             result = simulate(

@@ -8,8 +8,8 @@ largest peak memory of any resource.
 ``solve_periodic``: a pipeline's steady state, in the engine's semantics (an iteration runs
 one instance of every task, iterations are separated by a barrier; see
 ``estimate.iteration_time``). Per task: a start time, a thread (optional intervals, NoOverlap
-per thread, at most ``max_threads``), a lookahead in ``[0, max_in_flight - 1]`` (anchors 0, the
-source the largest, rule 1 of ``lookahead``). A dependency either shares the iteration
+per thread, at most ``max_threads``), a height (stages below the highest) in
+``[0, max_in_flight - 1]`` (anchors 0, the source the largest, rule 1 of ``stages``). A dependency either shares the iteration
 (``lead == 0``: the consumer starts after the producer ends) or is cut (``lead >= 1``: free);
 each comm group is a NoOverlap resource (its tickets serialize it across threads); with
 ``on_exhausted="stop"`` whatever fires after the source starts after it ends. The objective is
@@ -217,17 +217,17 @@ def solve_periodic(
     for g, members in groups.items():
         model.add_no_overlap([model.new_fixed_size_interval_var(start[i], d[i], f"c_{g}_{i}") for i in members])
 
-    look = [model.new_int_var(0, limit, f"l_{t}") for t in problem.tasks]
+    height = [model.new_int_var(0, limit, f"h_{t}") for t in problem.tasks]  # stage = top - height
     top = model.new_int_var(0, limit, "A")
     src = problem.source_index
-    model.add(look[src] == top)
+    model.add(height[src] == top)
     for i in range(n):
         if i in problem.anchor_index:
-            model.add(look[i] == 0)
-        model.add(look[i] <= top if problem.on_source[i] else look[i] <= top - 1)
+            model.add(height[i] == 0)
+        model.add(height[i] <= top if problem.on_source[i] else height[i] <= top - 1)
     for dep in problem.deps:
         c, p = dep.consumer, dep.producer
-        lead = look[p] - look[c] + dep.distance
+        lead = height[p] - height[c] + dep.distance
         model.add(lead >= 0)
         shared = model.new_bool_var(f"same_{c}_{p}_{dep.distance}")
         model.add(lead >= 1).only_enforce_if(shared.Not())
@@ -244,7 +244,7 @@ def solve_periodic(
         model.add(makespan >= start[i] + d[i])
     model.minimize(makespan * (limit + 1) + top)
     if hint is not None:
-        _add_hint(model, problem, hint, start, on, look, d)
+        _add_hint(model, problem, hint, start, on, height, d)
 
     solver = _solver(time_limit_s, workers)
     status = solver.solve(model)
@@ -259,8 +259,9 @@ def solve_periodic(
         streams=layout_of(problem, problem.plan).streams,
         order=tuple(sorted(range(n), key=lambda i: (starts[i], starts[i] + d[i], i))),
     )
-    lookaheads = tuple(int(solver.value(v)) for v in look)
-    plan = to_plan(problem, named_threads(problem, layout), lookaheads)
+    heights = tuple(int(solver.value(v)) for v in height)
+    stages = tuple(max(heights) - h for h in heights)
+    plan = to_plan(problem, named_threads(problem, layout), stages)
     iteration = predict(problem, plan)
     bound_units = solver.best_objective_bound // (limit + 1)
     return PeriodicSolution(
@@ -279,22 +280,22 @@ def _add_hint(
     plan: PipelinePlan,
     start: list[Any],
     on: list[list[Any]],
-    look: list[Any],
+    height: list[Any],
     d: list[int],
 ) -> None:
     """Hint the solver with ``plan``: its ASAP start times in scaled units (same estimate as the
-    search), its threads renumbered in order of first task index, its lookaheads."""
+    search), its threads renumbered in order of first task index, its stages."""
     layout = layout_of(problem, plan)
-    lookaheads = tuple(plan.max_stage - plan.task(t).stage for t in problem.tasks)
+    stages = tuple(plan.task(t).stage for t in problem.tasks)
     number: dict[str, int] = {}
     for i in range(len(problem.tasks)):
         number.setdefault(layout.threads[i], len(number))
     if len(number) > len(on[0]):
         return
     scaled = dataclasses.replace(problem, durations=dict(zip(problem.tasks, map(float, d), strict=True)))
-    ends = iteration_ends(scaled, layout, lookaheads)
+    ends = iteration_ends(scaled, layout, stages)
     for i in range(len(problem.tasks)):
         model.add_hint(start[i], int(ends[i] - d[i]))
         for k in range(len(on[i])):
             model.add_hint(on[i][k], number[layout.threads[i]] == k)
-        model.add_hint(look[i], lookaheads[i])
+        model.add_hint(height[i], plan.max_stage - stages[i])

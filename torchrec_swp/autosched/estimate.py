@@ -1,4 +1,4 @@
-"""The steady-state iteration time of a layout with lookaheads, computed directly.
+"""The steady-state iteration time of a layout with stages, computed directly.
 
 The engine separates internal iterations by a barrier, so in steady state (every stage active,
 CPU only) an iteration takes the makespan of one instance of every task where:
@@ -22,17 +22,17 @@ from torchrec_swp.autosched.layout import Layout
 from torchrec_swp.autosched.problem import IndexedDep, Problem
 
 
-def lead(dep: IndexedDep, lookaheads: tuple[int, ...]) -> int:
+def lead(dep: IndexedDep, stages: tuple[int, ...]) -> int:
     """Iterations from the producer instance to the consumer instance of ``dep``."""
-    return lookaheads[dep.producer] - lookaheads[dep.consumer] + dep.distance
+    return stages[dep.consumer] - stages[dep.producer] + dep.distance
 
 
-def iteration_time(problem: Problem, layout: Layout, lookaheads: tuple[int, ...]) -> float:
+def iteration_time(problem: Problem, layout: Layout, stages: tuple[int, ...]) -> float:
     """Makespan of one steady iteration (rules above), in the problem's duration unit."""
-    return max(iteration_ends(problem, layout, lookaheads), default=0.0)
+    return max(iteration_ends(problem, layout, stages), default=0.0)
 
 
-def iteration_ends(problem: Problem, layout: Layout, lookaheads: tuple[int, ...]) -> list[float]:
+def iteration_ends(problem: Problem, layout: Layout, stages: tuple[int, ...]) -> list[float]:
     """When each task ends in one steady iteration started at time 0 (rules above)."""
     d = problem.cpu
     end = [0.0] * len(d)
@@ -45,7 +45,7 @@ def iteration_ends(problem: Problem, layout: Layout, lookaheads: tuple[int, ...]
     for i in layout.order:
         start = thread_free.get(layout.threads[i], 0.0)
         for dep in problem.producers[i]:
-            if lead(dep, lookaheads) == 0 and end[dep.producer] > start:
+            if lead(dep, stages) == 0 and end[dep.producer] > start:
                 start = end[dep.producer]
         group = problem.comm[i]
         if group in ticketed:
@@ -60,12 +60,12 @@ def iteration_ends(problem: Problem, layout: Layout, lookaheads: tuple[int, ...]
     return end
 
 
-def cross_thread_waits(problem: Problem, layout: Layout, lookaheads: tuple[int, ...]) -> int:
+def cross_thread_waits(problem: Problem, layout: Layout, stages: tuple[int, ...]) -> int:
     """Same-iteration dependencies between tasks on different threads (each costs a wait)."""
     return sum(
         1
         for dep in problem.deps
-        if lead(dep, lookaheads) == 0 and layout.threads[dep.producer] != layout.threads[dep.consumer]
+        if lead(dep, stages) == 0 and layout.threads[dep.producer] != layout.threads[dep.consumer]
     )
 
 

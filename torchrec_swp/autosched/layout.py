@@ -1,5 +1,5 @@
 """Layout: a candidate schedule before stages - every task's thread and stream, and the fire
-order - and how a layout plus lookaheads becomes a PipelinePlan."""
+order - and how a layout plus stages becomes a PipelinePlan."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Layout:
         return tuple(first.setdefault(t, len(first)) for t in self.threads)
 
     def key(self, problem: Problem) -> tuple[object, ...]:
-        """Equal for layouts that run alike under any lookaheads: same grouping of tasks into
+        """Equal for layouts that run alike under any stages: same grouping of tasks into
         threads and same streams, same order on each thread and within each comm group, same
         direction of every dependency in the fire order (and of every task relative to the
         source when the plan stops at the end of data)."""
@@ -101,13 +101,13 @@ def named_threads(problem: Problem, layout: Layout) -> Layout:
     return Layout(tuple(rename[t] for t in layout.threads), layout.streams, layout.order)
 
 
-def to_plan(problem: Problem, layout: Layout, lookaheads: tuple[int, ...]) -> PipelinePlan:
-    """The plan of ``layout`` with task ``i`` at stage ``max(lookaheads) - lookaheads[i]`` and
-    ``pipeline_depth = max(lookaheads) + 1``. Validated: raises PlanError if it cannot run."""
-    top = max(lookaheads)
+def to_plan(problem: Problem, layout: Layout, stages: tuple[int, ...]) -> PipelinePlan:
+    """The plan of ``layout`` with task ``i`` at stage ``stages[i]`` and
+    ``pipeline_depth = max(stages) + 1``. Validated: raises PlanError if it cannot run."""
+    top = max(stages)
     schedule = {
         t: problem.plan.task(t).schedule.replace(
-            stage=top - lookaheads[i], thread_group=layout.threads[i], stream=layout.streams[i]
+            stage=stages[i], thread_group=layout.threads[i], stream=layout.streams[i]
         )
         for i, t in enumerate(problem.tasks)
     }

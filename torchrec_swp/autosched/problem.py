@@ -7,38 +7,26 @@ dependencies, the source and the output stay those of ``plan``. Hard constraints
 
 * at most ``max_threads`` thread groups and ``max_in_flight`` batches in flight
   (``pipeline_depth``);
-* the anchors (tasks named like forward, backward, finalize_model_grads, optimizer_step: see
-  ``is_anchor``) stay on the default stream at lookahead 0 (the highest stage);
+* the anchors (tasks declared ``anchor`` in the plan, e.g. Forward, Backward, OptimizerStep,
+  plus any named in ``anchor_names``) stay on the default stream at the highest stage;
 * collectives of one comm group are serialized in fire order whatever their threads and
   streams (the engine's tickets), and every dependency holds (the plan validates and the
   simulator finds no race).
 
-Durations are in any unit, used consistently (a Profile gives seconds).
+Durations are in any unit, used consistently (a Profile gives seconds). A task whose ``when``
+guard makes it run once per epoch (``first``, ``fill``, ``last``) costs nothing in the steady
+state the search optimizes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PipelinePlan, PlanError
 from torchrec_swp.profiler.profile import Profile
-
-#: Task names (compared without case and underscores) that are anchors by default.
-ANCHOR_NAMES = frozenset({"forward", "backward", "finalize_model_grads", "optimizer_step"})
-
-
-def _normal(name: str) -> str:
-    return name.replace("_", "").lower()
-
-
-def is_anchor(task: str, anchor_names: Iterable[str] = ANCHOR_NAMES) -> bool:
-    """``Forward``, ``forward``, ``OptimizerStep`` and ``optimizer_step`` all match
-    ``optimizer_step``/``forward``: names are compared without case and underscores."""
-    return _normal(task) in {_normal(a) for a in anchor_names}
-
 
 @dataclass(frozen=True, slots=True)
 class IndexedDep:
@@ -60,7 +48,7 @@ class Problem:
     device_durations: Mapping[str, float] | None = field(default=None, hash=False)
     max_threads: int = 4
     max_in_flight: int = 5
-    anchor_names: frozenset[str] = ANCHOR_NAMES
+    anchor_names: frozenset[str] = frozenset()
     stream_options: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +71,9 @@ class Problem:
                     raise PlanError(
                         f"{kind} duration of task {task} must be a finite number >= 0, got {value!r}", culprit=task
                     )
+        unknown = sorted(set(self.anchor_names) - set(self.plan.schedule))
+        if unknown:
+            raise PlanError(f"anchor {unknown[0]!r} is not a task of plan {self.plan.name}", culprit=unknown[0])
         missing = [t for t in self.plan.fire_order if t not in self.durations]
         if missing:
             raise PlanError(f"no CPU duration for task {missing[0]} of plan {self.plan.name}", culprit=missing[0])
@@ -92,7 +83,7 @@ class Problem:
             )
         if self.plan.source in self.anchors:
             raise PlanError(
-                f"the source {self.plan.source} cannot be an anchor (lookahead 0)", culprit=self.plan.source
+                f"the source {self.plan.source} (stage 0) cannot be an anchor (the highest stage)", culprit=self.plan.source
             )
 
     @classmethod
@@ -112,7 +103,8 @@ class Problem:
 
     @cached_property
     def cpu(self) -> tuple[float, ...]:
-        return tuple(float(self.durations[t]) for t in self.tasks)
+        """Steady-state CPU time per task (0 for tasks that run once per epoch)."""
+        return tuple(float(self.durations[t]) if self.plan.task(t).when.in_steady_state else 0.0 for t in self.tasks)
 
     @cached_property
     def deps(self) -> tuple[IndexedDep, ...]:
@@ -134,7 +126,8 @@ class Problem:
 
     @cached_property
     def anchors(self) -> frozenset[str]:
-        return frozenset(t for t in self.tasks if is_anchor(t, self.anchor_names))
+        """Tasks the plan declares ``anchor``, and those named in ``anchor_names``."""
+        return frozenset(t for t in self.tasks if self.plan.tasks[t].anchor or t in self.anchor_names)
 
     @cached_property
     def anchor_index(self) -> frozenset[int]:

@@ -1,7 +1,6 @@
 """Workloads to test and compare the searches on: plans with made-up task durations.
 
-* ``torchrec_workloads()``: four TorchRec pipelines' plans (``integrations.torchrec.plans``,
-  pure data) with CPU durations in milliseconds typical of a small DLRM step. Their plans leave
+* ``torchrec_workloads()``: four TorchRec pipelines' plans (``catalog.torchrec``, pure data) with CPU durations in milliseconds typical of a small DLRM step. Their plans leave
   one ordering to fire order that a search must keep: ``ZeroGrad(b)`` after
   ``OptimizerStep(b - 1)``; it is added as a dependency.
 * ``random_workload(seed)``: a random task graph: a source, random same-batch dependencies,
@@ -16,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torchrec_swp.autosched.problem import Problem
-from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.plan import Dep, PipelinePlan, PipelineTask, TaskSchedule
 
 #: Milliseconds of CPU time per TorchRec task (made up, in proportion to a small DLRM step).
 TORCHREC_MS = {
     "H2D": 2.0,
     "InputDistStart": 1.0,
+    "InitPipelinedModules": 1.0,
     "InputDistWait": 1.5,
     "ZeroGrad": 0.3,
     "WaitBatch": 0.5,
@@ -70,6 +70,15 @@ def torchrec_workloads() -> tuple[Workload, ...]:
     )
 
 
+def _anchors() -> list[PipelineTask]:
+    """Forward, Backward and OptimizerStep, anchors (OptimizerStep writes the output)."""
+    return [
+        PipelineTask("Forward", anchor=True),
+        PipelineTask("Backward", anchor=True),
+        PipelineTask("OptimizerStep", writes=("output",), anchor=True),
+    ]
+
+
 def random_workload(seed: int, tasks: int = 12, *, max_threads: int = 3, max_in_flight: int = 3) -> Workload:
     """``tasks`` tasks (at least 5): ``Load`` (the source), ``P1..`` random preparation tasks,
     then Forward, Backward, OptimizerStep. Every task depends on one or two earlier ones in the
@@ -95,7 +104,7 @@ def random_workload(seed: int, tasks: int = 12, *, max_threads: int = 3, max_in_
         schedule=schedule,
         intra_iter_deps=list(dict.fromkeys(intra)),
         inter_iter_deps=list(dict.fromkeys(inter)),
-        tasks=[PipelineTask("Load", writes=("batch",)), PipelineTask("OptimizerStep", writes=("output",))],
+        tasks=[PipelineTask("Load", writes=("batch",)), *_anchors()],
         source="Load",
         output="output",
         name=f"random{seed}",
@@ -116,7 +125,7 @@ def sleep_workload() -> Workload:
         schedule={n: TaskSchedule(0, comm_group="world" if n in comm else None) for n in names},
         intra_iter_deps=list(zip(names[1:], names[:-1], strict=True)),
         inter_iter_deps=[("Forward", "OptimizerStep")],
-        tasks=[PipelineTask("Load", writes=("batch",)), PipelineTask("OptimizerStep", writes=("output",))],
+        tasks=[PipelineTask("Load", writes=("batch",)), *_anchors()],
         source="Load",
         output="output",
         name="sleep_demo",

@@ -55,7 +55,7 @@ def _select(plan: PipelinePlan, active: list[str]) -> dict[str, list[Instr]]:
     for name in active:
         t = plan.task(name)
         guarded = t.stage == 0 and plan.source is not None and name != plan.source
-        out[t.thread_group].append(Run(name, t.stage, guarded=guarded, source=name == plan.source))
+        out[t.thread_group].append(Run(name, t.stage, guarded=guarded, source=name == plan.source, when=t.when))
     return out
 
 
@@ -71,6 +71,9 @@ def _same_iteration_producers(plan: PipelinePlan, consumer: str, active: set[str
     if plan.on_exhausted == "stop" and src in active and consumer != src and plan.fire_index(src) < plan.fire_index(consumer):
         # With on_exhausted="stop", whatever fires after the source must not start before the
         # source has found a batch: a stop then cancels the same tasks on every thread layout.
+        found.append(src)
+    if plan.task(consumer).when.needs_next and src in active and plan.task(src).stage + 1 == s_c:
+        # whether batch b+1 exists is known once the source, this iteration, has looked for it
         found.append(src)
     return list(dict.fromkeys(found))
 
@@ -150,7 +153,7 @@ def _place_tickets(
     out: dict[str, list[Instr]] = {}
     for g, instrs in per_thread.items():
         out[g] = [
-            Run(i.task, i.stage, ticketed[i.task][0], ticketed[i.task][1], i.guarded, i.source)
+            Run(i.task, i.stage, ticketed[i.task][0], ticketed[i.task][1], i.guarded, i.source, i.when)
             if isinstance(i, Run) and i.task in ticketed
             else i
             for i in instrs

@@ -6,7 +6,8 @@ in golden tests, error messages and logs.
 Roughly:
   ``run T``             call task T for batch ``P - stage(T)`` (``run T #k@g`` holds collective
                         ticket k of comm group g; ``run? T`` is skipped when its batch was not
-                        loaded; ``run! T`` is the source, which may find the data exhausted)
+                        loaded; ``run! T`` is the source, which may find the data exhausted;
+                        ``run T if first`` runs only for the batches its ``When`` admits)
   ``wait T``            block this CPU thread until T (same iteration, other thread) finished
   ``signal T``          tell waiting threads that T finished (or was skipped, or failed)
   ``stream S <- T@k``   device: stream S waits for the event recorded after T(b - k)
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from torchrec_swp.plan import MAIN_THREAD
+from torchrec_swp.plan import MAIN_THREAD, When
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +31,13 @@ class Run:
     comm_group: str | None = None
     guarded: bool = False
     source: bool = False
+    when: When = When.ALWAYS
 
     def __str__(self) -> str:
         mark = "!" if self.source else "?" if self.guarded else ""
         ticket = f" #{self.ticket}@{self.comm_group}" if self.ticket is not None else ""
-        return f"run{mark} {self.task}{ticket}"
+        guard = f" if {self.when.value}" if self.when is not When.ALWAYS else ""
+        return f"run{mark} {self.task}{ticket}{guard}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,19 @@ raise StopIteration when no batch is left (after draining, or at once with
 ``on_exhausted="stop"``).
 
 Bindings: every task name maps to ``fn(b, **reads)``, called with the index of the batch it
-works on and the values its PipelineTask declares it reads from that batch's slot. It returns
-None (no writes), the value (one write) or a tuple in declared order (several writes). The
-source raises StopIteration when the data is exhausted.
+works on (within the epoch) and the values its PipelineTask declares it reads: from that
+batch's slot, or for ``x@k`` from batch ``b - k``'s (None when that batch is not in flight),
+as keyword ``PipelineTask.arguments``. It returns None (no writes), the value (one write) or a
+tuple in declared order (several writes). The source raises StopIteration when the data is
+exhausted. A task guarded by ``when`` is called only for the batches its guard admits.
 
 Threads: the thread calling ``step()`` runs thread group ``"default"``; each other group has
 a persistent worker. Iterations are separated by a barrier (every thread finishes iteration
 ``P`` before any starts ``P + 1``), so only same-iteration dependencies need CPU waits, and
 those are explicit in the program. A plan on one thread runs as a flat list of calls.
+
+Phases: given a PhasedPlan, each step runs the plan of the phase of the batch it delivers
+(batch numbers count the source's calls since the engine was built or reset()).
 
 Failures: an exception in any task on any thread aborts the iteration. Every waiter wakes
 (CPU latches and collective tickets fail instead of blocking), every worker returns to idle,
@@ -24,28 +29,26 @@ thread and internal iteration (also as attributes ``swp_task``, ``swp_batch``, `
 
 from __future__ import annotations
 
+import enum
 import queue
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from torchrec_swp.compile import Alias, CompiledPlan, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
-from torchrec_swp.engine.errors import (
-    CollectiveAborted,
-    EngineError,
-    EngineTimeout,
-    TaskAborted,
-    describe,
-)
+from torchrec_swp.compile import Alias, CompiledPlan, Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted, describe
 from torchrec_swp.engine.streams import NullStreamPool, StreamPool
 from torchrec_swp.engine.turnstile import Turnstile
-from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PlanError
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError, When
+from torchrec_swp.plan.phases import switch_problems
 from torchrec_swp.plan.table import format_schedule
+from torchrec_swp.plan.task import parse_read, read_argument
 
 Binding = Callable[..., Any]
 Invoker = Callable[[int], Any]
@@ -69,6 +72,13 @@ class _Stopped(Exception):
     """Internal: the source found no batch under on_exhausted="stop"; stop this thread quietly."""
 
 
+class LatchState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
 class _Latch:
     """One task instance's completion, seen by threads that wait on it."""
 
@@ -76,26 +86,68 @@ class _Latch:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._state = "pending"  # pending | done | failed | stopped
+        self._state = LatchState.PENDING
 
-    def set(self, state: str = "done") -> None:
+    def set(self, state: LatchState = LatchState.DONE) -> None:
         with self._cond:
-            if self._state == "pending":
+            if self._state is LatchState.PENDING:
                 self._state = state
                 self._cond.notify_all()
 
     def wait(self, task: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._state == "pending":
+            while self._state is LatchState.PENDING:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EngineTimeout(f"waited {timeout_s:.1f}s for task {task} to finish")
                 self._cond.wait(remaining)
-            if self._state == "failed":
+            if self._state is LatchState.FAILED:
                 raise TaskAborted(f"not run: {task} failed or the iteration was aborted")
-            if self._state == "stopped":
+            if self._state is LatchState.STOPPED:
                 raise _Stopped
+
+
+class StepKind(enum.Enum):
+    """How the flat path calls one step."""
+
+    CALL = "call"  # call the task
+    GUARDED = "guarded"  # call it only if its batch was loaded (stage 0, not the source)
+    SOURCE = "source"  # pull a batch (may find the data exhausted)
+
+
+class FlatStep(NamedTuple):
+    """One call of a one-thread program, compiled once per program."""
+
+    invoke: Invoker
+    task: str
+    stage: int
+    kind: StepKind
+    when: When
+
+
+@dataclass
+class Epoch:
+    """Where the engine is in the current epoch (batches are numbered from 0 per epoch).
+
+    ``loaded``: batches the source produced; ``delivered``: batches that left the highest
+    stage; ``num_batches`` (M): set once the source found the data exhausted; ``stopped``: the
+    plan stopped at the end of data (``on_exhausted="stop"``); ``resume``: tasks that already
+    ran in the iteration that failed or stopped, not to be run again when it is resumed;
+    ``end_reported``: step() raised StopIteration for the end of the data;
+    ``restart_after_drain``: new data came while draining: start a new epoch when drained.
+    """
+
+    iteration: int = 0
+    loaded: int = 0
+    delivered: int = 0
+    num_batches: int | None = None
+    stopped: bool = False
+    resume: frozenset[str] = frozenset()
+    end_reported: bool = False
+    restart_after_drain: bool = False
+    #: batch (in this epoch) -> its batch number (the source call that drew it)
+    numbers: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +173,34 @@ class _Failure:
     iteration: int
 
 
+@dataclass(frozen=True)
+class ThreadPosition:
+    """Where one thread is in an iteration (for timeout reports)."""
+
+    state: str  # "not started" | "at" | "finished" | "stopped" | "failed"
+    instr: Instr | None = None
+    task: str | None = None
+
+    def __str__(self) -> str:
+        match self.state:
+            case "at":
+                return f"at {self.instr}"
+            case "failed":
+                return f"failed in {self.task}"
+            case "stopped":
+                return "stopped (data exhausted)"
+            case _:
+                return self.state
+
+    @property
+    def running(self) -> str | None:
+        """The task this thread is running or about to run (not waiting on a latch)."""
+        return self.instr.task if self.state == "at" and isinstance(self.instr, Run) else None
+
+
+_NOT_STARTED = ThreadPosition("not started")
+
+
 @dataclass
 class _IterationContext:
     iteration: int
@@ -131,7 +211,7 @@ class _IterationContext:
     completed: set[str] = field(default_factory=set)
     done: queue.SimpleQueue[str] = field(default_factory=queue.SimpleQueue)
     failures: list[_Failure] = field(default_factory=list)
-    position: dict[str, str] = field(default_factory=dict)
+    position: dict[str, ThreadPosition] = field(default_factory=dict)
     stopped: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -165,7 +245,7 @@ class Engine:
 
     def __init__(
         self,
-        plan: PipelinePlan,
+        plan: PipelinePlan | PhasedPlan,
         bindings: Mapping[str, Binding],
         *,
         streams: StreamPool | None = None,
@@ -175,8 +255,48 @@ class Engine:
         max_in_flight: int = MAX_IN_FLIGHT,
         device_type: str | None = None,
     ) -> None:
-        if not isinstance(plan, PipelinePlan):
-            raise TypeError(f"plan must be a PipelinePlan, got {type(plan).__name__}")
+        if isinstance(plan, PipelinePlan):
+            phased = PhasedPlan([(0, plan)])
+        elif isinstance(plan, PhasedPlan):
+            phased = plan
+        else:
+            raise TypeError(f"plan must be a PipelinePlan or a PhasedPlan, got {type(plan).__name__}")
+        for p in phased.plans:
+            self._check_limits(p, max_threads, max_in_flight)
+        tasks = list(dict.fromkeys(t for p in phased.plans for t in p.fire_order))
+        missing = [t for t in tasks if t not in bindings]
+        if missing:
+            raise PlanError(f"no function bound to task {missing[0]} of plan {phased.name}", culprit=missing[0])
+        extra = [t for t in bindings if t not in tasks]
+        if extra:
+            raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        for name_, fn in bindings.items():
+            if not callable(fn):
+                raise TypeError(f"the function bound to task {name_} is not callable: {fn!r}")
+        self.streams: StreamPool = streams if streams is not None else NullStreamPool()
+        self.device_type = device_type
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self.slots: dict[int, dict[str, Any]] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._turnstiles: dict[str, Turnstile] = {}
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._observer: Observer | None = None
+        self._labels = False
+        self.ledger = BatchLedger()
+        self._epoch_serial = 0
+        self.epoch = Epoch()
+        self._pulls = 0  # source calls since construction or reset(): the next batch number
+        self.phased = phased
+        self._bindings = dict(bindings)
+        self._compiled: dict[int, CompiledPlan] = {}
+        self._install(phased.plan_for(0))
+        self.reset()
+
+    @staticmethod
+    def _check_limits(plan: PipelinePlan, max_threads: int, max_in_flight: int) -> None:
         if len(plan.thread_groups) > max_threads:
             raise PlanError(
                 f"plan {plan.name} uses {len(plan.thread_groups)} threads ({', '.join(plan.thread_groups)}); "
@@ -191,40 +311,17 @@ class Engine:
             )
         if plan.source is None:
             raise PlanError(f"plan {plan.name} has no source task: the engine needs one to pull batches", culprit="source")
-        missing = [t for t in plan.fire_order if t not in bindings]
-        if missing:
-            raise PlanError(f"no function bound to task {missing[0]} of plan {plan.name}", culprit=missing[0])
-        extra = [t for t in bindings if t not in plan.schedule]
-        if extra:
-            raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {plan.name}", culprit=extra[0])
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-        for name_, fn in bindings.items():
-            if not callable(fn):
-                raise TypeError(f"the function bound to task {name_} is not callable: {fn!r}")
-        self.streams: StreamPool = streams if streams is not None else NullStreamPool()
-        self.device_type = device_type
-        self.shortcuts = 0  # calls saved: pure tasks handed the same inputs again
-        self.timeout_s = float(timeout_s)
-        self.name = name
-        self.slots: dict[int, dict[str, Any]] = {}
-        self._workers: dict[str, _Worker] = {}
-        self._turnstiles: dict[str, Turnstile] = {}
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
-        self._observer: Observer | None = None
-        self._labels = False
-        self.ledger = BatchLedger()
-        self._epoch_serial = 0
-        self.loaded = self.delivered = 0
-        self._install(plan, bindings)
-        self.reset()
 
-    def _install(self, plan: PipelinePlan, bindings: Mapping[str, Binding]) -> None:
+    def _install(self, plan: PipelinePlan) -> None:
+        """Make ``plan`` the one the next iterations run (its programs are compiled once)."""
         self.plan = plan
-        self.compiled = CompiledPlan(plan, device_streams=self.streams.has_streams, device_type=self.device_type)
-        self._bindings = dict(bindings)
+        compiled = self._compiled.get(id(plan))
+        if compiled is None or compiled.plan is not plan:
+            compiled = CompiledPlan(plan, device_streams=self.streams.has_streams, device_type=self.device_type)
+            self._compiled[id(plan)] = compiled
+        self.compiled = compiled
         self._invokers = {t: self._instrumented(t, self._make_invoker(t, self._bindings[t])) for t in plan.fire_order}
-        self._flat_cache: dict[int, list[tuple[Invoker, int, int, str]]] = {}
+        self._flat_cache: dict[int, list[FlatStep]] = {}
         # per task, looked up on every threaded run: its stream, and its alias where it is one
         self._stream_of = {t: plan.task(t).stream for t in plan.fire_order}
         self._alias_invokers: dict[str, Invoker] = {}
@@ -240,7 +337,7 @@ class Engine:
         """
         self._observer = observer
         self._labels = labels
-        self._install(self.plan, self._bindings)
+        self._install(self.plan)
 
     def _instrumented(self, task: str, invoke: Invoker) -> Invoker:
         observer, labels = self._observer, self._labels
@@ -258,52 +355,64 @@ class Engine:
                 return invoke(b)
             finally:
                 if observer is not None:
-                    observer.on_run(task, b, thread, self.iteration, start, time.perf_counter())
+                    observer.on_run(task, b, thread, self.epoch.iteration, start, time.perf_counter())
 
         return timed
 
     def switch_plan(self, plan: PipelinePlan, bindings: Mapping[str, Binding] | None = None) -> None:
         """Run ``plan`` from the next internal iteration on, keeping the batches in flight.
 
-        Allowed between steps when the plans agree on what the batches in flight hold: same
-        source, output and stages; every task in both has the same stage and reads/writes; a
-        task in only one of them writes nothing. ``bindings`` adds functions for new tasks.
+        Allowed between steps when the plans agree on what the batches in flight hold
+        (``plan.phases.switch_problems``). ``bindings`` adds functions for new tasks. The
+        engine then runs ``plan`` in every phase.
         """
         old = self.plan
-        problems = []
-        if (old.source, old.output, old.max_stage) != (plan.source, plan.output, plan.max_stage):
-            problems.append("source, output and highest stage must stay the same")
-        for task in set(old.fire_order) | set(plan.fire_order):
-            if task in old.schedule and task in plan.schedule:
-                if old.task(task).stage != plan.task(task).stage or old.tasks[task] != plan.tasks[task]:
-                    problems.append(f"task {task} changes its stage or its reads/writes")
-            elif (old.tasks.get(task) or plan.tasks[task]).writes:
-                problems.append(f"task {task}, in only one plan, writes data")
+        problems = switch_problems(old, plan)
         merged = {**self._bindings, **(bindings or {})}
         missing = [t for t in plan.fire_order if t not in merged]
         if missing:
             problems.append(f"no function bound to task {missing[0]}")
         if problems:
             raise PlanError(f"cannot switch from plan {old.name} to {plan.name}: " + "; ".join(problems), culprit=plan.name)
-        self._install(plan, {t: merged[t] for t in plan.fire_order})
+        self._bindings = {t: merged[t] for t in plan.fire_order}
+        self.phased = PhasedPlan([(0, plan)])
+        self._install(plan)
 
     # ------------------------------------------------------------------ state
+    @property
+    def iteration(self) -> int:
+        return self.epoch.iteration
+
+    @property
+    def loaded(self) -> int:
+        return self.epoch.loaded
+
+    @property
+    def delivered(self) -> int:
+        return self.epoch.delivered
+
+    @property
+    def num_batches(self) -> int | None:
+        return self.epoch.num_batches
+
+    @property
+    def stopped(self) -> bool:
+        return self.epoch.stopped
+
     def reset(self) -> None:
-        """Forget every batch in flight and start again at iteration 0 (workers are kept).
+        """Forget every batch in flight and start again at iteration 0 (workers are kept);
+        batch numbers (the phases' clock) start again at 0 too.
 
         Batches in flight are recorded in ``ledger.dropped``: they were drawn, never trained.
         """
+        self._start_epoch()
+        self._pulls = 0
+
+    def _start_epoch(self) -> None:
         for b in self.in_flight():
             self.ledger.dropped.append((self._epoch_serial + b, "in flight when reset() was called"))
         self._epoch_serial = self.ledger.drawn
-        self._resume: frozenset[str] = frozenset()  # tasks done in a failed or stopped iteration
-        self._end_reported = False  # step() raised StopIteration for the end of the data
-        self._restart_after_drain = False
-        self.iteration = 0
-        self.loaded = 0  # batches the source produced
-        self.num_batches: int | None = None  # M, once the source found the data exhausted
-        self.delivered = 0  # batches that left the highest stage
-        self.stopped = False
+        self.epoch = Epoch()
         self.slots.clear()
         self._events: dict[tuple[str, int], Any] = {}
         for t in self._turnstiles.values():
@@ -330,11 +439,11 @@ class Engine:
         for j, values in enumerate(slots):
             at = max(top - j, 0)
             needed = {
-                r
+                name
                 for t in self.plan.scheduled()
                 if t.stage >= at
-                for r in t.io.reads
-                if (w := self.plan.writer_of(r)) is not None and self.plan.task(w).stage < at
+                for name, k in map(parse_read, t.io.reads)
+                if k == 0 and (w := self.plan.writer_of(name)) is not None and self.plan.task(w).stage < at
             }
             missing = sorted(needed - set(values))
             if missing:
@@ -342,18 +451,21 @@ class Engine:
                     f"cannot adopt batch {j} at stage {at} of plan {self.plan.name}: its remaining tasks read "
                     f"{', '.join(missing)}, which the slot given for it lacks"
                 )
-        self.reset()
+        self._start_epoch()
+        epoch = self.epoch
         for j, values in enumerate(slots):
             self.slots[j] = dict(values)
-        self.loaded = len(slots)
+            epoch.numbers[j] = self._pulls
+            self._pulls += 1
+        epoch.loaded = len(slots)
         self.ledger.drawn += len(slots)
-        self.iteration = top
+        epoch.iteration = top
         if len(slots) < top - src:
-            self.num_batches = len(slots)
+            epoch.num_batches = len(slots)
 
     def in_flight(self) -> list[int]:
         """Batches loaded but not delivered (in order), by index in this epoch."""
-        return list(range(self.delivered, self.loaded))
+        return list(range(self.epoch.delivered, self.epoch.loaded))
 
     def new_data(self) -> None:
         """The source has new data (a new iterator, or a new epoch of the same one).
@@ -363,29 +475,31 @@ class Engine:
         new epoch without raising StopIteration in between. Otherwise nothing changes: the
         source reads the new data from its next batch on.
         """
-        if self.stopped:
-            self.stopped = False
-            self.num_batches = None
-        elif self.num_batches is None:
+        epoch = self.epoch
+        if epoch.stopped:
+            epoch.stopped = False
+            epoch.num_batches = None
+        elif epoch.num_batches is None:
             return
-        elif self.delivered >= self.num_batches:
-            self.reset()
+        elif epoch.delivered >= epoch.num_batches:
+            self._start_epoch()
         else:
-            self._restart_after_drain = True
+            epoch.restart_after_drain = True
 
     @property
     def end_reported(self) -> bool:
         """The last step() raised StopIteration because the data ended."""
-        return self._end_reported
+        return self.epoch.end_reported
 
     @property
     def ended(self) -> bool:
         """The data is exhausted and no batch is left to deliver (or the plan stopped)."""
-        return self.stopped or (self.num_batches is not None and self.delivered >= self.num_batches)
+        e = self.epoch
+        return e.stopped or (e.num_batches is not None and e.delivered >= e.num_batches)
 
     def untrained(self) -> list[tuple[int, str]]:
         """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
-        reason = "left in flight: the plan stopped at the end of data" if self.stopped else "in flight"
+        reason = "left in flight: the plan stopped at the end of data" if self.epoch.stopped else "in flight"
         return [*self.ledger.dropped, *((self._epoch_serial + b, reason) for b in self.in_flight())]
 
     def close(self) -> None:
@@ -394,16 +508,18 @@ class Engine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> Any:
-        top = self.plan.max_stage
         while True:
             if self.ended:
-                if not self._restart_after_drain:
-                    self._end_reported = True
+                if not self.epoch.restart_after_drain:
+                    self.epoch.end_reported = True
                     raise StopIteration
-                self.reset()
-            self._end_reported = False
-            p = self.iteration
-            program = self.compiled.program(p, self.num_batches)
+                self._start_epoch()
+            epoch = self.epoch
+            epoch.end_reported = False
+            self._enter_phase()
+            top = self.plan.max_stage
+            p = epoch.iteration
+            program = self.compiled.program(p, epoch.num_batches)
             start = time.perf_counter() if self._observer is not None else 0.0
             if program.flat:
                 self._run_flat(p, program)
@@ -411,14 +527,26 @@ class Engine:
                 self._run_threaded(p, program)
             if self._observer is not None:
                 self._observer.on_iteration(p, start, time.perf_counter())
-            self.iteration = p + 1
+            epoch.iteration = p + 1
             self._forget_events(p)
-            if top in program.active_stages and p - top < self.loaded:
+            if top in program.active_stages and p - top < epoch.loaded:
                 b = p - top
-                self.delivered += 1
+                epoch.delivered += 1
+                epoch.numbers.pop(b, None)
                 self.ledger.trained += 1
                 slot = self.slots.pop(b, {})
                 return slot.get(self.plan.output) if self.plan.output is not None else None
+
+    def _enter_phase(self) -> None:
+        """Run the plan of the phase of the batch this step delivers (the oldest in flight, or
+        the next to be drawn)."""
+        if len(self.phased.phases) == 1:
+            return
+        epoch = self.epoch
+        number = epoch.numbers.get(epoch.delivered, self._pulls)
+        plan = self.phased.plan_for(number)
+        if plan is not self.plan:
+            self._install(plan)
 
     def run_to_end(self) -> list[Any]:
         """Step until the data ends; the outputs in order."""
@@ -429,67 +557,97 @@ class Engine:
             except StopIteration:
                 return outputs
 
+    def _admits(self, when: When, b: int) -> bool:
+        """Whether a task guarded by ``when`` runs for batch ``b`` now (the source has looked
+        for every batch it may ask about: plan validation)."""
+        epoch = self.epoch
+        return when.admits(b, epoch.num_batches, epoch.iteration, self.plan.max_stage)
+
     # -------------------------------------------------------------- flat path
-    def _run_flat(self, p: int, program: IterationProgram) -> None:
+    def _flat_steps(self, program: IterationProgram) -> list[FlatStep]:
         steps = self._flat_cache.get(id(program))
         if steps is None:
-            steps = [
-                (self._invokers[i.task], i.stage, 2 if i.source else 1 if i.guarded else 0, i.task)
-                if isinstance(i, Run)
-                else (self._alias_invoker(i), i.stage, 1, i.task)
-                for i in program.instructions(MAIN_THREAD)
-                if isinstance(i, (Run, Alias))
-            ]
+            steps = []
+            for i in program.instructions(MAIN_THREAD):
+                if isinstance(i, Run):
+                    kind = StepKind.SOURCE if i.source else StepKind.GUARDED if i.guarded else StepKind.CALL
+                    steps.append(FlatStep(self._in_stream(i.task), i.task, i.stage, kind, i.when))
+                elif isinstance(i, Alias):
+                    steps.append(FlatStep(self._alias_invoker(i), i.task, i.stage, StepKind.GUARDED, When.ALWAYS))
             self._flat_cache[id(program)] = steps
-        if self._resume:
+        return steps
+
+    def _in_stream(self, task: str) -> Invoker:
+        """The task's invoker, entering its stream first where the device has streams and the
+        task is not on the current (default) one (the threaded path does this per call)."""
+        invoke, stream = self._invokers[task], self._stream_of[task]
+        if not self.streams.has_streams or stream == DEFAULT_STREAM:
+            return invoke
+        context = self.streams.context
+
+        def in_stream(b: int) -> Any:
+            with context(stream):
+                return invoke(b)
+
+        return in_stream
+
+    def _run_flat(self, p: int, program: IterationProgram) -> None:
+        epoch = self.epoch
+        steps = self._flat_steps(program)
+        if epoch.resume:
             # resuming an iteration that failed: what already ran must not run twice
-            steps = [step for step in steps if step[3] not in self._resume]
-        for k, (invoke, stage, kind, task) in enumerate(steps):
-            b = p - stage
+            steps = [s for s in steps if s.task not in epoch.resume]
+        for k, step in enumerate(steps):
+            b = p - step.stage
             try:
-                if kind == 2:
-                    if not self._pull(invoke, b):
+                if step.kind is StepKind.SOURCE:
+                    if not self._pull(step.invoke, b):
                         break
-                elif kind == 1 and b >= self.loaded:
+                elif step.kind is StepKind.GUARDED and b >= epoch.loaded:
                     continue
-                else:
-                    invoke(b)
+                elif step.when is When.ALWAYS or self._admits(step.when, b):
+                    step.invoke(b)
             except BaseException as e:
-                self._resume = self._resume | {step[3] for step in steps[:k]}
+                epoch.resume = epoch.resume | {s.task for s in steps[:k]}
                 if isinstance(e, StopIteration):
-                    raise RuntimeError(f"{describe(task, b, MAIN_THREAD, p)} raised StopIteration") from e
-                self._annotate(e, _Failure(e, task, b, MAIN_THREAD, p))
+                    raise RuntimeError(f"{describe(step.task, b, MAIN_THREAD, p)} raised StopIteration") from e
+                self._annotate(e, _Failure(e, step.task, b, MAIN_THREAD, p))
                 raise
         else:
-            self._resume = frozenset()
+            epoch.resume = frozenset()
             return
         # stopped at the end of data: if data comes again, resume from the source
-        self._resume = self._resume | {step[3] for step in steps[:k]}
+        epoch.resume = epoch.resume | {s.task for s in steps[:k]}
         raise StopIteration
 
     def _pull(self, invoke: Invoker, b: int) -> bool:
         """Run the source for batch ``b``; False when the data is exhausted and the plan stops."""
-        if self.num_batches is not None or b < self.loaded:  # exhausted, or adopted
+        epoch = self.epoch
+        if epoch.num_batches is not None or b < epoch.loaded:  # exhausted, or adopted
             return True
         self.slots[b] = {}
+        number = self._pulls
+        self._pulls += 1
         try:
             invoke(b)
         except StopIteration:
             del self.slots[b]
-            self.num_batches = b
-            self.stopped = self.plan.on_exhausted == "stop"
-            return not self.stopped
-        self.loaded = b + 1
+            epoch.num_batches = b
+            epoch.stopped = self.plan.on_exhausted == "stop"
+            return not epoch.stopped
+        epoch.loaded = b + 1
+        epoch.numbers[b] = number
         self.ledger.drawn += 1
         return True
 
     # ---------------------------------------------------------- threaded path
     def _run_threaded(self, p: int, program: IterationProgram) -> None:
+        epoch = self.epoch
         signalled = self._signalled.get(id(program))
         if signalled is None:
             signalled = frozenset(i.task for _, instrs in program.threads for i in instrs if isinstance(i, Signal))
             self._signalled[id(program)] = signalled
-        ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled(), self._resume)
+        ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled(), epoch.resume)
         for group, _ in program.tickets:
             self._turnstile(group).restart()
         workers = [(g, instrs) for g, instrs in program.threads if g != MAIN_THREAD and instrs]
@@ -506,30 +664,30 @@ class Engine:
                 cause = ctx.failures[0].exc if ctx.failures else None
                 raise EngineTimeout(self._timeout_report(ctx)) from cause
         if ctx.failures:
-            self._resume = ctx.skip | ctx.completed
+            epoch.resume = ctx.skip | ctx.completed
             first = ctx.failures[0]
             for other in ctx.failures[1:]:
                 first.exc.add_note(f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}")
             self._annotate(first.exc, first)
             raise first.exc
         if ctx.stopped:
-            self._resume = ctx.skip | ctx.completed
+            epoch.resume = ctx.skip | ctx.completed
             raise StopIteration
-        self._resume = frozenset()
+        epoch.resume = frozenset()
 
-    def _worker_job(self, group: str, instrs: tuple[Any, ...], ctx: _IterationContext) -> None:
+    def _worker_job(self, group: str, instrs: tuple[Instr, ...], ctx: _IterationContext) -> None:
         try:
             with torch.set_grad_enabled(ctx.grad_enabled):
                 self._interpret(group, instrs, ctx)
         finally:
             ctx.done.put(group)
 
-    def _interpret(self, thread: str, instrs: tuple[Any, ...], ctx: _IterationContext) -> None:
+    def _interpret(self, thread: str, instrs: tuple[Instr, ...], ctx: _IterationContext) -> None:
         p = ctx.iteration
         task, b, at = "-", p, 0
         try:
             for at, instr in enumerate(instrs):
-                ctx.position[thread] = str(instr)
+                ctx.position[thread] = ThreadPosition("at", instr)
                 match instr:
                     case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
                         b = p - stage
@@ -547,7 +705,7 @@ class Engine:
                             ctx.completed.add(task)
                     case Alias(task=task, stage=stage):
                         b = p - stage
-                        if b < self.loaded and task not in ctx.skip:
+                        if b < self.epoch.loaded and task not in ctx.skip:
                             self._alias_invoker(instr)(b)
                     case WaitTask(task=producer):
                         task = f"wait {producer}"
@@ -564,60 +722,62 @@ class Engine:
                         if event is not None:
                             self.streams.wait(stream, event)
                     case RecordEvent(task=producer, stream=stream, stage=stage):
-                        if p - stage < self.loaded:  # not for a batch that was never loaded
+                        if p - stage < self.epoch.loaded:  # not for a batch that was never loaded
                             self._events[(producer, p - stage)] = self.streams.record(stream)
                     case _:
                         raise EngineError(f"unknown instruction {instr!r}")
-            ctx.position[thread] = "finished"
+            ctx.position[thread] = ThreadPosition("finished")
         except _Stopped:
             # the tasks left on this thread are cancelled: let whoever waits on them stop too
             for rest in instrs[at:]:
                 if isinstance(rest, Signal):
-                    ctx.latches[rest.task].set("stopped")
-            ctx.position[thread] = "stopped (data exhausted)"
+                    ctx.latches[rest.task].set(LatchState.STOPPED)
+            ctx.position[thread] = ThreadPosition("stopped")
         except BaseException:
             self._record_failure(ctx, thread, task, b)
 
     def _record_failure(self, ctx: _IterationContext, thread: str, task: str, b: int) -> None:
-        import sys
-
         exc = sys.exc_info()[1]
         assert exc is not None
         with ctx.lock:
             secondary = isinstance(exc, (TaskAborted, CollectiveAborted)) and ctx.failures
             if not secondary:
                 ctx.failures.append(_Failure(exc, task, b, thread, ctx.iteration))
-            ctx.position[thread] = f"failed in {task}"
+            ctx.position[thread] = ThreadPosition("failed", task=task)
         self._abort(ctx, f"{describe(task, b, thread, ctx.iteration)} failed: {exc!r}")
 
     def _abort(self, ctx: _IterationContext, reason: str) -> None:
         for latch in ctx.latches.values():
-            latch.set("failed")
+            latch.set(LatchState.FAILED)
         for group, _ in ctx.program.tickets:
             self._turnstile(group).fail(reason)
 
     def _run_one(self, instr: Run, b: int, ctx: _IterationContext) -> None:
         invoke = self._invokers[instr.task]
+        epoch = self.epoch
         if instr.source:
-            if self.num_batches is not None or b < self.loaded:  # exhausted, or adopted
+            if epoch.num_batches is not None or b < epoch.loaded:  # exhausted, or adopted
                 return
             self.slots[b] = {}
+            number = self._pulls
+            self._pulls += 1
             try:
                 with self.streams.context(self._stream_of[instr.task]):
                     invoke(b)
             except StopIteration:
                 del self.slots[b]
-                self.num_batches = b
+                epoch.num_batches = b
                 if self.plan.on_exhausted == "stop":
                     # Everything firing after the source waits on it (the compiler makes sure),
                     # so stopping its latch cancels exactly what single-thread order would.
-                    self.stopped = ctx.stopped = True
+                    epoch.stopped = ctx.stopped = True
                     raise _Stopped from None
                 return
-            self.loaded = b + 1
+            epoch.loaded = b + 1
+            epoch.numbers[b] = number
             self.ledger.drawn += 1
             return
-        if instr.guarded and b >= self.loaded:
+        if (instr.guarded and b >= epoch.loaded) or not self._admits(instr.when, b):
             return
         try:
             with self.streams.context(self._stream_of[instr.task]):
@@ -662,16 +822,20 @@ class Engine:
 
     def _make_invoker(self, task: str, fn: Binding) -> Invoker:
         io = self.plan.tasks[task]
-        reads, writes, slots = io.reads, io.writes, self.slots
-        if io.pure and reads and writes:
-            fn = self._memoized(fn, reads, writes)
+        writes, slots = io.writes, self.slots
+        # (keyword, data name, batches back) per read
+        reads = [(read_argument(r), *parse_read(r)) for r in io.reads]
+        same_batch = all(k == 0 for _, _, k in reads)
 
         def call(b: int) -> Any:
             if not reads:
                 return fn(b)
-            slot = slots[b]
             try:
-                args = {r: slot[r] for r in reads}
+                if same_batch:
+                    slot = slots[b]
+                    args = {arg: slot[data] for arg, data, _ in reads}
+                else:
+                    args = {arg: slots[b][data] if k == 0 else _previous(slots, b - k, data) for arg, data, k in reads}
             except KeyError as e:
                 raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
             return fn(b, **args)
@@ -695,27 +859,6 @@ class Engine:
                 slot[k] = v
 
         return invoke_many
-
-    def _memoized(self, fn: Binding, reads: tuple[str, ...], writes: tuple[str, ...]) -> Binding:
-        """A pure task handed the very same input objects as last time returns what it
-        returned then, without being called (the objects are kept, so identity is exact)."""
-        last: list[Any] = [None, None]  # [inputs, result]
-
-        def key(value: Any) -> tuple[Any, int]:
-            # a tensor changed in place keeps its identity but not its version counter
-            return value, value._version if isinstance(value, torch.Tensor) else 0
-
-        def memo(b: int, **kwargs: Any) -> Any:
-            inputs = tuple(key(kwargs[r]) for r in reads)
-            previous = last[0]
-            if previous is not None and all(x is y and v == w for (x, v), (y, w) in zip(inputs, previous)):
-                self.shortcuts += 1
-                return last[1]
-            result = fn(b, **kwargs)
-            last[0], last[1] = inputs, result
-            return result
-
-        return memo
 
     def _worker(self, group: str) -> _Worker:
         w = self._workers.get(group)
@@ -745,10 +888,16 @@ class Engine:
     def _timeout_report(self, ctx: _IterationContext) -> str:
         lines = [f"internal iteration {ctx.iteration} of plan {self.plan.name} did not finish within {self.timeout_s:.1f}s"]
         for thread, _ in ctx.program.threads:
-            lines.append(f"  thread {thread!r}: at {ctx.position.get(thread, 'not started')}")
+            lines.append(f"  thread {thread!r}: {ctx.position.get(thread, _NOT_STARTED)}")
         for group, t in self._turnstiles.items():
             lines.append(f"  comm group {group!r}: next ticket {t.next_ticket}, waiting {t.waiting or 'none'}")
-        stuck = [pos.split(" ", 1)[1] for pos in ctx.position.values() if pos.startswith("run")]
-        mark = (stuck[0].split()[0], ctx.iteration) if stuck else None
-        lines.append(format_schedule(self.plan, ctx.iteration + 2, self.num_batches, mark=mark))
+        running = [pos.running for pos in ctx.position.values() if pos.running is not None]
+        mark = (running[0], ctx.iteration) if running else None
+        lines.append(format_schedule(self.plan, ctx.iteration + 2, self.epoch.num_batches, mark=mark))
         return "\n".join(lines)
+
+
+def _previous(slots: dict[int, dict[str, Any]], b: int, data: str) -> Any:
+    """``data`` of batch ``b`` (an earlier one), or None when that batch is not in flight."""
+    slot = slots.get(b)
+    return None if slot is None else slot[data]

@@ -1,6 +1,7 @@
-"""The plan language (pure Python, no torch): tasks, schedules, dependencies, plans."""
+"""The plan language (pure Python, no torch): tasks, schedules, dependencies, plans, phases."""
 
 from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.phases import PhasedPlan, load_plan
 from torchrec_swp.plan.plan import Dep, PipelinePlan, ThreadMap
 from torchrec_swp.plan.task import (
     DEFAULT_COMM_GROUP,
@@ -9,6 +10,7 @@ from torchrec_swp.plan.task import (
     PipelineTask,
     ScheduledTask,
     TaskSchedule,
+    When,
 )
 
 __all__ = [
@@ -16,10 +18,13 @@ __all__ = [
     "DEFAULT_STREAM",
     "MAIN_THREAD",
     "Dep",
+    "PhasedPlan",
     "PipelinePlan",
     "PipelineTask",
     "PlanError",
     "ScheduledTask",
     "TaskSchedule",
     "ThreadMap",
+    "When",
+    "load_plan",
 ]

@@ -204,6 +204,34 @@ class PipelinePlan:
         args.update(changes)
         return PipelinePlan(**args)  # type: ignore[arg-type]
 
+    def with_task(
+        self,
+        io: PipelineTask,
+        schedule: TaskSchedule,
+        *,
+        after: str | None = None,
+        deps: Iterable[DepSpec] = (),
+    ) -> PipelinePlan:
+        """A new plan with task ``io`` added, firing right after ``after`` (first when None);
+        ``deps`` are ``(consumer, producer[, distance])`` specs involving it."""
+        fire = list(self.fire_order)
+        fire.insert(0 if after is None else fire.index(self.task(after).name) + 1, io.name)
+        return self.replace(
+            schedule={**self._schedule, io.name: schedule},
+            tasks=[*self._tasks.values(), io],
+            fire_order=fire,
+            intra_iter_deps=[d for d in self.explicit_deps if d.distance == 0] + [_as_dep(d, 0) for d in deps],
+        )
+
+    def moved(self, task: str, *, after: str | None = None, before: str | None = None) -> PipelinePlan:
+        """A new plan where ``task`` fires right after ``after`` or right before ``before``."""
+        if (after is None) == (before is None):
+            raise PlanError("give exactly one of after= and before=", culprit=task)
+        fire = [t for t in self.fire_order if t != self.task(task).name]
+        anchor = self.task(after or before or "").name
+        fire.insert(fire.index(anchor) + (1 if after is not None else 0), task)
+        return self.replace(fire_order=fire)
+
     def with_schedule(self, task: str, **changes: object) -> PipelinePlan:
         """A new plan where one task's schedule fields are changed."""
         sched = dict(self._schedule)

@@ -1,12 +1,17 @@
-"""print_schedule: the stage table of seed 001.
+"""print_schedule: the stage table of seed 001, rows in fire order.
 
-One row per task (highest stage first, fire order within a stage), one column per internal
-iteration showing the batch the task works on (``i3``) or ``--`` when it does not run.
+One row per task in fire order (``#`` is its position: the CPU submission order within an
+iteration), with its stage, thread and stream, then one column per internal iteration showing
+the batch the task works on (``i3``) or ``--`` when it does not run: outside the stage mask,
+or for a batch its ``when`` excludes (``first``: batch 0 only; ``fill``: iterations before batch 0
+reaches the highest stage; ``last``: the last batch, known only when ``num_batches`` is given). A ``When`` column appears when some task has a guard.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from torchrec_swp.plan.task import When
 
 if TYPE_CHECKING:
     from torchrec_swp.plan.plan import PipelinePlan
@@ -14,14 +19,11 @@ if TYPE_CHECKING:
 _CELL = 5
 
 
-def table_rows(plan: PipelinePlan) -> list[str]:
-    """Task names in table order: stage descending, then fire order."""
-    return sorted(plan.fire_order, key=lambda t: (-plan.task(t).stage, plan.fire_index(t)))
-
-
 def cell(plan: PipelinePlan, task: str, iteration: int, num_batches: int | None) -> str:
-    batch = iteration - plan.task(task).stage
-    if batch < 0 or (num_batches is not None and batch >= num_batches):
+    sched = plan.task(task).schedule
+    batch = iteration - sched.stage
+    outside = batch < 0 or (num_batches is not None and batch >= num_batches)
+    if outside or not sched.when.admits(batch, num_batches, iteration, plan.max_stage):
         return " --"
     return f"i{batch}"
 
@@ -37,27 +39,31 @@ def format_schedule(
     ``num_batches`` (M) shows drain: tasks whose batch is ``>= M`` print ``--``.
     ``mark=(task, iteration)`` puts ``*`` on one cell (used by error messages).
     """
-    rows = table_rows(plan)
+    rows = list(plan.fire_order)
+    guards = any(plan.task(t).when is not When.ALWAYS for t in rows)
     w_task = max(17, *(len(t) for t in rows))
     w_thread = max(7, *(len(plan.task(t).thread_group) for t in rows))
     w_stream = max(12, *(len(plan.task(t).stream) for t in rows))
+    w_when = max(4, *(len(plan.task(t).when.value) for t in rows)) if guards else 0
     cols = range(num_iterations)
 
-    def line(num: str, task: str, thread: str, stream: str, sep: str, cells: list[str]) -> str:
+    def line(num: str, task: str, stage: str, thread: str, stream: str, when: str, sep: str, cells: list[str]) -> str:
         body = " ".join(c.ljust(_CELL) for c in cells).rstrip()
-        return f"{num:>4}  {task:<{w_task}}  {thread:<{w_thread}}  {stream:<{w_stream}}  {sep} {body}"
+        guard = f"{when:<{w_when}}  " if guards else ""
+        return f"{num:>4}  {task:<{w_task}}  {stage:>5}  {thread:<{w_thread}}  {stream:<{w_stream}}  {guard}{sep} {body}"
 
     out = [
-        line("#", "Task", "Thread", "Stream", "|", [f"P{p}" for p in cols]),
-        line("--", "-" * w_task, "-" * w_thread, "-" * w_stream, "+", ["-" * _CELL for _ in cols]),
+        line("#", "Task", "Stage", "Thread", "Stream", "When", "|", [f"P{p}" for p in cols]),
+        line("--", "-" * w_task, "-" * 5, "-" * w_thread, "-" * w_stream, "-" * w_when, "+", ["-" * _CELL for _ in cols]),
     ]
     for i, task in enumerate(rows):
-        sched = plan.task(task)
+        sched = plan.task(task).schedule
         cells = []
         for p in cols:
             c = cell(plan, task, p, num_batches)
             if mark == (task, p):
                 c = (c.strip() + "*").rjust(3)
             cells.append(c)
-        out.append(line(str(i), task, sched.thread_group, sched.stream, "|", cells))
+        when = "-" if sched.when is When.ALWAYS else sched.when.value
+        out.append(line(str(i), task, str(sched.stage), sched.thread_group, sched.stream, when, "|", cells))
     return "\n".join(out)

@@ -1,28 +1,59 @@
-"""The compact text form of a plan, with an exact round trip.
+"""The text form of a plan: one readable table, rows in fire order, with an exact round trip.
 
     plan TrainPipelineSparseDist
     depth 3
     source H2D
     output output
     exhausted drain
-    task ZeroGrad stage=2 stream=default thread=default
-    task H2D stage=0 stream=memcpy thread=default writes=batch,context
-    task InputDistStart stage=1 stream=data_dist thread=default comm=world reads=batch,context
+    #    task            stage  stream     thread   comm   when   reads          writes          flags
+    task ZeroGrad        2      default    default  -      -      -              -               -
+    task InputDistStart  1      data_dist  default  world  -      batch,context  -               -
+    task H2D             0      memcpy     default  -      -      -              batch,context   -
+    task Forward         2      default    default  world  -      batch,context  losses,output   anchor
     dep Forward <- OptimizerStep @1
 
-Task lines are in fire order. Only explicit deps are written (inferred ones follow from
-reads/writes). ``#`` starts a comment; blank lines are ignored.
+Task rows are in fire order; ``-`` is an empty cell. ``when`` is a ``When`` (``first``,
+``not_first``, ``has_next``, ``last``); a read ``x@1`` comes from the previous batch. ``flags``
+holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
+written (inferred ones follow from reads/writes). ``#`` starts a comment; blank lines are
+ignored. Rows of the older form ``task NAME stage=2 stream=... reads=a,b`` are read too.
+
+A phased plan (``PhasedPlan``) is ``phases NAME`` followed by ``phase START`` lines, each
+followed by one plan.
+
 ``plan_from_text(plan_to_text(p)) == p`` and ``plan_to_text(plan_from_text(t)) == t`` for text
-produced by plan_to_text.
+produced by plan_to_text (likewise for phased plans).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.plan import Dep, PipelinePlan
-from torchrec_swp.plan.task import PipelineTask, TaskSchedule
+from torchrec_swp.plan.task import PipelineTask, TaskSchedule, When
+
+if TYPE_CHECKING:
+    from torchrec_swp.plan.phases import PhasedPlan
 
 _NONE = "-"
+COLUMNS = ("task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags")
+_OLD_KEYS = ("stage", "stream", "thread", "comm", "reads", "writes", "noop_on", "when")
+
+
+def _cells(task: str, s: TaskSchedule, io: PipelineTask) -> list[str]:
+    flags = (["anchor"] if io.anchor else []) + (["noop_on=" + "+".join(io.noop_on)] if io.noop_on else [])
+    return [
+        task,
+        str(s.stage),
+        s.stream,
+        s.thread_group,
+        s.comm_group or _NONE,
+        _NONE if s.when is When.ALWAYS else s.when.value,
+        ",".join(io.reads) or _NONE,
+        ",".join(io.writes) or _NONE,
+        ",".join(flags) or _NONE,
+    ]
 
 
 def plan_to_text(plan: PipelinePlan) -> str:
@@ -33,20 +64,10 @@ def plan_to_text(plan: PipelinePlan) -> str:
         f"output {plan.output or _NONE}",
         f"exhausted {plan.on_exhausted}",
     ]
-    for t in plan.scheduled():
-        s, io = t.schedule, t.io
-        parts = [f"task {t.name}", f"stage={s.stage}", f"stream={s.stream}", f"thread={s.thread_group}"]
-        if s.comm_group is not None:
-            parts.append(f"comm={s.comm_group}")
-        if io.reads:
-            parts.append("reads=" + ",".join(io.reads))
-        if io.writes:
-            parts.append("writes=" + ",".join(io.writes))
-        if io.noop_on:
-            parts.append("noop_on=" + ",".join(io.noop_on))
-        if io.pure:
-            parts.append("pure")
-        lines.append(" ".join(parts))
+    rows = [_cells(t.name, t.schedule, t.io) for t in plan.scheduled()]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+    lines.append("#    " + "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
+    lines.extend("task " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
     lines.extend(f"dep {d}" for d in plan.explicit_deps)
     return "\n".join(lines) + "\n"
 
@@ -75,6 +96,8 @@ def plan_from_text(text: str) -> PipelinePlan:
                     tasks.append(io)
                 case "dep":
                     deps.append(_parse_dep(rest))
+                case "phases" | "phase":
+                    raise PlanError("this is a phased plan: read it with PhasedPlan.from_text or plan.load_plan")
                 case _:
                     raise PlanError(f"unknown keyword {word!r}")
         except PlanError as e:
@@ -100,43 +123,108 @@ def plan_from_text(text: str) -> PipelinePlan:
     )
 
 
+def phased_to_text(phased: PhasedPlan) -> str:
+    lines = [f"phases {phased.name}"]
+    for start, plan in phased.phases:
+        lines.append(f"phase {start}")
+        lines.append(plan_to_text(plan).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def phased_from_text(text: str) -> PhasedPlan:
+    from torchrec_swp.plan.phases import PhasedPlan
+
+    name: str | None = None
+    phases: list[tuple[int, list[str]]] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        word, _, rest = raw.split("#", 1)[0].strip().partition(" ")
+        if word == "phases":
+            if name is not None or phases:
+                raise PlanError(f"line {lineno}: 'phases' must come first, once", culprit="phases")
+            name = rest.strip()
+        elif word == "phase":
+            try:
+                phases.append((int(rest), []))
+            except ValueError:
+                raise PlanError(f"line {lineno}: a phase line reads 'phase START', got {raw.strip()!r}") from None
+        elif phases:
+            phases[-1][1].append(raw)
+        elif word:
+            raise PlanError(f"line {lineno}: expected 'phases NAME' or 'phase START', got {raw.strip()!r}")
+    if name is None:
+        raise PlanError("phased plan text has no 'phases' line", culprit="phases")
+    return PhasedPlan([(start, plan_from_text("\n".join(body))) for start, body in phases], name=name)
+
+
+def is_phased_text(text: str) -> bool:
+    first = next((ln.split("#", 1)[0].strip() for ln in text.splitlines() if ln.split("#", 1)[0].strip()), "")
+    return first.startswith("phases ")
+
+
 def _opt(value: str | None) -> str | None:
     return None if value in (None, "", _NONE) else value
 
 
+def _split(value: str) -> tuple[str, ...]:
+    return () if value == _NONE else tuple(x for x in value.split(",") if x)
+
+
 def _parse_task(rest: str) -> tuple[str, TaskSchedule, PipelineTask]:
-    name, *fields = rest.split()
+    fields = rest.split()
+    if len(fields) > 1 and fields[1].partition("=")[0] in _OLD_KEYS and "=" in fields[1]:
+        return _parse_old_task(fields)
+    if len(fields) != len(COLUMNS):
+        raise PlanError(
+            f"a task row has {len(COLUMNS)} columns ({' '.join(COLUMNS)}; '-' for none), got {len(fields)}",
+            culprit=fields[0] if fields else "task",
+        )
+    name, stage, stream, thread, comm, when, reads, writes, flags = fields
+    anchor, noop_on = False, ()
+    for flag in _split(flags):
+        if flag == "anchor":
+            anchor = True
+        elif flag.startswith("noop_on="):
+            noop_on = tuple(flag.removeprefix("noop_on=").split("+"))
+        else:
+            raise PlanError(f"unknown flag {flag!r} of task {name} (flags: anchor, noop_on=DEVICE)", culprit=name)
+    return name, _schedule(name, stage, stream, thread, _opt(comm), when), PipelineTask(
+        name, reads=_split(reads), writes=_split(writes), noop_on=noop_on, anchor=anchor
+    )
+
+
+def _parse_old_task(fields: list[str]) -> tuple[str, TaskSchedule, PipelineTask]:
+    name, *pairs = fields
     kv: dict[str, str] = {}
-    pure = False
-    for f in fields:
-        if f == "pure":
-            pure = True
-            continue
+    for f in pairs:
         key, sep, value = f.partition("=")
-        if not sep or key not in ("stage", "stream", "thread", "comm", "reads", "writes", "noop_on") or key in kv:
+        if not sep or key not in _OLD_KEYS or key in kv:
             raise PlanError(f"bad task field {f!r}", culprit=name)
         kv[key] = value
-    if "," in kv.get("comm", ""):
-        raise PlanError(f"task {name} names several comm groups ({kv['comm']}); a task belongs to one", culprit=name)
-    try:
-        stage = int(kv.get("stage", "0"))
-    except ValueError:
-        raise PlanError(f"stage must be an int, got {kv['stage']!r}", culprit=name) from None
-    sched = TaskSchedule(
-        stage=stage,
-        stream=kv.get("stream", "default"),
-        thread_group=kv.get("thread", "default"),
-        comm_group=kv.get("comm"),
+    sched = _schedule(
+        name, kv.get("stage", "0"), kv.get("stream", "default"), kv.get("thread", "default"), kv.get("comm"),
+        kv.get("when", _NONE),
     )
     split = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731
     io = PipelineTask(
-        name,
-        reads=split(kv.get("reads", "")),
-        writes=split(kv.get("writes", "")),
-        pure=pure,
-        noop_on=split(kv.get("noop_on", "")),
+        name, reads=split(kv.get("reads", "")), writes=split(kv.get("writes", "")), noop_on=split(kv.get("noop_on", ""))
     )
     return name, sched, io
+
+
+def _schedule(name: str, stage: str, stream: str, thread: str, comm: str | None, when: str) -> TaskSchedule:
+    if comm is not None and "," in comm:
+        raise PlanError(f"task {name} names several comm groups ({comm}); a task belongs to one", culprit=name)
+    try:
+        stage_int = int(stage)
+    except ValueError:
+        raise PlanError(f"stage must be an int, got {stage!r}", culprit=name) from None
+    return TaskSchedule(
+        stage=stage_int,
+        stream=stream,
+        thread_group=thread,
+        comm_group=comm,
+        when=When.ALWAYS if when == _NONE else when,  # type: ignore[arg-type]
+    )
 
 
 def _parse_dep(rest: str) -> Dep:

@@ -5,14 +5,19 @@ Rules (each violation raises PlanError naming the task or dependency):
 1. A plan has at least one task; names are unique; fire order lists every task exactly once.
 2. ``pipeline_depth`` is an int covering the stage span (``depth >= max_stage + 1``).
 3. Every dependency names known tasks, has ``distance >= 0`` and is not a task on itself.
-4. Every read data name has exactly one writer; a task does not read what it writes.
-   Reads become deps ``reader(b) after writer(b)``.
+4. Every read data name has exactly one writer; a task does not read what it writes (of the
+   same batch). Reads become deps ``reader(b) after writer(b)``; a read ``x@k`` becomes
+   ``reader(b) after writer(b - k)`` and needs batch ``b - k`` still in flight when the reader
+   runs: ``stage + k <= max_stage``.
 5. The same-batch (distance 0) dependency graph has no cycle.
 6. Every dependency is satisfiable by stages plus fire order: ``producer(b - k)`` runs at
    iteration ``b - k + s_p``, ``consumer(b)`` at ``b + s_c``; the producer's iteration must come
    first, or be the same iteration with the producer earlier in fire order.
 7. The source (if any) is at stage 0, and every other stage-0 task depends on it, so that no
    task works on a batch that was never loaded. The output (if any) has a writer.
+8. A task that runs only ``when`` batch ``b + 1`` exists (``has_next``) or does not (``last``)
+   is above the source's stage (one stage above: after the source in fire order), so that the
+   source was asked for ``b + 1`` before it runs.
 """
 
 from __future__ import annotations
@@ -61,7 +66,26 @@ def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
     for dep in merged:
         _check_satisfiable(plan, dep)
     _check_source_and_output(plan, merged)
+    _check_guards(plan)
     return tuple(merged)
+
+
+def _check_guards(plan: PipelinePlan) -> None:
+    for task, sched in plan._schedule.items():
+        if not sched.when.needs_next:
+            continue
+        if plan.source is None:
+            raise PlanError(f"task {task} runs when={sched.when}, which needs a source task", culprit=task)
+        src_stage = plan._schedule[plan.source].stage
+        if sched.stage <= src_stage or (
+            sched.stage == src_stage + 1 and plan.fire_index(plan.source) > plan.fire_index(task)
+        ):
+            raise PlanError(
+                f"task {task} runs when={sched.when} but the source {plan.source} has not looked for batch b+1 "
+                f"when it runs: put it above the source's stage (and, one stage above, after the source in "
+                "the fire order)",
+                culprit=task,
+            )
 
 
 def _check_fire_order(plan: PipelinePlan) -> None:
@@ -78,21 +102,32 @@ def _check_fire_order(plan: PipelinePlan) -> None:
 
 
 def _infer_io_deps(plan: PipelinePlan, dep_type: type[Dep]) -> list[Dep]:
+    from torchrec_swp.plan.task import parse_read
+
     writers: dict[str, str] = {}
     for task in plan.fire_order:
         for data in plan._tasks[task].writes:
             if data in writers:
                 raise PlanError(f"data {data!r} is written by both {writers[data]} and {task}", culprit=task)
             writers[data] = task
+    top = max(s.stage for s in plan._schedule.values())
     deps = []
     for task in plan.fire_order:
         io = plan._tasks[task]
-        for data in io.reads:
-            if data in io.writes:
+        for read in io.reads:
+            data, k = parse_read(read)
+            if k == 0 and data in io.writes:
                 raise PlanError(f"task {task} reads {data!r}, which it writes itself", culprit=task)
             if data not in writers:
                 raise PlanError(f"task {task} reads {data!r}, which no task writes", culprit=task)
-            deps.append(dep_type(task, writers[data], 0))
+            stage = plan._schedule[task].stage
+            if stage + k > top:
+                raise PlanError(
+                    f"task {task} (stage {stage}) reads {read!r} from batch b-{k}, which left the pipeline "
+                    f"(highest stage {top}) before b reached stage {stage}",
+                    culprit=task,
+                )
+            deps.append(dep_type(task, writers[data], k))
     return deps
 
 

@@ -3,8 +3,9 @@
 Every CPU thread group is one lane that executes its instructions of each internal iteration
 in order (the iterations of a run in increasing order):
 
-* ``run T`` occupies the lane for T's CPU duration on batch ``P - stage``. Source and guarded
-  runs always run: the simulated data holds exactly the batches the phases work on. (The
+* ``run T`` occupies the lane for T's CPU duration on batch ``P - stage`` (none when its
+  ``when`` guard excludes that batch). Source and guarded runs always run: the simulated data
+  holds exactly the batches the phases work on. (The
   engine learns the number of batches M only when the source fails at iteration M, so it runs
   the steady program there: one more source call and skipped stage-0 tasks, not simulated.)
 * ``run T #k@g`` first waits until tickets ``0 .. k-1`` of comm group ``g`` in the same
@@ -191,6 +192,7 @@ class _Replay:
         device_durations: Durations | None,
     ) -> None:
         self.plan = plan
+        self.num_batches = 1 + max((p - r.stage for p, prog in phases for r in prog.runs()), default=-1)
         self.stage = {t: s.stage for t, s in plan.schedule.items()}
         self.stream = {t: s.stream for t, s in plan.schedule.items()}
         self.phases = phases
@@ -265,12 +267,13 @@ class _Replay:
                 sources = [self.last_ticket[held[0]]] if held is not None and held[0] in self.last_ticket else []
                 b = p - stage
                 start = max([lane.time, *(s.end for s in sources)])
-                end = start + cpu_time(self.durations, task, b, where)
+                admitted = instr.when.admits(b, self.num_batches, p, self.plan.max_stage)
+                end = start + (cpu_time(self.durations, task, b, where) if admitted else 0.0)
                 step = self._record(thread, lane, p, index, instr, b, start, end, sources)
                 self.cpu_intervals.append(Interval(cpu_lane(thread), task, b, p, start, end))
                 if held is not None:
                     self._release(held[0], p, step)
-                d = device_time(self.device_durations, task, b, where)
+                d = device_time(self.device_durations, task, b, where) if admitted else 0.0
                 if d > 0:
                     self._submit(step, "work", self.stream[task], task, b, d)
             case WaitTask(task=task):
@@ -342,7 +345,7 @@ class _Replay:
             if mark is None:
                 mark = (_blocked_task(lane), p)
         last = self.phases[-1][0] + 1
-        num_batches = 1 + max((p - r.stage for p, prog in self.phases for r in prog.runs()), default=-1)
+        num_batches = self.num_batches
         message = "\n".join(
             [
                 f"deadlock in plan {self.plan.name}: no thread can make progress",

@@ -3,8 +3,8 @@
 Every pipeline class keeps its upstream constructor (every argument passes through unchanged)
 and adds keyword-only engine options:
 
-* ``plan``: a PipelinePlan (or the path of a plan text file) replacing the default plan; its
-  tasks must be among the class's task functions (``available_tasks()``).
+* ``plan``: a PipelinePlan or PhasedPlan (or the path of a plan text file) replacing the
+  default plan; its tasks must be among the class's task functions (``available_tasks()``).
 * ``thread_map``: ``"by_stream"``, ``"per_task"``, ``"main"``, a dict ``{task: thread}`` or a
   callable, applied on top of the plan.
 * ``engine_timeout_s``: bound on every blocking wait of the engine.
@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
-from torchrec_swp.plan import PipelinePlan, PlanError, ThreadMap
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
 
-PlanLike = PipelinePlan | str | os.PathLike[str]
+PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
 
 
 class _PlanDriven:
@@ -35,7 +35,7 @@ class _PlanDriven:
 
     def _swp_setup(
         self,
-        default_plan: PipelinePlan,
+        default_plan: PipelinePlan | PhasedPlan,
         plan: PlanLike | None,
         thread_map: ThreadMap | None,
         timeout_s: float,
@@ -44,18 +44,19 @@ class _PlanDriven:
         if plan is None:
             chosen = default_plan
             option_map = self._swp_option_thread_map()
-            if option_map and all(t in chosen.schedule for t in option_map):
+            if option_map and all(t in p.schedule for p in _plans(chosen) for t in option_map):
                 chosen = chosen.with_thread_map(option_map)
-        elif isinstance(plan, PipelinePlan):
+        elif isinstance(plan, (PipelinePlan, PhasedPlan)):
             chosen = plan
         elif isinstance(plan, (str, os.PathLike)):
-            chosen = PipelinePlan.load(os.fspath(plan))
+            chosen = load_plan(os.fspath(plan))
         else:
-            raise TypeError(f"plan must be a PipelinePlan or a path to a plan file, got {type(plan).__name__}")
+            raise TypeError(f"plan must be a PipelinePlan, a PhasedPlan or a path to a plan file, got {type(plan).__name__}")
         if thread_map is not None:
             chosen = chosen.with_thread_map(thread_map)
         functions = self._swp_task_functions()
-        unknown = [t for t in chosen.fire_order if t not in functions]
+        tasks = list(dict.fromkeys(t for p in _plans(chosen) for t in p.fire_order))
+        unknown = [t for t in tasks if t not in functions]
         if unknown:
             raise PlanError(
                 f"{type(self).__name__} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
@@ -64,7 +65,7 @@ class _PlanDriven:
         self._swp_iter = None
         self._swp_engine = Engine(
             chosen,
-            {t: functions[t] for t in chosen.fire_order},
+            {t: functions[t] for t in tasks},
             streams=streams,
             timeout_s=timeout_s,
             name=f"swp-{type(self).__name__}",
@@ -108,9 +109,11 @@ class _PlanDriven:
         return self._swp_engine.untrained()
 
     @property
-    def plan(self) -> PipelinePlan:
-        """The plan ``progress()`` runs (print it with ``plan.print_schedule(n)``)."""
-        return self._swp_engine.plan
+    def plan(self) -> PipelinePlan | PhasedPlan:
+        """The plan ``progress()`` runs, a PhasedPlan where it has several phases (print it with
+        ``plan.print_schedule(n)``)."""
+        engine = self._swp_engine
+        return engine.phased if len(engine.phased.phases) > 1 else engine.plan
 
     @property
     def engine(self) -> Engine:
@@ -121,3 +124,7 @@ class _PlanDriven:
         self._swp_engine.close()
 
 
+
+
+def _plans(plan: PipelinePlan | PhasedPlan) -> tuple[PipelinePlan, ...]:
+    return plan.plans if isinstance(plan, PhasedPlan) else (plan,)

@@ -13,7 +13,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainP
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup
 
 from torchrec_swp.engine import StreamPool, stream_pool_for
-from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddingForward
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
-from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -22,10 +22,9 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
     Method resolution puts our TrainPipelineSparseDist (engine ``progress()``, task functions)
     before upstream's Lite, so Lite's own helpers stay in force: its constructor sets
     ``_data_dist_stream = None`` (input dist on the default stream, in the critical path) and
-    its ``_wait_for_batch()`` waits on the memcpy stream. The inherited InputDistStart calls
-    ``_init_pipelined_modules`` for the oldest batch in flight, which in Lite is every batch:
-    upstream's call, which rewrites the model the first time and then sets the module context
-    and starts input dist.
+    its ``_wait_for_batch()`` waits on the memcpy stream. Its plan's InitPipelinedModules runs for
+    every batch, as upstream's progress() calls ``_init_pipelined_modules`` on every call (it
+    rewrites the model the first time, then sets the module context and starts input dist).
     """
 
     def _swp_default_plan(self) -> PipelinePlan:

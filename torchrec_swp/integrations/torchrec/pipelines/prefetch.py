@@ -12,7 +12,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out, Prefet
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
 from torchrec_swp.engine import StreamPool, stream_pool_for
-from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan

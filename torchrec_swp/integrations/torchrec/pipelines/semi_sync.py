@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -13,15 +13,12 @@ from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipeli
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup, _wait_for_events
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES
-from torchrec_swp.integrations.torchrec import plans
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike
+from torchrec_swp.engine import STREAM_DEVICE_TYPES
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
-from torchrec_swp.plan import PipelinePlan, ThreadMap
+from torchrec_swp.plan import PhasedPlan
 
 __all__ = ["TrainPipelineSemiSync"]
-
-SYNC, SEMI_SYNC = "sync", "semi_sync"
 
 
 class _EmbeddingPipelinedForward(EmbeddingPipelinedForward):
@@ -60,15 +57,15 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     the keyword-only engine options of TrainPipelineSparseDist (``plan``, ``thread_map``,
     ``engine_timeout_s``).
 
-    Two default plans, ``plans.semi_sync_plan(phase="sync")`` and ``(phase="semi_sync")``, with
-    the same tasks and stages. Before each ``progress()`` the pipeline runs the plan of the
-    batch it is about to forward, as upstream decides ``is_semi_sync`` per call from that
-    batch's context index: below ``start_batch`` EmbLookup(i+1) follows the optimizer of batch
-    i and a device synchronize() (the embeddings of i+1 see batch i's update); from
-    ``start_batch`` on it is issued before Backward(i) (they see updates up to i-1). The
-    gradient swap of ``stash_gradients`` and the skipped optimizer step at ``start_batch`` are
-    decided per batch inside OptimizerStep, as upstream does. A ``plan=`` given by the user is
-    run in both phases (no switching). ``thread_map`` applies to both default plans.
+    The default plan is a PhasedPlan, ``plans.semi_sync_phases(start_batch=...)``: each
+    ``progress()`` runs the phase of the batch it forwards, as upstream decides ``is_semi_sync``
+    per call from that batch's context index: below ``start_batch`` EmbLookup(i+1) follows the
+    optimizer of batch i and a device synchronize() (the embeddings of i+1 see batch i's
+    update); from ``start_batch`` on it is issued before Backward(i) (they see updates up to
+    i-1), and with ``stash_gradients`` a GradSwap task swaps the stashed gradients in before the
+    optimizer step (upstream's ``_mlp_optimizer_step`` skips the step at ``start_batch`` itself).
+    A ``plan=`` may be a PipelinePlan (run throughout) or a PhasedPlan; ``thread_map`` applies
+    to every phase.
 
     Runs on CPU as shipped, where upstream fails: its embedding lookup and forward call
     ``record_stream`` on CPU tensors, and its pipelined forward asks CUDA for a stream. Here the
@@ -79,47 +76,14 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     _pipelined_forward_type = _EmbeddingPipelinedForward
 
 
-    def __init__(
-        self,
-        *args: Any,
-        plan: PlanLike | None = None,
-        thread_map: ThreadMap | None = None,
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, plan=plan, thread_map=thread_map, engine_timeout_s=engine_timeout_s, **kwargs)
-        # The phase plans, or None when the user's plan runs throughout.
-        self._swp_phase_plans: dict[str, PipelinePlan] | None = None
-        if plan is None:
-            phase_plans = {phase: self._swp_phase_plan(phase) for phase in (SYNC, SEMI_SYNC)}
-            if thread_map is not None:
-                phase_plans = {phase: p.with_thread_map(thread_map) for phase, p in phase_plans.items()}
-            self._swp_phase_plans = phase_plans
-        self._swp_phase = self._swp_phase_of(self._next_index)
-
-    def _swp_phase_plan(self, phase: str) -> PipelinePlan:
-        return plans.semi_sync_plan(
-            phase=phase,
+    def _swp_default_plan(self) -> PhasedPlan:
+        return plans.semi_sync_phases(
+            start_batch=self._start_batch,
             # SemiSync's own copy never raises at the end of data; the in-place copy does
             execute_all_batches=self._execute_all_batches or not self._enable_inplace_copy_batch,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
+            stash_gradients=self._stash_gradients,
         )
-
-    def _swp_default_plan(self) -> PipelinePlan:
-        return self._swp_phase_plan(self._swp_phase_of(self._next_index))
-
-    def _swp_phase_of(self, index: int | None) -> str:
-        return SEMI_SYNC if index is not None and index >= self._start_batch else SYNC
-
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        if self._swp_phase_plans is not None:
-            # the batch this call forwards: the oldest in flight, or the next one to be loaded
-            index = self.contexts[0].index if self.contexts else self._next_index
-            phase = self._swp_phase_of(index)
-            if phase != self._swp_phase:
-                self._swp_engine.switch_plan(self._swp_phase_plans[phase], self._swp_task_functions())
-                self._swp_phase = phase
-        return super().progress(dataloader_iter)
 
     # ------------------------------------------------- upstream helpers, CPU-safe
     def _swp_current_stream(self) -> torch.Stream | None:
@@ -160,16 +124,14 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
             "EmbLookup": self._task_emb_lookup,
             "EmbBackward": self._task_emb_backward,
             "Synchronize": self._task_synchronize,
+            "GradSwap": self._task_grad_swap,
         }
 
-    def _task_input_dist_start(self, b: int, batch: Any, context: Any) -> None:
-        if b == self._swp_engine.delivered:
-            # the pipeline is (re)filling: upstream's fill_pipeline rewrites the model the first
-            # time, starts input dist, and checks the optimizer holds no pipelined parameter
-            self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
-            self._validate_optimizer()
-        else:
-            self.start_sparse_data_dist(batch, context)
+    def _task_init_pipelined_modules(self, b: int, batch: Any, context: Any) -> None:
+        # upstream's fill_pipeline rewrites the model the first time, starts input dist, and
+        # checks the optimizer holds no pipelined parameter
+        self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
+        self._validate_optimizer()
 
     def _task_emb_lookup(self, b: int, batch: Any, context: Any) -> None:
         self.start_embedding_lookup(batch, context)
@@ -194,16 +156,18 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
                 self.embedding_backward(context)
             self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, context)
 
+    def _task_grad_swap(self, b: int) -> None:
+        if self._model.training:
+            self._grad_swap()
+
     def _task_optimizer_step(self, b: int, context: Any) -> None:
         if self._model.training:
             iteration = context.index or 0
             with record_function(f"## optimizer {iteration - 1} ##"):
-                if self._swp_phase_of(context.index) == SEMI_SYNC and self._stash_gradients:
-                    self._grad_swap()
                 self._mlp_optimizer_step(iteration)
 
     def _task_synchronize(self, b: int) -> None:
-        # Upstream synchronizes the device before the next batch's lookup, and only when there
-        # is a next batch. A device without streams runs everything in order already.
-        if b + 1 < self._swp_engine.loaded and self._device.type in STREAM_DEVICE_TYPES:
+        # Upstream synchronizes the device before the next batch's lookup (the plan runs this
+        # only when there is one). A device without streams runs everything in order already.
+        if self._device.type in STREAM_DEVICE_TYPES:
             torch.get_device_module(self._device).synchronize()

@@ -12,7 +12,8 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
-from torchrec_swp.integrations.torchrec import compat, plans
+from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, ThreadMap
 
@@ -102,6 +103,7 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             "ZeroGrad": self._task_zero_grad,
             "WaitBatch": self._task_wait_batch,
             "ClearDataDistInputs": self._task_clear_data_dist_inputs,
+            "InitPipelinedModules": self._task_init_pipelined_modules,
             "InputDistStart": self._task_input_dist_start,
             "H2D": self._task_h2d,
             "Forward": self._task_forward,
@@ -127,13 +129,13 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             raise StopIteration
         return self.batches[-1], self.contexts[-1]
 
+    def _task_init_pipelined_modules(self, b: int, batch: Any, context: Any) -> None:
+        # upstream's fill: the first time this rewrites the model; afterwards it sets the module
+        # context and starts the input dist
+        self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
+
     def _task_input_dist_start(self, b: int, batch: Any, context: Any) -> None:
-        if b == self._swp_engine.delivered:
-            # the oldest batch in flight: the pipeline is (re)filling. The first time this
-            # rewrites the model; afterwards it sets the module context and starts input dist.
-            self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
-        else:
-            self.start_sparse_data_dist(batch, context)
+        self.start_sparse_data_dist(batch, context)
 
     def _task_input_dist_wait(self, b: int, context: Any) -> None:
         self.wait_sparse_data_dist(context)

@@ -15,7 +15,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
 
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, stream_pool_for
-from torchrec_swp.integrations.torchrec import plans
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
 from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
@@ -64,7 +64,8 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
     ``engine_timeout_s``). The default plan is ``plans.staged_plan(names, streams)``: stage k
     is a task at stage k (named after the stage, made an identifier), and Emit, at stage N,
     hands out the batch that left the last stage, first in each call as upstream's
-    ``_advance()``. Stages sharing a stream object share a stream name in the plan, so
+    ``_advance()``; a stage with a ``fill_callback`` is followed by a task ``NAME.fill``
+    (``when=fill``) that calls it. Stages sharing a stream object share a stream name in the plan, so
     ``thread_map="by_stream"`` gives each stream its own thread.
 
     Contract, as upstream's:
@@ -120,7 +121,9 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
         self._swp_stage_tasks = stage_task_names(pipeline_stages)
         stream_names, streams = self._swp_stream_names()
         self._swp_setup(
-            plans.staged_plan(self._swp_stage_tasks, stream_names),
+            plans.staged_plan(
+                self._swp_stage_tasks, stream_names, [s.fill_callback is not None for s in pipeline_stages]
+            ),
             plan,
             thread_map,
             engine_timeout_s,
@@ -166,11 +169,13 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
         functions: dict[str, Callable[..., Any]] = {"Emit": self._task_emit}
         for k, task in enumerate(self._swp_stage_tasks):
             functions[task] = functools.partial(self._task_stage, k)
+            functions[f"{task}.fill"] = functools.partial(self._task_fill_callback, k)
         return functions
 
     def _task_stage(self, k: int, b: int, **inputs: Any) -> Any:
         """Upstream's _run_stage for stage k: the runnable on the input, or the
-        data_exhausted_callback on None; the fill_callback after it during the fill."""
+        data_exhausted_callback on None (the plan's ``NAME.fill`` task calls the fill_callback
+        after it during the fill)."""
         stage = self._pipeline_stages[k]
         with record_function(f"## Pipeline Stage {k} : {stage.name} for batch {b} ##"):
             if k == 0:
@@ -189,9 +194,12 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
                 output = None
                 if stage.data_exhausted_callback is not None:
                     stage.data_exhausted_callback()
-        if self._swp_engine.iteration < self.num_stages and stage.fill_callback is not None:
-            stage.fill_callback()
         return output
+
+    def _task_fill_callback(self, k: int, b: int) -> None:
+        callback = self._pipeline_stages[k].fill_callback
+        if callback is not None:
+            callback()
 
     def _task_emit(self, b: int, **inputs: Any) -> Any:
         (out,) = inputs.values()

@@ -1,0 +1,565 @@
+"""The schedules of TorchRec's training pipelines (1.8 and 1.9), as PipelinePlans: pure data.
+
+Each pipeline's plan is one table in the plan text form (``torchrec_swp.plan.text``): rows in
+fire order (the CPU submission order within an internal iteration) with stage, stream, thread,
+comm group, guard (``when``), reads and writes, then the explicit dependencies. A function per
+pipeline takes the constructor options that change the schedule and applies the option edits,
+each written once below (``_stopping``, ``_h2d_after_forward``, ``_clearing_data_dist_inputs``).
+
+Task names are the vocabulary of seed 001. Where seed 001's table and upstream's real
+``progress()`` disagree, the plan follows upstream and says so in a comment marked ``UPSTREAM:``.
+
+Comm groups: every task that issues a collective on the model's process group is in comm group
+``world`` (seed 001 marks only InputDistStart; upstream's InputDistWait launches the tensor
+all-to-all, Forward the embedding output dist, Backward its gradient all-to-all and DDP's
+all-reduce). On one thread this changes nothing; once a thread_map spreads them over threads,
+the turnstile keeps every rank issuing them in fire order.
+
+The first input dist of an epoch is upstream's ``_init_pipelined_modules`` (it rewrites the model
+the first time, then sets the module context and starts the input dist), every later one
+``start_sparse_data_dist``: two tasks, InitPipelinedModules (``when=first``) and InputDistStart
+(``when=not_first``). Forward, Backward and OptimizerStep are anchors (the training step
+itself): the auto-scheduler keeps them on the default stream at the highest stage.
+"""
+
+from __future__ import annotations
+
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+
+WORLD = "world"
+
+
+def _table(text: str) -> PipelinePlan:
+    return PipelinePlan.from_text(text)
+
+
+# ----------------------------------------------------------------- option edits, written once
+def _stopping(plan: PipelinePlan, execute_all_batches: bool) -> PipelinePlan:
+    """``execute_all_batches=False``: stop at the first missing batch instead of draining."""
+    return plan if execute_all_batches else plan.replace(on_exhausted="stop")
+
+
+def _h2d_after_forward(plan: PipelinePlan, enqueue_batch_after_forward: bool) -> PipelinePlan:
+    """``enqueue_batch_after_forward``: the copy of batch i+2 fires after Forward(i)."""
+    return plan.moved("H2D", after="Forward") if enqueue_batch_after_forward else plan
+
+
+def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | None = "WaitBatch") -> PipelinePlan:
+    """``clear_data_dist_inputs``: free the input-dist inputs of the batch being trained early,
+    right after ``after`` (first in the iteration when None), on the data_dist stream."""
+    if not clear:
+        return plan
+    stage = plan.max_stage
+    io = PipelineTask("ClearDataDistInputs", reads=("context",), doc="free input-dist inputs early")
+    deps = [("ClearDataDistInputs", after)] if after is not None else []
+    return plan.with_task(io, TaskSchedule(stage, "data_dist"), after=after, deps=deps)
+
+
+# ------------------------------------------------------------------------------- the tables
+BASE = """
+# UPSTREAM: seed 001 has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
+# first (_next_batch, before zero_grad) and copies it to the device only after backward
+# (_copy_batch_to_gpu): two stage-0 tasks, LoadBatch (the source) and H2D. A copy to the device
+# the batch is already on is skipped there (compiled as an alias). No deque, so no Dequeue task.
+plan TrainPipelineBase
+depth 2
+source LoadBatch
+output output
+exhausted drain
+#    task           stage  stream   thread   comm   when  reads       writes         flags
+task LoadBatch      0      default  default  -      -     -           host_batch     -
+task ZeroGrad       1      default  default  -      -     -           -              -
+task WaitBatch      1      default  default  -      -     batch       -              -
+task Forward        1      default  default  world  -     batch       losses,output  anchor
+task Backward       1      default  default  world  -     losses      -              anchor
+task H2D            0      memcpy   default  -      -     host_batch  batch          noop_on=cpu
+task OptimizerStep  1      default  default  -      -     -           -              anchor
+dep WaitBatch <- ZeroGrad
+dep Forward <- WaitBatch
+dep Backward <- Forward
+dep OptimizerStep <- Backward
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+PT2 = """
+# No pipelining: every task on the default stream for the same batch.
+# UPSTREAM: the model is compiled in the 4th progress() call (_iter == compile_on_iter with
+# _iter counting from 0), not the 3rd as seed 001 says; that happens inside Forward.
+plan TrainPipelinePT2
+depth 1
+source LoadBatch
+output output
+exhausted drain
+#    task            stage  stream   thread   comm   when  reads        writes         flags
+task LoadBatch       0      default  default  -      -     -            host_batch     -
+task H2D             0      default  default  -      -     host_batch   batch          noop_on=cpu
+task InputTransform  0      default  default  -      -     batch        model_input    -
+task ZeroGrad        0      default  default  -      -     -            -              -
+task Forward         0      default  default  world  -     model_input  losses,output  anchor
+task Backward        0      default  default  world  -     losses       -              anchor
+task OptimizerStep   0      default  default  -      -     -            -              anchor
+dep ZeroGrad <- InputTransform
+dep Forward <- ZeroGrad
+dep Backward <- Forward
+dep OptimizerStep <- Backward
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+SPARSE_DIST = """
+# H2D(i+2) || InputDist(i+1) || forward/backward/optimizer(i).
+# UPSTREAM: seed 001 omits the bookkeeping at the end of progress(); upstream pops the trained
+# batch with dequeue_batch(), the Dequeue task.
+plan TrainPipelineSparseDist
+depth 3
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads           writes         flags
+task ZeroGrad              2      default    default  -      -          -               -              -
+task WaitBatch             2      default    default  -      -          batch,context   -              -
+task InitPipelinedModules  1      data_dist  default  world  first      batch,context   -              -
+task InputDistStart        1      data_dist  default  world  not_first  batch,context   -              -
+task H2D                   0      memcpy     default  -      -          -               batch,context  -
+task Forward               2      default    default  world  -          batch,context   losses,output  anchor
+task InputDistWait         1      data_dist  default  world  -          context         -              -
+task Backward              2      default    default  world  -          losses,context  -              anchor
+task OptimizerStep         2      default    default  -      -          context         -              anchor
+task Dequeue               2      default    default  -      -          context         -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep WaitBatch <- InputDistWait
+dep Forward <- InputDistWait
+dep WaitBatch <- ZeroGrad
+dep Forward <- WaitBatch
+dep Backward <- Forward
+dep OptimizerStep <- Backward
+dep Dequeue <- OptimizerStep
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+SPARSE_DIST_LITE = """
+# Only H2D overlaps; the input dist runs on the default stream in the critical path (upstream
+# sets _data_dist_stream = None) and is upstream's _init_pipelined_modules for every batch.
+plan TrainPipelineSparseDistLite
+depth 2
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream   thread   comm   when  reads           writes         flags
+task ZeroGrad              1      default  default  -      -     -               -              -
+task WaitBatch             1      default  default  -      -     batch,context   -              -
+task InitPipelinedModules  1      default  default  world  -     batch,context   -              -
+task InputDistWait         1      default  default  world  -     context         -              -
+task Forward               1      default  default  world  -     batch,context   losses,output  anchor
+task Backward              1      default  default  world  -     losses,context  -              anchor
+task H2D                   0      memcpy   default  -      -     -               batch,context  -
+task OptimizerStep         1      default  default  -      -     context         -              anchor
+task Dequeue               1      default  default  -      -     context         -              -
+dep WaitBatch <- ZeroGrad
+dep InitPipelinedModules <- WaitBatch
+dep InputDistWait <- InitPipelinedModules
+dep Forward <- InputDistWait
+dep Backward <- Forward
+dep OptimizerStep <- Backward
+dep Dequeue <- OptimizerStep
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+FUSED_SPARSE_DIST = """
+# EmbLookup(i) on its own stream first in progress(), overlapping the tail of the previous
+# optimizer step; H2D(i+2) and InputDist(i+1) as in TrainPipelineSparseDist. The fused TBE
+# updates embeddings in backward: the next lookup follows it (EmbLookup <- Backward @1).
+# UPSTREAM: seed 001 names the lookup's stream emb_lookup whatever the option; with the default
+# option upstream submits it to data_dist. Upstream's forward waits for data_dist, not the lookup.
+plan TrainPipelineFusedSparseDist
+depth 3
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads           writes         flags
+task EmbLookup             2      data_dist  default  world  -          batch,context   -              -
+task ZeroGrad              2      default    default  -      -          -               -              -
+task WaitBatch             2      default    default  -      -          batch,context   -              -
+task InitPipelinedModules  1      data_dist  default  world  first      batch,context   -              -
+task InputDistStart        1      data_dist  default  world  not_first  batch,context   -              -
+task H2D                   0      memcpy     default  -      -          -               batch,context  -
+task Forward               2      default    default  world  -          batch,context   losses,output  anchor
+task InputDistWait         1      data_dist  default  world  -          context         -              -
+task Backward              2      default    default  world  -          losses,context  -              anchor
+task OptimizerStep         2      default    default  -      -          context         -              anchor
+task Dequeue               2      default    default  -      -          context         -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep EmbLookup <- InputDistWait
+dep WaitBatch <- ZeroGrad
+dep Forward <- EmbLookup
+dep Forward <- WaitBatch
+dep Dequeue <- Forward
+dep Backward <- Forward
+dep OptimizerStep <- Backward
+dep Dequeue <- OptimizerStep
+dep EmbLookup <- Backward @1
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+SEMI_SYNC = """
+# H2D(i+3) -> InputDist(i+2) -> EmbLookup(i+1) -> forward/backward/optimizer(i), semi-sync phase:
+# EmbLookup(i+1) is issued before Backward(i): its embeddings see updates up to batch i-1 (a dep
+# on EmbBackward @2), and its all-to-all overlaps batch i's backward. GradSwap (stash_gradients)
+# is added by the plan function.
+# UPSTREAM: seed 001 lists the tasks stage by stage. Upstream's real order starts with
+# InputDistStart(i+2), pops batch i right after Forward(i) (Dequeue) and zeroes gradients last.
+plan TrainPipelineSemiSync_semi_sync
+depth 4
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads           writes         flags
+task InitPipelinedModules  1      data_dist  default  world  first      batch,context   -              -
+task InputDistStart        1      data_dist  default  world  not_first  batch,context   -              -
+task Forward               3      default    default  world  -          batch,context   losses,output  anchor
+task Dequeue               3      default    default  -      -          context         -              -
+task H2D                   0      memcpy     default  -      -          -               batch,context  -
+task EmbLookup             2      default    default  world  -          batch,context   -              -
+task InputDistWait         1      data_dist  default  world  -          context         -              -
+task Backward              3      default    default  world  -          losses,context  -              anchor
+task EmbBackward           3      default    default  world  -          context         -              -
+task OptimizerStep         3      default    default  -      -          context         -              anchor
+task ZeroGrad              3      default    default  -      -          -               -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep EmbLookup <- InputDistWait
+dep Forward <- EmbLookup
+dep Dequeue <- Forward
+dep Backward <- Forward
+dep EmbBackward <- Backward
+dep OptimizerStep <- EmbBackward
+dep ZeroGrad <- OptimizerStep
+dep Forward <- ZeroGrad @1
+dep Forward <- OptimizerStep @1
+dep EmbLookup <- EmbBackward @2
+"""
+
+SEMI_SYNC_SYNC_PHASE = """
+# The sync phase of TrainPipelineSemiSync (batches before start_batch): EmbLookup(i+1) after the
+# optimizer of batch i and a device-wide synchronize() when batch i+1 exists: its embeddings
+# see batch i's update (a dep on EmbBackward @1).
+plan TrainPipelineSemiSync_sync
+depth 4
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads           writes         flags
+task InitPipelinedModules  1      data_dist  default  world  first      batch,context   -              -
+task InputDistStart        1      data_dist  default  world  not_first  batch,context   -              -
+task Forward               3      default    default  world  -          batch,context   losses,output  anchor
+task Dequeue               3      default    default  -      -          context         -              -
+task H2D                   0      memcpy     default  -      -          -               batch,context  -
+task InputDistWait         1      data_dist  default  world  -          context         -              -
+task Backward              3      default    default  world  -          losses,context  -              anchor
+task EmbBackward           3      default    default  world  -          context         -              -
+task OptimizerStep         3      default    default  -      -          context         -              anchor
+task ZeroGrad              3      default    default  -      -          -               -              -
+task Synchronize           3      default    default  -      has_next   -               -              -
+task EmbLookup             2      default    default  world  -          batch,context   -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep EmbLookup <- InputDistWait
+dep Forward <- EmbLookup
+dep Dequeue <- Forward
+dep Backward <- Forward
+dep EmbBackward <- Backward
+dep OptimizerStep <- EmbBackward
+dep ZeroGrad <- OptimizerStep
+dep Synchronize <- ZeroGrad
+dep Forward <- ZeroGrad @1
+dep Forward <- OptimizerStep @1
+dep EmbLookup <- EmbBackward @1
+dep EmbLookup <- Synchronize @1
+"""
+
+PREFETCH_SPARSE_DIST = """
+# H2D and InputDistStart(i+2), InputDistWait and the embedding cache prefetch (i+1) on a
+# prefetch stream, forward/backward/optimizer (i). EmbPrefetch(i+1) refills the cache Forward(i)
+# reads from (EmbPrefetch <- Forward @1).
+# UPSTREAM: seed 001 says this pipeline uses the deprecated _batch_i/_ip1/_ip2 window; since 1.8
+# it uses the batches/contexts deques and pops with dequeue_batch() (the Dequeue task). With
+# execute_all_batches=False upstream refills on every call and drops the last four batches; the
+# plan stops at the first missing batch, like TrainPipelineSparseDist.
+plan PrefetchTrainPipelineSparseDist
+depth 3
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads           writes         flags
+task ZeroGrad              2      default    default  -      -          -               -              -
+task WaitBatch             2      default    default  -      -          batch,context   -              -
+task H2D                   0      memcpy     default  -      -          -               batch,context  -
+task InputDistWait         1      data_dist  default  world  -          context         -              -
+task Forward               2      default    default  world  -          batch,context   losses,output  anchor
+task EmbPrefetch           1      prefetch   default  -      -          context         -              -
+task Backward              2      default    default  world  -          losses,context  -              anchor
+task OptimizerStep         2      default    default  -      -          context         -              anchor
+task InitPipelinedModules  0      data_dist  default  world  first      batch,context   -              -
+task InputDistStart        0      data_dist  default  world  not_first  batch,context   -              -
+task Dequeue               2      default    default  -      -          context         -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep EmbPrefetch <- InputDistWait
+dep WaitBatch <- EmbPrefetch
+dep WaitBatch <- ZeroGrad
+dep Forward <- WaitBatch
+dep Backward <- Forward
+dep OptimizerStep <- Backward
+dep Dequeue <- OptimizerStep
+dep EmbPrefetch <- Forward @1
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+EVAL_SPARSE_DIST = """
+# A background loader thread copies batch i+2 while the calling thread runs input dist (i+1)
+# and forward (i). The loader is a thread group of the plan.
+# UPSTREAM: seed 001 draws two stages with input dist in the forward stage and says pipelined
+# modules are re-initialised on every call. Upstream starts the input dist of batch i+1 in the
+# call that forwards batch i, so there are three stages (depth 3), and initialises the pipelined
+# modules only on the first call. It also starts batch 0's input dist twice; the plan, once.
+plan EvalPipelineSparseDist
+depth 3
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads          writes         flags
+task H2D                   0      memcpy     loader   -      -          -              batch,context  -
+task WaitBatch             2      default    default  -      -          batch,context  -              -
+task InitPipelinedModules  1      data_dist  default  world  first      batch,context  -              -
+task InputDistStart        1      data_dist  default  world  not_first  batch,context  -              -
+task Forward               2      default    default  world  -          batch,context  losses,output  anchor
+task InputDistWait         1      data_dist  default  world  -          context        -              -
+task Dequeue               2      default    default  -      -          context        -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep WaitBatch <- InputDistWait
+dep Forward <- WaitBatch
+dep Dequeue <- Forward
+"""
+
+
+# ------------------------------------------------------------------------ plans by options
+def train_pipeline_base_plan() -> PipelinePlan:
+    """TrainPipelineBase: H2D of batch i+1 overlaps the optimizer of batch i."""
+    return _table(BASE)
+
+
+def pt2_plan() -> PipelinePlan:
+    """TrainPipelinePT2: no pipelining; the model compiles inside Forward."""
+    return _table(PT2)
+
+
+def sparse_dist_plan(
+    *,
+    enqueue_batch_after_forward: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    name: str = "TrainPipelineSparseDist",
+) -> PipelinePlan:
+    """TrainPipelineSparseDist (``SPARSE_DIST``) with the options that change its schedule."""
+    plan = _h2d_after_forward(_table(SPARSE_DIST), enqueue_batch_after_forward)
+    plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs)
+    return _stopping(plan, execute_all_batches).replace(name=name)
+
+
+def sparse_dist_lite_plan() -> PipelinePlan:
+    """TrainPipelineSparseDistLite: two batches in flight; upstream forces the other options."""
+    return _table(SPARSE_DIST_LITE)
+
+
+def fused_sparse_dist_plan(
+    *,
+    emb_lookup_stream: str = "data_dist",
+    embedding_lookup_after_data_dist: bool = False,
+    enqueue_batch_after_forward: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    train: bool = True,
+    name: str = "TrainPipelineFusedSparseDist",
+) -> PipelinePlan:
+    """TrainPipelineFusedSparseDist (``FUSED_SPARSE_DIST``) with its options.
+
+    ``emb_lookup_stream``: ``"data_dist"`` (upstream's default: the lookup runs on the data_dist
+    stream itself), ``"new"`` (a stream of its own, named ``emb_lookup``) or ``"current"`` (the
+    default stream). ``embedding_lookup_after_data_dist``: the lookup fires right before Forward.
+    ``train=False`` is EvalPipelineFusedSparseDist: no backward or optimizer, H2D before Forward.
+    """
+    stream = {"data_dist": "data_dist", "new": "emb_lookup", "current": "default"}[emb_lookup_stream]
+    plan = _table(FUSED_SPARSE_DIST).with_schedule("EmbLookup", stream=stream)
+    if not train:
+        schedule = {t: s for t, s in plan.schedule.items() if t not in ("Backward", "OptimizerStep")}
+        plan = plan.replace(
+            schedule=schedule,
+            intra_iter_deps=[d for d in plan.explicit_deps if d.distance == 0 and {d.consumer, d.producer} <= set(schedule)],
+            inter_iter_deps=[],
+        )
+    plan = _h2d_after_forward(plan, enqueue_batch_after_forward and train)
+    if embedding_lookup_after_data_dist:
+        plan = plan.moved("EmbLookup", before="Forward")
+    plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs)
+    return _stopping(plan, execute_all_batches).replace(name=name)
+
+
+def eval_fused_sparse_dist_plan(
+    *,
+    enable_embedding_lookup_prefetch: bool = False,
+    emb_lookup_stream: str = "data_dist",
+    embedding_lookup_after_data_dist: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+) -> PipelinePlan:
+    """EvalPipelineFusedSparseDist: Fused without backward/optimizer; forward under no_grad.
+
+    With ``enable_embedding_lookup_prefetch`` the lookup of batch i+1 runs in the input-dist
+    stage, right after its InputDistWait (seed 001 does not cover this mode).
+    UPSTREAM: ``enqueue_batch_after_forward`` is accepted and ignored; H2D fires before Forward.
+    """
+    plan = fused_sparse_dist_plan(
+        emb_lookup_stream=emb_lookup_stream,
+        embedding_lookup_after_data_dist=embedding_lookup_after_data_dist and not enable_embedding_lookup_prefetch,
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        train=False,
+        name="EvalPipelineFusedSparseDist",
+    )
+    if not enable_embedding_lookup_prefetch:
+        return plan
+    fire = [t for t in plan.fire_order if t != "EmbLookup"]
+    fire.insert(fire.index("InputDistWait") + 1, "EmbLookup")
+    return plan.replace(schedule={**plan.schedule, "EmbLookup": plan.schedule["EmbLookup"].replace(stage=1)}, fire_order=fire)
+
+
+def semi_sync_plan(
+    *,
+    phase: str = "semi_sync",
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    stash_gradients: bool = False,
+) -> PipelinePlan:
+    """One phase of TrainPipelineSemiSync: ``"sync"`` (``SEMI_SYNC_SYNC_PHASE``) or
+    ``"semi_sync"`` (``SEMI_SYNC``). Same tasks and stages but for Synchronize (sync) and
+    GradSwap (semi-sync with ``stash_gradients``: swap the stashed gradients in before the step).
+
+    UPSTREAM: ``execute_all_batches=False`` stops at the first missing batch; upstream's SemiSync
+    copy never raises, so only its in-place copy stops, and otherwise the pipeline passes True.
+    ``clear_data_dist_inputs`` adds ClearDataDistInputs(i), upstream's first call in progress().
+    """
+    match phase:
+        case "sync":
+            plan = _table(SEMI_SYNC_SYNC_PHASE)
+        case "semi_sync":
+            plan = _table(SEMI_SYNC)
+            if stash_gradients:
+                swap = PipelineTask("GradSwap", doc="swap the stashed gradients in (stash_gradients)")
+                plan = plan.with_task(
+                    swap, TaskSchedule(3), after="EmbBackward", deps=[("GradSwap", "EmbBackward"), ("OptimizerStep", "GradSwap")]
+                )
+        case _:
+            raise ValueError(f"phase must be 'sync' or 'semi_sync', got {phase!r}")
+    plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs, after=None)
+    return _stopping(plan, execute_all_batches)
+
+
+def semi_sync_phases(
+    *, start_batch: int, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False, stash_gradients: bool = False
+) -> PhasedPlan:
+    """TrainPipelineSemiSync: the sync phase for batches before ``start_batch``, then semi-sync
+    (upstream decides per progress() call from the index of the batch it forwards)."""
+    options = {"execute_all_batches": execute_all_batches, "clear_data_dist_inputs": clear_data_dist_inputs}
+    semi = semi_sync_plan(phase="semi_sync", stash_gradients=stash_gradients, **options)
+    if start_batch <= 0:
+        return PhasedPlan([(0, semi)], name="TrainPipelineSemiSync")
+    sync = semi_sync_plan(phase="sync", **options)
+    return PhasedPlan([(0, sync), (start_batch, semi)], name="TrainPipelineSemiSync")
+
+
+def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True) -> PipelinePlan:
+    """PrefetchTrainPipelineSparseDist (``PREFETCH_SPARSE_DIST``)."""
+    return _stopping(_table(PREFETCH_SPARSE_DIST), execute_all_batches)
+
+
+def eval_sparse_dist_plan(*, clear_data_dist_inputs: bool = False) -> PipelinePlan:
+    """EvalPipelineSparseDist (``EVAL_SPARSE_DIST``)."""
+    return _clearing_data_dist_inputs(_table(EVAL_SPARSE_DIST), clear_data_dist_inputs)
+
+
+def staged_plan(
+    stage_names: list[str], stage_streams: list[str] | None = None, fill_callbacks: list[bool] | None = None
+) -> PipelinePlan:
+    """StagedTrainPipeline: N user stages; stage k works on the batch k steps behind stage 0, and
+    an Emit task hands the batch that left the last stage to the caller (who runs fwd/bwd/opt).
+    A stage with a fill callback has a task ``NAME.fill`` right after it, ``when=fill``.
+
+    UPSTREAM: seed 001 gives depth N; the batch being returned is one more position, so the
+    depth is N + 1. Within a call upstream first pops the batch it returns (``_advance``, the
+    Emit task), then runs stage 0 (the newest batch), stage 1, ... stage N-1.
+    """
+    if not stage_names:
+        raise ValueError("StagedTrainPipeline needs at least one stage")
+    if len(set(stage_names)) != len(stage_names) or "Emit" in stage_names:
+        raise ValueError(f"stage names must be distinct and not 'Emit', got {stage_names}")
+    n = len(stage_names)
+    streams = stage_streams or ["default"] * n
+    fills = fill_callbacks or [False] * n
+    schedule = {"Emit": TaskSchedule(n)}
+    tasks = [PipelineTask("Emit", reads=(f"out_{n - 1}",), writes=("output",))]
+    deps = []
+    for k, name in enumerate(stage_names):
+        schedule[name] = TaskSchedule(k, streams[k])
+        tasks.append(PipelineTask(name, reads=(f"out_{k - 1}",) if k else (), writes=(f"out_{k}",)))
+        if fills[k]:
+            schedule[f"{name}.fill"] = TaskSchedule(k, streams[k], when="fill")  # type: ignore[arg-type]
+            tasks.append(PipelineTask(f"{name}.fill", doc=f"fill_callback of stage {k}"))
+            deps.append((f"{name}.fill", name))
+    return PipelinePlan(
+        schedule=schedule,
+        intra_iter_deps=deps,
+        pipeline_depth=n + 1,
+        tasks=tasks,
+        source=stage_names[0],
+        output="output",
+        name="StagedTrainPipeline",
+    )
+
+
+def comp_autograd_plan(*, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False) -> PipelinePlan:
+    """TrainPipelineSparseDistCompAutograd: SparseDist's schedule, with Forward and Backward
+    under compiled autograd.
+
+    UPSTREAM: no ``enqueue_batch_after_forward`` option (H2D always before Forward).
+    """
+    return sparse_dist_plan(
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        name="TrainPipelineSparseDistCompAutograd",
+    )
+
+
+def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
+    """The default plan of each upstream pipeline (SemiSync: its two phases, start_batch 900 as
+    upstream's default)."""
+    return {
+        "TrainPipelineBase": train_pipeline_base_plan(),
+        "TrainPipelinePT2": pt2_plan(),
+        "TrainPipelineSparseDist": sparse_dist_plan(),
+        "TrainPipelineSparseDistLite": sparse_dist_lite_plan(),
+        "TrainPipelineFusedSparseDist": fused_sparse_dist_plan(),
+        "TrainPipelineSemiSync": semi_sync_phases(start_batch=900),
+        "PrefetchTrainPipelineSparseDist": prefetch_sparse_dist_plan(),
+        "EvalPipelineSparseDist": eval_sparse_dist_plan(),
+        "EvalPipelineFusedSparseDist": eval_fused_sparse_dist_plan(),
+        "StagedTrainPipeline": staged_plan(["data_copy", "gpu_postproc"], ["memcpy", "postproc"], [False, True]),
+        "TrainPipelineSparseDistCompAutograd": comp_autograd_plan(),
+    }

@@ -1,0 +1,132 @@
+"""PhasedPlan: plans that take turns at given batch numbers (a schedule that changes mid-run).
+
+TrainPipelineSemiSync trains its first ``start_batch`` batches synchronously and the rest
+semi-synchronously; here that is two plans and the batch number where the second takes over,
+as data. The engine picks, before each step, the phase of the batch that step delivers.
+
+Batch numbers count the source's calls since the engine was built or reset(), the call that
+finds the data exhausted included (as TorchRec's context index counts them), across epochs.
+
+Plans of one PhasedPlan must agree on what the batches in flight hold, so the engine can
+switch between steps: same source, output and highest stage; every task in two phases has the
+same stage and reads/writes; a task in only some phases writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
+from torchrec_swp.plan.task import check_name
+
+
+def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
+    """Why the engine could not switch from ``old`` to ``new`` between steps (empty: it can)."""
+    problems = []
+    if (old.source, old.output, old.max_stage) != (new.source, new.output, new.max_stage):
+        problems.append("source, output and highest stage must stay the same")
+    for task in dict.fromkeys([*old.fire_order, *new.fire_order]):
+        if task in old.schedule and task in new.schedule:
+            if old.task(task).stage != new.task(task).stage or old.tasks[task] != new.tasks[task]:
+                problems.append(f"task {task} changes its stage or its reads/writes")
+        elif (old.tasks.get(task) or new.tasks[task]).writes:
+            problems.append(f"task {task}, in only one plan, writes data")
+    return problems
+
+
+class PhasedPlan:
+    """``phases``: ``(start, plan)`` pairs; ``plan`` runs for batch numbers from ``start`` up to the
+    next phase's start. The first start is 0. Immutable; validated when built."""
+
+    __slots__ = ("name", "phases")
+
+    def __init__(self, phases: Sequence[tuple[int, PipelinePlan]], name: str | None = None) -> None:
+        phases = tuple((start, plan) for start, plan in phases)
+        if not phases:
+            raise PlanError("a phased plan needs at least one phase", culprit="phases")
+        for start, plan in phases:
+            if not isinstance(plan, PipelinePlan):
+                raise PlanError(f"phase {start}: expected a PipelinePlan, got {type(plan).__name__}", culprit=str(start))
+            if isinstance(start, bool) or not isinstance(start, int):
+                raise PlanError(f"phase start must be an int, got {start!r}", culprit=str(start))
+        starts = [s for s, _ in phases]
+        if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+            raise PlanError(f"phase starts must begin at 0 and increase, got {starts}", culprit="phases")
+        for (a, pa), (b, pb) in zip(phases, phases[1:]):
+            problems = switch_problems(pa, pb)
+            if problems:
+                raise PlanError(
+                    f"phases {a} ({pa.name}) and {b} ({pb.name}) cannot take turns: " + "; ".join(problems),
+                    culprit=pb.name,
+                )
+        self.name = check_name(name if name is not None else phases[0][1].name, "plan")
+        self.phases: tuple[tuple[int, PipelinePlan], ...] = phases
+
+    def plan_for(self, batch_number: int) -> PipelinePlan:
+        """The plan of the phase ``batch_number`` falls in."""
+        chosen = self.phases[0][1]
+        for start, plan in self.phases:
+            if batch_number < start:
+                break
+            chosen = plan
+        return chosen
+
+    @property
+    def plans(self) -> tuple[PipelinePlan, ...]:
+        return tuple(p for _, p in self.phases)
+
+    def with_thread_map(self, thread_map: ThreadMap) -> PhasedPlan:
+        return PhasedPlan([(s, p.with_thread_map(thread_map)) for s, p in self.phases], name=self.name)
+
+    # ------------------------------------------------------------- rendering
+    def to_text(self) -> str:
+        from torchrec_swp.plan.text import phased_to_text
+
+        return phased_to_text(self)
+
+    @classmethod
+    def from_text(cls, text: str) -> PhasedPlan:
+        from torchrec_swp.plan.text import phased_from_text
+
+        return phased_from_text(text)
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_text())
+
+    def format_schedule(self, num_iterations: int, num_batches: int | None = None) -> str:
+        from torchrec_swp.plan.table import format_schedule
+
+        blocks = []
+        for k, (start, plan) in enumerate(self.phases):
+            end = self.phases[k + 1][0] if k + 1 < len(self.phases) else None
+            span = f"batches {start} and on" if end is None else f"batches {start} to {end - 1}"
+            blocks.append(f"phase {k} ({span}): {plan.name}\n" + format_schedule(plan, num_iterations, num_batches))
+        return "\n\n".join(blocks)
+
+    def print_schedule(self, num_iterations: int, num_batches: int | None = None) -> None:
+        """Each phase's table, headed by the batches it covers."""
+        print(self.format_schedule(num_iterations, num_batches))
+
+    # --------------------------------------------------------------- identity
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PhasedPlan) and (self.name, self.phases) == (other.name, other.phases)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.phases))
+
+    def __repr__(self) -> str:
+        return f"PhasedPlan({self.name}, " + ", ".join(f"{s}: {p.name}" for s, p in self.phases) + ")"
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def load_plan(path: str) -> PipelinePlan | PhasedPlan:
+    """A plan file written by ``save()``: a PipelinePlan, or a PhasedPlan."""
+    from torchrec_swp.plan.text import is_phased_text
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return PhasedPlan.from_text(text) if is_phased_text(text) else PipelinePlan.from_text(text)
