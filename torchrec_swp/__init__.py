@@ -11,7 +11,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# The 11 upstream pipelines (also those upstream exports only from train_pipelines).
+# The upstream pipelines (also those upstream exports only from train_pipelines, and
+# TrainPipelinePEC, which exists from TorchRec 1.9).
 _PIPELINES = (
     "TrainPipelineBase",
     "TrainPipelinePT2",
@@ -24,6 +25,7 @@ _PIPELINES = (
     "EvalPipelineFusedSparseDist",
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelinePEC",
 )
 
 __all__ = ["__version__", *_PIPELINES]
@@ -33,5 +35,10 @@ def __getattr__(name: str) -> Any:
     if name in _PIPELINES:
         from torchrec_swp.integrations.torchrec import pipelines
 
+        if not hasattr(pipelines, name):
+            raise ImportError(
+                f"{name} is new in TorchRec 1.9; torchrec {pipelines.TORCHREC.text} is installed "
+                "(pip install --no-deps torchrec==1.9.2)"
+            )
         return getattr(pipelines, name)
     raise AttributeError(f"module 'torchrec_swp' has no attribute {name!r}")

@@ -76,7 +76,7 @@ BAD_PLANS: list[tuple[str, dict[str, object], str]] = [
             "schedule": {"Fwd": S(2), "Log": S(2), "Dist": S(1, "data_dist"), "H2D": S(0, "memcpy")},
             "intra_iter_deps": [("Dist", "Log")],
         },
-        "cannot be satisfied: Log (stage 2) works on batch b-0 at iteration b+2, after Dist (stage 1)",
+        "cannot be satisfied: Log (stage 2) works on batch b at iteration b+2, after Dist (stage 1)",
     ),
     (
         "same stage, wrong fire order",
@@ -88,7 +88,10 @@ BAD_PLANS: list[tuple[str, dict[str, object], str]] = [
     ("task missing from fire order", {"fire_order": ["Fwd", "Dist"]}, "missing from the fire order"),
     ("unknown task in fire order", {"fire_order": ["Fwd", "Dist", "H2D", "X"]}, "unknown task 'X'"),
     ("self dep in one batch", {"intra_iter_deps": [("Fwd", "Fwd")]}, "cannot depend on itself"),
-    ("negative distance", {"inter_iter_deps": [("Fwd", "Dist", -1)]}, "distance must be an int >= 0"),
+    # a dep on a later batch (Dist(b+1) runs one stage lower in the same iteration) must follow fire order
+    ("later batch fired after", {"inter_iter_deps": [("Fwd", "Dist", -1)]}, "both run in the same iteration, so Dist must come before Fwd"),
+    ("later batch too far", {"inter_iter_deps": [("Fwd", "Dist", -2)]}, "Dist (stage 1) works on batch b+2 at iteration b+3"),
+    ("distance not an int", {"inter_iter_deps": [("Fwd", "Dist", 1.5)]}, "dependency must be"),
     (
         "read that nobody writes",
         {"tasks": [PipelineTask("Fwd", reads=("ghost",))]},

@@ -55,7 +55,7 @@ def _with_zero_grad_after_step(plan: PipelinePlan) -> PipelinePlan:
     dep = Dep("ZeroGrad", "OptimizerStep", 1)
     if dep in plan.deps:
         return plan
-    return plan.replace(inter_iter_deps=[*(d for d in plan.explicit_deps if d.distance > 0), dep])
+    return plan.replace(inter_iter_deps=[*(d for d in plan.explicit_deps if d.distance != 0), dep])
 
 
 def torchrec_workloads() -> tuple[Workload, ...]:

@@ -1,4 +1,4 @@
-"""The schedules of TorchRec's training pipelines (1.8 and 1.9), as PipelinePlans: pure data.
+"""The schedules of TorchRec's training pipelines (1.8 and 1.9, PEC included), as plans: pure data.
 
 Each pipeline's plan is one table in the plan text form (``torchrec_swp.plan.text``): rows in
 fire order (the CPU submission order within an internal iteration) with stage, stream, thread,
@@ -350,6 +350,87 @@ dep Dequeue <- Forward
 """
 
 
+PEC = """
+# TrainPipelinePEC (TorchRec 1.9): compute-ahead pipeline for PEC embedding collections. Batch N
+# trains while N+1's overlap with N is detected (OverlapDist, mask all-to-alls on data_dist) and
+# its non-overlapping (NOL) embeddings are computed ahead on stale weights (NolCompute), and
+# N+2 is copied and its input dist started. N's overlapping (OL) embeddings and the non-PEC
+# modules' lookups run first in the step (fresh weights). Gradients: OL applied in the same step,
+# NOL deferred one batch (DeferNolGrad hands N's to N+1, whose step starts and applies them).
+# The last batch of an epoch has no successor: OverlapDistLast computes its backward partition
+# alone, and DeferNolGradLast applies its NOL gradient at once. The embedding tables are shared
+# state: N+1's NOL lookups follow the application of N-1's NOL gradient and precede N's OL
+# gradient (upstream's order, kept by deps whatever the thread map).
+# UPSTREAM: progress() numbers these #1-#14; fill_pipeline() is the first two internal iterations.
+plan TrainPipelinePEC
+depth 3
+source H2D
+output output
+exhausted drain
+#    task                  stage  stream     thread   comm   when       reads              writes         flags
+task SetModuleContext      2      default    default  -      -          context            -              -
+task H2D                   0      memcpy     default  -      -          -                  batch,context  -
+task OlCompute             2      default    default  world  -          context            -              -
+task EmbLookup             2      default    default  world  -          context            -              -
+task OverlapDist           1      data_dist  default  world  -          context,context@1  -              -
+task OverlapDistLast       2      data_dist  default  world  last       context            -              -
+task InitPipelinedModules  0      data_dist  default  world  first      batch,context      -              -
+task InputDistStart        0      data_dist  default  world  not_first  batch,context      -              -
+task NolGradStart          2      default    default  world  -          context            nol_grad       -
+task RecordBatch           2      default    default  -      -          batch              -              -
+task ZeroGrad              2      default    default  -      -          -                  -              -
+task Forward               2      default    default  world  -          batch              losses,output  anchor
+task InputDistWait         0      data_dist  default  world  -          context            -              -
+task NolGradApply          2      default    default  -      -          nol_grad           -              -
+task NolCompute            1      default    default  world  -          context            -              -
+task Backward              2      default    default  world  -          losses             -              anchor
+task WaitOverlapDist       2      default    default  -      last       -                  -              -
+task OlGradStart           2      default    default  world  -          context            ol_grad        -
+task OptimizerStep         2      default    default  -      -          -                  -              anchor
+task OlGradApply           2      default    default  -      -          ol_grad            -              -
+task DeferNolGrad          1      default    default  -      not_first  context,context@1  -              -
+task DeferNolGradLast      2      default    default  world  last       context            -              -
+task Dequeue               2      default    default  -      -          context            -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep OverlapDist <- InputDistWait
+dep EmbLookup <- InputDistWait
+dep NolCompute <- OverlapDist
+dep OlCompute <- OverlapDist
+dep OverlapDistLast <- OverlapDist
+dep DeferNolGrad <- OverlapDist
+dep NolGradStart <- DeferNolGrad
+dep Forward <- SetModuleContext
+dep Forward <- ZeroGrad
+dep Forward <- OlCompute
+dep Forward <- EmbLookup
+dep Forward <- NolCompute
+dep RecordBatch <- SetModuleContext
+dep NolGradApply <- Forward
+dep WaitOverlapDist <- Backward
+dep OlGradStart <- Backward
+dep OlGradStart <- WaitOverlapDist
+dep OlGradStart <- OverlapDistLast
+dep OptimizerStep <- OlGradStart
+dep OlGradApply <- OptimizerStep
+dep DeferNolGradLast <- OlGradApply
+dep DeferNolGradLast <- NolGradApply
+dep Dequeue <- DeferNolGradLast
+dep Dequeue <- OlGradApply
+dep Dequeue <- NolGradApply
+dep NolGradApply <- OlCompute
+dep OverlapDist <- OverlapDist @1
+dep DeferNolGrad <- OlGradApply @1
+dep NolCompute <- NolGradApply @1
+dep OlGradApply <- NolCompute @-1
+dep OlGradStart <- OverlapDist @-1
+dep EmbLookup <- Backward @1
+dep OlCompute <- OlGradApply @1
+dep Forward <- OptimizerStep @1
+dep ZeroGrad <- OptimizerStep @1
+"""
+
+
 # ------------------------------------------------------------------------ plans by options
 def train_pipeline_base_plan() -> PipelinePlan:
     """TrainPipelineBase: H2D of batch i+1 overlaps the optimizer of batch i."""
@@ -534,6 +615,12 @@ def staged_plan(
     )
 
 
+def pec_plan(*, execute_all_batches: bool = True) -> PipelinePlan:
+    """TrainPipelinePEC (``PEC``); with ``execute_all_batches=False`` it stops at the first
+    missing batch, where upstream's in-place enqueue raises StopIteration mid-step."""
+    return _stopping(_table(PEC), execute_all_batches)
+
+
 def comp_autograd_plan(*, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False) -> PipelinePlan:
     """TrainPipelineSparseDistCompAutograd: SparseDist's schedule, with Forward and Backward
     under compiled autograd.
@@ -548,8 +635,8 @@ def comp_autograd_plan(*, execute_all_batches: bool = True, clear_data_dist_inpu
 
 
 def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
-    """The default plan of each upstream pipeline (SemiSync: its two phases, start_batch 900 as
-    upstream's default)."""
+    """The default plan of each upstream pipeline, the 11 of TorchRec 1.8 and 1.9's TrainPipelinePEC
+    (SemiSync: its two phases, start_batch 900 as upstream's default)."""
     return {
         "TrainPipelineBase": train_pipeline_base_plan(),
         "TrainPipelinePT2": pt2_plan(),
@@ -562,4 +649,5 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
         "EvalPipelineFusedSparseDist": eval_fused_sparse_dist_plan(),
         "StagedTrainPipeline": staged_plan(["data_copy", "gpu_postproc"], ["memcpy", "postproc"], [False, True]),
         "TrainPipelineSparseDistCompAutograd": comp_autograd_plan(),
+        "TrainPipelinePEC": pec_plan(),
     }

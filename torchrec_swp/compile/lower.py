@@ -4,7 +4,8 @@ Passes, in order (each guarantees what its docstring states):
 
 1. ``select``: the active tasks in fire order, as ``Run`` instructions per thread.
 2. ``place_cpu_waits``: a cross-thread ``wait``/``signal`` pair for every dependency whose
-   producer instance runs in the same iteration on another thread. Producer instances of
+   producer instance runs in the same iteration on another thread (a thread waits for a given
+   producer once per iteration). Producer instances of
    earlier iterations need nothing: iterations are separated by a barrier.
 3. ``place_stream_waits`` (only when the device has real streams): ``record`` after every
    producer whose consumer is on another stream, ``stream S <- T@k`` before the consumer.
@@ -91,9 +92,13 @@ def _place_cpu_waits(plan: PipelinePlan, per_thread: dict[str, list[Instr]]) -> 
     out: dict[str, list[Instr]] = {}
     for group, instrs in per_thread.items():
         new: list[Instr] = []
+        waited: set[str] = set()  # a thread waits for a producer once per iteration
         for i in instrs:
             if isinstance(i, Run):
-                new.extend(WaitTask(p) for p in waits.get(i.task, ()))
+                for p in waits.get(i.task, ()):
+                    if p not in waited:
+                        waited.add(p)
+                        new.append(WaitTask(p))
                 new.append(i)
                 if i.task in signalled:
                     new.append(Signal(i.task))

@@ -7,8 +7,9 @@ Semantics (one vocabulary everywhere):
   state, drain all follow from this mask).
 * ``fire_order`` is the CPU submission order inside one internal iteration.
 * A dependency ``Dep(consumer, producer, distance)`` means ``consumer(b)`` runs after
-  ``producer(b - distance)``. ``distance == 0`` is an intra-iteration dep, ``>= 1`` an inter one.
-  Deps are explicit or inferred from ``reads``/``writes``.
+  ``producer(b - distance)``. ``distance == 0`` is an intra-iteration dep, ``>= 1`` an inter one
+  (on an earlier batch), ``< 0`` a dep on a later batch (whose instance runs in the same
+  iteration at a lower stage). Deps are explicit or inferred from ``reads``/``writes``.
 * ``source`` is the task that pulls a batch from the data iterator (it raises StopIteration at
   the end of data); ``output`` is the slot value ``progress()`` returns for a batch leaving the
   highest stage; ``on_exhausted`` is ``"drain"`` (finish the batches in flight) or ``"stop"``
@@ -143,7 +144,8 @@ class PipelinePlan:
 
     @property
     def inter_iter_deps(self) -> tuple[Dep, ...]:
-        return tuple(d for d in self._deps if d.distance > 0)
+        """Deps on another batch's instance (earlier, or with a negative distance later)."""
+        return tuple(d for d in self._deps if d.distance != 0)
 
     @property
     def max_stage(self) -> int:
@@ -182,7 +184,7 @@ class PipelinePlan:
         args: dict[str, object] = {
             "schedule": self._schedule,
             "intra_iter_deps": [d for d in self.explicit_deps if d.distance == 0],
-            "inter_iter_deps": [d for d in self.explicit_deps if d.distance > 0],
+            "inter_iter_deps": [d for d in self.explicit_deps if d.distance != 0],
             "pipeline_depth": self.pipeline_depth,
             "fire_order": self.fire_order,
             "tasks": list(self._tasks.values()),

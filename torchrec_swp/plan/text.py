@@ -113,7 +113,7 @@ def plan_from_text(text: str) -> PipelinePlan:
     return PipelinePlan(
         schedule=schedule,
         intra_iter_deps=[d for d in deps if d.distance == 0],
-        inter_iter_deps=[d for d in deps if d.distance > 0],
+        inter_iter_deps=[d for d in deps if d.distance != 0],
         pipeline_depth=depth,
         tasks=tasks,
         source=_opt(header.get("source")),

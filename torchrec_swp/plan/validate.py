@@ -4,7 +4,9 @@ Rules (each violation raises PlanError naming the task or dependency):
 
 1. A plan has at least one task; names are unique; fire order lists every task exactly once.
 2. ``pipeline_depth`` is an int covering the stage span (``depth >= max_stage + 1``).
-3. Every dependency names known tasks, has ``distance >= 0`` and is not a task on itself.
+3. Every dependency names known tasks, has an int distance and is not a task on itself in
+   the same batch. A negative distance orders a task after a later batch's instance of another
+   (``c(b) after p(b + 1)``: one stage lower, earlier in the same iteration).
 4. Every read data name has exactly one writer; a task does not read what it writes (of the
    same batch). Reads become deps ``reader(b) after writer(b)``; a read ``x@k`` becomes
    ``reader(b) after writer(b - k)`` and needs batch ``b - k`` still in flight when the reader
@@ -55,8 +57,8 @@ def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
         for role, task in (("consumer", dep.consumer), ("producer", dep.producer)):
             if task not in sched:
                 raise PlanError(f"dependency {dep}: unknown {role} task {task!r}", culprit=str(dep))
-        if isinstance(dep.distance, bool) or not isinstance(dep.distance, int) or dep.distance < 0:
-            raise PlanError(f"dependency {dep}: distance must be an int >= 0", culprit=str(dep))
+        if isinstance(dep.distance, bool) or not isinstance(dep.distance, int):
+            raise PlanError(f"dependency {dep}: distance must be an int", culprit=str(dep))
         if dep.distance == 0 and dep.consumer == dep.producer:
             raise PlanError(f"dependency {dep}: a task cannot depend on itself in the same batch", culprit=str(dep))
 
@@ -171,7 +173,7 @@ def _check_satisfiable(plan: PipelinePlan, dep: Dep) -> None:
         return
     if lead < 0:
         raise PlanError(
-            f"dependency {dep} cannot be satisfied: {dep.producer} (stage {s_p}) works on batch b-{dep.distance} "
+            f"dependency {dep} cannot be satisfied: {dep.producer} (stage {s_p}) works on batch {_batch(-dep.distance)} "
             f"at iteration b{s_p - dep.distance:+d}, after {dep.consumer} (stage {s_c}) works on batch b "
             f"at iteration b{s_c:+d}",
             culprit=str(dep),
@@ -214,3 +216,7 @@ def _check_source_and_output(plan: PipelinePlan, deps: list[Dep]) -> None:
                 "it could run for a batch that was never loaded",
                 culprit=task,
             )
+
+
+def _batch(offset: int) -> str:
+    return f"b{offset:+d}" if offset else "b"

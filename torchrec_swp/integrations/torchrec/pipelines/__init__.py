@@ -11,9 +11,9 @@ the schedule without changing code::
 One module per upstream family; ``_driven`` holds what they share.
 """
 
-from torchrec_swp.integrations.torchrec.compat import check_torchrec_version
+from torchrec_swp.integrations.torchrec.compat import installed
 
-check_torchrec_version()
+TORCHREC = installed()  # ImportError naming the supported versions if another is installed
 
 from torchrec_swp.integrations.torchrec.pipelines.base import TrainPipelineBase  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.compiled import (  # noqa: E402
@@ -31,6 +31,9 @@ from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipeline
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline  # noqa: E402
 
+if TORCHREC.has_pec:
+    from torchrec_swp.integrations.torchrec.pipelines.pec import TrainPipelinePEC  # noqa: E402, F401
+
 __all__ = [
     "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
@@ -43,4 +46,5 @@ __all__ = [
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
+    *(["TrainPipelinePEC"] if TORCHREC.has_pec else []),
 ]

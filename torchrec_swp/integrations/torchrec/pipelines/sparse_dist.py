@@ -51,14 +51,18 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
     ) -> None:
         # async_inplace_copy (TorchRec 1.9) is ours to schedule, on any supported version and
         # device: never handed to upstream, whose background copy thread would bypass the engine.
-        upstream_init = super().__init__
         if _upstream_name(type(self)) in compat.ASYNC_INPLACE_COPY_PIPELINES:
-            args, kwargs, async_copy = compat.take_argument(upstream_init, ASYNC_INPLACE_COPY, args, kwargs)
+            args, kwargs, async_copy = compat.take_argument(super().__init__, ASYNC_INPLACE_COPY, args, kwargs)
         else:
             async_copy = None
         self._swp_async_inplace_copy = bool(async_copy)
-        upstream_init(*args, **kwargs)
+        self._swp_init_upstream(*args, **kwargs)
         self._swp_setup(self._swp_default_plan(), plan, thread_map, engine_timeout_s, self._swp_streams())
+
+    def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
+        """The upstream class's constructor (a subclass overrides it where upstream's cannot run
+        on every device as it is)."""
+        super().__init__(*args, **kwargs)
 
     def _swp_option_thread_map(self) -> dict[str, str]:
         # As upstream's AsyncInplaceCopyMixin: the in-place copy (and only it) leaves the calling thread.

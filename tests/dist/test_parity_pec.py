@@ -1,0 +1,158 @@
+"""Our TrainPipelinePEC against upstream's (TorchRec 1.9), on 2 gloo ranks.
+
+The model is TorchRec's own PEC test model (``TestPECMixedEmbeddingSparseArch``: a data-parallel
+EmbeddingBagCollection table and two PEC EmbeddingCollection tables, row-wise), as in upstream's
+``test_pec_train_pipeline.py``, here on CPU. Ours runs as shipped; upstream needs a test-only
+patch on CPU (``upstream_cpu_patch`` plus CPU events, see ``_upstream``): its constructor creates
+``torch.cuda.Event()``, which a CPU build of torch refuses, and its helpers ``record_stream``
+CPU tensors. Outputs, losses, final weights and the StopIteration call must be equal bit for
+bit; against a non-pipelined loop, predictions agree within upstream's own tolerance (PEC's
+split gradient accumulation changes the order of float additions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist.harness import RunResult, assert_runs_equal, local_state, record_losses, run_on_ranks, train_pipeline_run
+from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+from torchrec_swp.integrations.torchrec.compat import installed
+
+pytestmark = [
+    pytest.mark.parity,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not installed().has_pec, reason="TrainPipelinePEC is new in TorchRec 1.9"),
+]
+
+STEPS = 9
+CPU = torch.device("cpu")
+
+
+def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[Any]]:
+    """The sharded PEC test model (same weights for equal seeds), its SGD, and this rank's batches."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.test_utils.test_model import ModelInput, TestPECMixedEmbeddingSparseArch
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tables: list[Any] = [
+        EmbeddingBagConfig(name="ebc_table_0", feature_names=["ebc_feature_0"], embedding_dim=8, num_embeddings=100),
+        *(
+            EmbeddingConfig(name=f"ec_table_{i}", feature_names=[f"ec_feature_{i}"], embedding_dim=8, num_embeddings=100)
+            for i in range(2)
+        ),
+    ]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        data = [
+            ModelInput.generate(tables=tables, weighted_tables=[], batch_size=10, world_size=world, num_float_features=10)
+            for _ in range(STEPS)
+        ]
+        skeleton = TestPECMixedEmbeddingSparseArch(tables=tables, dense_device=CPU, sparse_device=torch.device("meta"))
+        sharders: list[Any] = [EmbeddingBagCollectionSharder(), PECEmbeddingCollectionSharder()]
+        plan = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu")).collective_plan(
+            skeleton, sharders, dist.group.WORLD
+        )
+        torch.manual_seed(seed + 1)
+        model = DistributedModelParallel(
+            module=copy.deepcopy(skeleton),
+            plan=plan,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            sharders=sharders,
+            device=CPU,
+            init_data_parallel=True,
+        )
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), [d[1][rank] for d in data]
+
+
+@contextlib.contextmanager
+def _upstream() -> Iterator[None]:
+    """Test-only: upstream's TrainPipelinePEC on CPU. Its constructor's ``torch.cuda.Event()``
+    becomes a ``torch.cpu.Event()`` (the CPU's dummy event, what ours uses there)."""
+    cuda_event = torch.cuda.Event
+    torch.cuda.Event = lambda *a, **k: torch.cpu.Event()  # type: ignore[assignment,misc]
+    try:
+        with upstream_cpu_patch():
+            yield
+    finally:
+        torch.cuda.Event = cuda_event  # type: ignore[misc]
+
+
+def _run(factory: Callable[[torch.nn.Module, torch.optim.Optimizer], Any], seed: int, patched: bool) -> RunResult:
+    model, optimizer, batches = _build(seed)
+    with _upstream() if patched else contextlib.nullcontext():
+        pipeline = factory(model, optimizer)
+        try:
+            return train_pipeline_run(pipeline, batches, STEPS + 3)
+        finally:
+            if hasattr(pipeline, "close"):
+                pipeline.close()
+
+
+def _plain(seed: int) -> list[torch.Tensor]:
+    model, optimizer, batches = _build(seed)
+    outputs = []
+    with record_losses(model):
+        for batch in batches:
+            optimizer.zero_grad()
+            loss, pred = model(batch)
+            loss.backward()
+            optimizer.step()
+            outputs.append(pred.detach().clone())
+    return outputs
+
+
+def _all(rank: int, world_size: int, seed: int) -> dict[str, Any]:
+    from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC as Upstream
+
+    from torchrec_swp import TrainPipelinePEC
+
+    out: dict[str, Any] = {
+        "plain": _plain(seed),
+        "upstream": _run(lambda m, o: Upstream(m, o, CPU), seed, patched=True),
+        "ours": {
+            label: _run(lambda m, o, tm=tm: TrainPipelinePEC(m, o, CPU, thread_map=tm), seed, patched=False)
+            for label, tm in (
+                ("default", None),
+                ("by_stream", "by_stream"),
+                ("io", {"H2D": "io"}),
+                ("spread", {"H2D": "io", "OverlapDist": "ahead", "NolCompute": "ahead", "DeferNolGrad": "ahead",
+                            "OlGradApply": "grads", "NolGradApply": "grads"}),
+            )
+        },
+    }
+    from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
+
+    model, optimizer, batches = _build(seed)
+    out["initial weights"] = local_state(model)
+    pipeline = TrainPipelinePEC(model, optimizer, CPU)
+    pipeline.progress(iter(batches))
+    # as upstream's test: the model rewrite found every sharded PEC module
+    out["pec modules"] = (len(pipeline._pec_modules), sum(isinstance(m, ShardedPECEmbeddingCollection) for m in model.modules()))
+    pipeline.close()
+    return out
+
+
+def test_pec_equals_upstream_bit_for_bit_and_the_plain_loop_within_tolerance() -> None:
+    for rank, runs in enumerate(run_on_ranks(_all, 31, timeout_s=600)):
+        reference: RunResult = runs["upstream"]
+        assert reference.num_calls == STEPS and reference.stop_iteration_call == STEPS
+        for label, result in runs["ours"].items():
+            assert_runs_equal(reference, result, what=f"rank {rank} TrainPipelinePEC [{label}]")
+        indexed, present = runs["pec modules"]
+        assert indexed == present > 0
+        # the model trained: weights moved away from the initial ones
+        assert any(not torch.equal(w, runs["initial weights"][k]) for k, w in reference.weights.items())
+        for step, (ours, plain) in enumerate(zip(runs["ours"]["default"].outputs, runs["plain"], strict=True)):
+            torch.testing.assert_close(ours, plain, msg=lambda m, s=step: f"rank {rank} step {s}: {m}")

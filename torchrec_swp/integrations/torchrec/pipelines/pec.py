@@ -1,0 +1,219 @@
+"""TrainPipelinePEC (TorchRec 1.9) on the engine: compute-ahead training for PEC embedding collections."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
+from torchrec.distributed.train_pipeline import pec_train_pipeline as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PECTrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PECPipelinedForward
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
+
+from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import STREAM_DEVICE_TYPES
+from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import streamless_on_cpu
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.plan import PipelinePlan
+
+__all__ = ["TrainPipelinePEC"]
+
+_UPSTREAM_INIT = inspect.signature(upstream.TrainPipelinePEC.__init__)
+
+
+def _device_stream(stream: Any) -> bool:
+    device = getattr(stream, "device", None)
+    return device is not None and torch.device(device).type in STREAM_DEVICE_TYPES
+
+
+class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelinePEC):
+    """TrainPipelinePEC on the engine: OL lookups and non-PEC lookups of batch N, the overlap of
+    N+1 with N and N+1's NOL lookups ahead, input dist of N+2, then forward/backward/optimizer
+    of N with its OL gradient applied and its NOL gradient deferred to the next step.
+
+    Same constructor as upstream's (``model, optimizer, device, execute_all_batches, apply_jit,
+    custom_model_fwd``) plus the keyword-only engine options of TrainPipelineSparseDist. The
+    default plan is ``plans.pec_plan(...)``, upstream's progress() steps #1-#14 as tasks; the
+    first batch of an epoch (upstream's ``fill_pipeline``) and the last one (no successor) are
+    tasks guarded ``first`` and ``last``. Task functions call upstream's helpers through
+    ``self`` (``_pec_overlap_dist``, ``_pec_ol_compute``, ``_pec_nol_compute``,
+    ``_compute_and_output_dist``, ``_start_deferred_nol_grad``, ``_defer_nol_grad``, ...).
+
+    Runs on CPU as shipped, where upstream cannot even be constructed: its constructor creates
+    ``torch.cuda.Event()`` objects (a CPU build raises "Tried to instantiate dummy base class
+    Event"), its helpers ``record_stream`` CPU tensors onto the CPU's current stream, and its
+    pipelined forward falls back to CUDA without a stream. Here the events are the device's
+    own (``torch.get_device_module(device).Event()``: CUDA's on CUDA), ``record_stream`` happens
+    only on devices with streams, and the forward is upstream's ``PECPipelinedForward`` made
+    stream-aware (``cpu_safe.streamless_on_cpu``). On CUDA/MTIA every path is upstream's.
+
+    Differences: the fill interleaves batch 1's input dist with batch 0's overlap detection
+    (same calls, same collective order on every rank); ``progress()`` re-attaches a detached
+    model, as TrainPipelineSparseDist does.
+    """
+
+    def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
+        # upstream TrainPipelinePEC.__init__, with the device's events instead of CUDA's
+        bound = _UPSTREAM_INIT.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        UpstreamSparseDist.__init__(
+            self,
+            model=a["model"],
+            optimizer=a["optimizer"],
+            device=a["device"],
+            execute_all_batches=a["execute_all_batches"],
+            apply_jit=a["apply_jit"],
+            context_type=PECTrainPipelineContext,
+            custom_model_fwd=a["custom_model_fwd"],
+        )
+        self._pec_modules = {}
+        device_module = torch.get_device_module(self._device)
+        self._input_dist_event = device_module.Event()
+        self._overlap_dist_event = device_module.Event()
+        self._pipelined_forward_type = streamless_on_cpu(PECPipelinedForward)
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.pec_plan(execute_all_batches=self._execute_all_batches)
+
+    @property
+    def _swp_has_streams(self) -> bool:
+        return self._device.type in STREAM_DEVICE_TYPES
+
+    # ------------------------------------------------- upstream helpers, CPU-safe
+    @staticmethod
+    def _record_stream_forward_ctx(ctx: Any, stream: Any) -> None:
+        if _device_stream(stream):
+            upstream.TrainPipelinePEC._record_stream_forward_ctx(ctx, stream)
+
+    @staticmethod
+    def _record_stream_backward_ctx(ctx: Any, stream: Any) -> None:
+        if _device_stream(stream):
+            upstream.TrainPipelinePEC._record_stream_backward_ctx(ctx, stream)
+
+    def _compute_and_output_dist(self, context: PECTrainPipelineContext) -> None:
+        """Upstream's: look up the non-PEC modules of ``context``'s batch. Without streams the
+        same waits and lookups, minus the stream event and ``record_stream`` calls."""
+        if self._swp_has_streams:
+            super()._compute_and_output_dist(context)
+            return
+        modules = [m for m in self._pipelined_modules if not isinstance(m, ShardedPECEmbeddingCollection)]
+        with self._stream_context(self._data_dist_stream):  # type: ignore[arg-type]
+            waited = {m.forward.name: context.input_dist_tensors_requests[m.forward.name].wait() for m in modules}
+        for m in modules:
+            name = m.forward.name
+            context.embedding_a2a_requests[name] = m.compute_and_output_dist(context.module_contexts[name], waited[name])
+
+    # ------------------------------------------------------------ task functions
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        base = super()._swp_task_functions()
+        return {
+            "SetModuleContext": self._task_set_module_context,
+            "H2D": base["H2D"],
+            "OlCompute": self._task_ol_compute,
+            "EmbLookup": self._task_emb_lookup,
+            "OverlapDist": self._task_overlap_dist,
+            "OverlapDistLast": self._task_overlap_dist_last,
+            "InitPipelinedModules": base["InitPipelinedModules"],
+            "InputDistStart": base["InputDistStart"],
+            "NolGradStart": self._task_nol_grad_start,
+            "RecordBatch": self._task_record_batch,
+            "ZeroGrad": base["ZeroGrad"],
+            "Forward": self._task_forward,
+            "InputDistWait": base["InputDistWait"],
+            "NolGradApply": self._task_nol_grad_apply,
+            "NolCompute": self._task_nol_compute,
+            "Backward": self._task_backward,
+            "WaitOverlapDist": self._task_wait_overlap_dist,
+            "OlGradStart": self._task_ol_grad_start,
+            "OptimizerStep": self._task_optimizer_step,
+            "OlGradApply": self._task_ol_grad_apply,
+            "DeferNolGrad": self._task_defer_nol_grad,
+            "DeferNolGradLast": self._task_defer_nol_grad_last,
+            "Dequeue": base["Dequeue"],
+        }
+
+    def _task_set_module_context(self, b: int, context: Any) -> None:
+        self._set_module_context(context)
+
+    def _task_ol_compute(self, b: int, context: Any) -> None:
+        with record_function("## pec_ol_compute ##"):
+            self._pec_ol_compute(context)
+
+    def _task_emb_lookup(self, b: int, context: Any) -> None:
+        with record_function("## pec_compute_and_output_dist ##"):
+            self._compute_and_output_dist(context)
+
+    def _task_overlap_dist(self, b: int, context: Any, prev_context: Any) -> None:
+        # the overlap of batch b with b-1 (None for the first batch of an epoch)
+        with record_function("## pec_overlap_dist ##"):
+            self._pec_overlap_dist(context, prev_context)
+
+    def _task_overlap_dist_last(self, b: int, context: Any) -> None:
+        # the last batch has no successor: its backward partition alone
+        with record_function("## pec_overlap_dist ##"):
+            self._pec_overlap_dist(None, context)
+
+    def _task_nol_grad_start(self, b: int, context: Any) -> Any:
+        with record_function("## pec_nol_grad_a2a ##"):
+            return self._start_deferred_nol_grad(context)
+
+    def _task_record_batch(self, b: int, batch: Any) -> None:
+        # upstream keeps the batch alive on the compute stream, which reads its dense features;
+        # an in-place copy reuses a persistent buffer. Nothing to record without streams.
+        if self._swp_has_streams and not self._enable_inplace_copy_batch:
+            batch.record_stream(torch.get_device_module(self._device).current_stream())
+
+    def _task_forward(self, b: int, batch: Any) -> tuple[Any, Any]:
+        with record_function("## forward ##"):
+            losses, output = self._model_fwd(batch)
+        return losses, output
+
+    def _task_nol_grad_apply(self, b: int, nol_grad: Any) -> None:
+        with record_function("## pec_nol_grad_apply ##"):
+            self._wait_pec_grad(nol_grad)
+
+    def _task_nol_compute(self, b: int, context: Any) -> None:
+        torch.get_device_module(self._device).current_stream().wait_event(self._overlap_dist_event)
+        with record_function("## pec_nol_compute ##"):
+            self._pec_nol_compute(context)
+
+    def _task_backward(self, b: int, losses: torch.Tensor) -> None:
+        if self._model.training:
+            self._backward(losses)
+
+    def _task_wait_overlap_dist(self, b: int) -> None:
+        # the last batch's backward partition is first needed by its OL gradient
+        if self._model.training:
+            torch.get_device_module(self._device).current_stream().wait_event(self._overlap_dist_event)
+
+    def _task_ol_grad_start(self, b: int, context: Any) -> Any:
+        if not self._model.training:
+            return {}
+        with record_function("## pec_ol_grad_a2a ##"):
+            return self._start_pec_ol_grad(context)
+
+    def _task_optimizer_step(self, b: int) -> None:
+        if self._model.training:
+            with record_function("## optimizer ##"):
+                self._optimizer.step()
+
+    def _task_ol_grad_apply(self, b: int, ol_grad: Any) -> None:
+        if self._model.training:
+            with record_function("## pec_ol_grad_apply ##"):
+                self._wait_pec_grad(ol_grad)
+
+    def _task_defer_nol_grad(self, b: int, context: Any, prev_context: Any) -> None:
+        # batch b-1's NOL gradient rides on batch b's context to b's step
+        if self._model.training:
+            self._defer_nol_grad(prev_context, context)
+
+    def _task_defer_nol_grad_last(self, b: int, context: Any) -> None:
+        # the last batch has no successor: its NOL gradient is applied in its own step
+        if self._model.training:
+            self._defer_nol_grad(context, context)
+            self._wait_pec_grad(self._start_deferred_nol_grad(context))
