@@ -15,7 +15,7 @@ overhead is reported net of the observer's own cost, calibrated on a bare engine
 Upstream pipelines that fail on CPU as shipped run under the repository's test-only CPU patch
 (marked "patched"); pipelines torchrec_swp does not export yet are skipped and listed.
 
-Shortcut (seed 001): on a CPU device the compiler removes every stream wait and event record
+Shortcut: on a CPU device the compiler removes every stream wait and event record
 (the device has no streams), so a single-thread plan runs as a flat list of calls. For
 TrainPipelineSparseDist the benchmark also times ours against ours compiled *with* the stream
 syncs, run through torch.cpu's dummy streams and events: the difference is what the removal saves.

@@ -28,7 +28,23 @@ _PIPELINES = (
     "TrainPipelinePEC",
 )
 
-__all__ = ["__version__", *_PIPELINES]
+
+
+def _available() -> tuple[str, ...]:
+    """The pipelines the installed TorchRec has (TrainPipelinePEC from 1.9 on); all of them when
+    none or an unsupported one is installed (using them then raises an ImportError saying why)."""
+    from importlib import metadata
+
+    from torchrec_swp.integrations.torchrec.compat import parse_version
+
+    try:
+        has_pec = parse_version(metadata.version("torchrec")).has_pec
+    except (metadata.PackageNotFoundError, ValueError):
+        return _PIPELINES
+    return _PIPELINES if has_pec else tuple(p for p in _PIPELINES if p != "TrainPipelinePEC")
+
+
+__all__ = ["__version__", *_available()]
 
 
 def __getattr__(name: str) -> Any:

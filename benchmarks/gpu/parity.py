@@ -59,6 +59,9 @@ CASES: tuple[Case, ...] = (
     Case("StagedTrainPipeline", variants=_io("data_copy"), mode="staged"),
     Case("TrainPipelinePT2"),
     Case("TrainPipelineSparseDistCompAutograd"),
+    # TorchRec 1.9: with the test model's EmbeddingBagCollection only (no PEC tables), every module
+    # takes PEC's non-PEC path (looked up in the step, like Fused)
+    Case("TrainPipelinePEC", variants=_io("H2D")),
 )
 
 
@@ -66,6 +69,10 @@ def _pipeline_class(name: str, impl: str) -> type:
     if impl == "upstream":
         import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
+        if name == "TrainPipelinePEC":  # not in train_pipelines (TorchRec 1.9)
+            from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
+
+            return TrainPipelinePEC
         return getattr(upstream, name)
     import torchrec_swp
 

@@ -9,9 +9,9 @@ Our pipelines are the names ``torchrec_swp`` exports (``torchrec_swp.__all__``);
 not export (yet) is reported by ``not_exported()`` and refused by ``make_runner`` with a
 message saying so.
 
-Upstream on CPU (see ``/work/shared/UPSTREAM_CPU_NOTES.md``): Base, SparseDist, Lite, PT2 and
+Upstream on CPU (see ``docs/install.md``): Base, SparseDist, Lite, PT2 and
 EvalSparseDist run as shipped. The others fail there; they run only with ``upstream_patch=True``,
-which applies the repository's test-only patch (``tests/dist/upstream_cpu_patch.py``: CPU tensors
+which applies the repository's test-only patch (``examples/dlrm/upstream_cpu_patch.py``: CPU tensors
 ignore ``record_stream``, the CUDA fallback device becomes the CPU) for as long as the runner
 lives, plus the per-pipeline tweaks the parity tests use (Prefetch: a CPU data_dist stream during
 prefetch; CompAutograd: DDP's Python reducer and ``fullgraph=False``; Staged: CPU streams with a
@@ -202,7 +202,7 @@ def make_runner(
     patch = contextlib.ExitStack()
     try:
         if impl == "upstream" and info.upstream_fails:
-            from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+            from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 
             patch.enter_context(upstream_cpu_patch())
         if impl == "upstream" and name == "TrainPipelineSparseDistCompAutograd":

@@ -38,7 +38,7 @@ from tests.dist.harness import (
     run_on_ranks,
     train_pipeline_run,
 )
-from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from torchrec_swp.integrations.torchrec.pipelines.fused import EvalPipelineFusedSparseDist, TrainPipelineFusedSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.harness import RunResult, assert_runs_equal, local_state, record_losses, run_on_ranks, train_pipeline_run
-from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from torchrec_swp.integrations.torchrec.compat import installed
 
 pytestmark = [

@@ -37,7 +37,7 @@ from tests.dist.harness import (
     run_on_ranks,
     train_pipeline_run,
 )
-from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipelineSemiSync
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline

@@ -1,4 +1,4 @@
-"""Exact mode with CP-SAT against known answers: seed 002's interleaved 1F1B example (CP-SAT
+"""Exact mode with CP-SAT against known answers: the interleaved 1F1B example of docs/autosched.md (CP-SAT
 285, greedy list scheduling 320, still 285 with at most 8 live activations per device), and the
 periodic pipeline model against the beam search, the bounds and the time limit."""
 
@@ -27,7 +27,7 @@ from torchrec_swp.autosched import (
 )
 from torchrec_swp.autosched.workloads import random_workload, sleep_workload, torchrec_workloads
 
-# Seed 002's greedy chart: the layers each device runs, in order (forward and backward alike).
+# The example's greedy chart: the layers each device runs, in order (forward and backward alike).
 SEED_GREEDY_ORDER = {
     "D0": "00004444000044400404444044400400",
     "D1": "11115555111515511515155555511511",
@@ -70,7 +70,7 @@ def test_cpsat_still_reaches_285_with_at_most_8_live_activations_per_device() ->
 def test_phase_two_lowers_the_peak_at_the_same_makespan() -> None:
     solution = solve_dag(interleaved_pipeline(), time_limit_s=8)
     assert solution.makespan == 285 and solution.makespan_optimal
-    assert solution.peak_memory <= 8  # seed 002's memory-optimal schedule: 8, 8, 8, 5
+    assert solution.peak_memory <= 8  # the example's memory-optimal schedule: 8, 8, 8, 5
     print(f"peak {solution.peak_memory} (proven minimal: {solution.memory_optimal}) in {solution.seconds:.2f}s")
 
 

@@ -1,5 +1,5 @@
 """The upstream pipelines as plans: golden schedule tables and text forms, and how they differ
-from seed 001's tables (only where upstream's progress() does).
+from the design tables in tests/golden/seed001/ (only where upstream's progress() does).
 
 Regenerate the goldens after an intended change with ``SWP_UPDATE_GOLDEN=1 pytest tests/unit``
 and read the diff.
@@ -71,8 +71,8 @@ def test_semi_sync_table_shows_both_phases() -> None:
     assert "Synchronize" in sync and "Synchronize" not in semi
 
 
-# --------------------------------------------------------- against seed 001
-# Where our plan's table departs from seed 001's, and why (each documented in catalog/torchrec.py).
+# ------------------------------------------- against the design tables (tests/golden/seed001)
+# Where our plan's table departs from the design table's, and why (each documented in catalog/torchrec.py).
 FIRST_INPUT_DIST = "upstream's first input dist of an epoch is _init_pipelined_modules (when=first)"
 EXTRA_TASKS = {
     "TrainPipelineBase": {"LoadBatch": "upstream pulls batch i+1 before zero_grad, copies it after backward"},
@@ -88,11 +88,11 @@ EXTRA_TASKS = {
 # Lite's input dist is upstream's _init_pipelined_modules on every batch
 RENAMED = {("TrainPipelineSparseDistLite", "InputDistStart"): "InitPipelinedModules"}
 CHANGED_STREAM = {("TrainPipelineFusedSparseDist", "EmbLookup"): "data_dist"}  # upstream default option
-REORDERED = {"TrainPipelineSemiSync"}  # upstream's fire order, not seed 001's stage-by-stage list
+REORDERED = {"TrainPipelineSemiSync"}  # upstream's fire order, not the design table's stage-by-stage list
 
 
 def parse_seed(text: str) -> list[tuple[str, str, str, str]]:
-    """(task, thread, stream, cells) rows of a seed 001 table."""
+    """(task, thread, stream, cells) rows of a design table."""
     rows = []
     for line in text.splitlines():
         parts = line.split()
@@ -103,8 +103,8 @@ def parse_seed(text: str) -> list[tuple[str, str, str, str]]:
 
 
 def ours(plan: PipelinePlan, columns: int) -> list[tuple[str, str, str, str]]:
-    """Our table's rows in seed 001's row order (stage descending, then fire order), guards
-    ignored (seed 001 has none), as (task, thread, stream, cells)."""
+    """Our table's rows in the design tables' row order (stage descending, then fire order), guards
+    ignored (the design tables have none), as (task, thread, stream, cells)."""
     unguarded = plan.replace(schedule={t: s.replace(when=When.ALWAYS) for t, s in plan.schedule.items()})
     rows = []
     for line in unguarded.format_schedule(columns).splitlines()[2:]:
@@ -121,7 +121,7 @@ def test_tables_match_seed_001_except_documented_differences(name: str) -> None:
     rows = ours(plan, len(seed[0][3].split("|")[1].split()))
     seed_tasks = [RENAMED.get((name, r[0]), r[0]) for r in seed]
     our_tasks = [r[0] for r in rows]
-    assert not set(seed_tasks) - set(our_tasks), "a task of seed 001 is missing"
+    assert not set(seed_tasks) - set(our_tasks), "a task of the design table is missing"
     assert set(our_tasks) - set(seed_tasks) == set(EXTRA_TASKS[name])
     common = [t for t in our_tasks if t in seed_tasks]
     if name not in REORDERED:

@@ -19,7 +19,7 @@ import torchrec.distributed.train_pipeline.train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage
 from torchrec.streamable import Pipelineable
 
-from tests.dist.upstream_cpu_patch import upstream_cpu_patch
+from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline, stage_task_names
 from torchrec_swp.plan import PlanError
 

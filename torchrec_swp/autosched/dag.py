@@ -200,7 +200,7 @@ def list_schedule(dag: Dag, priority: Callable[[DagTask], Any] | None = None) ->
 def interleaved_pipeline(
     devices: int = 4, chunks: int = 2, microbatches: int = 8, forward: int = 5, backward: int = 10
 ) -> Dag:
-    """Seed 002's interleaved 1F1B problem: ``devices * chunks`` layers, layer ``l`` on device
+    """The interleaved 1F1B problem of docs/autosched.md: ``devices * chunks`` layers, layer ``l`` on device
     ``l % devices``; microbatch ``m`` runs ``F{m}.L0 .. F{m}.L{n-1}`` then ``B{m}.L{n-1} .. B{m}.L0``;
     each forward's activation lives until its backward ends. Declared microbatch by microbatch."""
     layers = devices * chunks

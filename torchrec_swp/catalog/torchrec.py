@@ -6,11 +6,12 @@ comm group, guard (``when``), reads and writes, then the explicit dependencies. 
 pipeline takes the constructor options that change the schedule and applies the option edits,
 each written once below (``_stopping``, ``_h2d_after_forward``, ``_clearing_data_dist_inputs``).
 
-Task names are the vocabulary of seed 001. Where seed 001's table and upstream's real
-``progress()`` disagree, the plan follows upstream and says so in a comment marked ``UPSTREAM:``.
+Task names are those of the design tables kept in ``tests/golden/seed001/``. Where such a table
+and upstream's real ``progress()`` disagree, the plan follows upstream and says so in a comment
+marked ``UPSTREAM:``.
 
 Comm groups: every task that issues a collective on the model's process group is in comm group
-``world`` (seed 001 marks only InputDistStart; upstream's InputDistWait launches the tensor
+``world`` (the design tables mark only InputDistStart; upstream's InputDistWait launches the tensor
 all-to-all, Forward the embedding output dist, Backward its gradient all-to-all and DDP's
 all-reduce). On one thread this changes nothing; once a thread_map spreads them over threads,
 the turnstile keeps every rank issuing them in fire order.
@@ -57,7 +58,7 @@ def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | 
 
 # ------------------------------------------------------------------------------- the tables
 BASE = """
-# UPSTREAM: seed 001 has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
+# UPSTREAM: the design table (tests/golden/seed001) has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
 # first (_next_batch, before zero_grad) and copies it to the device only after backward
 # (_copy_batch_to_gpu): two stage-0 tasks, LoadBatch (the source) and H2D. A copy to the device
 # the batch is already on is skipped there (compiled as an alias). No deque, so no Dequeue task.
@@ -85,7 +86,7 @@ dep ZeroGrad <- OptimizerStep @1
 PT2 = """
 # No pipelining: every task on the default stream for the same batch.
 # UPSTREAM: the model is compiled in the 4th progress() call (_iter == compile_on_iter with
-# _iter counting from 0), not the 3rd as seed 001 says; that happens inside Forward.
+# _iter counting from 0), not the 3rd as the design notes say; that happens inside Forward.
 plan TrainPipelinePT2
 depth 1
 source LoadBatch
@@ -109,7 +110,7 @@ dep ZeroGrad <- OptimizerStep @1
 
 SPARSE_DIST = """
 # H2D(i+2) || InputDist(i+1) || forward/backward/optimizer(i).
-# UPSTREAM: seed 001 omits the bookkeeping at the end of progress(); upstream pops the trained
+# UPSTREAM: the design table omits the bookkeeping at the end of progress(); upstream pops the trained
 # batch with dequeue_batch(), the Dequeue task.
 plan TrainPipelineSparseDist
 depth 3
@@ -173,7 +174,7 @@ FUSED_SPARSE_DIST = """
 # EmbLookup(i) on its own stream first in progress(), overlapping the tail of the previous
 # optimizer step; H2D(i+2) and InputDist(i+1) as in TrainPipelineSparseDist. The fused TBE
 # updates embeddings in backward: the next lookup follows it (EmbLookup <- Backward @1).
-# UPSTREAM: seed 001 names the lookup's stream emb_lookup whatever the option; with the default
+# UPSTREAM: the design table names the lookup's stream emb_lookup whatever the option; with the default
 # option upstream submits it to data_dist. Upstream's forward waits for data_dist, not the lookup.
 plan TrainPipelineFusedSparseDist
 depth 3
@@ -212,7 +213,7 @@ SEMI_SYNC = """
 # EmbLookup(i+1) is issued before Backward(i): its embeddings see updates up to batch i-1 (a dep
 # on EmbBackward @2), and its all-to-all overlaps batch i's backward. GradSwap (stash_gradients)
 # is added by the plan function.
-# UPSTREAM: seed 001 lists the tasks stage by stage. Upstream's real order starts with
+# UPSTREAM: the design table lists the tasks stage by stage. Upstream's real order starts with
 # InputDistStart(i+2), pops batch i right after Forward(i) (Dequeue) and zeroes gradients last.
 plan TrainPipelineSemiSync_semi_sync
 depth 4
@@ -287,7 +288,7 @@ PREFETCH_SPARSE_DIST = """
 # H2D and InputDistStart(i+2), InputDistWait and the embedding cache prefetch (i+1) on a
 # prefetch stream, forward/backward/optimizer (i). EmbPrefetch(i+1) refills the cache Forward(i)
 # reads from (EmbPrefetch <- Forward @1).
-# UPSTREAM: seed 001 says this pipeline uses the deprecated _batch_i/_ip1/_ip2 window; since 1.8
+# UPSTREAM: the design notes say this pipeline uses the deprecated _batch_i/_ip1/_ip2 window; since 1.8
 # it uses the batches/contexts deques and pops with dequeue_batch() (the Dequeue task). With
 # execute_all_batches=False upstream refills on every call and drops the last four batches; the
 # plan stops at the first missing batch, like TrainPipelineSparseDist.
@@ -325,7 +326,7 @@ dep ZeroGrad <- OptimizerStep @1
 EVAL_SPARSE_DIST = """
 # A background loader thread copies batch i+2 while the calling thread runs input dist (i+1)
 # and forward (i). The loader is a thread group of the plan.
-# UPSTREAM: seed 001 draws two stages with input dist in the forward stage and says pipelined
+# UPSTREAM: the design notes draw two stages with input dist in the forward stage and says pipelined
 # modules are re-initialised on every call. Upstream starts the input dist of batch i+1 in the
 # call that forwards batch i, so there are three stages (depth 3), and initialises the pipelined
 # modules only on the first call. It also starts batch 0's input dist twice; the plan, once.
@@ -504,7 +505,7 @@ def eval_fused_sparse_dist_plan(
     """EvalPipelineFusedSparseDist: Fused without backward/optimizer; forward under no_grad.
 
     With ``enable_embedding_lookup_prefetch`` the lookup of batch i+1 runs in the input-dist
-    stage, right after its InputDistWait (seed 001 does not cover this mode).
+    stage, right after its InputDistWait (the design tables do not cover this mode).
     UPSTREAM: ``enqueue_batch_after_forward`` is accepted and ignored; H2D fires before Forward.
     """
     plan = fused_sparse_dist_plan(
@@ -583,7 +584,7 @@ def staged_plan(
     an Emit task hands the batch that left the last stage to the caller (who runs fwd/bwd/opt).
     A stage with a fill callback has a task ``NAME.fill`` right after it, ``when=fill``.
 
-    UPSTREAM: seed 001 gives depth N; the batch being returned is one more position, so the
+    UPSTREAM: the design notes give depth N; the batch being returned is one more position, so the
     depth is N + 1. Within a call upstream first pops the batch it returns (``_advance``, the
     Emit task), then runs stage 0 (the newest batch), stage 1, ... stage N-1.
     """

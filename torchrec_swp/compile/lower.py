@@ -25,7 +25,7 @@ from torchrec_swp.plan import MAIN_THREAD, Dep, PipelinePlan
 
 
 def active_stages(plan: PipelinePlan, iteration: int, num_batches: int | None) -> tuple[int, ...]:
-    """Stages ``s`` with ``0 <= iteration - s < num_batches`` (seed 000's mask formula)."""
+    """Stages ``s`` with ``0 <= iteration - s < num_batches`` (the stage mask)."""
     stages = sorted({s.stage for s in plan.schedule.values()})
     return tuple(
         s for s in stages if 0 <= iteration - s and (num_batches is None or iteration - s < num_batches)

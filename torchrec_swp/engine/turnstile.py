@@ -1,4 +1,4 @@
-"""The ticketed collective lock (seed 000's _NcclOrderedLock).
+"""The ticketed collective lock: collectives of a comm group in one fixed order on every rank.
 
 Tasks of one comm group hold tickets numbered in fire order when the plan is compiled. A task
 may start only when every lower ticket has been released, so every rank issues the group's

@@ -281,7 +281,7 @@ class PipelinePlan:
         return format_schedule(self, num_iterations, num_batches)
 
     def print_schedule(self, num_iterations: int, num_batches: int | None = None) -> None:
-        """Print the stage table of seed 001: one row per task, one column per iteration."""
+        """Print the stage table: one row per task in fire order, one column per iteration."""
         print(self.format_schedule(num_iterations, num_batches))
 
     # --------------------------------------------------------------- identity

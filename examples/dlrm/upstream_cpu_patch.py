@@ -1,7 +1,8 @@
-"""The smallest test-only patch that lets upstream's CUDA-minded pipelines run on CPU.
+"""The smallest patch that lets upstream's CUDA-minded pipelines run on CPU, for comparisons.
 
-Used ONLY by tests, to have an upstream reference for the pipelines that fail on CPU as
-shipped (see /work/shared/UPSTREAM_CPU_NOTES.md). torchrec_swp itself never patches torchrec.
+Used only where upstream runs as a reference for the pipelines that fail on CPU as shipped:
+the parity tests, the benchmarks and this example's ``--impl upstream --upstream-cpu-patch``.
+torchrec_swp itself never patches torchrec. What fails on CPU and why is in docs/install.md.
 
 * ``Tensor.record_stream`` is a no-op on CPU tensors (upstream calls it on KJTs and embeddings;
   on CPU it raises "unknown parameter type").
