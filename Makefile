@@ -32,10 +32,11 @@ $(STAMP18): setup.py requirements/runtime.txt requirements/torchrec-1.8.txt requ
 	$(call venv,$(VENV18),requirements/torchrec-1.8.txt)
 
 # The main job: the DLRM example on 2 CPU ranks (gloo), launched through torchx, with
-# torchrec_swp's TrainPipelineSparseDist. ARGS go to examples/dlrm/train.py (see --help).
-ARGS ?= --steps 200
+# torchrec_swp's TrainPipelineSparseDist. ARGS go to examples/dlrm/train.py (see --help); they are
+# checked before anything starts, and a failed job ends with one line saying why.
+ARGS ?=
 run: $(STAMP)
-	$(VENV)/bin/torchx run -s local_cwd dist.ddp -j 1x2 --script examples/dlrm/train.py -- $(ARGS)
+	$(PY) examples/dlrm/launch.py $(ARGS)
 
 # A shorter first look: 20 steps that print the plan and every step's loss.
 quickstart: $(STAMP)

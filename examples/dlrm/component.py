@@ -1,13 +1,17 @@
 """torchx component for the DLRM example: ``examples/dlrm/train.py`` on N local ranks (gloo).
 
-    torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 200 --thread_map io
-    torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
+    .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 100 --thread_map io
+    .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
 
 The named parameters are the common ones; anything after ``--`` goes to train.py unchanged (see
 ``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j 1x{nproc}`` and the
-script filled in: torchx runs ``torchrun``, which must be on PATH (the venv's bin first). Run it
-from the repository root.
+script filled in, launched with ``python -m torch.distributed.run`` by the interpreter that runs
+torchx, so it works without activating the venv (``dist.ddp`` itself runs ``torchrun`` from
+PATH). Run it from the repository root.
 """
+
+import shlex
+import sys
 
 from torchx import specs
 from torchx.components.dist import ddp
@@ -22,7 +26,7 @@ def dlrm(
     nproc: int = 2,
     pipeline: str = "TrainPipelineSparseDist",
     impl: str = "ours",
-    steps: int = 100,
+    steps: int = 100,  # = train.STEPS
     thread_map: str = "main",
     loader_latency_ms: float = 0.0,
     json: str = "",
@@ -57,7 +61,7 @@ def dlrm(
         args += ["--thread-map", thread_map]
     if json:
         args += ["--json", json]
-    return ddp(
+    app = ddp(
         *args,
         *script_args,
         script=TRAIN,
@@ -67,3 +71,10 @@ def dlrm(
         memMB=memMB,
         env={"OMP_NUM_THREADS": "1"},
     )
+    # dist.ddp runs "torchrun ..." through bash; run this interpreter's torch.distributed.run instead
+    role = app.roles[0]
+    command = role.args[-1]
+    if not command.startswith("torchrun "):
+        raise RuntimeError(f"unexpected dist.ddp command (torchx changed?): {command!r}")
+    role.args[-1] = f"{shlex.quote(sys.executable)} -m torch.distributed.run " + command.removeprefix("torchrun ")
+    return app

@@ -1,7 +1,7 @@
-"""The 11 TorchRec train pipelines by name, upstream's or ours, ready to train one DLRM.
+"""TorchRec's train pipelines by name, upstream's or ours, ready to train one DLRM.
 
 ``make_runner(name, impl, build)`` builds a model with ``build()`` and wraps it in pipeline
-``name`` of ``impl`` ("upstream": TorchRec 1.8.0's class; "ours": the torchrec_swp class of the
+``name`` of ``impl`` ("upstream": TorchRec's class; "ours": the torchrec_swp class of the
 same name). ``Runner.step(it)`` trains (or, for the eval pipelines, evaluates) one batch and
 returns what the model returned for it, ``(loss, logits, labels)``.
 
@@ -83,6 +83,9 @@ INFO: dict[str, PipelineInfo] = {
             upstream_fails="compiled autograd rejects the C++ DDP reducer",
             compiles=True,
         ),
+        # TorchRec 1.9. The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every
+        # module takes PEC's non-PEC path, looked up at the start of the step like Fused's.
+        PipelineInfo("TrainPipelinePEC", upstream_fails="its constructor creates torch.cuda.Event()"),
     )
 }
 
@@ -111,6 +114,12 @@ def _pipeline_class(name: str, impl: Impl) -> type:
 
         if name == "PrefetchTrainPipelineSparseDist":
             return _upstream_prefetch_on_cpu()
+        if name == "TrainPipelinePEC":
+            try:
+                from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
+            except ImportError:
+                raise PipelineUnavailable("TrainPipelinePEC is new in TorchRec 1.9") from None
+            return TrainPipelinePEC
         return getattr(upstream, name)
     if name not in _ours_exports():
         raise PipelineUnavailable(
@@ -228,19 +237,13 @@ def make_runner(
 
 
 def _staged(cls: type, impl: Impl, model: torch.nn.Module, engine_options: dict[str, Any]) -> Any:
-    """StagedTrainPipeline with two stages: copy the batch, start its sparse data dist.
-
-    Upstream needs streams with a ``.device`` on CPU (``torch.Stream(device="cpu")``); ours runs
-    with the CPU's own streams and input dist on the current stream (no data_dist stream).
-    """
+    """StagedTrainPipeline with two stages: copy the batch, start its sparse data dist, with the
+    stream objects a user writes on CPU (``torch.Stream(device="cpu")``, which upstream needs:
+    its streams must have a ``.device``). Ours runs with them as shipped."""
     from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
     sdd = SparseDataDistUtil(model, data_dist_stream=torch.Stream(device="cpu"))
-    if impl == "ours":
-        sdd.data_dist_stream = None
-        stream: Callable[[], Any] = torch.cpu.Stream
-    else:
-        stream = lambda: torch.Stream(device="cpu")
+    stream: Callable[[], Any] = lambda: torch.Stream(device="cpu")  # noqa: E731
     stages = [
         PipelineStage("data_copy", lambda b: b.to(CPU, non_blocking=True), stream()),
         PipelineStage(

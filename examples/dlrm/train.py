@@ -1,24 +1,29 @@
-"""Train TorchRec's DLRM with any of the 11 train pipelines, torchrec_swp's or upstream's.
+"""Train TorchRec's DLRM with any of TorchRec's train pipelines, torchrec_swp's or upstream's.
 
-Launch on this machine's 2 CPU ranks (gloo) through torchx (the venv's bin first on PATH, so
-that torchx finds its torchrun)::
+Launch on this machine's 2 CPU ranks (gloo) with ``make run ARGS="..."`` (checks the arguments,
+launches through torchx, ends with one line saying what went wrong if anything did), or::
 
-    torchx run -s local_cwd dist.ddp -j 1x2 --script examples/dlrm/train.py -- --steps 200
-    torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 200 --thread_map io
+    .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 100 --thread_map io
+    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 examples/dlrm/train.py
 
-or directly::
-
-    python -m torch.distributed.run --standalone --nproc_per_node 2 examples/dlrm/train.py --steps 200
+(``torchx run -s local_cwd dist.ddp -j 1x2 --script examples/dlrm/train.py`` too, once the venv is
+active: ``source .venv/bin/activate``; torchx's ``dist.ddp`` runs ``torchrun`` from PATH.)
+``python examples/dlrm/train.py --check ARGS`` validates the arguments, the plan file and the
+thread map without training.
 
 Data: Criteo-like synthetic batches made on the fly (13 dense, ``--num-sparse`` sparse features),
 or real Criteo TSV files with ``--criteo-tsv FILE ...``; ``--loader-latency-ms`` makes the loader
 wait that long per batch, like storage would. Pipeline: ``--pipeline NAME`` (any of the 11),
 ``--impl ours|upstream``, ``--plan FILE`` (a plan text file replacing the default plan) and
-``--thread-map`` (ours only). ``--thread-map io`` puts the stage-0 tasks (loading the batch and
-copying it to the device) on their own thread, so the loader's waiting overlaps the training.
+``--thread-map`` (ours only: ``main``, ``by_stream``, ``per_task``, ``io``, or ``TASK=THREAD,...``
+such as ``H2D=io``, or a JSON object). ``--thread-map io`` puts the stage-0 tasks (loading the
+batch and copying it to the device) on their own thread, so the loader's waiting overlaps the
+training. ``--profile-out FILE`` (ours) profiles every task and writes rank 0's profile, the
+input of ``python -m torchrec_swp.autosched --profile FILE --out PLAN``.
 
 Rank 0 prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
 second over all ranks), and a summary at the end; ``--json FILE`` also writes the summary.
+A bad argument, plan or thread map ends the run with one line ``error: ...`` per rank.
 """
 
 from __future__ import annotations
@@ -45,8 +50,12 @@ from tqdm import tqdm
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo, with_latency
 from examples.dlrm.model import DlrmSize, build_dlrm
 from examples.dlrm.pipelines import INFO, PIPELINES, PipelineUnavailable, make_runner
+from torchrec_swp.catalog.torchrec import default_plans
+from torchrec_swp.plan import PlanError, load_plan
 
 THREAD_MAPS = ("main", "by_stream", "per_task", "io")
+#: Batches per rank, the same for ``make run``, this script and the torchx component.
+STEPS = 100
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipe.add_argument(
         "--thread-map",
         metavar="MAP",
-        help=f'ours: {", ".join(THREAD_MAPS)}, or a JSON object {{task: thread}}, e.g. \'{{"H2D": "io"}}\'',
+        help=f"ours: {', '.join(THREAD_MAPS)}, or TASK=THREAD[,TASK=THREAD...] (e.g. H2D=io), or a JSON object",
     )
     pipe.add_argument(
         "--option",
@@ -85,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run an upstream pipeline that fails on CPU as shipped under the test-only patch",
     )
     model = parser.add_argument_group("model and data")
-    model.add_argument("--steps", type=int, default=100, help="batches per rank (default: %(default)s)")
+    model.add_argument("--steps", type=int, default=STEPS, help="batches per rank (default: %(default)s)")
     model.add_argument(
         "--batch-size", type=int, default=d.batch_size, help="examples per batch and rank (default: %(default)s)"
     )
@@ -128,6 +137,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads per rank (default: %(default)s; 2 ranks share 2 cores here)",
     )
     run.add_argument("--json", type=Path, metavar="FILE", help="rank 0 also writes the summary here")
+    run.add_argument(
+        "--profile-out",
+        type=Path,
+        metavar="FILE",
+        help="ours: profile every task (TaskProfiler) and write rank 0's profile here",
+    )
+    run.add_argument(
+        "--check", action="store_true", help="only check the arguments, plan file and thread map, then exit"
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "num_sparse", "num_embeddings", "embedding_dim", "threads"):
         if getattr(args, name) < 1:
@@ -147,11 +165,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.thread_map_value = thread_map_of(args.thread_map)
     except ValueError as e:
         parser.error(str(e))
-    if args.impl == "upstream" and (args.plan or args.thread_map):
-        parser.error("--plan and --thread-map apply to our pipelines only (--impl ours)")
+    if args.impl == "upstream" and (args.plan or args.thread_map or args.profile_out):
+        parser.error("--plan, --thread-map and --profile-out apply to our pipelines only (--impl ours)")
     if args.plan and not args.plan.is_file():
         parser.error(f"--plan: no such file: {args.plan}")
+    try:
+        args.plan_value = load_plan(str(args.plan)) if args.plan else None
+    except PlanError as e:
+        parser.error(f"--plan {args.plan}: {e}")
+    try:
+        _check_thread_map(args)
+    except PlanError as e:
+        parser.error(f"--thread-map: {e}")
     return args
+
+
+def _check_thread_map(args: argparse.Namespace) -> None:
+    """The thread map names tasks of the plan that will run (the given one, else the default)."""
+    if args.thread_map_value is None:
+        return
+    plan = args.plan_value if args.plan_value is not None else default_plans().get(args.pipeline)
+    if plan is not None and args.pipeline != "StagedTrainPipeline":
+        plan.with_thread_map(args.thread_map_value)  # PlanError naming an unknown task or strategy
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -175,18 +210,25 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def thread_map_of(text: str | None) -> Any:
-    """The ``thread_map`` argument for ``--thread-map``: a strategy, ``io`` or a JSON object."""
+    """The ``thread_map`` argument for ``--thread-map``: a strategy, ``io``, ``TASK=THREAD,...``
+    or a JSON object ``{task: thread}``."""
     if text is None or text in ("main", "by_stream", "per_task"):
         return text
     if text == "io":
         return lambda task: "io" if task.stage == 0 else task.thread_group
-    try:
-        mapping = json.loads(text)
-    except json.JSONDecodeError:
-        mapping = None
-    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+    if text.lstrip().startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except json.JSONDecodeError:
+            mapping = None
+    else:
+        pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+        ok = pairs and all(sep and task.strip() and thread.strip() for task, sep, thread in pairs)
+        mapping = {task.strip(): thread.strip() for task, _, thread in pairs} if ok else None
+    if not isinstance(mapping, dict) or not mapping or not all(isinstance(v, str) for v in mapping.values()):
         raise ValueError(
-            f"--thread-map must be one of {', '.join(THREAD_MAPS)} or a JSON object {{task: thread}}, got {text!r}"
+            f"--thread-map must be one of {', '.join(THREAD_MAPS)}, TASK=THREAD[,TASK=THREAD...] "
+            f"(e.g. H2D=io) or a JSON object {{task: thread}}, got {text!r}"
         )
     return mapping
 
@@ -238,7 +280,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         args.pipeline,
         args.impl,
         lambda: build_dlrm(rank, world_size, size, seed=args.seed),
-        plan=args.plan,
+        plan=args.plan_value,
         thread_map=args.thread_map_value,
         options=args.options,
         upstream_patch=args.upstream_cpu_patch,
@@ -250,6 +292,11 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         )
         if args.impl == "ours":
             print(runner.pipeline.plan.format_schedule(runner.pipeline.plan.max_stage + 3))
+    profiler = None
+    if args.profile_out:
+        from torchrec_swp.profiler import TaskProfiler
+
+        profiler = TaskProfiler(warmup=2).attach(runner.pipeline.engine)
     it: Iterator[Any] = iter(batches_for(args, rank, world_size))
     examples_per_step = size.batch_size * world_size
     interactive = sys.stdout.isatty()
@@ -286,6 +333,12 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         bar.close()
         runner.close()
     wall = time.perf_counter() - start
+    if profiler is not None and rank == 0:
+        profile = profiler.profile()
+        args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(str(args.profile_out))
+        print(profile.format_table())
+        print(f"profile written to {args.profile_out}: python -m torchrec_swp.autosched --profile {args.profile_out} --out PLAN")
     if rank != 0:
         return None
     steady = step_s[len(step_s) // 10 :]  # the first steps build caches (and compile, for PT2)
@@ -323,6 +376,9 @@ def print_summary(s: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check:
+        print(f"ok: {args.impl} {args.pipeline}, {args.steps} steps" + (f", plan {args.plan}" if args.plan else ""))
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -331,15 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     if "RANK" not in os.environ:
         print(
-            "train.py runs under a launcher that sets RANK/WORLD_SIZE: torchx or torch.distributed.run (see --help)",
+            "error: train.py runs under a launcher that sets RANK/WORLD_SIZE: make run, torchx or "
+            "torch.distributed.run (see --help)",
             file=sys.stderr,
         )
         return 2
     dist.init_process_group("gloo")
     try:
         summary = train(args)
-    except (PipelineUnavailable, FileNotFoundError) as e:
-        print(f"rank {dist.get_rank()}: error: {e}", file=sys.stderr)
+    except (PipelineUnavailable, PlanError, FileNotFoundError, ValueError, TypeError) as e:
+        # what a user can fix: one line, not a traceback per rank
+        print(f"error: rank {dist.get_rank()}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         return 1
     finally:
         dist.destroy_process_group()

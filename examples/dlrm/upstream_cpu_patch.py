@@ -12,6 +12,9 @@ torchrec_swp itself never patches torchrec. What fails on CPU and why is in docs
   ``.device`` of the streams it is handed; Fused and SemiSync hand it
   ``torch.cpu.current_stream()``, which has none. CPU streams are passed as None (no stream),
   which is what they are.
+* ``torch.cuda.Event()`` (TorchRec 1.9's TrainPipelinePEC creates two in its constructor) is
+  the CPU's dummy ``torch.cpu.Event()`` when there is no CUDA: a CPU build refuses to create
+  a CUDA event ("Tried to instantiate dummy base class Event").
 
 Other pipeline-specific tweaks (Prefetch's missing data_dist stream, Staged's compute stream,
 CompAutograd's reducer) belong in the test that needs them, next to a comment saying why.
@@ -51,12 +54,17 @@ def upstream_cpu_patch() -> Iterator[None]:
     def start_embedding_lookup(module: Any, context: Any, source_stream: Any, target_stream: Any, stream_context: Any) -> None:
         original_lookup(module, context, device_stream(source_stream), device_stream(target_stream), stream_context)
 
+    cuda_event = torch.cuda.Event
+
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
     runtime_forwards.BaseForward.__init__ = init  # type: ignore[method-assign]
     train_pipelines._start_embedding_lookup = start_embedding_lookup
+    if not torch.cuda.is_available():
+        torch.cuda.Event = lambda *args, **kwargs: torch.cpu.Event()  # type: ignore[assignment,misc]
     try:
         yield
     finally:
         torch.Tensor.record_stream = original_record_stream  # type: ignore[method-assign]
         runtime_forwards.BaseForward.__init__ = original_init  # type: ignore[method-assign]
         train_pipelines._start_embedding_lookup = original_lookup
+        torch.cuda.Event = cuda_event  # type: ignore[misc]

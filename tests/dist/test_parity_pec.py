@@ -3,7 +3,7 @@
 The model is TorchRec's own PEC test model (``TestPECMixedEmbeddingSparseArch``: a data-parallel
 EmbeddingBagCollection table and two PEC EmbeddingCollection tables, row-wise), as in upstream's
 ``test_pec_train_pipeline.py``, here on CPU. Ours runs as shipped; upstream needs a test-only
-patch on CPU (``upstream_cpu_patch`` plus CPU events, see ``_upstream``): its constructor creates
+patch on CPU (``upstream_cpu_patch``, which includes CPU events): its constructor creates
 ``torch.cuda.Event()``, which a CPU build of torch refuses, and its helpers ``record_stream``
 CPU tensors. Outputs, losses, final weights and the StopIteration call must be equal bit for
 bit; against a non-pipelined loop, predictions agree within upstream's own tolerance (PEC's
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -76,22 +76,9 @@ def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[Any]
     return model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), [d[1][rank] for d in data]
 
 
-@contextlib.contextmanager
-def _upstream() -> Iterator[None]:
-    """Test-only: upstream's TrainPipelinePEC on CPU. Its constructor's ``torch.cuda.Event()``
-    becomes a ``torch.cpu.Event()`` (the CPU's dummy event, what ours uses there)."""
-    cuda_event = torch.cuda.Event
-    torch.cuda.Event = lambda *a, **k: torch.cpu.Event()  # type: ignore[assignment,misc]
-    try:
-        with upstream_cpu_patch():
-            yield
-    finally:
-        torch.cuda.Event = cuda_event  # type: ignore[misc]
-
-
 def _run(factory: Callable[[torch.nn.Module, torch.optim.Optimizer], Any], seed: int, patched: bool) -> RunResult:
     model, optimizer, batches = _build(seed)
-    with _upstream() if patched else contextlib.nullcontext():
+    with upstream_cpu_patch() if patched else contextlib.nullcontext():
         pipeline = factory(model, optimizer)
         try:
             return train_pipeline_run(pipeline, batches, STEPS + 3)

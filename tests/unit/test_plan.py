@@ -293,6 +293,7 @@ def test_phased_plans_take_turns_and_must_agree_on_what_is_in_flight() -> None:
     phased = PhasedPlan([(0, a), (5, b)], name="two")
     assert [phased.plan_for(n) is p for n, p in ((0, a), (4, a), (5, b), (99, b))] == [True] * 4
     assert PhasedPlan.from_text(phased.to_text()) == phased
+    assert (phased.max_stage, phased.pipeline_depth) == (a.max_stage, a.pipeline_depth)
     assert "phase 1 (batches 5 and on): other" in phased.format_schedule(3)
     with pytest.raises(PlanError, match="must begin at 0 and increase"):
         PhasedPlan([(1, a)])

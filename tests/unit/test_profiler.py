@@ -187,3 +187,19 @@ def test_overhead_is_small_off_and_on() -> None:
     print(overhead.format())
     assert overhead.profiler_us < 20.0  # microseconds added per task call (measured ~0.6 us)
     assert overhead.off_us < 50.0
+
+
+def test_tasks_that_run_once_per_epoch_do_not_keep_iterations_from_being_measured() -> None:
+    plan = PipelinePlan(
+        schedule={"Load": TaskSchedule(0), "Init": TaskSchedule(1, when="first"), "Work": TaskSchedule(1)},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Work", reads=("x",), writes=("out",))],
+        source="Load",
+        output="out",
+    )
+    data = iter(range(8))
+    engine = Engine(plan, {"Load": lambda b: next(data), "Init": lambda b: None, "Work": lambda b, x: x})
+    profiler = TaskProfiler(warmup=1).attach(engine)
+    engine.run_to_end()
+    profile = profiler.profile()
+    assert profile.iterations == 6  # iterations 2..7 are steady (1 has Init), minus one warm-up
+    assert profile.stats("Init").count == 1 and profile.stats("Work").count == 6

@@ -76,6 +76,15 @@ class PhasedPlan:
     def plans(self) -> tuple[PipelinePlan, ...]:
         return tuple(p for _, p in self.phases)
 
+    @property
+    def max_stage(self) -> int:
+        """The highest stage, the same in every phase."""
+        return self.phases[0][1].max_stage
+
+    @property
+    def pipeline_depth(self) -> int:
+        return max(p.pipeline_depth for p in self.plans)
+
     def with_thread_map(self, thread_map: ThreadMap) -> PhasedPlan:
         return PhasedPlan([(s, p.with_thread_map(thread_map)) for s, p in self.phases], name=self.name)
 

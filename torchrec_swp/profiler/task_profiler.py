@@ -13,9 +13,10 @@ Recording costs one tuple append per task run and per cross-thread wait (safe fr
 ``list.append`` is atomic); everything else happens in ``profile()``. Detached (``engine.instrument()``),
 the engine runs its bare calls and the profiler costs nothing.
 
-Measured iterations are the *complete* ones - every task of the plan ran exactly once (neither
-fill nor drain) - after the first ``warmup`` of them, which are skipped (first calls, caches,
-thread start-up).
+Measured iterations are the *complete* ones - every task that runs in the steady state ran
+exactly once (neither fill nor drain) - after the first ``warmup`` of them, which are skipped
+(first calls, caches, thread start-up). Tasks guarded to run once per epoch (``when`` first,
+fill or last) are timed over every run recorded (count 0 and 0 s if none ran).
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ class TaskProfiler:
         return tuple(self._records)
 
     def complete(self, plan: PipelinePlan) -> list[IterationRecord]:
-        """The recorded iterations in which every task of ``plan`` ran exactly once."""
-        tasks = frozenset(plan.fire_order)
+        """The recorded iterations in which every task of ``plan`` that runs in the steady state
+        ran exactly once (and no other task ran)."""
+        tasks = frozenset(t for t in plan.fire_order if plan.task(t).when.in_steady_state)
         return [r for r in self.records if r.ran() == tasks and len(r.runs) == len(tasks)]
 
     def measured(self, plan: PipelinePlan) -> list[IterationRecord]:
@@ -126,6 +128,10 @@ class TaskProfiler:
             for task, share in shares.items():
                 exposed[task] += share
             unattributed += rest
+        for record in self.records:  # tasks that run once per epoch: every run recorded
+            for r in record.runs:
+                if not plan.task(r.task).when.in_steady_state:
+                    durations[r.task].append(r.duration)
         n = len(measured)
         stats = tuple(
             TaskStats(
@@ -134,9 +140,9 @@ class TaskProfiler:
                 stream=plan.task(t).stream,
                 stage=plan.task(t).stage,
                 count=len(durations[t]),
-                median_s=statistics.median(durations[t]),
-                mean_s=statistics.fmean(durations[t]),
-                max_s=max(durations[t]),
+                median_s=statistics.median(durations[t]) if durations[t] else 0.0,
+                mean_s=statistics.fmean(durations[t]) if durations[t] else 0.0,
+                max_s=max(durations[t], default=0.0),
                 exposed_s=exposed[t] / n,
             )
             for t in plan.fire_order

@@ -1,0 +1,68 @@
+"""The README's commands run as written.
+
+Every fenced ```bash block of README.md runs, in order, as one bash script (``set -e``, so
+``source .venv/bin/activate`` carries to the next line) from the repository root, which CI
+checks out fresh. ``make test`` lines are left out: CI runs exactly that command (``.ci/run``),
+and here it would run this test again. A block right after a
+``<!-- not run by tests: REASON -->`` line is skipped, with its reason. Sample output lives in
+```text blocks, which are not run.
+
+The blocks include the profile -> plan -> run loop of the auto-scheduler on the DLRM example.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SKIP = re.compile(r"<!-- not run by tests: (?P<reason>[^>]+) -->")
+
+
+def bash_blocks(readme: str) -> list[tuple[str, str | None]]:
+    """``(script, skip reason or None)`` for every ```bash block, in order."""
+    blocks = []
+    lines = readme.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == "```bash":
+            j = i + 1
+            while lines[j].strip() != "```":
+                j += 1
+            previous = next((ln for ln in reversed(lines[:i]) if ln.strip()), "")
+            skip = SKIP.search(previous)
+            body = [ln for ln in lines[i + 1 : j] if not re.match(r"\s*make test\b", ln)]
+            blocks.append(("\n".join(body), skip["reason"].strip() if skip else None))
+            i = j
+        i += 1
+    return blocks
+
+
+def test_the_readme_has_the_two_set_up_commands_and_runs_the_rest() -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = bash_blocks(readme)
+    scripts = "\n".join(script for script, _ in blocks)
+    assert any(line.split("#")[0].strip() == "make run" for line in scripts.splitlines())
+    assert "\nmake test" in readme
+    assert all(reason for _, reason in blocks if reason is not None)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_readme_bash_blocks_run_as_written() -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    ran = 0
+    for script, skip in bash_blocks((ROOT / "README.md").read_text()):
+        if skip is not None:
+            continue
+        done = subprocess.run(
+            ["bash", "-e", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+        )
+        assert done.returncode == 0, f"README block failed ({done.returncode}):\n{script}\n--- output ---\n{(done.stdout + done.stderr)[-4000:]}"
+        ran += 1
+    assert ran >= 3
