@@ -13,6 +13,10 @@ Roughly:
   ``stream S <- T@k``   device: stream S waits for the event recorded after T(b - k)
   ``record T``          device: record an event on T's stream after T ran
   ``alias T x=y``       T is a no-op on this device: its batch's slot gets x = y, no call
+  ``run 0F3``           pipeline parallelism: call the binding of the action's kind (``F``) with
+                        its stage and microbatch (0, 3); the action's text is its completion key
+                        (``wait 0F3`` / ``signal 0F3``); ``run 0G #0@dp`` holds a collective ticket.
+                        Programs of actions are straight-line: one runs once (one optimizer step)
 """
 
 from __future__ import annotations
@@ -88,7 +92,28 @@ class Alias:
         return f"alias {self.task} " + " ".join(f"{w}={r}" for w, r in self.pairs)
 
 
-Instr = Union[Run, Alias, WaitTask, Signal, WaitStream, RecordEvent]
+@dataclass(frozen=True, slots=True)
+class RunAction:
+    """One action of a pipeline-parallel rank program (``torchrec_swp.pp``), e.g. ``0F3``.
+
+    Kept to plain values so that this layer stays independent of ``pp``: ``action`` is the
+    action's text (its completion key), ``kind`` its kind text (``F``, ``SF``, ``G`` ...) which
+    selects the binding, called with ``(stage, microbatch)`` (``microbatch`` None for ``G``/``O``).
+    """
+
+    action: str
+    kind: str
+    stage: int
+    microbatch: int | None = None
+    ticket: int | None = None
+    comm_group: str | None = None
+
+    def __str__(self) -> str:
+        ticket = f" #{self.ticket}@{self.comm_group}" if self.ticket is not None else ""
+        return f"run {self.action}{ticket}"
+
+
+Instr = Union[Run, Alias, WaitTask, Signal, WaitStream, RecordEvent, RunAction]
 
 
 @dataclass(frozen=True, slots=True)

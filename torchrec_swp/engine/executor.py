@@ -41,7 +41,18 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from torchrec_swp.compile import Alias, CompiledPlan, Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.compile import (
+    Alias,
+    CompiledPlan,
+    Instr,
+    IterationProgram,
+    RecordEvent,
+    Run,
+    RunAction,
+    Signal,
+    WaitStream,
+    WaitTask,
+)
 from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted, describe
 from torchrec_swp.engine.streams import NullStreamPool, StreamPool
 from torchrec_swp.engine.turnstile import Turnstile
@@ -195,7 +206,11 @@ class ThreadPosition:
     @property
     def running(self) -> str | None:
         """The task this thread is running or about to run (not waiting on a latch)."""
-        return self.instr.task if self.state == "at" and isinstance(self.instr, Run) else None
+        if self.state != "at":
+            return None
+        if isinstance(self.instr, Run):
+            return self.instr.task
+        return self.instr.action if isinstance(self.instr, RunAction) else None
 
 
 _NOT_STARTED = ThreadPosition("not started")
@@ -240,7 +255,211 @@ def _stop_workers(workers: dict[str, _Worker]) -> None:
     workers.clear()
 
 
-class Engine:
+class Interpreter:
+    """Runs the threads of an ``IterationProgram``: the calling thread runs ``"default"``, a
+    persistent worker each other thread group; latches for ``wait``/``signal``, one turnstile per
+    comm group for collective tickets, the stream pool, the timeout, failures and timeout reports.
+
+    What the instructions that name work do is the subclass's: ``Engine`` runs plan tasks
+    (``run``/``alias`` and the device syncs between them), ``ProgramEngine``
+    (``torchrec_swp.engine.programs``) pipeline-parallel actions (``run 0F3``). An instruction a
+    subclass does not run fails loudly.
+    """
+
+    def __init__(self, *, streams: StreamPool | None, timeout_s: float, name: str) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        self.streams: StreamPool = streams if streams is not None else NullStreamPool()
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self._workers: dict[str, _Worker] = {}
+        self._turnstiles: dict[str, Turnstile] = {}
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._observer: Observer | None = None
+        self._labels = False
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent)."""
+        self._finalizer()
+
+    def _execute(self, ctx: _IterationContext) -> None:
+        """Run every thread of ``ctx.program`` once and wait for all of them.
+
+        Failures are left in ``ctx.failures`` (``_first_failure`` makes the one to raise); a
+        worker that does not finish within the timeout aborts the rest and raises EngineTimeout
+        with ``_timeout_report``.
+        """
+        program = ctx.program
+        for group, _ in program.tickets:
+            self._turnstile(group).restart()
+        workers = [(g, instrs) for g, instrs in program.threads if g != MAIN_THREAD and instrs]
+        for group, instrs in workers:
+            worker = self._worker(group)
+            worker.inbox.put(lambda g=group, i=instrs: self._worker_job(g, i, ctx))
+        self._interpret(MAIN_THREAD, program.instructions(MAIN_THREAD), ctx)
+        deadline = time.monotonic() + self.timeout_s
+        for _ in workers:
+            try:
+                ctx.done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._abort(ctx, "timeout")
+                cause = ctx.failures[0].exc if ctx.failures else None
+                raise EngineTimeout(self._timeout_report(ctx)) from cause
+
+    def _first_failure(self, ctx: _IterationContext) -> BaseException:
+        """The first failure of the iteration, annotated, with notes naming the others."""
+        first = ctx.failures[0]
+        for other in ctx.failures[1:]:
+            first.exc.add_note(
+                f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}"
+            )
+        self._annotate(first.exc, first)
+        return first.exc
+
+    def _worker_job(self, group: str, instrs: tuple[Instr, ...], ctx: _IterationContext) -> None:
+        try:
+            with torch.set_grad_enabled(ctx.grad_enabled):
+                self._interpret(group, instrs, ctx)
+        finally:
+            ctx.done.put(group)
+
+    def _interpret(self, thread: str, instrs: tuple[Instr, ...], ctx: _IterationContext) -> None:
+        p = ctx.iteration
+        task, b, at = "-", p, 0
+        try:
+            for at, instr in enumerate(instrs):
+                ctx.position[thread] = ThreadPosition("at", instr)
+                match instr:
+                    case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
+                        b = p - stage
+                        if task in ctx.skip:
+                            # it ran before a failure or stop: its collective was issued then, but
+                            # its ticket in this (restarted) numbering must still be passed on
+                            if ticket is not None:
+                                self._pass_ticket(group, ticket)
+                            continue
+                        if ticket is None:
+                            self._run_one(instr, b, ctx)
+                        else:
+                            self._run_ticketed(instr, b, ctx, group, ticket)
+                        with ctx.lock:
+                            ctx.completed.add(task)
+                    case RunAction(action=task, microbatch=mb, ticket=ticket, comm_group=group):
+                        b = -1 if mb is None else mb
+                        if ticket is None:
+                            self._run_action(instr, ctx)
+                        else:
+                            self._run_ticketed(instr, b, ctx, group, ticket)
+                        with ctx.lock:
+                            ctx.completed.add(task)
+                    case Alias(task=task, stage=stage):
+                        b = p - stage
+                        if task not in ctx.skip:
+                            self._run_alias(instr, b)
+                    case WaitTask(task=producer):
+                        task = f"wait {producer}"
+                        if self._observer is None:
+                            ctx.latches[producer].wait(producer, self.timeout_s)
+                        else:
+                            start = time.perf_counter()
+                            ctx.latches[producer].wait(producer, self.timeout_s)
+                            self._observer.on_wait(producer, thread, p, start, time.perf_counter())
+                    case Signal(task=producer):
+                        ctx.latches[producer].set()
+                    case WaitStream() | RecordEvent():
+                        self._device_sync(instr, p)
+                    case _:
+                        raise EngineError(f"unknown instruction {instr!r}")
+            ctx.position[thread] = ThreadPosition("finished")
+        except _Stopped:
+            # the tasks left on this thread are cancelled: let whoever waits on them stop too
+            for rest in instrs[at:]:
+                if isinstance(rest, Signal):
+                    ctx.latches[rest.task].set(LatchState.STOPPED)
+            ctx.position[thread] = ThreadPosition("stopped")
+        except BaseException:
+            self._record_failure(ctx, thread, task, b)
+
+    def _record_failure(self, ctx: _IterationContext, thread: str, task: str, b: int) -> None:
+        exc = sys.exc_info()[1]
+        assert exc is not None
+        with ctx.lock:
+            secondary = isinstance(exc, (TaskAborted, CollectiveAborted)) and ctx.failures
+            if not secondary:
+                ctx.failures.append(_Failure(exc, task, b, thread, ctx.iteration))
+            ctx.position[thread] = ThreadPosition("failed", task=task)
+        self._abort(ctx, f"{describe(task, b, thread, ctx.iteration)} failed: {exc!r}")
+
+    def _abort(self, ctx: _IterationContext, reason: str) -> None:
+        for latch in ctx.latches.values():
+            latch.set(LatchState.FAILED)
+        for group, _ in ctx.program.tickets:
+            self._turnstile(group).fail(reason)
+
+    def _pass_ticket(self, group: str | None, ticket: int) -> None:
+        """Take ``ticket``'s turn without running anything (its task already ran)."""
+        turnstile = self._turnstile(group or "")
+        turnstile.acquire(ticket, self.timeout_s)
+        turnstile.release(ticket)
+
+    def _run_ticketed(
+        self, instr: Run | RunAction, b: int, ctx: _IterationContext, group: str | None, ticket: int
+    ) -> None:
+        turnstile = self._turnstile(group or "")
+        turnstile.acquire(ticket, self.timeout_s)
+        try:
+            if isinstance(instr, Run):
+                self._run_one(instr, b, ctx)
+            else:
+                self._run_action(instr, ctx)
+        except BaseException:
+            task = instr.task if isinstance(instr, Run) else instr.action
+            turnstile.fail(f"{describe(task, b, threading.current_thread().name, ctx.iteration)} failed")
+            raise
+        turnstile.release(ticket)
+
+    def _worker(self, group: str) -> _Worker:
+        w = self._workers.get(group)
+        if w is None or not w.thread.is_alive():
+            w = self._workers[group] = _Worker(f"{self.name}-{group}", self.streams)
+        return w
+
+    def _turnstile(self, group: str) -> Turnstile:
+        t = self._turnstiles.get(group)
+        if t is None:
+            t = self._turnstiles[group] = Turnstile(group)
+        return t
+
+    def _annotate(self, exc: BaseException, f: _Failure) -> None:
+        if getattr(exc, "swp_task", None) is not None:
+            return
+        exc.swp_task, exc.swp_batch, exc.swp_thread, exc.swp_iteration = f.task, f.batch, f.thread, f.iteration  # type: ignore[attr-defined]
+        exc.add_note(f"torchrec_swp: {self._describe(f)}")
+
+    # ------------------------------------------------- what a subclass runs
+    def _run_one(self, instr: Run, b: int, ctx: _IterationContext) -> None:
+        raise EngineError(f"{type(self).__name__} runs no plan task: cannot run `{instr}`")
+
+    def _run_action(self, instr: RunAction, ctx: _IterationContext) -> None:
+        raise EngineError(f"{type(self).__name__} runs no pipeline-parallel action: cannot run `{instr}`")
+
+    def _run_alias(self, instr: Alias, b: int) -> None:
+        raise EngineError(f"{type(self).__name__} runs no plan task: cannot run `{instr}`")
+
+    def _device_sync(self, instr: WaitStream | RecordEvent, p: int) -> None:
+        raise EngineError(f"{type(self).__name__} has no device syncs between plan tasks: cannot run `{instr}`")
+
+    def _describe(self, f: _Failure) -> str:
+        return describe(f.task, f.batch, f.thread, f.iteration)
+
+    def _timeout_report(self, ctx: _IterationContext) -> str:
+        lines = [f"iteration {ctx.iteration} did not finish within {self.timeout_s:.1f}s"]
+        for thread, _ in ctx.program.threads:
+            lines.append(f"  thread {thread!r}: {ctx.position.get(thread, _NOT_STARTED)}")
+        return "\n".join(lines)
+
+
+class Engine(Interpreter):
     """Interprets a plan's compiled programs. One Engine per pipeline instance."""
 
     def __init__(
@@ -270,21 +489,12 @@ class Engine:
         extra = [t for t in bindings if t not in tasks]
         if extra:
             raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         for name_, fn in bindings.items():
             if not callable(fn):
                 raise TypeError(f"the function bound to task {name_} is not callable: {fn!r}")
-        self.streams: StreamPool = streams if streams is not None else NullStreamPool()
         self.device_type = device_type
-        self.timeout_s = float(timeout_s)
-        self.name = name
         self.slots: dict[int, dict[str, Any]] = {}
-        self._workers: dict[str, _Worker] = {}
-        self._turnstiles: dict[str, Turnstile] = {}
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
-        self._observer: Observer | None = None
-        self._labels = False
         self.ledger = BatchLedger()
         self._epoch_serial = 0
         self.epoch = Epoch()
@@ -502,10 +712,6 @@ class Engine:
         reason = "left in flight: the plan stopped at the end of data" if self.epoch.stopped else "in flight"
         return [*self.ledger.dropped, *((self._epoch_serial + b, reason) for b in self.in_flight())]
 
-    def close(self) -> None:
-        """Stop the worker threads (idempotent)."""
-        self._finalizer()
-
     # ------------------------------------------------------------------- step
     def step(self) -> Any:
         while True:
@@ -648,109 +854,14 @@ class Engine:
             signalled = frozenset(i.task for _, instrs in program.threads for i in instrs if isinstance(i, Signal))
             self._signalled[id(program)] = signalled
         ctx = _IterationContext(p, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled(), epoch.resume)
-        for group, _ in program.tickets:
-            self._turnstile(group).restart()
-        workers = [(g, instrs) for g, instrs in program.threads if g != MAIN_THREAD and instrs]
-        for group, instrs in workers:
-            worker = self._worker(group)
-            worker.inbox.put(lambda g=group, i=instrs: self._worker_job(g, i, ctx))
-        self._interpret(MAIN_THREAD, program.instructions(MAIN_THREAD), ctx)
-        deadline = time.monotonic() + self.timeout_s
-        for _ in workers:
-            try:
-                ctx.done.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self._abort(ctx, "timeout")
-                cause = ctx.failures[0].exc if ctx.failures else None
-                raise EngineTimeout(self._timeout_report(ctx)) from cause
+        self._execute(ctx)
         if ctx.failures:
             epoch.resume = ctx.skip | ctx.completed
-            first = ctx.failures[0]
-            for other in ctx.failures[1:]:
-                first.exc.add_note(f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}")
-            self._annotate(first.exc, first)
-            raise first.exc
+            raise self._first_failure(ctx)
         if ctx.stopped:
             epoch.resume = ctx.skip | ctx.completed
             raise StopIteration
         epoch.resume = frozenset()
-
-    def _worker_job(self, group: str, instrs: tuple[Instr, ...], ctx: _IterationContext) -> None:
-        try:
-            with torch.set_grad_enabled(ctx.grad_enabled):
-                self._interpret(group, instrs, ctx)
-        finally:
-            ctx.done.put(group)
-
-    def _interpret(self, thread: str, instrs: tuple[Instr, ...], ctx: _IterationContext) -> None:
-        p = ctx.iteration
-        task, b, at = "-", p, 0
-        try:
-            for at, instr in enumerate(instrs):
-                ctx.position[thread] = ThreadPosition("at", instr)
-                match instr:
-                    case Run(task=task, stage=stage, ticket=ticket, comm_group=group):
-                        b = p - stage
-                        if task in ctx.skip:
-                            # it ran before a failure or stop: its collective was issued then, but
-                            # its ticket in this (restarted) numbering must still be passed on
-                            if ticket is not None:
-                                self._pass_ticket(group, ticket)
-                            continue
-                        if ticket is None:
-                            self._run_one(instr, b, ctx)
-                        else:
-                            self._run_ticketed(instr, b, ctx, group, ticket)
-                        with ctx.lock:
-                            ctx.completed.add(task)
-                    case Alias(task=task, stage=stage):
-                        b = p - stage
-                        if b < self.epoch.loaded and task not in ctx.skip:
-                            self._alias_invoker(instr)(b)
-                    case WaitTask(task=producer):
-                        task = f"wait {producer}"
-                        if self._observer is None:
-                            ctx.latches[producer].wait(producer, self.timeout_s)
-                        else:
-                            start = time.perf_counter()
-                            ctx.latches[producer].wait(producer, self.timeout_s)
-                            self._observer.on_wait(producer, thread, p, start, time.perf_counter())
-                    case Signal(task=producer):
-                        ctx.latches[producer].set()
-                    case WaitStream(stream=stream, task=producer, distance=k, consumer_stage=cs):
-                        event = self._events.get((producer, p - cs - k))
-                        if event is not None:
-                            self.streams.wait(stream, event)
-                    case RecordEvent(task=producer, stream=stream, stage=stage):
-                        if p - stage < self.epoch.loaded:  # not for a batch that was never loaded
-                            self._events[(producer, p - stage)] = self.streams.record(stream)
-                    case _:
-                        raise EngineError(f"unknown instruction {instr!r}")
-            ctx.position[thread] = ThreadPosition("finished")
-        except _Stopped:
-            # the tasks left on this thread are cancelled: let whoever waits on them stop too
-            for rest in instrs[at:]:
-                if isinstance(rest, Signal):
-                    ctx.latches[rest.task].set(LatchState.STOPPED)
-            ctx.position[thread] = ThreadPosition("stopped")
-        except BaseException:
-            self._record_failure(ctx, thread, task, b)
-
-    def _record_failure(self, ctx: _IterationContext, thread: str, task: str, b: int) -> None:
-        exc = sys.exc_info()[1]
-        assert exc is not None
-        with ctx.lock:
-            secondary = isinstance(exc, (TaskAborted, CollectiveAborted)) and ctx.failures
-            if not secondary:
-                ctx.failures.append(_Failure(exc, task, b, thread, ctx.iteration))
-            ctx.position[thread] = ThreadPosition("failed", task=task)
-        self._abort(ctx, f"{describe(task, b, thread, ctx.iteration)} failed: {exc!r}")
-
-    def _abort(self, ctx: _IterationContext, reason: str) -> None:
-        for latch in ctx.latches.values():
-            latch.set(LatchState.FAILED)
-        for group, _ in ctx.program.tickets:
-            self._turnstile(group).fail(reason)
 
     def _run_one(self, instr: Run, b: int, ctx: _IterationContext) -> None:
         invoke = self._invokers[instr.task]
@@ -785,21 +896,17 @@ class Engine:
         except StopIteration as e:
             raise RuntimeError(f"task {instr.task} raised StopIteration") from e
 
-    def _pass_ticket(self, group: str | None, ticket: int) -> None:
-        """Take ``ticket``'s turn without running anything (its task already ran)."""
-        turnstile = self._turnstile(group or "")
-        turnstile.acquire(ticket, self.timeout_s)
-        turnstile.release(ticket)
+    def _run_alias(self, instr: Alias, b: int) -> None:
+        if b < self.epoch.loaded:
+            self._alias_invoker(instr)(b)
 
-    def _run_ticketed(self, instr: Run, b: int, ctx: _IterationContext, group: str | None, ticket: int) -> None:
-        turnstile = self._turnstile(group or "")
-        turnstile.acquire(ticket, self.timeout_s)
-        try:
-            self._run_one(instr, b, ctx)
-        except BaseException:
-            turnstile.fail(f"{describe(instr.task, b, threading.current_thread().name, ctx.iteration)} failed")
-            raise
-        turnstile.release(ticket)
+    def _device_sync(self, instr: WaitStream | RecordEvent, p: int) -> None:
+        if isinstance(instr, WaitStream):
+            event = self._events.get((instr.task, p - instr.consumer_stage - instr.distance))
+            if event is not None:
+                self.streams.wait(instr.stream, event)
+        elif p - instr.stage < self.epoch.loaded:  # not for a batch that was never loaded
+            self._events[(instr.task, p - instr.stage)] = self.streams.record(instr.stream)
 
     # ---------------------------------------------------------------- helpers
     def _alias_invoker(self, instr: Alias) -> Invoker:
@@ -860,18 +967,6 @@ class Engine:
 
         return invoke_many
 
-    def _worker(self, group: str) -> _Worker:
-        w = self._workers.get(group)
-        if w is None or not w.thread.is_alive():
-            w = self._workers[group] = _Worker(f"{self.name}-{group}", self.streams)
-        return w
-
-    def _turnstile(self, group: str) -> Turnstile:
-        t = self._turnstiles.get(group)
-        if t is None:
-            t = self._turnstiles[group] = Turnstile(group)
-        return t
-
     def _forget_events(self, p: int) -> None:
         if not self._events:
             return
@@ -879,11 +974,8 @@ class Engine:
         for key in [k for k in self._events if k[1] < horizon]:
             del self._events[key]
 
-    def _annotate(self, exc: BaseException, f: _Failure) -> None:
-        if getattr(exc, "swp_task", None) is not None:
-            return
-        exc.swp_task, exc.swp_batch, exc.swp_thread, exc.swp_iteration = f.task, f.batch, f.thread, f.iteration  # type: ignore[attr-defined]
-        exc.add_note(f"torchrec_swp: {describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}")
+    def _describe(self, f: _Failure) -> str:
+        return f"{describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}"
 
     def _timeout_report(self, ctx: _IterationContext) -> str:
         lines = [f"internal iteration {ctx.iteration} of plan {self.plan.name} did not finish within {self.timeout_s:.1f}s"]

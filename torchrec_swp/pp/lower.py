@@ -9,7 +9,7 @@ the engine's existing ``wait``/``signal`` instructions, keyed by action text. Ru
      one thread, each channel keeps its issue order (``validate`` rule 7).
   2. A data dependency between actions on two threads becomes ``signal X`` right after the
      producer ``X`` and ``wait X`` right before the consumer: a send waits for its compute,
-     a compute for its receive (``run 1RF3`` stands for "receive and wait until it landed"),
+     a compute for its receive (``run 1RF3`` posts the receive; its consumer awaits the data),
      ``G`` for the stage's last ``B``/``W``, ``O`` for ``G``.
   3. A wait already implied by an earlier wait on the same thread (for a later action of the
      producer's thread) is left out; actions nobody waits for signal nothing.
@@ -17,19 +17,24 @@ the engine's existing ``wait``/``signal`` instructions, keyed by action text. Ru
      whatever compute the program put before it (the comm thread's order is its posting
      order); a program's own ``RF``/``RB`` placement matters only for the receive thread.
 
-``run 0F3`` is ``RunAction``, the one IR addition this needs (compile/program.py's ``Run`` runs
-a plan task for batch ``P - stage``; a PP action names its stage and microbatch itself): see
-``RunAction``. ``replay`` runs the lowered threads in a tiny interpreter (receives land at
-once) and returns the order actions ran in, or raises PPError when a thread would block
-forever: the check that lowering keeps every dependency and adds no deadlock within a rank.
+  5. Collectives take tickets: actions whose kind ``comm_groups`` maps to a group (default: ``G``
+     on ``"dp"``) are numbered in program order, ``run 0G #0@dp``, when that group's actions
+     run on more than one thread (one thread already issues them in program order; the plan
+     compiler's rule). The engine's turnstile then makes every rank issue them in that order.
+
+``run 0F3`` is ``compile.program.RunAction``, the one IR addition this needs (``Run`` runs a
+plan task for batch ``P - stage``; a PP action names its stage and microbatch itself); the
+engine that runs it is ``torchrec_swp.engine.ProgramEngine`` (``run_program``). ``replay`` runs
+the lowered threads in a tiny interpreter (receives land at once) and returns the order actions
+ran in, or raises PPError when a thread would block forever: the check that lowering keeps every
+dependency and adds no deadlock within a rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
-from torchrec_swp.compile.program import IterationProgram, Signal, WaitTask
+from torchrec_swp.compile.program import Instr, IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.pp.actions import P2P, RB, RF, WEIGHT_GRAD, Action, B, E, F, G, I, Kind, Program
 from torchrec_swp.pp.errors import PPError
@@ -37,16 +42,12 @@ from torchrec_swp.pp.errors import PPError
 COMM_THREAD = "comm"
 
 
-@dataclass(frozen=True, slots=True)
-class RunAction:
-    """Proposed engine instruction: call the binding of ``action.kind`` with
-    ``(action.stage, action.microbatch)``; when done, the action's text is its completion key
-    (what ``wait``/``signal`` name). Roughly: ``run 0F3`` = "forward stage 0, microbatch 3"."""
+DEFAULT_COMM_GROUPS: Mapping[str, str] = {"G": "dp"}
 
-    action: Action
 
-    def __str__(self) -> str:
-        return f"run {self.action}"
+def run_action(a: Action, ticket: int | None = None, comm_group: str | None = None) -> RunAction:
+    """The engine instruction of ``a``: ``run 0F3``; roughly, "forward stage 0, microbatch 3"."""
+    return RunAction(str(a), a.kind.value, a.stage, a.microbatch, ticket, comm_group)
 
 
 def default_threads(a: Action) -> str:
@@ -55,10 +56,15 @@ def default_threads(a: Action) -> str:
 
 
 def lower_rank(
-    program: Program, rank: int, threads: Mapping[str, str] | Callable[[Action], str] | None = None
+    program: Program,
+    rank: int,
+    threads: Mapping[str, str] | Callable[[Action], str] | None = None,
+    *,
+    comm_groups: Mapping[str, str] = DEFAULT_COMM_GROUPS,
 ) -> IterationProgram:
-    """Per-thread instructions for ``rank`` (module rules 1-4). ``threads``: a callable, or a
-    mapping from kind text (``"SF"``, ``"G"``...) to thread name (unlisted kinds: default)."""
+    """Per-thread instructions for ``rank`` (module rules 1-5). ``threads``: a callable, or a
+    mapping from kind text (``"SF"``, ``"G"``...) to thread name (unlisted kinds: default).
+    ``comm_groups``: kind text -> comm group of its collectives (rule 5)."""
     if not 0 <= rank < program.num_ranks:
         raise PPError(f"rank {rank} does not exist (the program has {program.num_ranks} ranks)", rank=rank)
     if threads is None:
@@ -88,16 +94,26 @@ def lower_rank(
             covered[(t, u)] = position[p]
             waits.setdefault(a, []).append(p)
             signalled.add(p)
-    per_thread: dict[str, list[object]] = {t: [] for t in count}
+    members: dict[str, list[Action]] = {}  # comm group -> its actions, in program order
+    for a in actions:
+        group = comm_groups.get(a.kind.value)
+        if group is not None:
+            members.setdefault(group, []).append(a)
+    ticketed: dict[Action, tuple[int, str]] = {}
+    tickets: list[tuple[str, int]] = []
+    for group, acts in members.items():
+        if len({where[a][0] for a in acts}) > 1:
+            ticketed.update({a: (k, group) for k, a in enumerate(acts)})
+            tickets.append((group, len(acts)))
+    per_thread: dict[str, list[Instr]] = {t: [] for t in count}
     for a in actions:
         instrs = per_thread[where[a][0]]
         instrs += [WaitTask(str(p)) for p in waits.get(a, ())]
-        instrs.append(RunAction(a))
+        instrs.append(run_action(a, *ticketed.get(a, (None, None))))
         if a in signalled:
             instrs.append(Signal(str(a)))
     return IterationProgram(
-        program.stages_of(rank),
-        tuple((t, tuple(instrs)) for t, instrs in per_thread.items()),  # type: ignore[misc]
+        program.stages_of(rank), tuple((t, tuple(instrs)) for t, instrs in per_thread.items()), tuple(tickets)
     )
 
 
@@ -147,7 +163,7 @@ def replay(lowered: IterationProgram) -> list[str]:
                 elif isinstance(i, Signal):
                     done.add(i.task)
                 elif isinstance(i, RunAction):
-                    ran.append(str(i.action))
+                    ran.append(i.action)
                 else:
                     raise PPError(f"unknown instruction {i!r} on thread {t}")
                 pcs[t] += 1

@@ -1,0 +1,222 @@
+"""Pipeline-parallel programs on the engine: one rank's optimizer step is one IterationProgram.
+
+``torchrec_swp.pp.lower.lower_rank`` turns one rank's actions (``0F3``, ``1RB0``, ``0G``...)
+into an ``IterationProgram`` whose work instructions are ``run 0F3`` (``RunAction``) and whose
+cross-thread dependencies are the ``wait``/``signal`` pairs plan programs use, keyed by the
+action's text. ``ProgramEngine.run_program`` runs such a program once, with the interpreter,
+latches, turnstiles, workers, failure and timeout handling of the plan ``Engine``
+(``executor.Interpreter``).
+
+Bindings: ``actions`` maps an action kind (``"F"``, ``"B"``, ``"SF"``, ``"RB"``, ``"G"``, ...) to
+``fn(stage, microbatch)`` (``microbatch`` is None for ``G`` and ``O``). Where an action's kind runs
+(which thread) is the program's; what it does is the binding's. A ``run 0G #k@dp`` holds ticket
+``k`` of comm group ``dp``: every rank issues that group's collectives in ticket order whatever
+thread runs them.
+
+Checks before anything runs (``EngineError`` naming the culprit): only ``run``/``wait``/``signal``
+instructions, every kind bound, every ``wait`` has its ``signal`` on another thread, no action
+twice, tickets numbered ``0..n-1`` per comm group as ``program.tickets`` says.
+
+Failures: an exception in any action on any thread aborts the step: every waiting thread wakes
+(``TaskAborted``), later tickets fail (``CollectiveAborted``) until ``reset()``, every worker
+returns to idle, and ``run_program`` re-raises the first exception, of its own type, with a
+note naming action, microbatch, thread and step (attributes ``swp_task`` = the action's text,
+``swp_batch`` = its microbatch or -1, ``swp_thread``, ``swp_iteration`` = the step). Every
+blocking wait of the engine honours ``timeout_s``; a timeout reports what each thread is at and
+the program with those instructions marked. A binding that blocks inside a library call (a
+receive whose sender died) is bounded by that library's own timeout, not the engine's: bindings
+that wait on the network should pass ``timeout_s`` on (``torchrec_swp.integrations.torchrec.maglev``
+does).
+
+Device streams: every action runs on its thread's current stream. On CUDA that is correct
+without events: a collective or P2P call orders itself after the work already queued on the
+issuing thread's current stream, and the ``wait``/``signal`` pairs order the issuing. Actions on
+named side streams (and the events between them) are not supported yet.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torchrec_swp.compile import IterationProgram, RunAction, Signal, WaitTask
+from torchrec_swp.engine.errors import EngineError
+from torchrec_swp.engine.executor import (
+    DEFAULT_TIMEOUT_S,
+    Interpreter,
+    Observer,
+    _Failure,
+    _IterationContext,
+    _Latch,
+)
+from torchrec_swp.engine.streams import StreamPool
+from torchrec_swp.plan import MAIN_THREAD
+
+ActionBinding = Callable[[int, "int | None"], Any]
+
+
+class ProgramEngine(Interpreter):
+    """Runs one rank's pipeline-parallel programs (module docstring). One per rank and pipeline."""
+
+    def __init__(
+        self,
+        actions: Mapping[str, ActionBinding],
+        *,
+        streams: StreamPool | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str = "pp",
+    ) -> None:
+        super().__init__(streams=streams, timeout_s=timeout_s, name=name)
+        for kind, fn in actions.items():
+            if not callable(fn):
+                raise TypeError(f"the function bound to action kind {kind!r} is not callable: {fn!r}")
+        self._actions = dict(actions)
+        self._bound: dict[str, ActionBinding] = dict(actions)
+        self._checked: dict[int, tuple[IterationProgram, frozenset[str]]] = {}
+        #: programs run so far (the step number in reports and notes)
+        self.steps = 0
+
+    def instrument(self, observer: Observer | None = None) -> None:
+        """Attach (or, with no argument, detach) an observer: it gets every action as
+        ``on_run(action, microbatch, thread, step, start, end)``, every cross-thread wait and every
+        step (``on_iteration``), timed with ``time.perf_counter()``."""
+        self._observer = observer
+        self._bound = (
+            dict(self._actions) if observer is None else {k: self._timed(k, fn) for k, fn in self._actions.items()}
+        )
+
+    def reset(self) -> None:
+        """Clear a failure: collectives may be issued again (after the caller has made sure every
+        rank agrees on where the failed step left them)."""
+        for t in self._turnstiles.values():
+            t.clear_failure()
+
+    # ------------------------------------------------------------------- run
+    def run_program(self, program: IterationProgram) -> None:
+        """Run every thread of ``program`` once (one optimizer step of one rank)."""
+        signalled = self._check(program)
+        step = self.steps
+        self.steps += 1
+        ctx = _IterationContext(step, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled())
+        start = time.perf_counter() if self._observer is not None else 0.0
+        self._execute(ctx)
+        if ctx.failures:
+            raise self._first_failure(ctx)
+        if self._observer is not None:
+            self._observer.on_iteration(step, start, time.perf_counter())
+
+    def _run_action(self, instr: RunAction, ctx: _IterationContext) -> None:
+        try:
+            self._bound[instr.kind](instr.stage, instr.microbatch)
+        except StopIteration as e:  # would end a generator somewhere up the stack silently
+            raise RuntimeError(f"action {instr.action} raised StopIteration") from e
+
+    def _timed(self, kind: str, fn: ActionBinding) -> ActionBinding:
+        def timed(stage: int, microbatch: int | None) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(stage, microbatch)
+            finally:
+                observer = self._observer
+                if observer is not None:
+                    action = f"{stage}{kind}{'' if microbatch is None else microbatch}"
+                    mb = -1 if microbatch is None else microbatch
+                    observer.on_run(action, mb, self._thread_group(), self.steps - 1, start, time.perf_counter())
+
+        return timed
+
+    def _thread_group(self) -> str:
+        name = threading.current_thread().name
+        prefix = f"{self.name}-"
+        workers = {w.thread for w in self._workers.values()}
+        if threading.current_thread() in workers and name.startswith(prefix):
+            return name[len(prefix) :]
+        return MAIN_THREAD
+
+    # ---------------------------------------------------------------- checks
+    def _check(self, program: IterationProgram) -> frozenset[str]:
+        """The keys signalled in ``program``, after the checks of the module docstring (once per
+        program object)."""
+        cached = self._checked.get(id(program))
+        if cached is not None and cached[0] is program:
+            return cached[1]
+        if not isinstance(program, IterationProgram):
+            raise TypeError(f"run_program takes an IterationProgram, got {type(program).__name__}")
+        signals: dict[str, str] = {}
+        waits: list[tuple[str, str]] = []
+        actions: set[str] = set()
+        tickets: dict[str, list[int]] = {}
+        for thread, instrs in program.threads:
+            for i in instrs:
+                match i:
+                    case RunAction(action=a, kind=kind, ticket=ticket, comm_group=group):
+                        if kind not in self._actions:
+                            raise EngineError(
+                                f"no function bound to action kind {kind!r} (`{i}` on thread {thread!r}); "
+                                f"bound: {', '.join(sorted(self._actions)) or 'none'}"
+                            )
+                        if a in actions:
+                            raise EngineError(f"action {a} appears twice in the program (thread {thread!r})")
+                        actions.add(a)
+                        if ticket is not None:
+                            tickets.setdefault(group or "", []).append(ticket)
+                    case Signal(task=key):
+                        if key in signals:
+                            raise EngineError(f"{key} is signalled twice (threads {signals[key]!r} and {thread!r})")
+                        signals[key] = thread
+                    case WaitTask(task=key):
+                        waits.append((thread, key))
+                    case _:
+                        raise EngineError(
+                            f"{type(self).__name__} runs `run <action>`, `wait` and `signal` only; "
+                            f"got `{i}` on thread {thread!r}"
+                        )
+        for thread, key in waits:
+            if key not in signals:
+                raise EngineError(
+                    f"`wait {key}` on thread {thread!r} has no `signal {key}`: it would block until the timeout"
+                )
+            if signals[key] == thread:
+                raise EngineError(f"`wait {key}` on thread {thread!r} waits for its own thread's signal")
+        declared = dict(program.tickets)
+        for group, numbers in tickets.items():
+            if sorted(numbers) != list(range(declared.get(group, -1))):
+                raise EngineError(
+                    f"comm group {group!r}: tickets {sorted(numbers)} but the program declares "
+                    f"{declared.get(group, 0)} (they must be numbered 0..n-1)"
+                )
+        signalled = frozenset(signals)
+        self._checked[id(program)] = (program, signalled)
+        return signalled
+
+    # --------------------------------------------------------------- reports
+    def _describe(self, f: _Failure) -> str:
+        mb = "" if f.batch < 0 else f", microbatch {f.batch}"
+        return f"action {f.task}{mb} on thread {f.thread!r}, step {f.iteration} of {self.name}"
+
+    def _timeout_report(self, ctx: _IterationContext) -> str:
+        lines = [f"step {ctx.iteration} of {self.name} did not finish within {self.timeout_s:.1f}s"]
+        at: dict[str, Any] = {}
+        for thread, _ in ctx.program.threads:
+            pos = ctx.position.get(thread)
+            lines.append(f"  thread {thread!r}: {pos if pos is not None else 'not started'}")
+            if pos is not None and pos.state == "at":
+                at[thread] = pos.instr
+            elif pos is not None and pos.state == "failed":  # where it failed: the wait or the action
+                instrs = ctx.program.instructions(thread)
+                at[thread] = next((i for i in instrs if pos.task in (str(i), getattr(i, "action", None))), None)
+        for group, t in self._turnstiles.items():
+            lines.append(f"  comm group {group!r}: next ticket {t.next_ticket}, waiting {t.waiting or 'none'}")
+        lines.append("the program, where each thread is (or failed) marked '>':")
+        for thread, instrs in ctx.program.threads:
+            lines.append(f"thread {thread}:")
+            marked = False
+            for i in instrs:
+                here = not marked and thread in at and i == at[thread]
+                marked = marked or here
+                lines.append(f"{'> ' if here else '  '}{i}")
+        return "\n".join(lines)
