@@ -4,32 +4,44 @@ durations. The test oracle (no deadlock, no race) and the auto-scheduler's cost 
 * ``simulate(plan_or_compiled, durations, num_batches)`` -> ``SimResult`` (timeline, makespan,
   steady iteration time, busy time per lane, text and Chrome-trace renderings).
 * ``simulate_programs(plan, phases, durations)`` replays hand-written programs.
+* ``simulate_ranks([Rank(plan, durations), ...], num_batches, cores=2)`` replays several ranks
+  at once: collectives as rendezvous across ranks, threads sharing the machine's cores
+  (``torchrec_swp.sim.ranks``); ``calibrate`` turns measured runs of each rank into its costs.
 * ``check_happens_before`` / ``find_races`` verify that the program enforces every dependency.
 """
 
+from torchrec_swp.sim.calibrate import Calibration, RankCosts, calibrate
 from torchrec_swp.sim.checks import check_happens_before, find_races
 from torchrec_swp.sim.device import Submission, replay_streams
 from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import Blocked, Race, SimDeadlock, SimError, SimRace
+from torchrec_swp.sim.ranks import Rank, RanksResult, simulate_rank_programs, simulate_ranks
 from torchrec_swp.sim.result import Interval, IterationSpan, SimResult, Step
 from torchrec_swp.sim.simulator import simulate, simulate_programs, validate_programs
 
 __all__ = [
     "Blocked",
+    "Calibration",
     "Durations",
     "Interval",
     "IterationSpan",
     "Race",
+    "Rank",
+    "RankCosts",
+    "RanksResult",
     "SimDeadlock",
     "SimError",
     "SimRace",
     "SimResult",
     "Step",
     "Submission",
+    "calibrate",
     "check_happens_before",
     "find_races",
     "replay_streams",
     "simulate",
     "simulate_programs",
+    "simulate_rank_programs",
+    "simulate_ranks",
     "validate_programs",
 ]

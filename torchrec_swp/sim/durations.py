@@ -30,11 +30,17 @@ def cpu_time(durations: Durations, task: str, batch: int, where: str) -> float:
 def device_time(durations: Durations | None, task: str, batch: int, where: str) -> float:
     """Device time of ``task`` on ``batch``: 0 when the task submits no device work (no table,
     or a mapping that does not name it)."""
+    return optional_time(durations, task, batch, where, "device")
+
+
+def optional_time(durations: Durations | None, task: str, batch: int, where: str, kind: str) -> float:
+    """A time of ``task`` on ``batch`` that tasks may lack: 0 with no table, or a mapping that
+    does not name the task. ``kind`` names the table in errors ("device", "off-CPU")."""
     if durations is None:
         return 0.0
     if isinstance(durations, Mapping):
-        return _checked(durations[task], "device", task, batch, where) if task in durations else 0.0
-    return _checked(durations(task, batch), "device", task, batch, where)
+        return _checked(durations[task], kind, task, batch, where) if task in durations else 0.0
+    return _checked(durations(task, batch), kind, task, batch, where)
 
 
 def _checked(value: object, kind: str, task: str, batch: int, where: str) -> float:

@@ -21,10 +21,12 @@ class Blocked:
     index: int  # position of the instruction in the thread's program for that iteration
     instruction: str
     reason: str
+    rank: int | None = None  # set by the multi-rank simulator (``simulate_ranks``)
 
     def __str__(self) -> str:
+        who = f"rank {self.rank} " if self.rank is not None else ""
         return (
-            f"thread {self.thread!r} (internal iteration {self.iteration}, instruction {self.index}) "
+            f"{who}thread {self.thread!r} (internal iteration {self.iteration}, instruction {self.index}) "
             f"blocked on `{self.instruction}`: {self.reason}"
         )
 

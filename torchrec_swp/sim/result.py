@@ -133,6 +133,27 @@ class SimResult:
         return max(cpu, overall) / (last - first)
 
     @property
+    def steady_periods(self) -> tuple[float, ...]:
+        """Per steady iteration ``P``: ``end(P) - end(P')``, ``P'`` the iteration before it in the
+        run (the start of the run for the first), as in the module docstring."""
+        steady = set(self.steady_iterations)
+        spans = self.iterations
+        return tuple(
+            s.end - (spans[k - 1].end if k else 0.0) for k, s in enumerate(spans) if s.iteration in steady
+        )
+
+    @property
+    def median_iteration_time(self) -> float | None:
+        """The median of ``steady_periods`` (None without a steady iteration): with per-batch
+        durations drawn at random, the figure to compare with a measured median step time
+        (``steady_iteration_time`` is a slope, i.e. a mean)."""
+        periods = sorted(self.steady_periods)
+        if not periods:
+            return None
+        n = len(periods)
+        return periods[n // 2] if n % 2 else (periods[n // 2 - 1] + periods[n // 2]) / 2
+
+    @property
     def lanes(self) -> tuple[str, ...]:
         """CPU lanes in thread order, then stream lanes in order of first work."""
         streams = dict.fromkeys(i.lane for i in self.timeline if not i.lane.startswith("cpu:"))

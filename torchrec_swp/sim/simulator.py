@@ -276,6 +276,12 @@ class _Replay:
                 d = device_time(self.device_durations, task, b, where) if admitted else 0.0
                 if d > 0:
                     self._submit(step, "work", self.stream[task], task, b, d)
+            case _:
+                self._execute_sync(thread, lane, p, index, instr, where)
+
+    def _execute_sync(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr, where: str) -> None:
+        """Execute an instruction that is not a run (it takes no CPU time) when the lane is at it."""
+        match instr:
             case WaitTask(task=task):
                 signal = self.signals[(p, task)]
                 b = p - self.stage[task]

@@ -1,0 +1,255 @@
+"""Calibration: the costs of each rank's tasks, from measured runs of every rank.
+
+Input: for each rank, the iterations a ``TaskProfiler`` recorded (``profiler.records``: objects
+with ``iteration``, ``start``, ``end`` and ``runs``, each run with ``task``, ``batch``,
+``thread``, ``start``, ``end``, in ``time.perf_counter()`` seconds - one clock for every
+process of a Linux machine, so the ranks' runs line up). Only *complete* iterations count (every
+task the plan runs in the steady state ran once), after ``warmup`` of them, and only those
+complete on every rank (matched by internal iteration number). Per iteration and task, on each
+rank:
+
+* measured: ``w = end - start``;
+* a **collective** (a task with a comm group; with two or more ranks): its own part is what it
+  took after the last rank arrived, ``d = end - max over ranks of start`` (the simulator adds the
+  rendezvous wait back); anything else: ``d = w``;
+* **off-CPU**: ``off_cpu[task]`` seconds of ``d`` (at most ``d``) that need no core - what the
+  caller knows, e.g. the loader's configured latency in the source task; the rest is CPU work;
+* **contention** (with ``cores``): the CPU part ran while the other runnable runs of every rank
+  on the machine (each from ``start + off`` to ``start + d``), plus ``background`` threads,
+  shared ``cores`` cores; its work is the integral of ``min(1, cores / runnable)`` over it, so
+  that ``simulate_ranks(..., cores=cores)`` stretches it back by as much.
+
+Tasks that do not run in the steady state (``when`` first, fill, last) cost the median of
+their recorded runs (0 if none ran).
+
+``RankCosts.rank(mode)`` gives a rank's ``sim.Rank``:
+
+* ``mode="median"``: every task costs its median (the ``Profile.durations()`` model);
+* ``mode="replay"``: the measured iterations in the order they ran, over and over: internal
+  iteration ``P`` of the simulation costs what the ``(P - first) mod n``-th measured one cost
+  (``first``: the number of the first measured iteration, ``n`` of them) - measured iteration
+  ``P`` itself when the measured ones are consecutive and include ``P``;
+* ``mode="resample"``: the same with the measured iteration drawn at random (seeded).
+
+In the last two, every task of an iteration and every rank take the same measured iteration:
+a step's tasks and the ranks stay as correlated as they were (a slow step is slow everywhere),
+and the median of the simulated steps estimates the measured median step. The sum of medians
+underestimates it when task times are right-skewed, as they are on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.sim.durations import Durations
+from torchrec_swp.sim.errors import SimError
+from torchrec_swp.sim.ranks import Rank
+
+Mode = Literal["median", "replay", "resample"]
+
+
+class RunLike(Protocol):
+    task: str
+    batch: int
+    thread: str
+    start: float
+    end: float
+
+
+class IterationLike(Protocol):
+    iteration: int
+    start: float
+    end: float
+    runs: Sequence[Any]
+
+
+@dataclass(frozen=True)
+class RankCosts:
+    """One rank's calibrated costs: per measured iteration (numbers in ``iterations``),
+    ``(cpu, off)`` seconds per task; ``once``: the tasks that do not run in the steady state,
+    with their cost; ``overhead``: the per-iteration overhead to simulate on the calling thread."""
+
+    plan: PipelinePlan
+    iterations: tuple[int, ...]
+    samples: tuple[Mapping[str, tuple[float, float]], ...]
+    once: Mapping[str, float]
+    overhead: float = 0.0
+
+    def medians(self) -> tuple[dict[str, float], dict[str, float]]:
+        """``(cpu, off)``: the median of each part of every task."""
+        cpu = {t: statistics.median(s[t][0] for s in self.samples) for t in self.samples[0]}
+        off = {t: statistics.median(s[t][1] for s in self.samples) for t in self.samples[0]}
+        return {**cpu, **self.once}, off
+
+    def measured(self) -> dict[str, float]:
+        """The median of each task's calibrated duration (CPU + off-CPU, without rendezvous waits)."""
+        return {t: statistics.median(sum(s[t]) for s in self.samples) for t in self.samples[0]}
+
+    def durations(self, mode: Mode = "resample", seed: int = 0) -> tuple[Durations, Durations]:
+        """``(cpu, off_cpu)`` duration tables for the simulator (module docstring)."""
+        if mode == "median":
+            return self.medians()
+        if mode not in ("replay", "resample"):
+            raise ValueError(f"mode must be 'median', 'replay' or 'resample', got {mode!r}")
+        stage = {t: s.stage for t, s in self.plan.schedule.items()}
+        samples, once, n = self.samples, self.once, len(self.samples)
+        first = self.iterations[0]
+        draw = (lambda p: (p - first) % n) if mode == "replay" else (lambda p: _draw(seed, p, n))
+
+        def pick(task: str, batch: int) -> tuple[float, float] | None:
+            if task in once:
+                return None
+            return samples[draw(batch + stage[task])][task]
+
+        def cpu(task: str, batch: int) -> float:
+            got = pick(task, batch)
+            return once[task] if got is None else got[0]
+
+        def off(task: str, batch: int) -> float:
+            got = pick(task, batch)
+            return 0.0 if got is None else got[1]
+
+        return cpu, off
+
+    def rank(
+        self, mode: Mode = "resample", *, seed: int = 0, plan: PipelinePlan | None = None, machine: int = 0
+    ) -> Rank:
+        """This rank for ``simulate_ranks``: its plan (or another ``plan`` with the same tasks,
+        e.g. one the auto-scheduler proposes) with the calibrated costs."""
+        cpu, off = self.durations(mode, seed)
+        return Rank(plan or self.plan, cpu, off_cpu=off, overhead=self.overhead, machine=machine)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Every rank's costs (``ranks[r]``) and how many iterations they come from."""
+
+    ranks: tuple[RankCosts, ...]
+    iterations: int
+    cores: int | None
+
+    def simulation_ranks(
+        self, mode: Mode = "resample", *, seed: int = 0, plans: Sequence[PipelinePlan] | None = None
+    ) -> list[Rank]:
+        """A ``sim.Rank`` per rank (``plans``: other plans with the same tasks, one per rank)."""
+        return [c.rank(mode, seed=seed, plan=None if plans is None else plans[k]) for k, c in enumerate(self.ranks)]
+
+
+def _draw(seed: int, iteration: int, n: int) -> int:
+    return random.Random(seed * 1_000_003 + iteration).randrange(n)
+
+
+def calibrate(
+    plans: PipelinePlan | Sequence[PipelinePlan],
+    records: Sequence[Iterable[IterationLike]],
+    *,
+    warmup: int = 0,
+    off_cpu: Mapping[str, float] | None = None,
+    cores: int | None = None,
+    background: float = 0.0,
+    overhead: Sequence[float] | None = None,
+) -> Calibration:
+    """Each rank's costs from its recorded iterations (module docstring). ``plans``: the plan
+    that ran, the same on every rank, or one per rank; ``records[r]``: rank ``r``'s iterations;
+    ``overhead[r]``: the per-iteration overhead of rank ``r`` (default 0).
+
+    Raises SimError when no iteration is complete on every rank after the warm-up.
+    """
+    n_ranks = len(records)
+    if n_ranks < 1:
+        raise SimError("calibrate needs the records of at least one rank")
+    plan_list = [plans] * n_ranks if isinstance(plans, PipelinePlan) else list(plans)
+    if len(plan_list) != n_ranks:
+        raise SimError(f"{len(plan_list)} plans for {n_ranks} ranks")
+    if overhead is not None and len(overhead) != n_ranks:
+        raise SimError(f"{len(overhead)} overheads for {n_ranks} ranks")
+    off_table = dict(off_cpu or {})
+    complete: list[dict[int, dict[str, Any]]] = []
+    once: list[dict[str, float]] = []
+    for plan, recs in zip(plan_list, records, strict=True):
+        steady = frozenset(t for t in plan.fire_order if plan.task(t).when.in_steady_state)
+        full = [r for r in recs if {x.task for x in r.runs} == steady and len(r.runs) == len(steady)]
+        complete.append({r.iteration: {x.task: x for x in r.runs} for r in full[warmup:]})
+        seen: dict[str, list[float]] = {}
+        for r in recs:
+            for x in r.runs:
+                if x.task not in steady:
+                    seen.setdefault(x.task, []).append(x.end - x.start)
+        once.append(
+            {t: statistics.median(seen[t]) if t in seen else 0.0 for t in plan.fire_order if t not in steady}
+        )
+    common = sorted(set.intersection(*(set(c) for c in complete)))
+    if not common:
+        raise SimError(
+            f"no iteration complete on every rank after {warmup} warm-up: complete per rank "
+            f"{[len(c) for c in complete]}; record more steps"
+        )
+    # per rank, per iteration: task -> (start, own part d, off)
+    parts: list[list[dict[str, tuple[float, float, float]]]] = [[] for _ in range(n_ranks)]
+    for it in common:
+        for r in range(n_ranks):
+            row: dict[str, tuple[float, float, float]] = {}
+            for task, run in complete[r][it].items():
+                if n_ranks > 1 and plan_list[r].task(task).comm_group is not None:
+                    late = max(complete[q][it][task].start for q in range(n_ranks) if task in complete[q][it])
+                    d = max(0.0, run.end - late)
+                else:
+                    d = max(0.0, run.end - run.start)
+                row[task] = (run.start, d, min(d, off_table.get(task, 0.0)))
+            parts[r].append(row)
+    work = _deflated(parts, cores, background)
+    costs = tuple(
+        RankCosts(
+            plan=plan_list[r],
+            iterations=tuple(common),
+            samples=tuple(
+                {t: (work[r][k][t], off) for t, (_, _, off) in row.items()} for k, row in enumerate(parts[r])
+            ),
+            once=once[r],
+            overhead=0.0 if overhead is None else float(overhead[r]),
+        )
+        for r in range(n_ranks)
+    )
+    return Calibration(costs, len(common), cores)
+
+
+def _deflated(
+    parts: list[list[dict[str, tuple[float, float, float]]]], cores: int | None, background: float
+) -> list[list[dict[str, float]]]:
+    """CPU work of every run: its CPU part's wall time, times the share of a core it had (the
+    integral of ``min(1, cores / runnable)``; all of it without ``cores``)."""
+    if cores is None:
+        return [[{t: d - off for t, (_, d, off) in row.items()} for row in rank] for rank in parts]
+    # every runnable interval of every rank, then a sweep computing each one's integral
+    spans: list[tuple[float, float, int, int, str]] = []
+    for r, rank in enumerate(parts):
+        for k, row in enumerate(rank):
+            for t, (start, d, off) in row.items():
+                spans.append((start + off, start + d, r, k, t))
+    edges = sorted({x for s in spans for x in (s[0], s[1])})
+    counts = [0] * len(edges)
+    index = {x: i for i, x in enumerate(edges)}
+    # difference array over the elementary segments between consecutive edges
+    diff = [0] * (len(edges) + 1)
+    for a, b, *_ in spans:
+        if b > a:
+            diff[index[a]] += 1
+            diff[index[b]] -= 1
+    running = 0
+    for i in range(len(edges)):
+        running += diff[i]
+        counts[i] = running  # runnable on [edges[i], edges[i + 1])
+    share = [0.0] * len(edges)  # prefix integral of the core share
+    for i in range(1, len(edges)):
+        n = counts[i - 1] + background
+        rate = 1.0 if n <= cores else cores / n
+        share[i] = share[i - 1] + (edges[i] - edges[i - 1]) * rate
+    out: list[list[dict[str, float]]] = [[{} for _ in rank] for rank in parts]
+    for a, b, r, k, t in spans:
+        out[r][k][t] = share[index[b]] - share[index[a]] if b > a else 0.0
+    return out

@@ -1,0 +1,480 @@
+"""Several ranks at once: collectives as rendezvous across ranks, threads sharing CPU cores.
+
+``simulate_ranks(ranks, num_batches, cores=...)`` replays one compiled program per rank (each
+with its own task durations) in one timeline. Within a rank everything is as in ``simulate``
+(threads, waits and signals, collective tickets, the iteration barrier, device streams). What
+it adds:
+
+* **A task instance has parts.** First its *off-CPU* time (``Rank.off_cpu``; wall time that
+  needs no core: a loader sleeping on storage), then its *CPU work* (``Rank.durations``: seconds
+  of a core), then, for a collective, the rendezvous below.
+* **Collectives are rendezvous.** Every admitted run of a task with a comm group is a
+  collective. The ``k``-th collective of comm group ``g`` on a rank meets the ``k``-th of ``g``
+  on every other rank (every rank issues a group's collectives in the same order: the engine's
+  tickets, or one thread's program order); they must be the same task (else ``SimError``: the
+  ranks would desync). A rank that has done its own parts waits, needing no core, until every
+  rank has: the collective ends on every rank at ``max over ranks of (its start + its parts)``.
+* **Cores are shared.** The ranks of one machine (``Rank.machine``) share ``cores`` cores: at any
+  moment the threads in a CPU part, plus ``background`` always-runnable threads of other
+  programs, share them by processor sharing - with ``n`` runnable each progresses at
+  ``min(1, cores / n)`` seconds of work per second. Threads that wait (for a task, a ticket,
+  the barrier, a rendezvous) or are off-CPU need no core. ``cores=None``: as many as needed.
+* **Per-iteration overhead.** ``Rank.overhead`` seconds of CPU work on the calling thread
+  before each internal iteration's first instruction (the engine's and ``progress()``'s own
+  work, the caller's code between steps).
+
+With one rank, no off-CPU time, no overhead and enough cores this is ``simulate`` exactly
+(tested). Each rank's replay comes back as a ``SimResult`` (``RanksResult.ranks``), so its
+timeline, steady iteration time, renderings and ``check_happens_before`` work as for one rank.
+
+The replay is event-driven: time advances from one completion (of an off-CPU part, a CPU part,
+a rendezvous) to the next; at each, every instruction that can execute does. If nothing is
+running and nothing can execute while instructions remain, ``SimDeadlock`` names every stuck
+thread of every rank, including ranks waiting in a rendezvous that another rank never joins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, Run
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
+from torchrec_swp.sim.device import replay_streams
+from torchrec_swp.sim.durations import Durations, cpu_time, device_time, optional_time
+from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
+from torchrec_swp.sim.result import Interval, SimResult, Step, cpu_lane
+from torchrec_swp.sim.simulator import _Lane as _ReplayLane
+from torchrec_swp.sim.simulator import _Replay, _spans, _ticket, validate_programs
+
+Phases = Sequence[tuple[int, IterationProgram]]
+
+# Two event times closer than this (relative to the clock) are the same instant.
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank: its plan (compiled with device syncs iff ``device_durations`` is given) or
+    compiled plan, and its costs (module docstring). ``machine`` groups the ranks sharing cores."""
+
+    plan: PipelinePlan | CompiledPlan
+    durations: Durations
+    off_cpu: Durations | None = None
+    overhead: float = 0.0
+    machine: int = 0
+    device_durations: Durations | None = None
+
+    def compiled(self) -> CompiledPlan:
+        match self.plan:
+            case CompiledPlan():
+                return self.plan
+            case PipelinePlan():
+                return CompiledPlan(self.plan, device_streams=self.device_durations is not None)
+            case _:
+                raise TypeError(f"Rank.plan must be a PipelinePlan or a CompiledPlan, got {type(self.plan).__name__}")
+
+
+@dataclass(frozen=True)
+class RanksResult:
+    """The replay of every rank. ``ranks[r]`` is rank ``r``'s SimResult; ``rendezvous_wait[r]``
+    the total time each task of rank ``r`` waited for the other ranks in its collectives;
+    ``contention[r]`` the total time CPU parts of rank ``r`` took beyond their work (waiting
+    for a core)."""
+
+    ranks: tuple[SimResult, ...]
+    machines: tuple[int, ...]
+    cores: Mapping[int, int | None]
+    rendezvous_wait: tuple[Mapping[str, float], ...]
+    contention: tuple[float, ...]
+
+    @property
+    def makespan(self) -> float:
+        return max((r.makespan for r in self.ranks), default=0.0)
+
+    @property
+    def steady_iteration_time(self) -> float | None:
+        """The slowest rank's ``steady_iteration_time`` (None if a rank has none)."""
+        times = [r.steady_iteration_time for r in self.ranks]
+        return None if not times or any(t is None for t in times) else max(t for t in times if t is not None)
+
+    @property
+    def median_iteration_time(self) -> float | None:
+        """The slowest rank's ``median_iteration_time`` (None if a rank has none)."""
+        times = [r.median_iteration_time for r in self.ranks]
+        return None if not times or any(t is None for t in times) else max(t for t in times if t is not None)
+
+    def format_timeline(self, width: int = 100) -> str:
+        """Each rank's text Gantt chart, under a ``rank r`` heading."""
+        return "\n".join(f"rank {k}:\n{r.format_timeline(width)}" for k, r in enumerate(self.ranks))
+
+    def to_chrome_trace(self, us_per_unit: float = 1.0) -> dict[str, Any]:
+        """One Chrome/Perfetto trace, a process per rank."""
+        events: list[dict[str, Any]] = []
+        for k, r in enumerate(self.ranks):
+            for e in r.to_chrome_trace(us_per_unit)["traceEvents"]:
+                e = {**e, "pid": k}
+                if e.get("name") == "process_name":
+                    e["args"] = {"name": f"rank {k}: sim {r.plan.name}"}
+                events.append(e)
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def simulate_ranks(
+    ranks: Sequence[Rank],
+    num_batches: int,
+    *,
+    cores: int | Mapping[int, int] | None = None,
+    background: float | Mapping[int, float] = 0.0,
+    iteration_barrier: bool = True,
+) -> RanksResult:
+    """Replay every rank over ``num_batches`` batches (fill, steady state, drain); see the module
+    docstring. ``cores`` and ``background`` are per machine (a number applies to every machine).
+
+    Raises SimDeadlock (stuck threads or an unmatched rendezvous), SimError (bad durations,
+    ranks whose collectives differ, malformed programs).
+    """
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
+    return simulate_rank_programs(
+        [(r, r.compiled().phases(num_batches)) for r in ranks],
+        cores=cores,
+        background=background,
+        iteration_barrier=iteration_barrier,
+    )
+
+
+def simulate_rank_programs(
+    ranks: Sequence[tuple[Rank, Phases]],
+    *,
+    cores: int | Mapping[int, int] | None = None,
+    background: float | Mapping[int, float] = 0.0,
+    iteration_barrier: bool = True,
+) -> RanksResult:
+    """``simulate_ranks`` for ``(rank, phases)`` pairs: hand-written or compiled programs."""
+    if not ranks:
+        raise SimError("simulate_ranks needs at least one rank")
+    machines = sorted({r.machine for r, _ in ranks})
+    core_table = {m: _per_machine(cores, m, "cores") for m in machines}
+    load_table = {m: _per_machine(background, m, "background") for m in machines}
+    for m, k in core_table.items():
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise SimError(f"cores of machine {m} must be an int >= 1 or None, got {k!r}")
+    for m, b in load_table.items():
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
+            raise SimError(f"background of machine {m} must be a finite number >= 0, got {b!r}")
+    states = []
+    for k, (rank, phases) in enumerate(ranks):
+        if not isinstance(rank, Rank):
+            raise TypeError(f"rank {k} must be a Rank, got {type(rank).__name__}")
+        plan = rank.compiled().plan
+        phases = tuple(phases)
+        validate_programs(plan, phases)
+        o = rank.overhead
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
+            raise SimError(f"overhead of rank {k} must be a finite number >= 0, got {o!r}")
+        states.append(_RankState(k, rank, plan, phases, iteration_barrier))
+    replay = _Multi(states, core_table, load_table)
+    replay.run()
+    results = []
+    for s in states:
+        timeline = sorted(
+            [*s.cpu_intervals, *replay_streams(s.submissions)], key=lambda i: (i.start, i.lane, i.end)
+        )
+        results.append(
+            SimResult(
+                plan=s.plan,
+                phases=s.phases,
+                threads=s.threads,
+                timeline=tuple(timeline),
+                steps=tuple(s.steps),
+                iterations=_spans(s.phases, s.steps, timeline),
+                iteration_barrier=iteration_barrier,
+                device_modelled=s.spec.device_durations is not None,
+            )
+        )
+    return RanksResult(
+        ranks=tuple(results),
+        machines=tuple(s.spec.machine for s in states),
+        cores=core_table,
+        rendezvous_wait=tuple(dict(s.rendezvous_wait) for s in states),
+        contention=tuple(s.contention for s in states),
+    )
+
+
+def _per_machine(value: Any, machine: int, name: str) -> Any:
+    if isinstance(value, Mapping):
+        if machine not in value:
+            raise SimError(f"{name} names machines {sorted(value)}, not machine {machine}")
+        return value[machine]
+    return value
+
+
+# ---------------------------------------------------------------------- state
+@dataclass(slots=True)
+class _Lane(_ReplayLane):
+    """A thread of a rank (see ``simulator._Lane``) and the job it is running, if any. Its
+    ``todo`` entries may hold ``None``: the per-iteration overhead."""
+
+    job: _Job | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """A run (or the overhead, ``instr is None``) in progress on a lane.
+
+    ``phase``: ``off`` (elapsing ``left`` seconds of wall time), ``cpu`` (``left`` seconds of
+    work at ``rate`` since ``anchor``), ``meet`` (waiting in a rendezvous since ``anchor``).
+    """
+
+    rank: _RankState
+    thread: str
+    p: int
+    index: int
+    instr: Run | None
+    batch: int
+    start: float
+    cpu: float
+    phase: Literal["off", "cpu", "meet"]
+    left: float
+    anchor: float
+    rate: float = 1.0
+    cpu_start: float = 0.0
+    meet: tuple[str, int] | None = None
+    sources: list[Step] = field(default_factory=list)
+
+    def finish_time(self) -> float:
+        if self.phase == "off":
+            return self.anchor + self.left
+        if self.phase == "cpu":
+            return self.anchor + (self.left if self.rate == 1.0 else self.left / self.rate)
+        return math.inf
+
+
+class _RankState(_Replay):
+    """One rank's replay state: the single-rank replay's lanes, signals and tickets (whose
+    bookkeeping it reuses), plus its collectives, jobs and what it waited for."""
+
+    def __init__(
+        self,
+        number: int,
+        spec: Rank,
+        plan: PipelinePlan,
+        phases: tuple[tuple[int, IterationProgram], ...],
+        barrier: bool,
+    ) -> None:
+        super().__init__(plan, phases, spec.durations, spec.device_durations)
+        self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
+        self.number = number
+        self.spec = spec
+        self.barrier_mode = barrier
+        self.comm = {t: s.comm_group for t, s in plan.schedule.items()}
+        self.collectives: dict[str, int] = {}  # comm group -> collectives started
+        self.rendezvous_wait: dict[str, float] = {}
+        self.contention = 0.0
+        self.segment = 0  # next segment to load
+        self.done = False
+
+    def load_next_segment(self, now: float) -> None:
+        """Hand the lanes their instructions of the next iteration (with the barrier) or of the
+        whole run; join the lanes first (time and vector clocks), as the barrier does."""
+        if self.segment >= (len(self.phases) if self.barrier_mode else 1):
+            self.done = True
+            return
+        segment = (self.phases[self.segment],) if self.barrier_mode else self.phases
+        self.segment += 1
+        if self.barrier_mode:
+            self.barrier()
+        for lane in self.lanes.values():
+            lane.todo, lane.at = [], 0
+        for p, prog in segment:
+            if self.spec.overhead > 0:
+                self.lanes[MAIN_THREAD].todo.append((p, -1, None))  # type: ignore[arg-type]
+            for thread, instrs in prog.threads:
+                self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
+
+    def segment_done(self) -> bool:
+        return all(lane.at >= len(lane.todo) and lane.job is None for lane in self.lanes.values())
+
+
+# --------------------------------------------------------------------- replay
+class _Multi:
+    """The event loop over every rank (module docstring)."""
+
+    def __init__(
+        self, states: list[_RankState], cores: Mapping[int, int | None], background: Mapping[int, float]
+    ) -> None:
+        self.states = states
+        self.cores = cores
+        self.background = background
+        self.now = 0.0
+        self.jobs: list[_Job] = []
+        # (comm group, k) -> the jobs of the ranks that reached the rendezvous, by rank
+        self.meets: dict[tuple[str, int], dict[int, _Job]] = {}
+        self.meet_task: dict[tuple[str, int], tuple[str, int]] = {}  # -> (task, first rank to start it)
+
+    def run(self) -> None:
+        for s in self.states:
+            s.load_next_segment(0.0)
+        while True:
+            self._dispatch()
+            if all(s.done for s in self.states):
+                return
+            timed = [j for j in self.jobs if j.phase != "meet"]
+            if not timed:
+                raise self._deadlock()
+            self._set_rates()
+            now = min(j.finish_time() for j in timed)
+            self.now = now
+            tolerance = _EPS * max(1.0, abs(now))
+            for job in [j for j in timed if j.finish_time() <= now + tolerance]:
+                self._end_phase(job)
+
+    # ------------------------------------------------------------ dispatch
+    def _dispatch(self) -> None:
+        """Execute everything that can execute at ``now``, until nothing more can."""
+        changed = True
+        while changed:
+            changed = False
+            for s in self.states:
+                while not s.done and s.segment_done():
+                    s.load_next_segment(self.now)
+                    changed = True
+                if s.done:
+                    continue
+                for thread, lane in s.lanes.items():
+                    while lane.job is None and lane.at < len(lane.todo):
+                        p, index, instr = lane.todo[lane.at]
+                        if s._blocker(p, instr) is not None:
+                            break
+                        lane.at += 1
+                        self._execute(s, thread, lane, p, index, instr)
+                        changed = True
+            for key in [k for k, met in self.meets.items() if len(met) == len(self.states)]:
+                for job in self.meets.pop(key).values():
+                    self._finish(job)
+                changed = True
+
+    def _execute(self, s: _RankState, thread: str, lane: _Lane, p: int, index: int, instr: Instr | None) -> None:
+        where = f"rank {s.number}, thread {thread!r}, internal iteration {p}"
+        now = self.now
+        match instr:
+            case None:
+                self._start(_Job(s, thread, p, index, None, p, now, s.spec.overhead, "off", 0.0, now))
+            case Run(task=task, stage=stage):
+                held = _ticket(instr)
+                sources = [s.last_ticket[held[0]]] if held is not None and held[0] in s.last_ticket else []
+                b = p - stage
+                admitted = instr.when.admits(b, s.num_batches, p, s.plan.max_stage)
+                cpu = cpu_time(s.spec.durations, task, b, where) if admitted else 0.0
+                off = optional_time(s.spec.off_cpu, task, b, where, "off-CPU") if admitted else 0.0
+                job = _Job(s, thread, p, index, instr, b, now, cpu, "off", off, now, sources=sources)
+                group = s.comm[task]
+                if admitted and group is not None:
+                    k = s.collectives.get(group, 0)
+                    s.collectives[group] = k + 1
+                    job.meet = (group, k)
+                    first = self.meet_task.setdefault(job.meet, (task, s.number))
+                    if first[0] != task:
+                        raise SimError(
+                            f"collective {k} of comm group {group!r} is {first[0]} on rank {first[1]} but {task} "
+                            f"(batch {b}) on rank {s.number} ({where}): the ranks would desync"
+                        )
+                self._start(job)
+            case _:
+                s._execute_sync(thread, lane, p, index, instr, where)
+
+    # ---------------------------------------------------------------- jobs
+    def _start(self, job: _Job) -> None:
+        """Put ``job`` on its lane and run through every part that takes no time."""
+        job.rank.lanes[job.thread].job = job
+        self.jobs.append(job)
+        if job.left <= 0:
+            self._end_phase(job)
+
+    def _end_phase(self, job: _Job) -> None:
+        now = self.now
+        if job.phase == "off":
+            job.phase, job.left, job.anchor, job.rate, job.cpu_start = "cpu", job.cpu, now, 1.0, now
+            if job.cpu > 0:
+                return
+        if job.phase == "cpu":
+            job.rank.contention += max(0.0, (now - job.cpu_start) - job.cpu)
+            if job.meet is None:
+                self._finish(job)
+                return
+            job.phase, job.anchor = "meet", now
+            self.meets.setdefault(job.meet, {})[job.rank.number] = job
+            if len(self.meets[job.meet]) == len(self.states):
+                for other in self.meets.pop(job.meet).values():
+                    self._finish(other)
+
+    def _finish(self, job: _Job) -> None:
+        """The job ends at ``now``: record the run, release its ticket, signal nothing (the
+        program's own ``signal`` follows), submit its device work."""
+        s, now = job.rank, self.now
+        self.jobs.remove(job)
+        lane = s.lanes[job.thread]
+        lane.job = None
+        if job.phase == "meet":
+            task = job.instr.task if job.instr is not None else ""
+            s.rendezvous_wait[task] = s.rendezvous_wait.get(task, 0.0) + (now - job.anchor)
+        if job.instr is None:  # the overhead: time on the lane, no step
+            lane.time = now
+            return
+        instr = job.instr
+        step = s._record(job.thread, lane, job.p, job.index, instr, job.batch, job.start, now, job.sources)
+        s.cpu_intervals.append(Interval(cpu_lane(job.thread), instr.task, job.batch, job.p, job.start, now))
+        if (held := _ticket(instr)) is not None:
+            s._release(held[0], job.p, step)
+        admitted = instr.when.admits(job.batch, s.num_batches, job.p, s.plan.max_stage)
+        where = f"rank {s.number}, thread {job.thread!r}, internal iteration {job.p}"
+        d = device_time(s.spec.device_durations, instr.task, job.batch, where) if admitted else 0.0
+        if d > 0:
+            s._submit(step, "work", s.stream[instr.task], instr.task, job.batch, d)
+
+    def _set_rates(self) -> None:
+        """Processor sharing: re-anchor the CPU parts of every machine whose rate changed."""
+        runnable: dict[int, list[_Job]] = {}
+        for j in self.jobs:
+            if j.phase == "cpu":
+                runnable.setdefault(j.rank.spec.machine, []).append(j)
+        for machine, jobs in runnable.items():
+            cores = self.cores[machine]
+            n = len(jobs) + self.background[machine]
+            rate = 1.0 if cores is None or n <= cores else cores / n
+            for j in jobs:
+                if j.rate != rate:
+                    done = (self.now - j.anchor) * j.rate
+                    j.left, j.anchor, j.rate = max(0.0, j.left - done), self.now, rate
+
+    # ------------------------------------------------------------ deadlock
+    def _deadlock(self) -> SimDeadlock:
+        blocked: list[Blocked] = []
+        for s in self.states:
+            if s.done:
+                continue
+            for thread, lane in s.lanes.items():
+                if lane.job is not None and lane.job.meet is not None:
+                    group, k = lane.job.meet
+                    met = self.meets.get(lane.job.meet, {})
+                    missing = [r.number for r in self.states if r.number not in met]
+                    instr = lane.job.instr
+                    blocked.append(
+                        Blocked(
+                            thread,
+                            lane.job.p,
+                            lane.job.index,
+                            str(instr),
+                            f"collective {k} of comm group {group!r} ({instr.task if instr else ''}, batch "
+                            f"{lane.job.batch}) waits for rank(s) {missing}, which never join it",
+                            s.number,
+                        )
+                    )
+                elif lane.at < len(lane.todo):
+                    p, index, instr = lane.todo[lane.at]
+                    blocked.append(Blocked(thread, p, index, str(instr), s._blocker(p, instr) or "", s.number))
+        lines = ["deadlock across ranks: no thread of any rank can make progress", *(f"  {b}" for b in blocked)]
+        return SimDeadlock("\n".join(lines), tuple(blocked))
