@@ -9,7 +9,7 @@ VENV18 ?= .venv-tr18
 STAMP18 := $(VENV18)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run quickstart bench test test-1.8 test-fast gpu-check clean
+.PHONY: install run quickstart bench test test-1.8 test-fast upstream-suite gpu-check clean
 
 install: $(STAMP)
 
@@ -55,6 +55,14 @@ test: $(STAMP) $(STAMP18)
 # Only the parity tests against upstream, on TorchRec 1.8.0.
 test-1.8: $(STAMP18)
 	$(VENV18)/bin/python -m pytest -m parity
+
+# Upstream's own pipeline test files, run with upstream's classes and with ours swapped in, on
+# both TorchRec versions (needs a torchrec git checkout: TORCHREC_REPO; see docs/upstream_suite.md).
+TORCHREC_REPO ?=
+upstream-suite: $(STAMP) $(STAMP18)
+	@test -n "$(TORCHREC_REPO)" || { echo "make upstream-suite: set TORCHREC_REPO to a torchrec git checkout"; exit 2; }
+	$(PY) tools/upstream_suite.py --torchrec-repo $(TORCHREC_REPO) --rev HEAD --force-cpu
+	$(VENV18)/bin/python tools/upstream_suite.py --torchrec-repo $(TORCHREC_REPO) --rev release/v1.8.0 --force-cpu
 
 # Only the fast, single-process tests.
 test-fast: $(STAMP)
