@@ -1,6 +1,7 @@
-"""The TorchRec plugin: plans of the upstream pipelines and their drop-in subclasses.
+"""The TorchRec plugin: the drop-in subclasses of the upstream pipelines.
 
-``plans`` is pure data. ``pipelines`` imports TorchRec (after checking its version).
+Their plans are pure data in ``torchrec_swp.catalog.torchrec``. ``compat`` checks the TorchRec
+version (1.8.x or 1.9.x) and holds what differs between them; ``pipelines`` imports TorchRec.
 
 Plugin boundary. TorchRec owns the model rewrite (``_rewrite_model``), input dist, embedding
 lookup and prefetch, the pipeline state user code reads (``batches``, ``contexts``, ...) and
@@ -9,8 +10,9 @@ batch, on which thread and stream, and its execution by the engine. torchrec_swp
 TorchRec; where upstream cannot run on CPU, our subclasses (``pipelines/cpu_safe.py``, the
 device-aware forwards of ``fused`` and ``semi_sync``) do the CPU-correct thing.
 
-TorchRec private names relied on (all of TorchRec 1.8.0's ``train_pipelines.py`` unless
-stated), so a TorchRec upgrade must be checked against this list:
+TorchRec private names relied on (all of ``train_pipelines.py``, in 1.8 and 1.9, unless stated),
+so a TorchRec upgrade must be checked against this list (``make upstream-suite`` runs upstream's
+own pipeline tests with our classes swapped in):
 
 * pipeline state: ``_model``, ``_optimizer``, ``_device``, ``_model_fwd``, ``_model_attached``,
   ``_state``, ``_batch_count``, ``_next_index``, ``_context``, ``_cur_batch``, ``_connected``,
@@ -29,6 +31,12 @@ stated), so a TorchRec upgrade must be checked against this list:
   ``_input_transformer``; CompAutograd: ``get_compiled_autograd_ctx``,
   ``compiled_autograd_options``; StagedTrainPipeline: ``_pipeline_stages``, ``_num_steps``,
   ``_initialized``, ``_flushing``;
+* TrainPipelinePEC (1.9, ``pec_train_pipeline.py``): ``_pec_modules``, ``_input_dist_event``,
+  ``_overlap_dist_event``, ``_pec_overlap_dist``, ``_pec_ol_compute``, ``_pec_nol_compute``,
+  ``_compute_and_output_dist``, ``_start_deferred_nol_grad``, ``_defer_nol_grad``,
+  ``_start_pec_ol_grad``, ``_wait_pec_grad``, ``_record_stream_forward_ctx``,
+  ``_record_stream_backward_ctx``; ``_async_inplace_copy`` (1.9's mixin, left off);
+* SparseDataDistUtil (``pipeline_stage.py``): ``_pipelined_forward``, ``initialized``, ``_device``;
 * torch (CompAutograd on CPU): DDP's ``_use_python_reducer``, ``_remove_autograd_hooks``,
   ``_register_accum_grad_hook``, ``_bucket_config``; ``torch._inductor.config._fuse_ddp_*``;
   ``torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST``.
