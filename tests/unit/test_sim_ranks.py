@@ -121,6 +121,16 @@ def test_overhead_runs_on_the_calling_thread_before_every_iteration() -> None:
     with_overhead = simulate_ranks([Rank(plan, d, overhead=2.0)], 6)
     assert base == 7 and with_overhead.steady_iteration_time == 9
     assert with_overhead.median_iteration_time == 9
+    # With the barrier the other threads wait for it: Load (6) on thread io starts after the
+    # overhead (3), so a steady iteration takes 3 + max(Local + Reduce, Load) = 3 + 6.
+    io = local_then_collective().with_thread_map({"Load": "io"})
+    costs = {"Load": 6, "Local": 1, "Reduce": 1}
+    r = simulate_ranks([Rank(io, costs, overhead=3)], 5).ranks[0]
+    assert r.steady_periods == (9, 9, 9, 9)
+    assert runs(r, "Load")[1] == (1, 9 + 3, 9 + 3 + 6)  # P0: 3 + Load(0) 6 = 9; P1: overhead 9-12, Load(1) 12-18
+    # without the barrier it only delays the calling thread's own instructions
+    free = simulate_ranks([Rank(io, costs, overhead=3)], 5, iteration_barrier=False).ranks[0]
+    assert runs(free, "Load") == [(b, 6 * b, 6 * b + 6) for b in range(5)]
 
 
 def test_ranks_issuing_different_collectives_are_an_error() -> None:

@@ -20,8 +20,8 @@ it adds:
   ``min(1, cores / n)`` seconds of work per second. Threads that wait (for a task, a ticket,
   the barrier, a rendezvous) or are off-CPU need no core. ``cores=None``: as many as needed.
 * **Per-iteration overhead.** ``Rank.overhead`` seconds of CPU work on the calling thread
-  before each internal iteration's first instruction (the engine's and ``progress()``'s own
-  work, the caller's code between steps).
+  before each internal iteration (the engine's and ``progress()``'s own work, the caller's code
+  between steps); with the iteration barrier the other threads start the iteration after it.
 
 With one rank, no off-CPU time, no overhead and enough cores this is ``simulate`` exactly
 (tested). Each rank's replay comes back as a ``SimResult`` (``RanksResult.ranks``), so its
@@ -275,23 +275,32 @@ class _RankState(_Replay):
         self.rendezvous_wait: dict[str, float] = {}
         self.contention = 0.0
         self.segment = 0  # next segment to load
+        self.in_preamble = False  # the calling thread is running the overhead before that segment
         self.done = False
 
     def load_next_segment(self, now: float) -> None:
         """Hand the lanes their instructions of the next iteration (with the barrier) or of the
-        whole run; join the lanes first (time and vector clocks), as the barrier does."""
+        whole run; join the lanes first (time and vector clocks), as the barrier does. With the
+        barrier and an overhead, the calling thread first runs the overhead alone (a segment of
+        its own: the other threads start the iteration after it)."""
         if self.segment >= (len(self.phases) if self.barrier_mode else 1):
             self.done = True
             return
-        segment = (self.phases[self.segment],) if self.barrier_mode else self.phases
-        self.segment += 1
+        overhead = self.spec.overhead > 0
         if self.barrier_mode:
             self.barrier()
         for lane in self.lanes.values():
             lane.todo, lane.at = [], 0
+        if self.barrier_mode and overhead and not self.in_preamble:
+            self.in_preamble = True
+            self.lanes[MAIN_THREAD].todo.append((self.phases[self.segment][0], -1, None))
+            return
+        self.in_preamble = False
+        segment = (self.phases[self.segment],) if self.barrier_mode else self.phases
+        self.segment += 1
         for p, prog in segment:
-            if self.spec.overhead > 0:
-                self.lanes[MAIN_THREAD].todo.append((p, -1, None))  # type: ignore[arg-type]
+            if overhead and not self.barrier_mode:
+                self.lanes[MAIN_THREAD].todo.append((p, -1, None))
             for thread, instrs in prog.threads:
                 self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
 
