@@ -59,12 +59,17 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     out["detach"] = (first, rest, _plain(rank, world_size, e1))
     pipeline.close()
 
-    # execute_all_batches=False: epoch 1 stops with 2 batches in flight; epoch 2 trains them first
-    model, optimizer = build_model(rank, world_size, 11)
-    pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, execute_all_batches=False)
-    runs = [train_pipeline_run(pipeline, e, 20) for e in (e1, e2)]
-    out["stop"] = (runs, pipeline.untrained_batches(), _plain(rank, world_size, e1 + e2[:10]))
-    pipeline.close()
+    # execute_all_batches=False: epoch 1 stops with 2 batches in flight; epoch 2 trains them first.
+    # by_stream spreads comm group "world" over threads: resuming the stopped iteration must pass
+    # on the tickets of collectives that ran before the stop (else the next one waits forever).
+    for label, thread_map in (("stop", None), ("stop by_stream", "by_stream")):
+        model, optimizer = build_model(rank, world_size, 11)
+        pipeline = torchrec_swp.TrainPipelineSparseDist(
+            model, optimizer, CPU, execute_all_batches=False, thread_map=thread_map, engine_timeout_s=60
+        )
+        runs = [train_pipeline_run(pipeline, e, 20) for e in (e1, e2)]
+        out[label] = (runs, pipeline.untrained_batches(), _plain(rank, world_size, e1 + e2[:10]))
+        pipeline.close()
 
     # persistent workers: iter(loader) is the same object every epoch
     loader = DataLoader(_Batches(e1), batch_size=None, num_workers=1, persistent_workers=True, collate_fn=_identity)
@@ -118,10 +123,11 @@ def test_nothing_is_lost() -> None:
         first, rest, plain = r["detach"]
         _expect(plain, _concat(first, rest), f"rank {rank} detach/attach")
 
-        (e1, e2), untrained, plain = r["stop"]
-        assert (e1.num_calls, e2.num_calls) == (10, 12)  # 2 of e1 wait for e2; 2 of e2 left in flight
-        assert [serial for serial, _ in untrained] == [22, 23]
-        _expect(plain, _concat(e1, e2), f"rank {rank} stop then new epoch")
+        for label in ("stop", "stop by_stream"):
+            (e1, e2), untrained, plain = r[label]
+            assert (e1.num_calls, e2.num_calls) == (10, 12)  # 2 of e1 wait for e2; 2 of e2 left in flight
+            assert [serial for serial, _ in untrained] == [22, 23]
+            _expect(plain, _concat(e1, e2), f"rank {rank} {label} then new epoch")
 
         same_iterator, (p1, p2), plain = r["persistent"]
         assert same_iterator
