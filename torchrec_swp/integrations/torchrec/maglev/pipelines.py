@@ -1,0 +1,272 @@
+"""Drop-in subclasses of TorchRec 1.9's Maglev schedules whose ``progress()`` is the engine
+running one rank's program.
+
+::
+
+    # before: from torchrec.distributed.maglev.pipeline import Maglev1F1B
+    from torchrec_swp.integrations.torchrec.maglev import Maglev1F1B     # same constructor
+    pipeline = Maglev1F1B(stage, optimizer, num_microbatches=8)          # upstream's calls, in its order
+    pipeline = Maglev1F1B(stage, optimizer, 8, thread_map="comm")        # sends/receives on their own thread
+    pipeline = Maglev1F1B(stage, optimizer, 8, schedule="ZB-H1")         # another schedule, same stage
+    print(pipeline.program.to_text())                                    # every rank's actions
+    print(format_program(pipeline.lowered))                              # this rank's engine threads
+
+What ``progress(dataloader_iter)`` does, as upstream: ``stage.take_inputs`` (the cascade
+all-to-all, outside the program), ``optimizer.zero_grad()``, then ``engine.run_program`` of
+this rank's lowered program (its ``F``/``B``/sends/receives/``G``/``O``), then the sends still in
+flight are drained. With the default options the program is the builder's copy of upstream's
+order (``pp.builders.maglev_1f1b``; ``MaglevPipelineBase``: one microbatch) and every action is
+the call upstream makes (``runtime.StageWrapperWire``): results are bit-identical, which
+``tests/dist/test_maglev_parity.py`` checks on CPU gloo ranks.
+
+Keyword-only options (the constructor is upstream's otherwise):
+
+* ``schedule``: a builder with one stage per rank (``"1F1B"``, ``"GPipe"``, ``"ZB-H1"``,
+  ``"1F1B-split"``; ``recv_ahead`` = how many computes ahead receives are posted, default the
+  class's: 0, RecvAhead 1), or ``program``: any ``pp.Program`` (or its text) for the stages
+  and microbatches of this pipeline; it is validated on every rank before anything runs.
+* ``thread_map``: which engine thread runs each action kind: ``"main"`` (default: everything
+  on the calling thread, upstream's behaviour), ``"comm"`` (sends and receives on one ``comm``
+  thread), ``"send_recv"`` (sends on ``send``, receives on ``recv``), a ``{kind: thread}``
+  mapping or a callable ``Action -> thread``.
+* ``grad_sync``: ``"wrapper"`` (default, upstream's): every forward but the pass's last runs in
+  ``no_sync``, so a DDP/FSDP wrapper reduces once, inside the backward that follows the last
+  forward; ``G`` marks where. ``"explicit"``: every forward runs in ``no_sync`` and ``G``
+  averages the stage's gradients over ``stage.stage_pg`` after the stage's last backward. They
+  differ where the backward after the last forward is not the last one (every stage but the
+  last: 1F1B's warm-up), see docs/pp.md.
+* ``engine_timeout_s``: bound on every wait of the engine and of the wire's receives.
+
+After a failure the step's state is dropped and the error re-raised (with the action, thread
+and step named); like upstream's, the pipeline (and its process groups) must then be rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torchrec.distributed.maglev import pipeline as upstream
+from torchrec.distributed.maglev.stage import StageWrapper
+
+from torchrec_swp.compile import IterationProgram
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine
+from torchrec_swp.integrations.torchrec.maglev.cpu import unwrap
+from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, RankRuntime, StageWrapperWire, all_reduce_grads
+from torchrec_swp.plan import MAIN_THREAD
+from torchrec_swp.pp import PPError, Program, build, validate
+from torchrec_swp.pp.actions import P2P, Action, Kind
+from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, one_f_one_b
+from torchrec_swp.pp.comm import add_p2p, add_step
+from torchrec_swp.pp.lower import lower_rank
+
+ThreadMap = Literal["main", "comm", "send_recv"] | Mapping[str, str] | Callable[[Action], str]
+GradSync = Literal["wrapper", "explicit"]
+
+#: Builders the drop-ins accept by name: one stage per rank, so they run on a StageWrapper.
+ONE_STAGE_PER_RANK = ("1F1B", "GPipe", "ZB-H1", "1F1B-split")
+
+_PRESETS: dict[str, Callable[[Action], str]] = {
+    "main": lambda a: MAIN_THREAD,
+    "comm": lambda a: "comm" if a.kind in P2P else MAIN_THREAD,
+    "send_recv": lambda a: ("send" if a.kind.value.startswith("S") else "recv") if a.kind in P2P else MAIN_THREAD,
+}
+
+
+def maglev_base_program(num_stages: int) -> Program:
+    """``MaglevPipelineBase``: one microbatch, forward then backward; receives right before
+    their consumer, the gradient sync inside the backward, then the step."""
+    return add_step(add_p2p(one_f_one_b(num_stages, 1)), sync_before_send=True).replace(name="MaglevBase")
+
+
+class _EngineDriven:
+    """What the three drop-ins share: the program, its lowering, the engine, the bindings."""
+
+    stage: StageWrapper
+    optimizer: torch.optim.Optimizer
+    _no_sync: Callable[[], contextlib.AbstractContextManager[None]]
+
+    def _setup(
+        self,
+        num_microbatches: int,
+        default: Program,
+        default_recv_ahead: int,
+        *,
+        schedule: str | None,
+        program: Program | str | None,
+        recv_ahead: int | None,
+        thread_map: ThreadMap,
+        grad_sync: GradSync,
+        engine_timeout_s: float,
+    ) -> None:
+        stage = self.stage
+        self._num_microbatches = num_microbatches
+        S, me = stage.num_stages, stage.stage_index
+        if program is not None and schedule is not None:
+            raise ValueError("give schedule= or program=, not both")
+        if isinstance(program, str):
+            program = Program.from_text(program)
+        if schedule is not None:
+            if schedule not in ONE_STAGE_PER_RANK:
+                raise ValueError(
+                    f"schedule {schedule!r}: a Maglev stage runs one stage per rank; choose one of "
+                    f"{', '.join(ONE_STAGE_PER_RANK)} (or pass a program=; interleaved and V schedules "
+                    "run on torchrec_swp.integrations.torchrec.maglev.PipelineRank)"
+                )
+            if not SCHEDULES[schedule].supports(S, num_microbatches):
+                raise ValueError(f"schedule {schedule!r} does not support {S} stages x {num_microbatches} microbatches")
+            program = build(
+                schedule, S, num_microbatches, recv_ahead=default_recv_ahead if recv_ahead is None else recv_ahead
+            )
+        elif program is None:
+            program = default
+        if not isinstance(program, Program):
+            raise TypeError(f"program must be a torchrec_swp.pp.Program or its text, got {type(program).__name__}")
+        if program.num_stages != S or program.placement != tuple(range(S)):
+            raise ValueError(
+                f"program {program.name} places stages {program.placement} on ranks; this pipeline has {S} "
+                "stages, one per rank (stage s on pipeline rank s)"
+            )
+        if program.num_microbatches != num_microbatches:
+            raise ValueError(
+                f"program {program.name} has {program.num_microbatches} microbatches, the pipeline {num_microbatches}"
+            )
+        validate(program)  # every rank checks the same program: a bad one fails everywhere, before any P2P
+        if grad_sync not in ("wrapper", "explicit"):
+            raise ValueError(f"grad_sync must be 'wrapper' or 'explicit', got {grad_sync!r}")
+        split = any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) for a in program.ranks[me])
+        if split and grad_sync == "wrapper" and upstream._no_sync_modules(stage.module):
+            raise ValueError(
+                f"program {program.name} splits backwards into I and W; with a data-parallel wrapper on the stage "
+                "module that needs grad_sync='explicit' (the wrapper's reducer expects whole backwards)"
+            )
+        if isinstance(thread_map, str):
+            if thread_map not in _PRESETS:
+                raise ValueError(
+                    f"thread_map {thread_map!r}: use one of {', '.join(_PRESETS)}, a mapping or a callable"
+                )
+            threads: Any = _PRESETS[thread_map]
+        else:
+            threads = thread_map
+        self.program: Program = program
+        self.grad_sync: GradSync = grad_sync
+        self.lowered: IterationProgram = lower_rank(program, me, threads)
+        module = stage.module
+        chunk = Chunk(
+            me,
+            stage.forward,
+            tuple(stage.in_activation_specs()),
+            tuple(stage.out_activation_specs()),
+            [p for p in module.parameters() if p.requires_grad],
+            split_module=unwrap(module) if any(a.kind is Kind.SPARSE for a in program.ranks[me]) else None,
+        )
+        M = num_microbatches
+        if grad_sync == "wrapper":
+            forward_context = lambda s, m: self._forward_context(m, M)
+            sync = None
+        else:
+            forward_context = lambda s, m: self._no_sync()
+            sync = lambda s: all_reduce_grads(chunk.parameters, stage.stage_pg)
+        self.runtime = RankRuntime(
+            [chunk], S, StageWrapperWire(stage), {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
+        )
+        self.engine = ProgramEngine(
+            self.runtime.bindings(), timeout_s=engine_timeout_s, name=f"{program.name}-stage{me}"
+        )
+
+    def _run_step(self, dataloader_iter: Iterator[Any]) -> dict[int, torch.Tensor]:
+        stage = self.stage
+        inputs = stage.take_inputs(dataloader_iter, self._num_microbatches)
+        self.optimizer.zero_grad()
+        self.runtime.start_step({stage.stage_index: inputs})
+        try:
+            self.engine.run_program(self.lowered)
+        except BaseException:
+            self.runtime.finish_step(drain=False)
+            raise
+        self.runtime.finish_step()
+        return self.runtime.losses
+
+    def close(self) -> None:
+        """Stop the engine's worker threads (also done when the pipeline is garbage-collected)."""
+        self.engine.close()
+
+
+class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
+    """Upstream's one-microbatch schedule on the engine; returns the loss on the last stage."""
+
+    def __init__(
+        self,
+        stage: StageWrapper,
+        optimizer: torch.optim.Optimizer,
+        no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        *,
+        program: Program | str | None = None,
+        thread_map: ThreadMap = "main",
+        grad_sync: GradSync = "wrapper",
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        upstream.MaglevPipelineBase.__init__(self, stage, optimizer, no_sync)
+        self._setup(
+            1,
+            maglev_base_program(stage.num_stages),
+            0,
+            schedule=None,
+            program=program,
+            recv_ahead=None,
+            thread_map=thread_map,
+            grad_sync=grad_sync,
+            engine_timeout_s=engine_timeout_s,
+        )
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
+        return self._run_step(dataloader_iter).get(0)
+
+
+class Maglev1F1B(MaglevPipelineBase, upstream.Maglev1F1B):
+    """Upstream's 1F1B (receives right before their consumer) on the engine; returns None."""
+
+    _recv_ahead = False
+
+    def __init__(
+        self,
+        stage: StageWrapper,
+        optimizer: torch.optim.Optimizer,
+        num_microbatches: int,
+        no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        *,
+        schedule: str | None = None,
+        program: Program | str | None = None,
+        recv_ahead: int | None = None,
+        thread_map: ThreadMap = "main",
+        grad_sync: GradSync = "wrapper",
+        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        upstream.Maglev1F1B.__init__(self, stage, optimizer, num_microbatches, no_sync)
+        try:
+            default = maglev_1f1b(stage.num_stages, num_microbatches, recv_ahead=self._recv_ahead)
+        except PPError as e:  # upstream's constructor already refused what the builder refuses
+            raise ValueError(str(e)) from None
+        self._setup(
+            num_microbatches,
+            default,
+            int(self._recv_ahead),
+            schedule=schedule,
+            program=program,
+            recv_ahead=recv_ahead,
+            thread_map=thread_map,
+            grad_sync=grad_sync,
+            engine_timeout_s=engine_timeout_s,
+        )
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
+        self._run_step(dataloader_iter)
+        return None
+
+
+class Maglev1F1BRecvAhead(Maglev1F1B, upstream.Maglev1F1BRecvAhead):
+    """Upstream's 1F1B with every receive posted one compute ahead, on the engine."""
+
+    _recv_ahead = True

@@ -1,0 +1,355 @@
+"""What each action kind does on one rank: the bindings ``ProgramEngine`` calls.
+
+``RankRuntime`` holds, for one rank and one optimizer step, the stages the rank owns
+(``Chunk``: a module called as ``module(stage_input, in_activations)``, Maglev's stage
+contract, and its activation specs) and what flows between actions: each microbatch's
+incoming activation, outputs, hoisted lookups, received gradients. Its ``bindings()`` map
+every kind to ``fn(stage, microbatch)``:
+
+=====  =====================================================================================
+``E``  the stage's embedding lookups (``sparse_forward``), held for its ``F``
+``F``  await the activation (from the wire, or detached from the local previous stage), run
+       the stage (its dense half after an ``E``) under ``forward_context(stage, mb)``
+``B``  await the output gradient (wire, or the local next stage's input ``.grad``; the loss on
+       the last stage), ``autograd.backward``: input and weight gradients
+``I``  the same restricted to the stage's input (``inputs=``, graph retained)
+``W``  the same restricted to the stage's parameters (frees the graph)
+``SF`` ``SB``  send the output / the input gradient (``Wire``)
+``RF`` ``RB``  post the receive; the consumer awaits it
+``G``  the stage's data-parallel gradient sync (``grad_sync``; none by default)
+``O``  the stage's optimizer step (once per optimizer, at its last stage's ``O``)
+=====  =====================================================================================
+
+A local stage boundary (two consecutive stages on this rank: the V schedules) passes the
+activation detached (a new leaf) and its gradient back through the leaf's ``.grad``, as
+torch.distributed.pipelining does; numerically the same as a send.
+
+``Wire`` is how activations and gradients cross ranks: ``StageWrapperWire`` is Maglev's own
+hand-off (a ``StageWrapper``'s receive queues and one send in flight per direction), used by
+the drop-in pipelines so that every transfer is the call upstream makes; ``P2PWire`` posts
+one ``irecv``/``isend`` per (stage, microbatch) on two direction-split groups for ranks that
+hold several stages, and drains its sends at the end of the step. Receives await with the
+engine's timeout, so a dead peer ends the step with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchrec_swp.integrations.torchrec.maglev.cpu import dense_forward, sparse_forward
+
+Activations = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Chunk:
+    """One stage this rank runs: ``module(stage_input, in_activations)`` returns the outgoing
+    activation tuple, or ``(loss, output)`` on the last stage; ``in_specs``/``out_specs`` are
+    the stage's ``ActivationSpec`` s (shape, dtype, whether a gradient flows back)."""
+
+    index: int
+    module: Callable[..., Any]
+    in_specs: tuple[Any, ...]
+    out_specs: tuple[Any, ...]
+    parameters: list[nn.Parameter] = field(default_factory=list)
+    #: the module whose layers ``sparse_forward``/``dense_forward`` split (``E`` actions)
+    split_module: nn.Module | None = None
+
+
+class Wire(Protocol):
+    def post_recv_act(self, stage: int, mb: int) -> None: ...
+
+    def await_act(self, stage: int, mb: int) -> Activations: ...
+
+    def send_act(self, stage: int, mb: int, outputs: Activations) -> None: ...
+
+    def post_recv_grad(self, stage: int, mb: int) -> None: ...
+
+    def await_grad(self, stage: int, mb: int) -> list[torch.Tensor]: ...
+
+    def send_grad(self, stage: int, mb: int, in_activations: Activations) -> None: ...
+
+    def drain(self) -> None: ...
+
+
+class StageWrapperWire:
+    """Maglev's hand-off, call for call: ``start_recv_act``/``wait_for_act`` (a FIFO queue),
+    ``finish_send_act`` then ``start_send_act`` (one send in flight), the same for gradients,
+    ``drain_sends``. Needs one stage per rank and microbatches in order per direction."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+
+    def post_recv_act(self, stage: int, mb: int) -> None:
+        self.stage.start_recv_act()
+
+    def await_act(self, stage: int, mb: int) -> Activations:
+        return self.stage.wait_for_act()
+
+    def send_act(self, stage: int, mb: int, outputs: Activations) -> None:
+        self.stage.finish_send_act()
+        self.stage.start_send_act(outputs)
+
+    def post_recv_grad(self, stage: int, mb: int) -> None:
+        self.stage.start_recv_grad()
+
+    def await_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
+        return self.stage.wait_for_grad()
+
+    def send_grad(self, stage: int, mb: int, in_activations: Activations) -> None:
+        self.stage.finish_send_grad()
+        self.stage.start_send_grad(in_activations)
+
+    def drain(self) -> None:
+        self.stage.drain_sends()
+
+
+class P2PWire:
+    """One ``irecv``/``isend`` per tensor per (stage, microbatch): activations on ``act_pg``,
+    gradients on ``grad_pg``; ``peer(stage)`` is the global rank running ``stage``. Receive
+    buffers follow the specs, as Maglev's do; zeros go back for an input with no gradient."""
+
+    def __init__(
+        self,
+        chunks: Mapping[int, Chunk],
+        peer: Callable[[int], int],
+        act_pg: dist.ProcessGroup,
+        grad_pg: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.chunks, self.peer, self.act_pg, self.grad_pg = chunks, peer, act_pg, grad_pg
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self._recv: dict[tuple[str, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+
+    def post_recv_act(self, stage: int, mb: int) -> None:
+        bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self.chunks[stage].in_specs]
+        works = [dist.irecv(b, src=self.peer(stage - 1), group=self.act_pg) for b in bufs]
+        self._recv[("F", stage, mb)] = (works, bufs)
+
+    def await_act(self, stage: int, mb: int) -> Activations:
+        bufs = self._await("F", stage, mb)
+        for spec, t in zip(self.chunks[stage].in_specs, bufs, strict=True):
+            if spec.requires_grad:
+                t.requires_grad_(True)  # only once it landed: a leaf that collects the gradient
+        return tuple(bufs)
+
+    def send_act(self, stage: int, mb: int, outputs: Activations) -> None:
+        for t in outputs:
+            buf = t.detach().contiguous()
+            self._sends.append((dist.isend(buf, dst=self.peer(stage + 1), group=self.act_pg), buf))
+
+    def post_recv_grad(self, stage: int, mb: int) -> None:
+        specs = [s for s in self.chunks[stage].out_specs if s.requires_grad]
+        bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+        works = [dist.irecv(b, src=self.peer(stage + 1), group=self.grad_pg) for b in bufs]
+        self._recv[("B", stage, mb)] = (works, bufs)
+
+    def await_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
+        return self._await("B", stage, mb)
+
+    def send_grad(self, stage: int, mb: int, in_activations: Activations) -> None:
+        for t, spec in zip(in_activations, self.chunks[stage].in_specs, strict=True):
+            if spec.requires_grad:
+                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                self._sends.append((dist.isend(grad, dst=self.peer(stage - 1), group=self.grad_pg), grad))
+
+    def _await(self, direction: str, stage: int, mb: int) -> list[torch.Tensor]:
+        try:
+            works, bufs = self._recv.pop((direction, stage, mb))
+        except KeyError:
+            what = "activation" if direction == "F" else "gradient"
+            raise RuntimeError(f"stage {stage}, microbatch {mb}: no {what} receive was posted") from None
+        for w in works:
+            w.wait(self.timeout)
+        return bufs
+
+    def drain(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            work.wait(self.timeout)
+        if self._recv:
+            left = sorted(f"{s}R{d}{m}" for d, s, m in self._recv)
+            self._recv.clear()
+            raise RuntimeError(f"receives posted but never consumed this step: {', '.join(left)}")
+
+
+class RankRuntime:
+    """The per-step state and the action bindings of one rank (module docstring)."""
+
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        num_stages: int,
+        wire: Wire,
+        optimizers: Mapping[int, torch.optim.Optimizer],
+        *,
+        forward_context: Callable[[int, int], contextlib.AbstractContextManager[None]] | None = None,
+        grad_sync: Callable[[int], None] | None = None,
+    ) -> None:
+        self.chunks = {c.index: c for c in chunks}
+        self.num_stages = num_stages
+        self.wire = wire
+        self.optimizers = dict(optimizers)
+        # each optimizer steps at the O of the last stage it serves
+        self._step_at = {
+            id(opt): max(s for s, o in self.optimizers.items() if o is opt) for opt in self.optimizers.values()
+        }
+        self.forward_context = forward_context or (lambda s, m: contextlib.nullcontext())
+        self.grad_sync = grad_sync
+        self.inputs: dict[int, list[Any]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self._in: dict[tuple[int, int], Activations] = {}
+        self._out: dict[tuple[int, int], Any] = {}
+        self._pooled: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def start_step(self, inputs: Mapping[int, Sequence[Any]]) -> None:
+        """``inputs[stage][mb]``: the stage's input (one per layer it owns) for microbatch ``mb``."""
+        missing = sorted(set(self.chunks) - set(inputs))
+        if missing:
+            raise ValueError(f"no inputs for stages {missing}")
+        self.inputs = {s: list(v) for s, v in inputs.items()}
+        self.losses = {}
+
+    def finish_step(self, *, drain: bool = True) -> None:
+        """Drain the sends (not after a failure: a peer may be gone); drop what the step left."""
+        try:
+            if drain:
+                self.wire.drain()
+        finally:
+            self._in.clear()
+            self._out.clear()
+            self._pooled.clear()
+            self._grads.clear()
+
+    def bindings(self) -> dict[str, Callable[[int, int | None], None]]:
+        return {
+            "E": self._sparse,
+            "F": self._forward,
+            "B": self._backward,
+            "I": self._backward_input,
+            "W": self._backward_weight,
+            "SF": lambda s, m: self.wire.send_act(s, m, self._out[(s, m)]),
+            "RF": self.wire.post_recv_act,
+            "SB": lambda s, m: self.wire.send_grad(s, m, self._in[(s, m)]),
+            "RB": self.wire.post_recv_grad,
+            "G": self._grad_sync,
+            "O": self._step,
+        }
+
+    # ------------------------------------------------------------- compute
+    def _sparse(self, s: int, m: int) -> None:
+        chunk = self.chunks[s]
+        if chunk.split_module is None:
+            raise TypeError(f"stage {s} has no sparse/dense split: it cannot run {s}E{m}")
+        self._pooled[(s, m)] = sparse_forward(chunk.split_module, self.inputs[s][m])
+
+    def _forward(self, s: int, m: int) -> None:
+        chunk = self.chunks[s]
+        if s == 0:
+            in_acts: Activations = ()
+        elif s - 1 in self.chunks:  # local boundary: a new leaf, as if it had been received
+            in_acts = tuple(
+                t.detach().requires_grad_(spec.requires_grad)
+                for t, spec in zip(self._out[(s - 1, m)], chunk.in_specs, strict=True)
+            )
+        else:
+            in_acts = self.wire.await_act(s, m)
+        with self.forward_context(s, m):
+            pooled = self._pooled.pop((s, m), None)
+            if pooled is None:
+                out = chunk.module(self.inputs[s][m], in_acts)
+            else:
+                out = dense_forward(chunk.split_module, self.inputs[s][m], pooled, in_acts)  # type: ignore[arg-type]
+        self._in[(s, m)] = in_acts
+        self._out[(s, m)] = out
+        if s == self.num_stages - 1:
+            self.losses[m] = out[0].detach()
+
+    def _output_grads(self, s: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors, gradients) to differentiate for stage ``s``'s microbatch ``m``, as
+        ``StageWrapper.backward`` pairs them (the loss alone on the last stage)."""
+        out = self._out[(s, m)]
+        if s == self.num_stages - 1:
+            return [out[0]], [None]  # type: ignore[list-item]
+        grads = self._grads.pop((s, m), None)
+        if grads is None:
+            if s + 1 in self.chunks:  # local boundary: the next stage's input gradient
+                grads = [
+                    t.grad for t, spec in zip(self._in[(s + 1, m)], self.chunks[s + 1].in_specs) if spec.requires_grad
+                ]
+                grads = [g for g in grads if g is not None]
+            else:
+                grads = self.wire.await_grad(s, m)
+        carrying = [t for t, spec in zip(out, self.chunks[s].out_specs, strict=True) if spec.requires_grad]
+        pairs = [(o, g) for o, g in zip(carrying, grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward(self, s: int, m: int) -> None:
+        tensors, grads = self._output_grads(s, m)
+        if s == self.num_stages - 1:
+            tensors[0].backward()
+        elif tensors:
+            torch.autograd.backward(tensors, grads)
+        self._release(s, m)
+
+    def _backward_input(self, s: int, m: int) -> None:
+        tensors, grads = self._output_grads(s, m)
+        self._grads[(s, m)] = grads  # W differentiates the same outputs
+        inputs = [t for t in self._in[(s, m)] if t.requires_grad]
+        if inputs and tensors:
+            torch.autograd.backward(
+                tensors, None if s == self.num_stages - 1 else grads, inputs=inputs, retain_graph=True
+            )
+
+    def _backward_weight(self, s: int, m: int) -> None:
+        out = self._out[(s, m)]
+        grads = self._grads.pop((s, m))
+        if s == self.num_stages - 1:
+            tensors, grads_ = [out[0]], None
+        else:
+            carrying = [t for t, spec in zip(out, self.chunks[s].out_specs, strict=True) if spec.requires_grad]
+            tensors = [o for o in carrying if o.requires_grad]
+            grads_ = grads
+        params = [p for p in self.chunks[s].parameters if p.requires_grad]
+        if tensors and params:
+            torch.autograd.backward(tensors, grads_, inputs=params)
+        self._release(s, m)
+
+    def _release(self, s: int, m: int) -> None:
+        """The microbatch's graph is done on this stage (its input stays: the gradient send and a
+        local previous stage read its ``.grad``)."""
+        self._out.pop((s, m), None)
+
+    # ------------------------------------------------------------- step end
+    def _grad_sync(self, s: int, m: int | None) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync(s)
+
+    def _step(self, s: int, m: int | None) -> None:
+        opt = self.optimizers.get(s)
+        if opt is not None and self._step_at[id(opt)] == s:
+            opt.step()
+
+
+def all_reduce_grads(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average ``.grad`` over ``group`` as DDP does: divide by its size, then sum."""
+    size = group.size()
+    if size == 1:
+        return
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.div_(size)
+            dist.all_reduce(p.grad, group=group)
