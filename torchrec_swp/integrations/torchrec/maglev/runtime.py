@@ -35,6 +35,7 @@ engine's timeout, so a dead peer ends the step with an error instead of a hang.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -214,6 +215,9 @@ class RankRuntime:
         self._out: dict[tuple[int, int], Any] = {}
         self._pooled: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        #: when a dict: seconds each compute action spent waiting for the wire, by
+        #: ``(direction "F"/"B", stage, microbatch)`` (what calibrating a simulator subtracts)
+        self.awaited: dict[tuple[str, int, int], float] | None = None
 
     def start_step(self, inputs: Mapping[int, Sequence[Any]]) -> None:
         """``inputs[stage][mb]``: the stage's input (one per layer it owns) for microbatch ``mb``."""
@@ -265,8 +269,12 @@ class RankRuntime:
                 t.detach().requires_grad_(spec.requires_grad)
                 for t, spec in zip(self._out[(s - 1, m)], chunk.in_specs, strict=True)
             )
-        else:
+        elif self.awaited is None:
             in_acts = self.wire.await_act(s, m)
+        else:
+            start = time.perf_counter()
+            in_acts = self.wire.await_act(s, m)
+            self.awaited[("F", s, m)] = time.perf_counter() - start
         with self.forward_context(s, m):
             pooled = self._pooled.pop((s, m), None)
             if pooled is None:
@@ -291,8 +299,12 @@ class RankRuntime:
                     t.grad for t, spec in zip(self._in[(s + 1, m)], self.chunks[s + 1].in_specs) if spec.requires_grad
                 ]
                 grads = [g for g in grads if g is not None]
-            else:
+            elif self.awaited is None:
                 grads = self.wire.await_grad(s, m)
+            else:
+                start = time.perf_counter()
+                grads = self.wire.await_grad(s, m)
+                self.awaited[("B", s, m)] = time.perf_counter() - start
         carrying = [t for t, spec in zip(out, self.chunks[s].out_specs, strict=True) if spec.requires_grad]
         pairs = [(o, g) for o, g in zip(carrying, grads) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
