@@ -11,12 +11,12 @@ rotating every step; before each step the ranks meet at a barrier, and a step's 
 slower rank's ``progress()``; the first ``--warmup`` steps are dropped. ``ours / upstream`` is
 the ratio of medians over the same steps with a 95% bootstrap interval.
 
-Simulated vs measured: after the timed steps, each of our contenders runs ``--calibrate``
-instrumented steps (``ProgramEngine.instrument``): every action's duration, minus the time a
-compute action waited for the wire, averaged per kind and stage, plus the transfer latency of
-one activation (a gloo ping-pong), become the simulator's ``Durations``; ``pp.simulate`` of the
-program then predicts the time of ``run_program``, compared with the measured one (the
-engine's step time in the same instrumented steps).
+Simulated vs measured: after the timed steps, our contenders run ``--calibrate`` more steps,
+interleaved the same way, with the engine instrumented (``ProgramEngine.instrument``): every
+action's duration, minus the time a compute action waited for the wire, averaged per kind and
+stage, plus the transfer latency of one activation (a gloo ping-pong), become the simulator's
+``Durations``; ``pp.simulate`` of the program then predicts the time of ``run_program``, compared
+with the measured one (the engine's step time in the same instrumented steps).
 
     python benchmarks/pp.py                  # about 2 minutes; out/pp/pp.json and out/pp/pp.md
     python benchmarks/pp.py --steps 60 --size medium
@@ -70,9 +70,12 @@ PAIRS = [("upstream Maglev1F1B", "ours Maglev1F1B"), ("upstream Maglev1F1BRecvAh
 @dataclass
 class _Contender:
     label: str
-    step: Any
+    run: Any
     pipeline: Any = None
     times: list[float] = field(default_factory=list)
+
+    def step(self) -> None:
+        self.run()
 
 
 class _Timings:
@@ -140,53 +143,67 @@ def _latency_s(size: dict[str, int], rounds: int = 50) -> float:
     return (time.perf_counter() - start) / rounds / 2
 
 
-def _calibrate(c: _Contender, steps: int) -> dict[str, Any]:
-    """Instrumented steps: compute-only action durations (waits for the wire subtracted) and
-    the engine's step times."""
-    pipeline = c.pipeline
-    timings = _Timings()
-    pipeline.engine.instrument(timings)
-    pipeline.runtime.awaited = {}
-    for _ in range(steps):
-        c.step()
-    waited = dict(pipeline.runtime.awaited)
-    pipeline.engine.instrument()
-    pipeline.runtime.awaited = None
-    from torchrec_swp.pp.actions import Action
+class _Calibration:
+    """Instrumented steps of one of our contenders: compute-only action durations (the time a
+    compute action waited for the wire subtracted) and the engine's step times."""
 
-    per: dict[str, list[float]] = defaultdict(list)  # "<stage><kind>" -> compute-only seconds
-    for text, seconds in timings.actions:
-        a = Action.from_text(text)
-        if a.kind.value in ("F", "E"):
-            seconds -= waited.get(("F", a.stage, a.microbatch or 0), 0.0) if a.kind.value == "F" else 0.0
-        elif a.kind.value in ("B", "I"):
-            seconds -= waited.get(("B", a.stage, a.microbatch or 0), 0.0)
-        per[f"{a.stage}{a.kind.value}"].append(max(0.0, seconds))
-    out: dict[str, Any] = {"actions": {k: statistics.mean(v) for k, v in per.items()}, "program_s": timings.steps}
-    if pipeline.lowered.single_thread:  # one thread: what is not an action is the engine's own time
-        first = min(timings.in_actions)
-        outside = [total - timings.in_actions[first + k] for k, total in enumerate(timings.steps)]
-        out["engine_overhead_s"] = statistics.median(outside)
-        out["actions_per_step"] = len(timings.actions) / steps
-    return out
+    def __init__(self, c: _Contender) -> None:
+        self.c, self.timings = c, _Timings()
+        self.per: dict[str, list[float]] = defaultdict(list)  # "<stage><kind>" -> compute-only seconds
+        c.pipeline.engine.instrument(self.timings)
+
+    def step(self) -> None:
+        from torchrec_swp.pp.actions import Action
+
+        runtime, seen = self.c.pipeline.runtime, len(self.timings.actions)
+        runtime.awaited = {}
+        self.c.step()
+        for text, seconds in self.timings.actions[seen:]:
+            a = Action.from_text(text)
+            if a.kind.value in ("F", "B", "I"):
+                seconds -= runtime.awaited.get(("F" if a.kind.value == "F" else "B", a.stage, a.microbatch or 0), 0.0)
+            self.per[f"{a.stage}{a.kind.value}"].append(max(0.0, seconds))
+
+    def result(self) -> dict[str, Any]:
+        pipeline, timings = self.c.pipeline, self.timings
+        pipeline.engine.instrument()
+        pipeline.runtime.awaited = None
+        out: dict[str, Any] = {
+            "actions": {k: statistics.mean(v) for k, v in self.per.items()},
+            "program_s": timings.steps,
+        }
+        if pipeline.lowered.single_thread:  # one thread: what is not an action is the engine's own time
+            first = min(timings.in_actions)
+            outside = [total - timings.in_actions[first + k] for k, total in enumerate(timings.steps)]
+            out["engine_overhead_s"] = statistics.median(outside)
+            out["actions_per_step"] = len(timings.actions) / len(timings.steps)
+        return out
+
+
+def _interleaved(steps: int, runners: list[Any], times: list[list[float]] | None = None) -> None:
+    """``steps`` steps of every runner, the order rotating each step, the ranks meeting before each."""
+    import torch.distributed as dist
+
+    for step in range(steps):
+        for k in range(len(runners)):
+            i = (step + k) % len(runners)
+            dist.barrier()
+            start = time.perf_counter()
+            runners[i].step()
+            if times is not None:
+                times[i].append(time.perf_counter() - start)
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    import torch.distributed as dist
-
     rank_setup()
     size = SIZES[args.size]
     contenders = [_build(*spec, size, rank) for spec in CONTENDERS]
-    for step in range(args.warmup + args.steps):
-        for k in range(len(contenders)):
-            c = contenders[(step + k) % len(contenders)]
-            dist.barrier()
-            start = time.perf_counter()
-            c.step()
-            if step >= args.warmup:
-                c.times.append(time.perf_counter() - start)
+    _interleaved(args.warmup, contenders)
+    _interleaved(args.steps, contenders, [c.times for c in contenders])
     latency = _latency_s(size)
-    calibration = {c.label: _calibrate(c, args.calibrate) for c in contenders if c.pipeline is not None}
+    calibrations = [_Calibration(c) for c in contenders if c.pipeline is not None]
+    _interleaved(args.calibrate, calibrations)
+    calibration = {cal.c.label: cal.result() for cal in calibrations}
     programs = {c.label: c.pipeline.program.to_text() for c in contenders if c.pipeline is not None}
     for c in contenders:
         if c.pipeline is not None:
