@@ -7,15 +7,17 @@ stages of 2 layers, 4 microbatches, 3 SGD steps. Then, on the same weights and m
   ``I`` + ``W``), the sparse-hoist split (``E`` lookups ahead of the dense ``F``), GPipe;
 * several stages per rank, on ``PipelineRank`` (the model cut into 4 one-layer stages):
   Interleaved1F1B and its zero-bubble twin (stage ``s`` on rank ``s % 2``), ZBV and
-  DualPipeV (a V: rank 0 holds stages 0 and 3), and 1F1B itself with 2 stages.
+  DualPipeV (a V: rank 0 holds stages 0 and 3), and 1F1B itself with 2 stages;
+* the CP-SAT optimum (``pp.exact.solve``, 4 stages in a loop, F=1 B=2), whose orders run
+  forwards and backwards out of microbatch order.
 
 Every one of them gives the reference's gradients at every step and its final weights bit for
 bit: in each, every parameter's gradient sums the microbatches' contributions in microbatch
 order (each stage's backwards, or ``W`` s, run in microbatch order), and each contribution is
 computed by the same kernels on the same values (a P2P hand-off copies exactly; ``I``/``W``
 run the backward restricted with ``inputs=``). A program whose backwards run in another order
-(GPipe with each stage's backwards reversed) sums in another order: equal within float
-tolerance, not bit for bit.
+(GPipe with each stage's backwards reversed, the CP-SAT optimum) sums in another order: equal
+within float tolerance, not bit for bit.
 """
 
 from __future__ import annotations
@@ -86,13 +88,21 @@ def on_stage_wrapper(
     return grads, {name(n): p.detach().clone() for n, p in stage.module.named_parameters()}
 
 
-def on_pipeline_rank(schedule: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def on_pipeline_rank(
+    schedule: str, text: str | None = None
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     from torchrec_swp.integrations.torchrec.maglev import PipelineRank
     from torchrec_swp.integrations.torchrec.maglev.cpu import ModelConfig, build_model
-    from torchrec_swp.pp import build
+    from torchrec_swp.pp import Program, build
+    from torchrec_swp.pp.comm import add_step
 
     config = ModelConfig()
-    program = reversed_backwards() if schedule == "GPipe-reversed" else build(schedule, 2, M)
+    if text is not None:
+        program = add_step(Program.from_text(text))
+    elif schedule == "GPipe-reversed":
+        program = reversed_backwards()
+    else:
+        program = build(schedule, 2, M)
     per_stage = [config.num_layers // program.num_stages] * program.num_stages
     rank = PipelineRank(
         build_model(config, seed=0),
@@ -112,20 +122,33 @@ def on_pipeline_rank(schedule: str) -> tuple[list[dict[str, torch.Tensor]], dict
     return grads, {name(n): p.detach().clone() for n, p in rank.named_parameters().items()}
 
 
-def _rank(rank: int, world_size: int) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, exact: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for schedule, options in ON_STAGE_WRAPPER:
         out[f"maglev:{schedule}{'/comm' if options else ''}"] = on_stage_wrapper(schedule, options)
     for schedule in ON_PIPELINE_RANK:
         out[f"rank:{schedule}"] = on_pipeline_rank(schedule)
+    if exact is not None:
+        out["rank:CP-SAT"] = on_pipeline_rank("CP-SAT", exact)
     return out
+
+
+def exact_program() -> str | None:
+    """The CP-SAT optimum, solved once here (every rank must run the same program)."""
+    try:
+        from torchrec_swp.pp import Durations, loop_placement
+        from torchrec_swp.pp.exact import solve
+
+        return solve(M, loop_placement(2, 2), Durations(F=1, B=2), time_limit_s=20).program.to_text()
+    except ImportError:  # OR-Tools is optional
+        return None
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
     """Each run's gradients per step and final weights, both ranks merged, by global layer."""
     merged: dict[str, tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = {}
-    for result in run_on_ranks(_rank, timeout_s=240):
+    for result in run_on_ranks(_rank, exact_program(), timeout_s=240):
         for key, (grads, weights) in result.items():
             steps, final = merged.setdefault(key, ([{} for _ in grads], {}))
             for mine, theirs in zip(steps, grads, strict=True):
@@ -151,9 +174,12 @@ def test_gradients_and_weights_equal_plain_1f1b_bit_for_bit(runs: dict[str, Any]
     assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
 
 
-def test_another_backward_order_sums_in_another_order(runs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("key", ["rank:GPipe-reversed", "rank:CP-SAT"])
+def test_another_backward_order_sums_in_another_order(runs: dict[str, Any], key: str) -> None:
+    if key not in runs:
+        pytest.skip("OR-Tools is not installed")
     ref_grads, _ = runs["maglev:1F1B"]
-    grads, _ = runs["rank:GPipe-reversed"]
+    grads, _ = runs[key]
     for mine, ref in zip(grads, ref_grads, strict=True):
         for n in ref:
             torch.testing.assert_close(mine[n], ref[n], rtol=1e-5, atol=1e-6)

@@ -9,7 +9,10 @@
 * ``validate``: static rules; ``simulate``: all ranks replayed together with durations
   (deadlocks, makespan, bubble, live activations); ``grid``: text grids.
 * ``exact``: CP-SAT optimal programs (OR-Tools imported on first use).
-* ``lower``: one rank's program -> per-thread engine instructions with cross-thread waits.
+* ``lower``: one rank's program -> per-thread engine instructions (``run 0F3``, ``wait``,
+  ``signal``, collective tickets), run by ``torchrec_swp.engine.ProgramEngine.run_program``; the
+  torch bindings of every action kind and TorchRec's Maglev drop-ins are in
+  ``torchrec_swp.integrations.torchrec.maglev``.
 """
 
 from torchrec_swp.pp.actions import Action, Kind, Program, act, loop_placement, v_placement
