@@ -1,25 +1,48 @@
-"""What the engine is for: a data loader that waits on storage, overlapped with training.
+"""What the engine is for: a data loader that waits on storage, overlapped with training - against
+the ways a user of upstream TorchRec would hide that wait.
 
-    python benchmarks/overlap.py                               # latencies 5, 10, 20 ms, small DLRM
-    python benchmarks/overlap.py --latencies-ms 10 --sizes small,medium --steps 300
+    python benchmarks/overlap.py                    # 2 ranks then 1 rank; latencies 5, 10, 20 ms (about 8 min)
+    python benchmarks/overlap.py --quick            # latencies 5 and 20 ms, fewer steps (about 3 min)
+    python benchmarks/overlap.py --ranks 1 --latencies-ms 10 --steps 300
 
-Each batch arrives ``latency`` ms after it is asked for (a sleep, like a read from storage). Three
-contenders train their own copy of the same DLRM on the same data, on 2 gloo ranks, interleaved
-call by call:
+Each batch arrives ``latency`` ms after it is asked for (a sleep, like a read from storage). The
+contenders train their own copy of the same DLRM on the same batches, interleaved so that they
+share the machine's load: after ``--warmup`` steps interleaved call by call, in rounds where each
+runs ``--block`` consecutive steps (the order rotating every round), the first ``--skip`` of
+which are not timed. (Call by call, a loader that works in the background - a prefetch thread,
+DataLoader workers - fills its queue while the other contenders train and then looks faster than
+it can sustain; after a block's untimed half its queue has drained to what it sustains: a queue
+of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The contenders:
 
-* ``upstream``: TorchRec's pipeline; the loader runs in ``progress()``, in the critical path;
-* ``ours``: our pipeline with its default plan (upstream's schedule, same critical path);
-* ``ours+io``: our pipeline with the stage-0 tasks (load the batch, copy it to the device) on
-  their own thread ``io``, so the wait overlaps the training of earlier batches.
+* ``upstream``: TorchRec's pipeline; the loader's ``next()`` runs in ``progress()``;
+* ``upstream+async_copy``: TorchRec 1.9's ``async_inplace_copy=True`` (and
+  ``enable_inplace_copy_batch=True``) as shipped - on a CPU device it turns itself off;
+* ``upstream+async_copy(forced)``: the same with its CPU check lifted: the copy goes to a worker
+  thread, ``next()`` stays on the training thread;
+* ``upstream+thread``: a background thread prefetching ``--thread-depth`` batches into a queue;
+* ``upstream+dataloader``: a ``torch.utils.data.DataLoader`` (``--loader-workers`` worker
+  processes, ``--prefetch-factor``) over a dataset whose items wait the same latency;
+* ``ours``: our pipeline, default plan (upstream's schedule);
+* ``ours+io``: the stage-0 tasks (``next()`` and the copy of the next batch) on thread ``io``;
+* ``ours+io+dist``: every task of the batches ahead of the one being trained on ``io``
+  (for SparseDist: the copy and the input dist of the next batches, all off the training thread);
+* ``ours+io+thread``, ``ours+io+dist+thread``: those two plans reading the same prefetch thread
+  as ``upstream+thread``;
+* ``ours+dataloader``, ``ours+io+dataloader``: the default plan and ``ours+io`` reading the same
+  DataLoader as ``upstream+dataloader``.
 
-All three must give the same loss at every step. Reported per latency: median step time and QPS
-of each, the speed-up ours+io / upstream, and the efficiency against the lower bound: an
-iteration cannot take less than its busiest thread's task time (the training thread's tasks,
-or the io thread's loading and copying). That bound comes from a separate pass of ``ours+io``
-with an observer attached (``--bound-steps``); efficiency = bound / median step time.
+(``--contenders`` picks some; the async-copy rows need TrainPipelineSparseDist.) Every contender
+must give the same loss at every step. Reported per latency: mean step (the throughput: with a
+background loader steps alternate between short and long, and the median can fall anywhere
+between) and median step, QPS at the mean, ratios to upstream, each peer against the best of
+ours with the same kind of loader (ahead / equal / behind), and, for ours, the efficiency
+against the **lower bound**: an iteration cannot take less than its busiest thread's task time
+(an observer, ``StepAccounting``, attached to our engines during the timed steps); efficiency =
+bound / step, both means.
 
-Targets (issue 4), for a latency of at least 30% of upstream's step: ours+io >= 1.3x upstream's
-QPS and within 10% of the lower bound (efficiency >= 0.9).
+``--ranks 2,1`` (default) runs it on 2 gloo ranks, then on 1: with 2 ranks on the 2 cores the
+ranks share the cores and wait for each other in every collective; 1 rank has both cores and no
+peer, so the per-rank bound is not confounded by the other rank.
 
 Writes ``OUT/overlap.json`` and ``OUT/overlap.md`` (default ``out/bench``).
 """
@@ -27,9 +50,10 @@ Writes ``OUT/overlap.json`` and ``OUT/overlap.md`` (default ``out/bench``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,69 +67,179 @@ from benchmarks.common import (
     interleave,
     rank_setup,
     release,
-    run_ranks,
     size_arg,
     step_stats,
-    write_json,
 )
-from examples.dlrm.pipelines import INFO
+from benchmarks.report import add_train_pipeline_arg, run_meta, write_report
+
+CONTENDERS = (
+    "upstream",
+    "upstream+async_copy",
+    "upstream+async_copy(forced)",
+    "upstream+thread",
+    "upstream+dataloader",
+    "ours",
+    "ours+io",
+    "ours+io+dist",
+    "ours+io+thread",
+    "ours+io+dist+thread",
+    "ours+dataloader",
+    "ours+io+dataloader",
+)
+PEERS = tuple(c for c in CONTENDERS if c.startswith("upstream"))
+OURS = tuple(c for c in CONTENDERS if c.startswith("ours"))
+ASYNC_COPY = ("upstream+async_copy", "upstream+async_copy(forced)")
+
+
+def io_map(task: Any) -> str:
+    """``+io``: the stage-0 tasks on thread ``io``."""
+    return "io" if task.stage == 0 else task.thread_group
+
+
+def io_dist_map(pipeline: str) -> Callable[[Any], str]:
+    """``+io+dist``: every task below the pipeline's highest stage (working on a batch ahead of
+    the one being trained: loading, copying, input dist) on thread ``io``."""
+    from torchrec_swp.catalog.torchrec import default_plans
+
+    plan = default_plans()[pipeline]
+    top = max(p.max_stage for p in getattr(plan, "plans", (plan,)))
+
+    def io_dist(task: Any) -> str:
+        return "io" if task.stage < top else task.thread_group
+
+    return io_dist
+
+
+class _Closing:
+    """An iterator that also closes what feeds it (a prefetch thread, DataLoader workers)."""
+
+    def __init__(self, it: Iterator[Any], close: Callable[[], None]) -> None:
+        self.it, self.close = it, close
+
+    def __iter__(self) -> _Closing:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.it)
+
+
+def _contender(
+    label: str, rank: int, world_size: int, size_name: str, n: int, latency: float, args: argparse.Namespace
+) -> Contender:
+    """Build contender ``label``: ``upstream`` or ``ours``, then ``+`` options: ``async_copy``,
+    ``async_copy(forced)`` (upstream), ``io``, ``dist`` (ours' thread map), ``thread`` or
+    ``dataloader`` (the loader)."""
+    from examples.dlrm.model import build_dlrm
+    from examples.dlrm.pipelines import make_runner
+
+    from benchmarks.peers import ThreadPrefetcher, async_copy_runner, dataloader
+
+    impl, *options = label.split("+")
+    size = SIZES[size_name]
+    build = lambda: build_dlrm(rank, world_size, size)
+    if "dataloader" in options:
+        it = dataloader(size, rank, n, latency, num_workers=args.loader_workers, prefetch_factor=args.prefetch_factor)
+        data: Iterator[Any] = _Closing(it, getattr(it, "_shutdown_workers", lambda: None))
+    elif "thread" in options:
+        prefetch = ThreadPrefetcher(batches(size, rank, n, latency), depth=args.thread_depth)
+        data = _Closing(prefetch, prefetch.close)
+    else:
+        data = batches(size, rank, n, latency)
+    if impl == "upstream" and any(o.startswith("async_copy") for o in options):
+        runner = async_copy_runner(build, forced="async_copy(forced)" in options)
+    elif impl == "upstream":
+        runner = make_runner(args.pipeline, "upstream", build, upstream_patch=True)
+    else:
+        thread_map = io_dist_map(args.pipeline) if "dist" in options else io_map if "io" in options else None
+        runner = make_runner(args.pipeline, "ours", build, thread_map=thread_map)
+    return Contender(label, runner, data)
+
+
+def interleave_blocks(
+    contenders: list[Contender], rounds: int, block: int, skip: int, accounts: dict[str, StepAccounting], tick: Any
+) -> dict[str, list[Any]]:
+    """``rounds`` rounds; in each, every contender runs ``block`` consecutive steps (the order
+    rotating every round), of which the first ``skip`` are not timed: a contender whose loader
+    works in the background (a prefetch thread, DataLoader workers) filled its queue while the
+    others ran, and would look faster than it can sustain. Each contender's ``times`` get the
+    timed steps, ``losses`` every step; for ours, ``accounts[label]`` (attached to its engine)
+    turns each timed step into a StepRecord, returned by label."""
+    records: dict[str, list[Any]] = {label: [] for label in accounts}
+    n = len(contenders)
+    for round_ in range(rounds):
+        for k in range(n):
+            c = contenders[(round_ + k) % n]
+            acc = accounts.get(c.label)
+            for step in range(block):
+                start = time.perf_counter()
+                output = c.runner.step(c.batches)
+                took = time.perf_counter() - start
+                if acc is not None:
+                    record = acc.take(took)
+                    if step >= skip:
+                        records[c.label].append(record)
+                if step >= skip:
+                    c.times.append(took)
+                c.losses.append(float(output[0]))
+                tick()
+    return records
+
+
+def _stats(times: list[float], examples_per_step: int) -> dict[str, float]:
+    """Mean and median step (ms), QPS at the mean step (the throughput), P90."""
+    mean = statistics.fmean(times)
+    return {**step_stats(times, examples_per_step), "mean_ms": 1e3 * mean, "qps": examples_per_step / mean}
 
 
 def _case(
     rank: int, world_size: int, size_name: str, latency_ms: float, args: argparse.Namespace, tick: Any
 ) -> dict[str, Any]:
-    import time
-
-    from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
-    from examples.dlrm.train import thread_map_of
-
     size = SIZES[size_name]
-    total = args.warmup + args.steps
+    rounds = -(-args.steps // (args.block - args.skip))  # enough rounds to time at least --steps steps
+    total = args.warmup + rounds * args.block
     latency = latency_ms / 1000
-    build = lambda: build_dlrm(rank, world_size, size)
     contenders: list[Contender] = []
+    accounts: dict[str, StepAccounting] = {}
     try:
-        for label, impl, thread_map, extra in (
-            ("upstream", "upstream", None, 0),
-            ("ours", "ours", None, 0),
-            ("ours+io", "ours", thread_map_of("io"), args.bound_steps),
-        ):
-            runner = make_runner(args.pipeline, impl, build, thread_map=thread_map, upstream_patch=True)
-            contenders.append(Contender(label, runner, batches(size, rank, total + extra, latency)))
-        interleave(contenders, total, tick)
-        io = contenders[-1]
-        engine = io.runner.pipeline.engine
-        acc = StepAccounting()
-        engine.instrument(acc)
-        records = []
-        try:
-            for _ in range(args.bound_steps):
-                start = time.perf_counter()
-                io.runner.step(io.batches)
-                records.append(acc.take(time.perf_counter() - start))
-                tick()
-        finally:
-            engine.instrument()
-        threads = io.runner.pipeline.plan.thread_groups
+        for label in args.contenders:
+            contenders.append(_contender(label, rank, world_size, size_name, total + 4, latency, args))
+        interleave(contenders, args.warmup, tick)
+        for c in contenders:
+            c.times.clear()
+            if c.label.startswith("ours"):
+                accounts[c.label] = StepAccounting()
+                c.runner.pipeline.engine.instrument(accounts[c.label])
+        records = interleave_blocks(contenders, rounds, args.block, args.skip, accounts, tick)
+        threads = {c.label: c.runner.pipeline.engine.plan.thread_groups for c in contenders if c.label in accounts}
     finally:
+        for c in contenders:
+            if c.label in accounts:
+                c.runner.pipeline.engine.instrument()
+            if isinstance(c.batches, _Closing):
+                c.batches.close()
         release(*contenders)
     examples = size.batch_size * world_size
-    stats = {c.label: step_stats(c.times[args.warmup :], examples) for c in contenders}
-    bound_s = statistics.median(max(r.busy.values(), default=0.0) for r in records)
-    busy = {t: 1e3 * statistics.median(r.busy.get(t, 0.0) for r in records) for t in threads}
-    up, io_stats = stats["upstream"], stats["ours+io"]
-    return {
-        "size": size_name,
-        "latency_ms": latency_ms,
-        "latency_share_of_upstream_step": latency_ms / up["median_ms"],
-        **stats,
-        "speedup": io_stats["qps"] / up["qps"],
-        "lower_bound_ms": 1e3 * bound_s,
-        "busy_ms_per_thread": busy,
-        "efficiency": {label: 1e3 * bound_s / s["median_ms"] for label, s in stats.items()},
-        "same_losses": all(c.losses == contenders[0].losses for c in contenders),
+    stats = {c.label: _stats(c.times, examples) for c in contenders}
+    bounds = {
+        label: {
+            "bound_ms": 1e3 * statistics.fmean(max(r.busy.values(), default=0.0) for r in recs),
+            "busy_ms": {t: 1e3 * statistics.fmean(r.busy.get(t, 0.0) for r in recs) for t in threads[label]},
+        }
+        for label, recs in records.items()
     }
+    out: dict[str, Any] = {
+        "size": size_name,
+        "ranks": world_size,
+        "latency_ms": latency_ms,
+        **stats,
+        "same_losses": all(c.losses == contenders[0].losses for c in contenders),
+        "losses_differ": [c.label for c in contenders if c.losses != contenders[0].losses],
+        "bounds": bounds,
+        "efficiency": {label: b["bound_ms"] / stats[label]["mean_ms"] for label, b in bounds.items()},
+    }
+    if "upstream" in stats:
+        out["latency_share_of_upstream_step"] = latency_ms / stats["upstream"]["mean_ms"]
+    return out
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -113,100 +247,186 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str
     from tqdm import tqdm
 
     cases = [(s, lat) for s in args.sizes for lat in args.latencies_ms]
-    per_case = args.warmup + args.steps + args.bound_steps
+    rounds = -(-args.steps // (args.block - args.skip))
+    per_case = args.warmup + len(args.contenders) * rounds * args.block
     bar = tqdm(total=per_case * len(cases), disable=rank != 0, unit="step", mininterval=1.0, file=sys.stdout)
     out = []
     try:
         for size_name, latency in cases:
-            bar.set_description(f"{size_name}, loader {latency:g} ms")
+            bar.set_description(f"{world_size} rank(s), {size_name}, loader {latency:g} ms")
             out.append(_case(rank, world_size, size_name, latency, args, bar.update))
     finally:
         bar.close()
     return out
 
 
+# ----------------------------------------------------------------------------- report
+def _verdict(ratio: float, tolerance: float) -> str:
+    return "ahead" if ratio > 1 + tolerance else "behind" if ratio < 1 - tolerance else "equal"
+
+
+def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[tuple[str, str, float, str]]:
+    """``(ours, peer, speed-up, verdict)``: each peer against the best of ours that uses the same
+    kind of loader (plain iterator, prefetch thread, DataLoader), and the best peer against the
+    best of ours over everything (each pair once)."""
+
+    def loader(label: str) -> str:
+        return "dataloader" if "dataloader" in label else "thread" if "thread" in label else "plain"
+
+    out = []
+    ours = [o for o in labels if o in OURS]
+    for peer in (p for p in labels if p in PEERS):
+        same = [o for o in ours if loader(o) == loader(peer)]
+        if same:
+            best = min(same, key=lambda o: r[o]["mean_ms"])
+            ratio = r[peer]["mean_ms"] / r[best]["mean_ms"]
+            out.append((best, peer, ratio, _verdict(ratio, tolerance)))
+    peers = [p for p in labels if p in PEERS]
+    if peers and ours:
+        best_peer = min(peers, key=lambda p: r[p]["mean_ms"])
+        best_ours = min(ours, key=lambda o: r[o]["mean_ms"])
+        ratio = r[best_peer]["mean_ms"] / r[best_ours]["mean_ms"]
+        out.append((best_ours, best_peer, ratio, _verdict(ratio, tolerance)))
+    return list(dict.fromkeys(out))
+
+
 def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    labels = [c for c in CONTENDERS if c in meta["contenders"]]
     lines = [
-        f"# Overlap: {meta['pipeline']} with a loader that waits",
+        f"# Overlap: {meta['pipeline']} with a loader that waits, against upstream's ways to hide it",
         "",
-        f"{meta['date']}; {meta['command']}",
+        f"{meta['date']}; `{meta['command']}`",
         (
-            f"2 gloo ranks; {meta['warmup']} warm-up + {meta['steps']} measured steps, interleaved call by call; "
-            f"lower bound from {meta['bound_steps']} instrumented steps of ours+io."
+            f"{meta['warmup']} warm-up steps interleaved call by call, then rounds of {meta['block']} consecutive "
+            f"steps per contender ({meta['skip']} untimed), at least {meta['steps']} timed steps each; DataLoader: "
+            f"{meta['loader_workers']} workers, prefetch_factor {meta['prefetch_factor']}; prefetch thread depth "
+            f"{meta['thread_depth']}. Compared by the **mean** step (throughput: QPS over all ranks = examples / "
+            "mean step): with a background loader, steps alternate between waiting and not (two DataLoader workers "
+            "finish together) and the median can fall anywhere between. `bound`: the busiest thread's task time per "
+            "step of our contender (mean over its timed steps); `eff` = bound / mean step."
         ),
-        "",
-        (
-            "| size | loader latency (share of upstream step) | upstream median ms / QPS | ours median ms / QPS "
-            "| ours+io median ms / QPS | speed-up ours+io / upstream | lower bound ms (busiest thread) "
-            "| efficiency upstream / ours+io | same losses |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        busiest = max(r["busy_ms_per_thread"], key=r["busy_ms_per_thread"].get)
+        share = r.get("latency_share_of_upstream_step")
+        lines += [
+            "",
+            f"## {r['ranks']} rank(s), {r['size']} DLRM, loader {r['latency_ms']:g} ms"
+            + (f" ({100 * share:.0f}% of upstream's step)" if share else ""),
+            "",
+            "| contender | mean ms | median ms | QPS | vs upstream | bound ms (busiest thread) | eff |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        up = r.get("upstream")
+        for label in labels:
+            s = r[label]
+            vs = f"{up['mean_ms'] / s['mean_ms']:.2f}x" if up else "-"
+            b = r["bounds"].get(label)
+            bound = "-"
+            if b is not None:
+                busiest = max(b["busy_ms"], key=b["busy_ms"].get)
+                bound = f"{b['bound_ms']:.2f} ({busiest})"
+            eff = f"{r['efficiency'][label]:.2f}" if label in r["efficiency"] else "-"
+            lines.append(
+                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s['qps']:,.0f} | {vs} | {bound} | {eff} |"
+            )
+        lines.append("")
+        for ours, peer, ratio, verdict in comparisons(r, labels, meta["tolerance"]):
+            lines.append(f"- {ours} vs {peer}: {ratio:.2f}x, **{verdict}**")
         lines.append(
-            f"| {r['size']} | {r['latency_ms']:g} ms ({100 * r['latency_share_of_upstream_step']:.0f}%) "
-            + " ".join(f"| {r[k]['median_ms']:.2f} / {r[k]['qps']:,.0f}" for k in ("upstream", "ours", "ours+io"))
-            + f" | **{r['speedup']:.2f}x** | {r['lower_bound_ms']:.2f} ({busiest}) "
-            f"| {r['efficiency']['upstream']:.2f} / **{r['efficiency']['ours+io']:.2f}** "
-            f"| {'yes' if r['same_losses'] else 'NO'} |"
+            f"- same losses at every step: "
+            + ("yes" if r["same_losses"] else f"NO ({', '.join(r['losses_differ'])})")
+            + f" ('equal' = within +-{100 * meta['tolerance']:.0f}%)"
         )
-    lines += [
-        "",
-        "Busy time per thread of ours+io (median ms per step): "
-        + "; ".join(
-            f"{r['latency_ms']:g} ms: " + ", ".join(f"{t} {ms:.2f}" for t, ms in r["busy_ms_per_thread"].items())
-            for r in results
-        )
-        + ".",
-    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_pipeline_arg(parser)
     parser.add_argument(
-        "--pipeline",
-        default="TrainPipelineSparseDist",
-        choices=[n for n, i in INFO.items() if i.kind == "train" and not i.compiles],
-        help="(default: %(default)s)",
+        "--quick", action="store_true", help="latencies 5,20 ms; rounds of 40 steps (20 untimed), 40 timed, 10 warm-up"
     )
     parser.add_argument(
-        "--latencies-ms",
-        type=lambda s: [float(x) for x in s.split(",")],
-        default=[5.0, 10.0, 20.0],
-        help="comma-separated loader latencies in ms (default: 5,10,20)",
+        "--latencies-ms", type=lambda s: [float(x) for x in s.split(",")], default=None, help="(default: 5,10,20)"
+    )
+    parser.add_argument(
+        "--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 1], help="(default: 2,1)"
+    )
+    parser.add_argument(
+        "--contenders",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=list(CONTENDERS),
+        help="comma-separated, of: " + ", ".join(CONTENDERS),
     )
     parser.add_argument(
         "--sizes", type=size_arg, default=["small"], help=f"comma-separated, of {', '.join(SIZES)} (default: small)"
     )
-    parser.add_argument("--steps", type=int, default=200, help="measured steps (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=20, help="dropped steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps at least (default: 150, --quick 40)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20, --quick 10)")
     parser.add_argument(
-        "--bound-steps", type=int, default=50, help="instrumented steps for the lower bound (default: %(default)s)"
+        "--block", type=int, default=None, help="steps of a contender per round (default: 60, --quick 40)"
+    )
+    parser.add_argument("--skip", type=int, default=None, help="untimed steps per block (default: half the block)")
+    parser.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers (default: %(default)s)")
+    parser.add_argument(
+        "--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor (default: %(default)s)"
+    )
+    parser.add_argument("--thread-depth", type=int, default=2, help="prefetch thread queue (default: %(default)s)")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.03, help="a speed-up within 1 +- this is 'equal' (default: %(default)s)"
     )
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.bound_steps < 1 or any(x < 0 for x in args.latencies_ms):
-        parser.error("--steps and --bound-steps must be >= 1, --warmup and latencies >= 0")
+    args.latencies_ms = args.latencies_ms or ([5.0, 20.0] if args.quick else [5.0, 10.0, 20.0])
+    args.steps = args.steps or (40 if args.quick else 150)
+    args.warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
+    args.block = args.block or (40 if args.quick else 60)
+    args.skip = args.skip if args.skip is not None else args.block // 2
+    unknown = [c for c in args.contenders if c not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose among {', '.join(CONTENDERS)}")
+    if args.pipeline != "TrainPipelineSparseDist":
+        args.contenders = [c for c in args.contenders if c not in ASYNC_COPY]
+    if (
+        args.steps < 1
+        or args.warmup < 0
+        or any(x < 0 for x in args.latencies_ms)
+        or any(r < 1 for r in args.ranks)
+        or args.loader_workers < 1
+        or args.prefetch_factor < 1
+        or args.thread_depth < 1
+        or not 0 <= args.skip < args.block
+    ):
+        parser.error(
+            "--steps, --ranks, --loader-workers, --prefetch-factor, --thread-depth >= 1; --warmup, latencies >= 0; "
+            "0 <= --skip < --block"
+        )
     from examples.dlrm.pipelines import not_exported
 
     if args.pipeline in not_exported():
         parser.error(not_exported()[args.pipeline])
 
-    results = run_ranks(_rank, args)
-    meta = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python benchmarks/overlap.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "pipeline": args.pipeline,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "bound_steps": args.bound_steps,
-    }
-    write_json(args.out / "overlap.json", {"meta": meta, "results": results})
-    (args.out / "overlap.md").write_text(_markdown(results, meta))
-    print((args.out / "overlap.md").read_text())
-    print(f"wrote {args.out / 'overlap.json'}, {args.out / 'overlap.md'}")
+    from tests.dist.harness import run_on_ranks
+
+    results = []
+    for world_size in args.ranks:
+        results += run_on_ranks(_rank, args, world_size=world_size, timeout_s=7200.0)[0]
+    meta = run_meta(
+        "overlap.py",
+        argv,
+        args,
+        "pipeline",
+        "contenders",
+        "steps",
+        "warmup",
+        "block",
+        "skip",
+        "loader_workers",
+        "prefetch_factor",
+        "thread_depth",
+        "tolerance",
+    )
+    write_report(args.out, "overlap", {"meta": meta, "results": results}, _markdown(results, meta))
 
 
 if __name__ == "__main__":

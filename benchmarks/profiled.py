@@ -32,7 +32,8 @@ from torchrec_swp.sim import Calibration, calibrate, simulate, simulate_ranks
 class ProfiledRun:
     """One pipeline on one rank: the plan it ran (text), the profiler's iteration records, the
     time of each measured ``progress()`` call and of the caller's work after it (s), the losses,
-    and ``Profile.durations()`` (the medians, the single-rank simulator's cost model)."""
+    ``Profile.durations()`` (the medians, the single-rank simulator's cost model) and the whole
+    profile (``Profile.to_json()``, what ``python -m torchrec_swp.autosched --profile`` reads)."""
 
     label: str
     plan: str
@@ -41,6 +42,7 @@ class ProfiledRun:
     finish_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     medians: dict[str, float] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)  # Profile.to_json()
 
     @property
     def step_s(self) -> list[float]:
@@ -96,7 +98,9 @@ def profile_interleaved(
         plan = r.pipeline.engine.plan  # the plan of the measured steps (SemiSync's is phased: its second phase)
         run.plan = plan.to_text()
         run.records = list(p.records)
-        run.medians = p.profile(plan).durations()
+        profile = p.profile(plan)
+        run.medians = profile.durations()
+        run.profile = profile.to_json()
     return out
 
 
@@ -144,7 +148,8 @@ def predicted_step(
     what they ran): over ``batches`` batches (default: as many as were measured, 12 for medians)."""
     depth = max(c.plan.max_stage for c in cal.ranks) + 1
     n = batches or (12 if mode == "median" else cal.iterations + depth)
-    ranks = cal.simulation_ranks(mode, seed=seed, plans=None if plan is None else [plan] * len(cal.ranks))  # type: ignore[arg-type]
+    plans = None if plan is None else [plan] * len(cal.ranks)
+    ranks = cal.simulation_ranks(mode, seed=seed, plans=plans)  # type: ignore[arg-type]
     result = simulate_ranks(ranks, n, cores=cores)
     got = result.ranks[0].median_iteration_time
     assert got is not None

@@ -29,7 +29,6 @@ Errors are ``predicted / measured - 1``. Writes ``OUT/sim_vs_real.json`` and ``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import SIZES, batches, rank_setup, size_arg
-from benchmarks.report import write_report
+from benchmarks.report import run_meta, write_report
 from benchmarks.profiled import ProfiledRun, calibration, predicted_step, profile_interleaved, single_rank_step
 from examples.dlrm.pipelines import INFO, PIPELINES
 
@@ -139,7 +138,8 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "misses over 10% in bold."
         ),
         "",
-        "| pipeline | plan | measured ms | 1 rank, medians (before) | ranks, medians | ranks, replay | io from default's profile |",
+        "| pipeline | plan | measured ms | 1 rank, medians (before) | ranks, medians | ranks, replay "
+        "| io from default's profile |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -188,15 +188,8 @@ def main(argv: list[str] | None = None) -> None:
 
     per_rank = run_on_ranks(_rank, args, timeout_s=3600.0)
     rows = analyse(per_rank, args.latency_ms / 1000)
-    meta = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "size": args.size[0],
-        "latency_ms": args.latency_ms,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "cores": CORES,
-    }
+    meta = run_meta("sim_vs_real.py", argv, args, "latency_ms", "steps", "warmup")
+    meta.update(size=args.size[0], cores=CORES)
     write_report(args.out, "sim_vs_real", {"meta": meta, "rows": rows}, _markdown(rows, meta))
 
 

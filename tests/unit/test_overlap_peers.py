@@ -1,0 +1,123 @@
+"""The overlap benchmark's peers and helpers, without ranks: the prefetch thread, the DataLoader
+over the latency dataset (the very batches of the plain loader), the ``+io+dist`` thread map,
+block interleaving and the ahead / equal / behind verdicts."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from benchmarks.common import SIZES, Contender, batches
+from benchmarks.overlap import comparisons, interleave_blocks, io_dist_map, io_map
+from benchmarks.peers import ThreadPrefetcher, dataloader
+from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan
+
+
+def test_the_prefetch_thread_yields_everything_in_order_and_ends() -> None:
+    p = ThreadPrefetcher(iter(range(10)), depth=2)
+    assert list(p) == list(range(10))
+    with pytest.raises(StopIteration):
+        next(p)
+    p.close()
+
+
+def test_the_prefetch_thread_loads_ahead_while_the_consumer_works() -> None:
+    def slow() -> object:
+        for k in range(6):
+            time.sleep(0.02)
+            yield k
+
+    p = ThreadPrefetcher(slow(), depth=3)
+    time.sleep(0.1)  # the thread filled its queue meanwhile: three items wait, ready
+    start = time.perf_counter()
+    assert [next(p), next(p), next(p)] == [0, 1, 2]
+    assert time.perf_counter() - start < 0.015
+    p.close()
+
+
+def test_the_prefetch_thread_hands_on_the_loaders_error_and_closes() -> None:
+    def failing() -> object:
+        yield 1
+        raise ValueError("disk on fire")
+
+    p = ThreadPrefetcher(failing())
+    assert next(p) == 1
+    with pytest.raises(ValueError, match="disk on fire"):
+        next(p)
+    endless = ThreadPrefetcher(itertools.count(), depth=1)
+    next(endless)
+    endless.close()
+    assert not endless._thread.is_alive()
+    with pytest.raises(ValueError, match="depth"):
+        ThreadPrefetcher(iter(()), depth=0)
+
+
+def test_the_dataloader_yields_the_plain_loaders_batches() -> None:
+    size = SIZES["small"]
+    plain = list(itertools.islice(batches(size, 1, 20), 20))
+    loaded = list(dataloader(size, 1, 20, 0.001, num_workers=2, prefetch_factor=2))
+    assert len(loaded) == 20
+    for a, b in zip(plain, loaded, strict=True):
+        assert torch.equal(a.dense_features, b.dense_features)
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+        assert torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
+        assert torch.equal(a.labels, b.labels)
+
+
+def test_io_dist_puts_every_task_ahead_of_training_on_io() -> None:
+    plan = sparse_dist_plan()
+    io_dist = plan.with_thread_map(io_dist_map("TrainPipelineSparseDist"))
+    on_io = {t for t in io_dist.fire_order if io_dist.task(t).thread_group == "io"}
+    assert on_io == {"H2D", "InitPipelinedModules", "InputDistStart", "InputDistWait"}
+    io = plan.with_thread_map(io_map)
+    assert {t for t in io.fire_order if io.task(t).thread_group == "io"} == {"H2D"}
+    base = train_pipeline_base_plan().with_thread_map(io_dist_map("TrainPipelineBase"))
+    assert {t for t in base.fire_order if base.task(t).thread_group == "io"} == {"LoadBatch", "H2D"}
+
+
+@dataclass
+class _Runner:
+    """Takes ``cost`` seconds per step and returns the step's number as its loss."""
+
+    cost: float
+    calls: list[int] = field(default_factory=list)
+
+    def step(self, it: object) -> tuple[float]:
+        self.calls.append(1)
+        time.sleep(self.cost)
+        return (float(len(self.calls)),)
+
+
+def test_blocks_time_only_the_second_part_of_each_block() -> None:
+    a, b = _Runner(0.002), _Runner(0.002)
+    cs = [Contender("a", a, iter(())), Contender("b", b, iter(()))]
+    ticks: list[int] = []
+    interleave_blocks(cs, 3, 10, 4, {}, lambda: ticks.append(1))
+    assert len(a.calls) == len(b.calls) == 30 and len(ticks) == 60
+    assert len(cs[0].times) == len(cs[1].times) == 18  # 3 blocks x (10 - 4)
+    assert cs[0].losses == [float(k) for k in range(1, 31)]
+
+
+def test_verdicts_compare_like_loaders_and_the_best_of_each_side() -> None:
+    row = {
+        label: {"mean_ms": ms}
+        for label, ms in {
+            "upstream": 20.0,
+            "upstream+thread": 10.0,
+            "upstream+dataloader": 6.0,
+            "ours": 20.2,
+            "ours+io": 10.1,
+            "ours+io+thread": 9.0,
+            "ours+dataloader": 6.5,
+        }.items()
+    }
+    got = comparisons(row, list(row), 0.03)
+    assert got == [
+        ("ours+io", "upstream", pytest.approx(20 / 10.1), "ahead"),
+        ("ours+io+thread", "upstream+thread", pytest.approx(10 / 9), "ahead"),
+        ("ours+dataloader", "upstream+dataloader", pytest.approx(6 / 6.5), "behind"),  # also the best of each
+    ]
