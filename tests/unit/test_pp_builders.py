@@ -14,7 +14,7 @@ import pytest
 
 from torchrec_swp.pp import SCHEDULES, Durations, PPError, Program, build, format_grid, simulate, validate
 from torchrec_swp.pp.actions import COMPUTE, Kind
-from torchrec_swp.pp.builders import maglev_1f1b, sparse_hoist_1f1b
+from torchrec_swp.pp.builders import maglev_1f1b, maglev_base, sparse_hoist_1f1b
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "pp"
 UNIT = Durations(F=1, E=1, B=2, I=1, W=1)
@@ -98,6 +98,20 @@ def test_maglev_orders_are_upstreams_progress() -> None:
     assert " ".join(map(str, ahead)) == f"{seed} {warmup} {steady} {last} {cooldown}"
     with pytest.raises(PPError, match="at least one microbatch per stage"):
         maglev_1f1b(4, 3)
+
+
+def test_maglev_base_is_upstreams_one_microbatch_pass() -> None:
+    """MaglevPipelineBase.progress (torchrec 1.9.2 maglev/pipeline.py): start_recv_act, the
+    forward (its send started inside), start_recv_grad right before the backward, drain, step."""
+    program = maglev_base(3)
+    assert program.to_text() == (
+        "program MaglevBase microbatches=1 placement=0,1,2\n"
+        "rank 0: 0F0 0SF0 0RB0 0B0 0G 0O\n"
+        "rank 1: 1RF0 1F0 1SF0 1RB0 1B0 1G 1SB0 1O\n"
+        "rank 2: 2RF0 2F0 2B0 2G 2SB0 2O\n"
+    )
+    validate(program)
+    assert simulate(program).bubble > 0
 
 
 # run_1f1b_split's docstring tables (git show 376cac6a^:torchrec/distributed/maglev/pipeline.py),

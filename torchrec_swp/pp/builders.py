@@ -342,3 +342,11 @@ def maglev_1f1b(num_ranks: int, num_microbatches: int, *, recv_ahead: bool = Fal
         program = comm.recv_ahead(program, 1)
     name = "Maglev1F1BRecvAhead" if recv_ahead else "Maglev1F1B"
     return comm.add_step(program, sync_before_send=True).replace(name=name)
+
+
+def maglev_base(num_ranks: int) -> Program:
+    """TorchRec 1.9.2's ``MaglevPipelineBase``: one microbatch, forward then backward, each
+    receive right before its consumer, the gradient sync inside the backward, then the step."""
+    from torchrec_swp.pp import comm
+
+    return comm.add_step(comm.add_p2p(one_f_one_b(num_ranks, 1)), sync_before_send=True).replace(name="MaglevBase")

@@ -58,8 +58,7 @@ from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, RankRuntime
 from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.pp import PPError, Program, build, validate
 from torchrec_swp.pp.actions import P2P, Action, Kind
-from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, one_f_one_b
-from torchrec_swp.pp.comm import add_p2p, add_step
+from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, maglev_base
 from torchrec_swp.pp.lower import lower_rank
 
 ThreadMap = Literal["main", "comm", "send_recv"] | Mapping[str, str] | Callable[[Action], str]
@@ -73,12 +72,6 @@ _PRESETS: dict[str, Callable[[Action], str]] = {
     "comm": lambda a: "comm" if a.kind in P2P else MAIN_THREAD,
     "send_recv": lambda a: ("send" if a.kind.value.startswith("S") else "recv") if a.kind in P2P else MAIN_THREAD,
 }
-
-
-def maglev_base_program(num_stages: int) -> Program:
-    """``MaglevPipelineBase``: one microbatch, forward then backward; receives right before
-    their consumer, the gradient sync inside the backward, then the step."""
-    return add_step(add_p2p(one_f_one_b(num_stages, 1)), sync_before_send=True).replace(name="MaglevBase")
 
 
 class _EngineDriven:
@@ -211,7 +204,7 @@ class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
         upstream.MaglevPipelineBase.__init__(self, stage, optimizer, no_sync)
         self._setup(
             1,
-            maglev_base_program(stage.num_stages),
+            maglev_base(stage.num_stages),
             0,
             schedule=None,
             program=program,
