@@ -24,10 +24,11 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
   processes, ``--prefetch-factor``) over a dataset whose items wait the same latency;
 * ``ours``: our pipeline, default plan (upstream's schedule);
 * ``ours+io``: the stage-0 tasks (``next()`` and the copy of the next batch) on thread ``io``;
-* ``ours+io+dist``: every task of the batches ahead of the one being trained on ``io``
-  (for SparseDist: the copy and the input dist of the next batches, all off the training thread);
-* ``ours+io+thread``, ``ours+io+dist+thread``: those two plans reading the same prefetch thread
-  as ``upstream+thread``;
+* ``ours+io+dist``: besides, every other task of the batches ahead of the one being trained on
+  thread ``dist`` (for SparseDist: the input dist of the next batch): loading, copying and input
+  dist all off the training thread;
+* ``ours+thread``, ``ours+io+thread``: the default plan and ``ours+io`` reading the same
+  prefetch thread as ``upstream+thread``;
 * ``ours+dataloader``, ``ours+io+dataloader``: the default plan and ``ours+io`` reading the same
   DataLoader as ``upstream+dataloader``.
 
@@ -81,8 +82,8 @@ CONTENDERS = (
     "ours",
     "ours+io",
     "ours+io+dist",
+    "ours+thread",
     "ours+io+thread",
-    "ours+io+dist+thread",
     "ours+dataloader",
     "ours+io+dataloader",
 )
@@ -97,15 +98,18 @@ def io_map(task: Any) -> str:
 
 
 def io_dist_map(pipeline: str) -> Callable[[Any], str]:
-    """``+io+dist``: every task below the pipeline's highest stage (working on a batch ahead of
-    the one being trained: loading, copying, input dist) on thread ``io``."""
+    """``+io+dist``: the stage-0 tasks on thread ``io``, and every other task below the
+    pipeline's highest stage (working on a batch ahead of the one being trained: for SparseDist
+    the input dist) on thread ``dist``. (On one thread with the loading, the input dist's
+    collectives would wait behind the loader's latency, and with them - their tickets follow
+    fire order - the training thread's.)"""
     from torchrec_swp.catalog.torchrec import default_plans
 
     plan = default_plans()[pipeline]
     top = max(p.max_stage for p in getattr(plan, "plans", (plan,)))
 
     def io_dist(task: Any) -> str:
-        return "io" if task.stage < top else task.thread_group
+        return "io" if task.stage == 0 else "dist" if task.stage < top else task.thread_group
 
     return io_dist
 

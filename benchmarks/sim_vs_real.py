@@ -23,12 +23,15 @@ Then, per pipeline and plan, in the parent (``benchmarks/profiled.py``):
   calibrated on the *default* plan's run - a prediction for a plan that was not profiled, what
   the auto-scheduler relies on.
 
-Errors are ``predicted / measured - 1``. Writes ``OUT/sim_vs_real.json`` and ``.md`` (default ``out/bench``).
+Errors are ``predicted / measured - 1``; misses over 10% are listed with what changed. Writes
+``OUT/sim_vs_real.json`` and ``.md`` (default ``out/bench``), and every rank's profiles to
+``OUT/sim_vs_real.raw.pkl`` (``--from-raw`` analyses them again without running).
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,6 +116,10 @@ def analyse(per_rank: list[dict[str, list[ProfiledRun]]], latency_s: float) -> l
                 predictions["from_default"] = predicted_step(
                     cal["default"], mode="replay", cores=CORES, plan=PipelinePlan.from_text(runs["io"][0].plan)
                 )
+                # what changed between the two runs, to explain a miss of the prediction from default
+                before, after = cal["default"].ranks[0].measured(), cal["io"].ranks[0].measured()
+                row["rank0_task_ms_default_vs_io"] = {t: (1e3 * before[t], 1e3 * after[t]) for t in before}
+                row["overhead_ms_default"] = [1e3 * c.overhead for c in cal["default"].ranks]
             for key, value in predictions.items():
                 row[f"{key}_ms"] = 1e3 * value
                 row[f"{key}_error"] = _error(value, measured)
@@ -147,6 +154,9 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {r['pipeline']} | {r['plan']} | {r['measured_ms']:.2f} | {cell(r, 'one_rank')} "
             f"| {cell(r, 'ranks_median')} | {cell(r, 'ranks_replay')} | {cell(r, 'from_default')} |"
         )
+    misses = [line for r in rows for line in _explain(r)]
+    if misses:
+        lines += ["", "Misses over 10% of the multi-rank predictions, and what changed:", "", *misses]
     for key, title in (("one_rank", "1 rank"), ("ranks_replay", "ranks, replay"), ("from_default", "from default")):
         errs = [abs(r[f"{key}_error"]) for r in rows if f"{key}_error" in r]
         if errs:
@@ -156,6 +166,33 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{within}/{len(errs)} within 10%."
             )
     return "\n".join(lines) + "\n"
+
+
+def _explain(r: dict[str, Any]) -> list[str]:
+    """A line per multi-rank prediction of ``r`` that misses by more than 10%, with the numbers
+    that explain it: the per-iteration overhead, and for the io plan predicted from the default
+    plan's profile, rank 0's tasks whose cost changed most between the two runs."""
+    out = []
+    where = f"{r['pipeline']} ({r['plan']})"
+    overhead = ", ".join(f"{ms:.2f}" for ms in r["overhead_ms"])
+    for key in ("ranks_median", "ranks_replay"):
+        if abs(r[f"{key}_error"]) > 0.10:
+            out.append(
+                f"- {where}, {key.replace('_', ', ')}: {100 * r[f'{key}_error']:+.0f}%; per-iteration overhead "
+                f"(ms, per rank) {overhead}"
+            )
+    if abs(r.get("from_default_error", 0.0)) > 0.10:
+        changes = sorted(
+            r["rank0_task_ms_default_vs_io"].items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])
+        )[:3]
+        out.append(
+            f"- {where}, from default: {100 * r['from_default_error']:+.0f}%; rank 0's costs, default run -> io run: "
+            + ", ".join(f"{t} {a:.2f} -> {b:.2f} ms" for t, (a, b) in changes)
+            + "; overhead (ms, per rank) "
+            + ", ".join(f"{ms:.2f}" for ms in r["overhead_ms_default"])
+            + f" -> {overhead}"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-ms", type=float, default=10.0, help="loader latency (default: %(default)s)")
     parser.add_argument("--size", type=size_arg, default=["small"], help="DLRM size (default: small)")
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
+    parser.add_argument(
+        "--from-raw",
+        type=Path,
+        metavar="FILE",
+        help="analyse the profiles a run saved (OUT/sim_vs_real.raw.pkl) instead of running",
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or (60 if args.quick else 200)
     args.warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
@@ -184,9 +227,17 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.size) != 1:
         parser.error("--size takes one size")
 
-    from tests.dist.harness import run_on_ranks
+    if args.from_raw:
+        with args.from_raw.open("rb") as f:
+            saved = pickle.load(f)
+        per_rank, args.latency_ms = saved["per_rank"], saved["latency_ms"]
+    else:
+        from tests.dist.harness import run_on_ranks
 
-    per_rank = run_on_ranks(_rank, args, timeout_s=3600.0)
+        per_rank = run_on_ranks(_rank, args, timeout_s=3600.0)
+        args.out.mkdir(parents=True, exist_ok=True)
+        with (args.out / "sim_vs_real.raw.pkl").open("wb") as f:
+            pickle.dump({"per_rank": per_rank, "latency_ms": args.latency_ms}, f)
     rows = analyse(per_rank, args.latency_ms / 1000)
     meta = run_meta("sim_vs_real.py", argv, args, "latency_ms", "steps", "warmup")
     meta.update(size=args.size[0], cores=CORES)
