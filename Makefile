@@ -42,9 +42,12 @@ run: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py
 
-# Side-by-side benchmarks with upstream (out/bench/, out/timeline/); about 15 minutes.
+# Side-by-side benchmarks with upstream (out/bench/, out/timeline/, out/pp/); about 30 minutes:
+# pipelines vs upstream, overlap with peers, timelines, pipeline parallelism vs Maglev, the
+# simulator vs real 2-rank runs, and profile -> search -> run on the DLRM example.
 bench: $(STAMP)
-	$(PY) benchmarks/compare.py && $(PY) benchmarks/overlap.py && $(PY) benchmarks/timeline.py
+	$(PY) benchmarks/compare.py && $(PY) benchmarks/overlap.py && $(PY) benchmarks/timeline.py && \
+	$(PY) benchmarks/pp.py && $(PY) benchmarks/sim_vs_real.py && $(PY) benchmarks/close_loop.py
 
 # The whole suite on the default stack, slow multi-process tests included, then the parity tests
 # against upstream TorchRec 1.8.0 (as CI runs it).

@@ -30,21 +30,28 @@ _PIPELINES = (
 
 
 
+# TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.
+_MAGLEV = ("MaglevPipelineBase", "Maglev1F1B", "Maglev1F1BRecvAhead", "PipelineRank")
+
+
 def _available() -> tuple[str, ...]:
-    """The pipelines the installed TorchRec has (TrainPipelinePEC from 1.9 on); all of them when
-    none or an unsupported one is installed (using them then raises an ImportError saying why)."""
+    """The train pipelines the installed TorchRec has (TrainPipelinePEC from 1.9 on); all of
+    them when none or an unsupported one is installed (using them raises an ImportError saying why)."""
+    return _PIPELINES if _is_1_9() else tuple(p for p in _PIPELINES if p != "TrainPipelinePEC")
+
+
+def _is_1_9() -> bool:
     from importlib import metadata
 
     from torchrec_swp.integrations.torchrec.compat import parse_version
 
     try:
-        has_pec = parse_version(metadata.version("torchrec")).has_pec
+        return parse_version(metadata.version("torchrec")).has_pec
     except (metadata.PackageNotFoundError, ValueError):
-        return _PIPELINES
-    return _PIPELINES if has_pec else tuple(p for p in _PIPELINES if p != "TrainPipelinePEC")
+        return True
 
 
-__all__ = ["__version__", *_available()]
+__all__ = ["__version__", *_available(), *(_MAGLEV if _is_1_9() else ())]
 
 
 def __getattr__(name: str) -> Any:
@@ -57,4 +64,8 @@ def __getattr__(name: str) -> Any:
                 "(pip install --no-deps torchrec==1.9.2)"
             )
         return getattr(pipelines, name)
+    if name in _MAGLEV:
+        from torchrec_swp.integrations.torchrec import maglev  # ImportError naming TorchRec 1.9 on 1.8
+
+        return getattr(maglev, name)
     raise AttributeError(f"module 'torchrec_swp' has no attribute {name!r}")
