@@ -1,7 +1,7 @@
 """The DLRM example on a CUDA device, for parts (c) and (d): model, pinned batches, runners.
 
-``examples/dlrm`` builds everything for the CPU (``build_dlrm`` shards onto ``"cpu"``,
-``make_runner`` passes the CPU to the pipelines); this module does the same on a given device.
+``examples/dlrm`` runs on the CPU (``make_runner`` passes the CPU to the pipelines); this module
+builds the same model on a given device (``build_dlrm(..., device=)``) and runs it there.
 Upstream's pipelines run as shipped here (no CPU patch), ours with an optional thread map.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import DISTINCT_BATCHES, batches
-from examples.dlrm.model import DlrmSize
+from examples.dlrm.model import DlrmSize, build_dlrm
 
 GPU_SIZE = DlrmSize(
     batch_size=8192, num_embeddings=100_000, embedding_dim=64, dense_arch=(512, 256), over_arch=(512, 256)
@@ -35,59 +35,8 @@ TIMED_PIPELINES = (
 def build_dlrm_on(
     device: torch.device, rank: int, world_size: int, size: DlrmSize, *, seed: int = 0
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """``examples.dlrm.model.build_dlrm`` sharded onto ``device``: same tables, sharding
-    (alternately table-wise and row-wise, FUSED EXACT_SGD) and initial weights for a seed."""
-    import torch.distributed as dist
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from examples.dlrm.data import NUM_DENSE, sparse_names
-    from examples.dlrm.model import LEARNING_RATE
-
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t_{f}", feature_names=[f], num_embeddings=size.num_embeddings, embedding_dim=size.embedding_dim
-        )
-        for f in sparse_names(size.num_sparse)
-    ]
-    torch.manual_seed(seed)
-    dlrm = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-            dense_in_features=NUM_DENSE,
-            dense_arch_layer_sizes=[*size.dense_arch, size.embedding_dim],
-            over_arch_layer_sizes=[*size.over_arch, 1],
-        )
-    )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LEARNING_RATE}
-    )
-    fused = EmbeddingComputeKernel.FUSED.value
-    per_table = {
-        t.name: table_wise(rank=i % world_size, compute_kernel=fused) if i % 2 == 0 else row_wise(compute_kernel=fused)
-        for i, t in enumerate(tables)
-    }
-    ebc = dlrm.model.sparse_arch.embedding_bag_collection
-    plan = ShardingPlan(
-        {
-            "model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
-                ebc, per_table, local_size=world_size, world_size=world_size, device_type=device.type, sharder=sharder
-            )
-        }
-    )
-    model = DistributedModelParallel(
-        dlrm, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan, sharders=[sharder], device=device
-    )
-    dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
-    return model, torch.optim.SGD(dense, lr=LEARNING_RATE)
+    """``examples.dlrm.model.build_dlrm`` sharded onto ``device``."""
+    return build_dlrm(rank, world_size, size, seed=seed, device=device)
 
 
 def pinned_batches(size: DlrmSize, rank: int, num_batches: int, *, seed: int = 1000, pin: bool = True) -> Iterator[Any]:

@@ -53,13 +53,15 @@ class DlrmSize:
 
 
 def build_dlrm(
-    rank: int, world_size: int, size: DlrmSize = DlrmSize(), *, seed: int = 0
+    rank: int, world_size: int, size: DlrmSize = DlrmSize(), *, seed: int = 0, device: torch.device | None = None
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A DistributedModelParallel DLRMTrain of ``size`` on CPU and the SGD optimizer of its dense part.
+    """A DistributedModelParallel DLRMTrain of ``size`` on ``device`` (default: the CPU) and the SGD
+    optimizer of its dense part. The same seed gives the same initial weights on every device.
 
     Needs the default process group. ``DLRMTrain(batch)`` returns ``(loss, (loss, logits, labels))``
     (all detached in the second element): what a train pipeline's ``progress()`` returns.
     """
+    device = torch.device("cpu") if device is None else device
     embedding_dim = size.embedding_dim
     tables = [
         EmbeddingBagConfig(
@@ -91,7 +93,7 @@ def build_dlrm(
                 per_table,
                 local_size=world_size,
                 world_size=world_size,
-                device_type="cpu",
+                device_type=device.type,
                 sharder=sharder,
             )
         }
@@ -101,7 +103,7 @@ def build_dlrm(
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         plan=plan,
         sharders=[sharder],
-        device=torch.device("cpu"),
+        device=device,
     )
     dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
     return model, torch.optim.SGD(dense, lr=LEARNING_RATE)
