@@ -1,4 +1,4 @@
-"""Exact mode (CP-SAT, through autosched's solve_dag): seed 002's interleaved example (CP-SAT
+"""Exact mode (CP-SAT, through autosched's solve_dag): the interleaved example of docs/autosched.md (CP-SAT
 285 against greedy list scheduling's 320, Megatron's schedule also 285), and the optimum never
 above any builder's makespan on the same durations, placement and activation caps."""
 
@@ -14,7 +14,7 @@ from torchrec_swp.pp.builders import SCHEDULES, interleaved_1f1b, one_f_one_b
 from torchrec_swp.pp.exact import greedy, solve
 
 SEED = Durations(F=5, B=10)
-# seed 002's charts: the layers (stages) each device runs, in order
+# the example's charts: the layers (stages) each device runs, in order
 SEED_GREEDY = ["00004444000044400404444044400400", "11115555111515511515155555511511",
                "22226666626262226222666666622622", "33337777773737333333777777373733"]  # fmt: skip
 SEED_MEGATRON = ["00004444000404444440400044440000", "11115555151515155151515155551111",
@@ -39,7 +39,7 @@ def test_seed_002_anchor() -> None:
     assert [stages(megatron, r) for r in range(4)] == SEED_MEGATRON
     result = simulate(megatron, SEED)
     assert result.makespan == 285 and result.peak_activations == (11, 9, 7, 5)
-    print(f"seed 002: CP-SAT 285 proven in {exact.seconds:.2f}s, greedy 320, Megatron 285")
+    print(f"interleaved example: CP-SAT 285 proven in {exact.seconds:.2f}s, greedy 320, Megatron 285")
 
 
 def test_seed_002_with_at_most_8_activations_per_rank() -> None:

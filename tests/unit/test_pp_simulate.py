@@ -67,7 +67,7 @@ def test_peak_activations() -> None:
     assert simulate(build("1F1B", 4, 8)).peak_activations == (4, 3, 2, 1)
     assert simulate(build("GPipe", 4, 8)).peak_activations == (8, 8, 8, 8)
     assert simulate(build("1F1B", 4, 2)).peak_activations == (2, 2, 2, 1)
-    # seed 002's Megatron chart: 11, 9, 7, 5
+    # the example's Megatron chart: 11, 9, 7, 5
     assert simulate(build("Interleaved1F1B", 4, 8), Durations(F=5, B=10)).peak_activations == (11, 9, 7, 5)
 
 

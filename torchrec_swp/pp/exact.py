@@ -2,7 +2,7 @@
 
 The problem is a one-shot DAG (``pp_dag``) solved by ``torchrec_swp.autosched.cpsat.solve_dag``
 (interval variables, NoOverlap per rank, a Cumulative per rank for activations): the same
-model that reproduces seed 002's 285 for the plan-level DAG, not a second one. Per (stage,
+model that reproduces the 285 of docs/autosched.md's interleaved example for the plan-level DAG, not a second one. Per (stage,
 microbatch): ``F``, then ``B`` or (``split_backward``) ``I`` and ``W``; edges ``F(s-1) -> F(s)``,
 ``F(S-1) -> B/I(S-1)``, ``B/I(s+1) -> B/I(s)``, ``I -> W``; an activation is held from its ``F``'s
 start to the end of its ``B``/``W``. A cross-rank edge with ``latency > 0`` goes through a
