@@ -127,7 +127,7 @@ def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, st
     import torch
     from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
-    from tests.dist.harness import RunResult, build_model, local_state, make_batches, record_losses
+    from tests.dist.harness import build_model, make_batches, staged_pipeline_run
 
     model, optimizer = build_model(rank, world_size, SEED, device)
 
@@ -146,25 +146,11 @@ def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, st
         ),
     ]
     pipeline = _pipeline_class("StagedTrainPipeline", impl)(stages, **engine)
-    it = iter(make_batches(rank, world_size, steps, SEED))
-    outputs: list[Any] = []
-    none_call = None
     try:
-        with record_losses(model) as losses:
-            for call in range(steps + 5):
-                batch = pipeline.progress(it)
-                if batch is None:
-                    none_call = call
-                    break
-                optimizer.zero_grad()
-                loss, output = model(batch)
-                loss.backward()
-                optimizer.step()
-                outputs.append(output.detach().cpu().clone())
+        return staged_pipeline_run(pipeline, model, optimizer, make_batches(rank, world_size, steps, SEED))
     finally:
         if hasattr(pipeline, "close"):
             pipeline.close()
-    return RunResult(outputs, losses, len(outputs), none_call, local_state(model))
 
 
 def _difference(a: Any, b: Any) -> str | None:

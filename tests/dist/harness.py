@@ -71,6 +71,7 @@ __all__ = [
     "plain_loop_run",
     "record_losses",
     "run_on_ranks",
+    "staged_pipeline_run",
     "train_pipeline_run",
 ]
 
@@ -554,6 +555,38 @@ def train_pipeline_run(
                 break
             outputs.append(_snapshot(output))
     return RunResult(outputs, losses, len(outputs), stop_iteration_call, local_state(model))
+
+
+def staged_pipeline_run(
+    pipeline: _Pipeline,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Any],
+    max_calls: int | None = None,
+    *,
+    iterator: Iterator[Any] | None = None,
+) -> RunResult:
+    """The caller's loop of a StagedTrainPipeline: ``batch = pipeline.progress(it)`` until it
+    returns None, training ``model`` on each batch (zero_grad, ``loss, output = model(batch)``,
+    backward, step). ``stop_iteration_call`` is the call that returned None. At most
+    ``max_calls`` calls (default ``len(batches) + 5``)."""
+    if max_calls is None:
+        max_calls = len(batches) + 5
+    it = iter(batches) if iterator is None else iterator
+    outputs: list[Any] = []
+    none_call: int | None = None
+    with record_losses(model) as losses:
+        for call in range(max_calls):
+            batch = pipeline.progress(it)
+            if batch is None:
+                none_call = call
+                break
+            optimizer.zero_grad()
+            loss, output = model(batch)
+            loss.backward()
+            optimizer.step()
+            outputs.append(output.detach().cpu().clone())
+    return RunResult(outputs, losses, len(outputs), none_call, local_state(model))
 
 
 def plain_loop_run(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Any]) -> RunResult:

@@ -33,8 +33,8 @@ from tests.dist.harness import (
     local_state,
     make_batches,
     plain_loop_run,
-    record_losses,
     run_on_ranks,
+    staged_pipeline_run,
     train_pipeline_run,
 )
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
@@ -129,24 +129,13 @@ def _staged_run(
             pipeline: Any = StagedTrainPipeline(stages, thread_map=thread_map)
         else:
             pipeline = upstream.StagedTrainPipeline(stages, compute_stream=torch.Stream(device="cpu"))
-        it = iter(make_batches(rank, world_size, STEPS, seed))
-        outputs: list[Any] = []
-        none_call = None
-        with record_losses(model) as losses:
-            for call in range(STEPS + 5):
-                batch = pipeline.progress(it)
-                if batch is None:
-                    none_call = call
-                    break
-                optimizer.zero_grad()
-                loss, output = model(batch)
-                loss.backward()
-                optimizer.step()
-                outputs.append(output.detach().clone())
+        batches = make_batches(rank, world_size, STEPS, seed)
+        it = iter(batches)
+        result = staged_pipeline_run(pipeline, model, optimizer, batches, iterator=it)
         assert pipeline.progress(it) is None, "a call after the end must return None too"
         if ours:
             pipeline.close()
-    return RunResult(outputs, losses, len(outputs), none_call, local_state(model))
+    return result
 
 
 def _all_runs(rank: int, world_size: int, seed: int) -> dict[str, Any]:
