@@ -45,8 +45,9 @@ def test_single_thread_plan_compiles_to_a_flat_list() -> None:
     )
 
 
-def test_h2d_on_its_own_thread_needs_no_cpu_wait_in_steady_state() -> None:
-    # H2D(i+2) feeds InputDistStart(i+2) one iteration later: the barrier orders them.
+def test_h2d_on_its_own_thread_is_waited_for_across_iterations() -> None:
+    # H2D(i+2) feeds InputDistStart(i+2) one iteration later and WaitBatch(i+2) two later: with no
+    # barrier between iterations, the calling thread waits for those instances of H2D.
     prog = compile_iteration(sparse_dist_plan().with_thread_map({"H2D": "io"}), [0, 1, 2])
     assert not prog.flat
     assert format_program(prog) == golden(
@@ -54,7 +55,9 @@ def test_h2d_on_its_own_thread_needs_no_cpu_wait_in_steady_state() -> None:
         stages 0,1,2
         thread default:
           run ZeroGrad
+          wait H2D@P-2
           run WaitBatch
+          wait H2D@P-1
           run InitPipelinedModules if first
           run InputDistStart if not_first
           run Forward
@@ -64,6 +67,7 @@ def test_h2d_on_its_own_thread_needs_no_cpu_wait_in_steady_state() -> None:
           run Dequeue
         thread io:
           run! H2D
+          signal H2D
         """
     )
 
@@ -78,17 +82,22 @@ def test_collectives_on_two_threads_take_tickets_in_fire_order() -> None:
         tickets world=5
         thread default:
           run ZeroGrad
+          wait InputDistWait@P-1
+          wait H2D@P-2
           run WaitBatch
           run Forward #2@world
           run Backward #4@world
           run OptimizerStep
           run Dequeue
         thread data_dist:
+          wait H2D@P-1
           run InitPipelinedModules #0@world if first
           run InputDistStart #1@world if not_first
           run InputDistWait #3@world
+          signal InputDistWait
         thread memcpy:
           run! H2D
+          signal H2D
         """
     )
 
@@ -120,8 +129,11 @@ def test_stop_policy_makes_later_tasks_on_other_threads_wait_for_the_source() ->
     plan = sparse_dist_plan(execute_all_batches=False).with_thread_map({"H2D": "io"})
     main = [str(i) for i in compile_iteration(plan, [0, 1, 2]).instructions("default")]
     # Forward fires after H2D: with on_exhausted=stop it must not start before H2D found a batch
-    assert main[:5] == ["run ZeroGrad", "run WaitBatch", "run InitPipelinedModules if first", "run InputDistStart if not_first", "wait H2D"]
-    assert main[5] == "run Forward"
+    assert main[:7] == [
+        "run ZeroGrad", "wait H2D@P-2", "run WaitBatch", "wait H2D@P-1", "run InitPipelinedModules if first",
+        "run InputDistStart if not_first", "wait H2D",
+    ]
+    assert main[7] == "run Forward"
 
 
 def test_device_streams_get_record_and_wait_pairs() -> None:
@@ -162,5 +174,34 @@ def test_a_guard_on_the_next_batch_waits_for_the_source_on_another_thread() -> N
     assert [str(i) for i in compile_iteration(plan, [0, 1]).instructions("default")] == [
         "wait H2D",
         "run Sync if has_next",
+        "wait H2D@P-1",  # Fwd(b) reads what H2D(b) wrote one iteration before
         "run Fwd",
     ]
+
+
+def test_a_source_with_several_loads_runs_on_lanes_that_everyone_waits_for() -> None:
+    # two loads in flight: batch b is loaded on lane b % 2, so even a consumer on the source's
+    # thread group would not share its thread: every consumer waits, the source signals
+    plan = PipelinePlan(
+        schedule={"Load": S(0, thread_group="load"), "Prep": S(0, thread_group="io"), "Fwd": S(1)},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Prep", reads=("x",), writes=("y",)), PipelineTask("Fwd", reads=("y",))],
+        source="Load",
+        loads=2,
+        lookahead=1,
+    )
+    assert plan.source_lanes() == ("load", "load.1")
+    assert format_program(compile_iteration(plan, [0, 1])) == golden(
+        """
+        stages 0,1
+        thread default:
+          wait Prep@P-1
+          run Fwd
+        thread load:
+          run! Load x2
+          signal Load
+        thread io:
+          wait Load
+          run? Prep
+          signal Prep
+        """
+    )

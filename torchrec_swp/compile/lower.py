@@ -4,9 +4,14 @@ Passes, in order (each guarantees what its docstring states):
 
 1. ``select``: the active tasks in fire order, as ``Run`` instructions per thread.
 2. ``place_cpu_waits``: a cross-thread ``wait``/``signal`` pair for every dependency whose
-   producer instance runs in the same iteration on another thread (a thread waits for a given
-   producer once per iteration). Producer instances of
-   earlier iterations need nothing: iterations are separated by a barrier.
+   producer runs on another thread (a source with several loads runs on threads of its own),
+   in this iteration (``wait T``) or an earlier one (``wait T@P-k``): iterations are not
+   separated by a barrier, each thread walks its program iteration after iteration. A thread
+   waits for a given producer instance once per iteration; one on its own thread needs nothing
+   (program order). Two more waits keep what single-thread order gives: with
+   ``on_exhausted="stop"``, whatever fires after the source waits for it (a stop then cancels the
+   same tasks on every thread layout), and a ``has_next``/``last`` task one stage above the source
+   waits for the source's look for batch ``b + 1``.
 3. ``place_stream_waits`` (only when the device has real streams): ``record`` after every
    producer whose consumer is on another stream, ``stream S <- T@k`` before the consumer.
 4. ``place_tickets``: collective tickets, in fire order, for every comm group whose active
@@ -56,49 +61,52 @@ def _select(plan: PipelinePlan, active: list[str]) -> dict[str, list[Instr]]:
     for name in active:
         t = plan.task(name)
         guarded = t.stage == 0 and plan.source is not None and name != plan.source
-        out[t.thread_group].append(Run(name, t.stage, guarded=guarded, source=name == plan.source, when=t.when))
+        source = name == plan.source
+        lanes = plan.loads if source else 1
+        out[t.thread_group].append(Run(name, t.stage, guarded=guarded, source=source, when=t.when, lanes=lanes))
     return out
 
 
-def _same_iteration_producers(plan: PipelinePlan, consumer: str, active: set[str]) -> list[str]:
-    """Producers of ``consumer`` whose instance runs in the same iteration."""
-    s_c = plan.task(consumer).stage
-    found = [
-        d.producer
-        for d in plan.deps
-        if d.consumer == consumer and d.producer in active and plan.task(d.producer).stage - d.distance == s_c
-    ]
+def producers(plan: PipelinePlan, consumer: str) -> list[tuple[str, int]]:
+    """``(producer, lag)`` for every task instance ``consumer`` must run after: its dependencies
+    (``lag``: how many iterations before the consumer's the producer instance runs), plus the two
+    waits on the source of the module docstring."""
+    c = plan.task(consumer)
+    found = [(d.producer, c.stage + d.distance - plan.task(d.producer).stage) for d in plan.deps if d.consumer == consumer]
     src = plan.source
-    if plan.on_exhausted == "stop" and src in active and consumer != src and plan.fire_index(src) < plan.fire_index(consumer):
-        # With on_exhausted="stop", whatever fires after the source must not start before the
-        # source has found a batch: a stop then cancels the same tasks on every thread layout.
-        found.append(src)
-    if plan.task(consumer).when.needs_next and src in active and plan.task(src).stage + 1 == s_c:
-        # whether batch b+1 exists is known once the source, this iteration, has looked for it
-        found.append(src)
+    if src is not None and consumer != src:
+        if plan.on_exhausted == "stop" and plan.fire_index(src) < plan.fire_index(consumer):
+            found.append((src, 0))  # the source's instance of the same iteration
+        if c.when.needs_next and plan.task(src).stage + 1 == c.stage:
+            found.append((src, 0))  # its look for batch b + 1, in the same iteration
     return list(dict.fromkeys(found))
 
 
 def _place_cpu_waits(plan: PipelinePlan, per_thread: dict[str, list[Instr]]) -> dict[str, list[Instr]]:
     thread_of = {i.task: g for g, instrs in per_thread.items() for i in instrs if isinstance(i, Run)}
-    active = set(thread_of)
-    waits: dict[str, list[str]] = {}
+    lanes = plan.source if plan.loads > 1 else None  # runs on threads of its own
+    waits: dict[str, list[tuple[str, int]]] = {}
     signalled: set[str] = set()
     for consumer, group in thread_of.items():
-        for producer in _same_iteration_producers(plan, consumer, active):
-            if thread_of[producer] != group:
-                waits.setdefault(consumer, []).append(producer)
+        for producer, lag in producers(plan, consumer):
+            if lag == 0 and producer not in thread_of:
+                continue  # not active in this iteration
+            if producer == lanes or plan.task(producer).thread_group != group:
+                waits.setdefault(consumer, []).append((producer, lag))
                 signalled.add(producer)
+    # a producer waited on in another iteration signals in every program it runs in
+    signalled |= {p for c in plan.fire_order for p, lag in producers(plan, c) if lag > 0 and (
+        p == lanes or plan.task(p).thread_group != plan.task(c).thread_group)}
     out: dict[str, list[Instr]] = {}
     for group, instrs in per_thread.items():
         new: list[Instr] = []
-        waited: set[str] = set()  # a thread waits for a producer once per iteration
+        waited: set[tuple[str, int]] = set()  # a thread waits for a producer instance once per iteration
         for i in instrs:
             if isinstance(i, Run):
-                for p in waits.get(i.task, ()):
-                    if p not in waited:
-                        waited.add(p)
-                        new.append(WaitTask(p))
+                for p, lag in waits.get(i.task, ()):
+                    if (p, lag) not in waited:
+                        waited.add((p, lag))
+                        new.append(WaitTask(p, lag))
                 new.append(i)
                 if i.task in signalled:
                     new.append(Signal(i.task))
@@ -149,7 +157,7 @@ def _place_tickets(
     ticketed: dict[str, tuple[int, str]] = {}
     counts: list[tuple[str, int]] = []
     for group, members in groups.items():
-        if len({runs[m][0] for m in members}) > 1:
+        if len({runs[m][0] for m in members}) > 1 or any(runs[m][1].lanes > 1 for m in members):
             for k, m in enumerate(members):
                 ticketed[m] = (k, group)
             counts.append((group, len(members)))
@@ -158,7 +166,7 @@ def _place_tickets(
     out: dict[str, list[Instr]] = {}
     for g, instrs in per_thread.items():
         out[g] = [
-            Run(i.task, i.stage, ticketed[i.task][0], ticketed[i.task][1], i.guarded, i.source, i.when)
+            Run(i.task, i.stage, ticketed[i.task][0], ticketed[i.task][1], i.guarded, i.source, i.when, i.lanes)
             if isinstance(i, Run) and i.task in ticketed
             else i
             for i in instrs
@@ -191,12 +199,17 @@ class CompiledPlan:
         self._top = plan.max_stage
         self._steady: IterationProgram | None = None
 
+    @property
+    def steady(self) -> IterationProgram:
+        """The program with every stage active: what the engine's threads walk, iteration after
+        iteration (an instance whose batch does not exist is skipped at run time)."""
+        if self._steady is None:
+            self._steady = self._compiled(active_stages(self.plan, self._top, None))
+        return self._steady
+
     def program(self, iteration: int, num_batches: int | None) -> IterationProgram:
         if num_batches is None and iteration >= self._top:
-            # steady state: every stage active (the common case, looked up without work)
-            if self._steady is None:
-                self._steady = self._compiled(active_stages(self.plan, iteration, None))
-            return self._steady
+            return self.steady  # every stage active: the common case, looked up without work
         return self._compiled(active_stages(self.plan, iteration, num_batches))
 
     def _compiled(self, stages: tuple[int, ...]) -> IterationProgram:

@@ -6,10 +6,13 @@ in golden tests, error messages and logs.
 Roughly:
   ``run T``             call task T for batch ``P - stage(T)`` (``run T #k@g`` holds collective
                         ticket k of comm group g; ``run? T`` is skipped when its batch was not
-                        loaded; ``run! T`` is the source, which may find the data exhausted;
+                        loaded; ``run! T`` is the source, which may find the data exhausted,
+                        ``run! T x2`` with 2 loads in flight, one per lane thread;
                         ``run T if first`` runs only for the batches its ``When`` admits)
-  ``wait T``            block this CPU thread until T (same iteration, other thread) finished
-  ``signal T``          tell waiting threads that T finished (or was skipped, or failed)
+  ``wait T``            block this CPU thread until T's instance of this iteration (on another
+                        thread) finished; ``wait T@P-k`` T's instance of iteration ``P - k``
+                        (an instance whose batch does not exist counts as finished)
+  ``signal T``          tell waiting threads that T's instance finished (or was skipped)
   ``stream S <- T@k``   device: stream S waits for the event recorded after T(b - k)
   ``record T``          device: record an event on T's stream after T ran
   ``alias T x=y``       T is a no-op on this device: its batch's slot gets x = y, no call
@@ -36,20 +39,25 @@ class Run:
     guarded: bool = False
     source: bool = False
     when: When = When.ALWAYS
+    lanes: int = 1
 
     def __str__(self) -> str:
         mark = "!" if self.source else "?" if self.guarded else ""
+        lanes = f" x{self.lanes}" if self.lanes > 1 else ""
         ticket = f" #{self.ticket}@{self.comm_group}" if self.ticket is not None else ""
         guard = f" if {self.when.value}" if self.when is not When.ALWAYS else ""
-        return f"run{mark} {self.task}{ticket}{guard}"
+        return f"run{mark} {self.task}{lanes}{ticket}{guard}"
 
 
 @dataclass(frozen=True, slots=True)
 class WaitTask:
+    """Wait for ``task``'s instance of iteration ``P - lag`` (``lag`` 0: this iteration)."""
+
     task: str
+    lag: int = 0
 
     def __str__(self) -> str:
-        return f"wait {self.task}"
+        return f"wait {self.task}" if self.lag == 0 else f"wait {self.task}@P-{self.lag}"
 
 
 @dataclass(frozen=True, slots=True)

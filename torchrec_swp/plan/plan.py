@@ -14,6 +14,13 @@ Semantics (one vocabulary everywhere):
   the end of data); ``output`` is the slot value ``progress()`` returns for a batch leaving the
   highest stage; ``on_exhausted`` is ``"drain"`` (finish the batches in flight) or ``"stop"``
   (raise StopIteration as soon as the source finds no batch).
+* ``lookahead``: how many batches the source may draw beyond ``pipeline_depth`` ahead of the
+  oldest batch not yet trained (0: at most ``pipeline_depth`` batches in flight). Batches drawn
+  ahead wait in their slots; the source's thread keeps drawing while the others train.
+* ``loads``: how many source calls may be in flight at once, each on a thread of its own (the
+  source's thread group ``G`` becomes ``G``, ``G.1``, ... ``G.{loads-1}``; batch ``b`` is loaded on
+  lane ``b % loads``). Draws from the data iterator still happen in batch order; batches are
+  delivered in order and numbered as with one load.
 
 A PipelinePlan is validated when built: an instance exists only if it can run.
 """
@@ -74,6 +81,8 @@ class PipelinePlan:
         "source",
         "output",
         "on_exhausted",
+        "lookahead",
+        "loads",
         "_deps",
         "_fire_index",
     )
@@ -90,6 +99,8 @@ class PipelinePlan:
         output: str | None = None,
         on_exhausted: Exhausted = "drain",
         name: str = "plan",
+        lookahead: int = 0,
+        loads: int = 1,
     ) -> None:
         from torchrec_swp.plan.validate import validate_plan
 
@@ -121,6 +132,8 @@ class PipelinePlan:
         self.source = source
         self.output = output
         self.on_exhausted: Exhausted = on_exhausted
+        self.lookahead = lookahead
+        self.loads = loads
         self._fire_index = {t: i for i, t in enumerate(self.fire_order)}
         self._deps: tuple[Dep, ...] = validate_plan(self)
 
@@ -168,6 +181,17 @@ class PipelinePlan:
         """Thread groups in order of first use in fire order."""
         return tuple(dict.fromkeys(self._schedule[t].thread_group for t in self.fire_order))
 
+    def source_lanes(self) -> tuple[str, ...]:
+        """The threads the source's loads run on: its thread group, then ``G.1`` ... (``loads``)."""
+        if self.source is None:
+            return ()
+        group = self._schedule[self.source].thread_group
+        return (group, *(f"{group}.{k}" for k in range(1, self.loads)))
+
+    def with_loads(self, loads: int, *, lookahead: int | None = None) -> PipelinePlan:
+        """A new plan whose source has ``loads`` calls in flight (and, if given, that lookahead)."""
+        return self.replace(loads=loads, **({} if lookahead is None else {"lookahead": lookahead}))
+
     @property
     def streams(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self._schedule[t].stream for t in self.fire_order))
@@ -192,6 +216,8 @@ class PipelinePlan:
             "output": self.output,
             "on_exhausted": self.on_exhausted,
             "name": self.name,
+            "lookahead": self.lookahead,
+            "loads": self.loads,
         }
         if "schedule" in changes and "fire_order" not in changes:
             new_schedule = changes["schedule"]
@@ -294,6 +320,8 @@ class PipelinePlan:
             self.source,
             self.output,
             self.on_exhausted,
+            self.lookahead,
+            self.loads,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -303,7 +331,8 @@ class PipelinePlan:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        return f"PipelinePlan({self.name}, tasks={list(self.fire_order)}, depth={self.pipeline_depth})"
+        extra = (f", lookahead={self.lookahead}" if self.lookahead else "") + (f", loads={self.loads}" if self.loads > 1 else "")
+        return f"PipelinePlan({self.name}, tasks={list(self.fire_order)}, depth={self.pipeline_depth}{extra})"
 
     def __str__(self) -> str:
         return self.to_text()

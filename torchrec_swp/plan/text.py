@@ -5,6 +5,8 @@
     source H2D
     output output
     exhausted drain
+    lookahead 1
+    loads 2
     #    task            stage  stream     thread   comm   when   reads          writes          flags
     task ZeroGrad        2      default    default  -      -      -              -               -
     task InputDistStart  1      data_dist  default  world  -      batch,context  -               -
@@ -15,7 +17,8 @@
 Task rows are in fire order; ``-`` is an empty cell. ``when`` is a ``When`` (``first``,
 ``not_first``, ``has_next``, ``last``); a read ``x@1`` comes from the previous batch. ``flags``
 holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
-written (inferred ones follow from reads/writes). ``#`` starts a comment; blank lines are
+written (inferred ones follow from reads/writes). ``lookahead`` and ``loads`` lines are written only
+when they differ from 0 and 1. ``#`` starts a comment; blank lines are
 ignored. Rows of the older form ``task NAME stage=2 stream=... reads=a,b`` are read too.
 
 A phased plan (``PhasedPlan``) is ``phases NAME`` followed by ``phase START`` lines, each
@@ -64,6 +67,10 @@ def plan_to_text(plan: PipelinePlan) -> str:
         f"output {plan.output or _NONE}",
         f"exhausted {plan.on_exhausted}",
     ]
+    if plan.lookahead:
+        lines.append(f"lookahead {plan.lookahead}")
+    if plan.loads != 1:
+        lines.append(f"loads {plan.loads}")
     rows = [_cells(t.name, t.schedule, t.io) for t in plan.scheduled()]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
     lines.append("#    " + "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
@@ -84,7 +91,7 @@ def plan_from_text(text: str) -> PipelinePlan:
         word, _, rest = line.partition(" ")
         try:
             match word:
-                case "plan" | "depth" | "source" | "output" | "exhausted":
+                case "plan" | "depth" | "source" | "output" | "exhausted" | "lookahead" | "loads":
                     if word in header:
                         raise PlanError(f"'{word}' given twice")
                     header[word] = rest.strip()
@@ -105,10 +112,7 @@ def plan_from_text(text: str) -> PipelinePlan:
     for key in ("plan", "depth"):
         if key not in header:
             raise PlanError(f"plan text has no '{key}' line", culprit=key)
-    try:
-        depth = int(header["depth"])
-    except ValueError:
-        raise PlanError(f"depth must be an int, got {header['depth']!r}", culprit="depth") from None
+    depth, lookahead, loads = (_int(header, key, default) for key, default in (("depth", 0), ("lookahead", 0), ("loads", 1)))
     exhausted = header.get("exhausted", "drain")
     return PipelinePlan(
         schedule=schedule,
@@ -120,7 +124,16 @@ def plan_from_text(text: str) -> PipelinePlan:
         output=_opt(header.get("output")),
         on_exhausted=exhausted,  # type: ignore[arg-type]
         name=header["plan"],
+        lookahead=lookahead,
+        loads=loads,
     )
+
+
+def _int(header: dict[str, str], key: str, default: int) -> int:
+    try:
+        return int(header.get(key, default))
+    except ValueError:
+        raise PlanError(f"{key} must be an int, got {header[key]!r}", culprit=key) from None
 
 
 def phased_to_text(phased: PhasedPlan) -> str:

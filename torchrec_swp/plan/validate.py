@@ -17,6 +17,9 @@ Rules (each violation raises PlanError naming the task or dependency):
    first, or be the same iteration with the producer earlier in fire order.
 7. The source (if any) is at stage 0, and every other stage-0 task depends on it, so that no
    task works on a batch that was never loaded. The output (if any) has a writer.
+9. ``lookahead`` is an int >= 0 and ``loads`` an int >= 1; ``loads > 1`` needs a source that is
+   the only task of its thread group, which is not the calling thread's (``default``): its
+   lanes run nothing else, and the caller must not wait behind a load.
 8. A task that runs only ``when`` batch ``b + 1`` exists (``has_next``) or does not (``last``)
    is above the source's stage (one stage above: after the source in fire order), so that the
    source was asked for ``b + 1`` before it runs.
@@ -69,6 +72,7 @@ def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
         _check_satisfiable(plan, dep)
     _check_source_and_output(plan, merged)
     _check_guards(plan)
+    _check_loads(plan)
     return tuple(merged)
 
 
@@ -88,6 +92,34 @@ def _check_guards(plan: PipelinePlan) -> None:
                 "the fire order)",
                 culprit=task,
             )
+
+
+def _check_loads(plan: PipelinePlan) -> None:
+    from torchrec_swp.plan.task import MAIN_THREAD
+
+    for field, low in (("lookahead", 0), ("loads", 1)):
+        value = getattr(plan, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise PlanError(f"{field} must be an int >= {low}, got {value!r}", culprit=field)
+    if plan.loads == 1:
+        return
+    src = plan.source
+    if src is None:
+        raise PlanError(f"loads {plan.loads} needs a source task", culprit="loads")
+    group = plan._schedule[src].thread_group
+    if group == MAIN_THREAD:
+        raise PlanError(
+            f"loads {plan.loads}: the source {src} runs on the calling thread ({MAIN_THREAD!r}); put it on a thread "
+            f"group of its own, e.g. thread_map={{{src!r}: 'load'}}",
+            culprit=src,
+        )
+    others = [t for t, s in plan._schedule.items() if t != src and s.thread_group == group]
+    if others:
+        raise PlanError(
+            f"loads {plan.loads}: the source {src} shares thread group {group!r} with {', '.join(others)}; "
+            "its lanes run only the source",
+            culprit=others[0],
+        )
 
 
 def _check_fire_order(plan: PipelinePlan) -> None:

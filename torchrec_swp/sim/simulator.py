@@ -11,7 +11,9 @@ in order (the iterations of a run in increasing order):
 * ``run T #k@g`` first waits until tickets ``0 .. k-1`` of comm group ``g`` in the same
   iteration were released (and every ticket of ``g`` in earlier iterations); it releases
   ticket ``k`` when it ends.
-* ``wait T`` blocks until ``signal T`` of the same iteration executed (on any thread).
+* ``wait T`` blocks until ``signal T`` of the same iteration executed (on any thread);
+  ``wait T@P-k`` until ``signal T`` of iteration ``P - k`` executed, if that iteration's program
+  signals T (an instance that never ran - its batch does not exist - does not hold anyone up).
 * ``signal T``, ``record T`` and ``stream S <- T@k`` take no CPU time; the last two submit
   markers to the device model (see ``torchrec_swp.sim.device``).
 * With ``iteration_barrier=True`` (the engine's behaviour) every thread finishes iteration
@@ -156,7 +158,7 @@ def _validate_program(plan: PipelinePlan, p: int, prog: IterationProgram) -> Non
                         if (group, ticket) in held:
                             raise SimError(f"{where}: ticket {ticket} of comm group {group!r} is held twice")
                         held.add((group, ticket))
-                case WaitTask(task=task) if task not in signalled:
+                case WaitTask(task=task, lag=0) if task not in signalled:
                     raise SimError(f"{where}: no thread signals {task} in this iteration")
 
 
@@ -201,6 +203,7 @@ class _Replay:
         self.threads = tuple(dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)]))
         self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.signals: dict[tuple[int, str], Step] = {}
+        self.will_signal = {(p, i.task) for p, prog in phases for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)}
         # tickets: runs holding one per (group, iteration); iterations of a group not fully
         # released yet, in order; released count per (group, iteration); last holder per group
         self.ticket_runs: dict[tuple[str, int], int] = {}
@@ -247,8 +250,11 @@ class _Replay:
     # -------------------------------------------------------------- one step
     def _blocker(self, p: int, instr: Instr) -> str | None:
         """Why ``instr`` of iteration ``p`` cannot execute now, or None if it can."""
-        if isinstance(instr, WaitTask) and (p, instr.task) not in self.signals:
-            return f"no thread has signalled {instr.task} (batch {p - self.stage[instr.task]}) in this iteration"
+        if isinstance(instr, WaitTask):
+            key = (p - instr.lag, instr.task)
+            if key not in self.signals and (instr.lag == 0 or key in self.will_signal):
+                when = "in this iteration" if instr.lag == 0 else f"in internal iteration {key[0]}"
+                return f"no thread has signalled {instr.task} (batch {key[0] - self.stage[instr.task]}) {when}"
         if (held := _ticket(instr)) is not None:
             group, ticket = held
             earliest = self.pending[group][0]
@@ -282,10 +288,13 @@ class _Replay:
     def _execute_sync(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr, where: str) -> None:
         """Execute an instruction that is not a run (it takes no CPU time) when the lane is at it."""
         match instr:
-            case WaitTask(task=task):
-                signal = self.signals[(p, task)]
-                b = p - self.stage[task]
-                self._record(thread, lane, p, index, instr, b, lane.time, max(lane.time, signal.end), [signal])
+            case WaitTask(task=task, lag=lag):
+                # an instance of an earlier iteration finished before this one began (the
+                # replay keeps the iterations apart), or never ran: its batch did not exist
+                signal = self.signals.get((p - lag, task))
+                b = p - lag - self.stage[task]
+                end = lane.time if signal is None else max(lane.time, signal.end)
+                self._record(thread, lane, p, index, instr, b, lane.time, end, [] if signal is None else [signal])
             case Signal(task=task):
                 b = p - self.stage[task]
                 self.signals[(p, task)] = self._record(thread, lane, p, index, instr, b, lane.time, lane.time, [])
