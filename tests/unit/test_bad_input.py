@@ -77,7 +77,6 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ("timeout that is not positive", lambda t: Engine(plan(), BINDINGS, timeout_s=0), ValueError, "timeout_s"),
     ("plan without a source", lambda t: Engine(plan(source=None), BINDINGS), PlanError, "no source"),
     ("engine given something else than a plan", lambda t: Engine("plan", BINDINGS), TypeError, "str"),  # type: ignore[arg-type]
-    ("incompatible plan switch", lambda t: Engine(plan(), BINDINGS).switch_plan(plan(pipeline_depth=4, schedule={"Fwd": S(3), "Dist": S(1, "data_dist"), "H2D": S(0, "memcpy")})), PlanError, "task Fwd changes its stage"),
     ("pipeline plan with a task it does not have", lambda t: base_pipeline(plan=plan()), PlanError, "'Fwd'"),
     ("pipeline plan of the wrong type", lambda t: base_pipeline(plan=3), TypeError, "int"),
     ("pipeline plan file that does not exist", lambda t: base_pipeline(plan=str(t / "missing.plan")), FileNotFoundError, "missing.plan"),

@@ -343,37 +343,6 @@ def test_one_stage_plan_delivers_every_batch_and_stops() -> None:
         engine.close()
 
 
-def test_switching_plans_between_steps_keeps_the_batches_in_flight() -> None:
-    toy = Toy(10)
-    engine = Engine(toy_plan(), toy.bindings())
-    outs = [engine.step() for _ in range(3)]
-    # the same schedule with Dist moved to a thread of its own and an extra task without writes
-    log: list[int] = []
-    other = toy_plan(
-        schedule={**toy_plan().schedule, "Log": S(2)},
-        intra_iter_deps=[("Opt", "Fwd"), ("Log", "Opt")],
-        name="toy2",
-    ).with_thread_map({"Dist": "dd"})
-    engine.switch_plan(other, {"Log": lambda b: log.append(b)})
-    outs += run_all(engine)
-    reference = Toy(10)
-    assert outs == run_all(Engine(toy_plan(), reference.bindings()))
-    assert log == list(range(3, 10))
-    with pytest.raises(PlanError, match="task Extra, in only one plan, writes data"):
-        engine.switch_plan(
-            toy_plan(
-                schedule={**toy_plan().schedule, "Extra": S(2)},
-                tasks=[*toy_plan().tasks.values(), PipelineTask("Extra", writes=("z",))],
-            ),
-            {"Extra": lambda b: 0},
-        )
-    with pytest.raises(PlanError, match="task Opt changes its stage or its reads/writes"):
-        engine.switch_plan(toy_plan(tasks=[*toy_plan().tasks.values()][:3] + [PipelineTask("Opt", reads=("out",), writes=("z",))]))
-    with pytest.raises(PlanError, match="highest stage"):
-        engine.switch_plan(toy_plan(schedule={**toy_plan().schedule, "Opt": S(3, comm_group="world")}, inter_iter_deps=[]))
-    engine.close()
-
-
 class Recorder:
     def __init__(self) -> None:
         self.runs: list[tuple[str, int, str, int]] = []

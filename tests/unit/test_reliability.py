@@ -168,16 +168,19 @@ def test_new_data_while_draining_continues_without_a_stop() -> None:
     assert engine.ledger.drawn == engine.ledger.trained == 6
 
 
-def test_same_iterator_object_refilled_for_a_new_epoch() -> None:
+@pytest.mark.parametrize("thread_map", THREAD_MAPS, ids=str)
+def test_same_iterator_object_refilled_for_a_new_epoch(thread_map: Any) -> None:
+    # threads whose next iteration waits for a step() call learn that the epoch ended instead
     data = Refillable()
     source: list[Any] = [data]
-    engine = Engine(toy_plan(), counting_plan_bindings(source))
+    engine = Engine(toy_plan().with_thread_map(thread_map), counting_plan_bindings(source), timeout_s=5)
     for epoch in range(3):
         data.refill([10 * epoch + k for k in range(5)])
         if epoch:
             engine.new_data()
         assert run_all(engine) == [10 * epoch + k for k in range(5)]
     assert engine.ledger.drawn == engine.ledger.trained == 15
+    engine.close()
 
 
 FAULT_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_engine import Toy, run_all, toy_plan
+from tests.unit.test_engine import run_all
 from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.sim import check_happens_before, simulate
@@ -165,5 +165,5 @@ def test_memory_stays_flat_over_a_long_threaded_run() -> None:
         tracemalloc.stop()
         engine.close()
     assert late - early < 64 * 1024, f"memory grew by {late - early} bytes over 4000 iterations"
-    assert len(engine.slots) <= plan.pipeline_depth
-    assert len(engine._events) == 0
+    assert len(engine.slots) <= plan.pipeline_depth + plan.lookahead
+    assert len(engine.book.events) == 0 and len(engine.board.latches) <= len(plan.fire_order) * plan.pipeline_depth

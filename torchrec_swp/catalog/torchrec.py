@@ -652,3 +652,42 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
         "TrainPipelineSparseDistCompAutograd": comp_autograd_plan(),
         "TrainPipelinePEC": pec_plan(),
     }
+
+
+# ------------------------------------------------------------- a comm group for the input dist
+#: The comm group ``with_input_dist_group`` gives the input dist tasks.
+INPUT_DIST = "input_dist"
+#: The tasks that issue the sparse input dist's collectives: the splits all-to-all
+#: (InitPipelinedModules, InputDistStart) and the tensors all-to-all (InputDistWait).
+INPUT_DIST_TASKS = ("InitPipelinedModules", "InputDistStart", "InputDistWait")
+
+
+def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DIST) -> PipelinePlan | PhasedPlan:
+    """``plan`` with its input dist tasks (those of ``INPUT_DIST_TASKS`` it has) in comm group
+    ``group``: they take tickets among themselves, no longer in the turnstile of Forward and
+    Backward, so on a thread of their own the next batch's input dist overlaps the current
+    batch's forward and backward collectives. Every phase of a PhasedPlan is edited.
+
+    Only comm groups change: fire order, stages, streams, threads, guards and dependencies stay,
+    so on one thread the plan makes the same calls in the same order as before (as upstream).
+
+    Contract: run it only where the input dists really issue their collectives on a process
+    group of their own (the drop-ins' ``input_dist_group=`` option). Two turnstiles ordering
+    collectives of one process group could let ranks issue them in different orders. The first
+    input dist of a pipeline (batch 0 of its first epoch) still runs on the model's group, as
+    TorchRec creates the input dists inside it: safe, as in every catalog plan every instance of
+    every task of another comm group runs after InputDistWait of batch 0, through dependencies
+    and its own earlier batches (no iteration barrier needed; ``tests/unit/test_input_dist_group.py``
+    checks it).
+
+    Raises ValueError when a phase of ``plan`` has no input dist task (TrainPipelineBase, PT2,
+    StagedTrainPipeline), naming it.
+    """
+    if isinstance(plan, PhasedPlan):
+        return PhasedPlan([(start, with_input_dist_group(p, group)) for start, p in plan.phases], name=plan.name)
+    tasks = [t for t in INPUT_DIST_TASKS if t in plan.schedule]
+    if not tasks:
+        raise ValueError(f"plan {plan.name} has no input dist task (none of {', '.join(INPUT_DIST_TASKS)})")
+    for task in tasks:
+        plan = plan.with_schedule(task, comm_group=group)
+    return plan

@@ -72,13 +72,15 @@ def producers(plan: PipelinePlan, consumer: str) -> list[tuple[str, int]]:
     (``lag``: how many iterations before the consumer's the producer instance runs), plus the two
     waits on the source of the module docstring."""
     c = plan.task(consumer)
-    found = [(d.producer, c.stage + d.distance - plan.task(d.producer).stage) for d in plan.deps if d.consumer == consumer]
+    found = []
     src = plan.source
     if src is not None and consumer != src:
+        # first: under a stop the source's instance may never finish its iteration's others
         if plan.on_exhausted == "stop" and plan.fire_index(src) < plan.fire_index(consumer):
             found.append((src, 0))  # the source's instance of the same iteration
         if c.when.needs_next and plan.task(src).stage + 1 == c.stage:
             found.append((src, 0))  # its look for batch b + 1, in the same iteration
+    found += [(d.producer, c.stage + d.distance - plan.task(d.producer).stage) for d in plan.deps if d.consumer == consumer]
     return list(dict.fromkeys(found))
 
 

@@ -1,9 +1,36 @@
-"""The torch runtime: threads, stream pools, the collective turnstile, the interpreter (of plan
-programs: ``Engine``; of pipeline-parallel rank programs: ``ProgramEngine``)."""
+"""The torch runtime: how one batch goes through one ``progress()`` call.
 
+1. ``progress(data)`` is ``Engine.step(data)`` (``engine.py``): it asks for batch ``d``, the
+   oldest not yet returned, and walks the calling thread's program through internal iteration
+   ``d + top`` - the iteration where ``d`` is at the highest stage.
+2. Each thread walks its program, one iteration after the other (``interpreter.py``): at
+   iteration ``P`` a task of stage ``s`` works on batch ``P - s``; threads other than the caller
+   walk on in the background, with no barrier between iterations.
+3. The source draws batch ``b`` from ``data`` (``source.py``) once the credit allows:
+   ``b < returned + pipeline_depth + lookahead``; its values go into ``b``'s slot, and the
+   batch's life - drawn, in flight, trained or dropped, epochs - is kept by its ``BatchBook``
+   and the ``BatchLedger`` (``batches.py``).
+4. A task instance runs once its batch exists, its guard admits it, its dependencies on other
+   threads are done (``wait``/``signal`` latches on the ``Board``, ``board.py``) and its
+   collective ticket comes up (``turnstile.py``); it reads its inputs from slots and writes its
+   outputs back (``tasks.py``), inside its device stream (``streams.py``).
+5. When every thread has finished its part of batch ``d``, ``step()`` returns ``d``'s output and
+   retires it: one more batch of credit for the source.
+
+``state_dict()`` cuts at the first batch not returned (``cuts.py``): the data position before it
+was drawn, its number and the ledger; the batches in flight are drawn again after a resume.
+
+A failure anywhere parks every thread where it is and comes out of ``step()`` named
+(``errors.py``); ``ProgramEngine`` (``programs.py``) runs pipeline-parallel rank programs on the
+same interpreter.
+"""
+
+from torchrec_swp.engine.batches import BatchBook, BatchLedger
+from torchrec_swp.engine.engine import Engine
 from torchrec_swp.engine.errors import CollectiveAborted, EngineError, EngineTimeout, TaskAborted
-from torchrec_swp.engine.executor import DEFAULT_TIMEOUT_S, BatchLedger, Binding, Engine, Interpreter, Observer
+from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
 from torchrec_swp.engine.programs import ActionBinding, ProgramEngine
+from torchrec_swp.engine.source import Draws
 from torchrec_swp.engine.streams import (
     STREAM_DEVICE_TYPES,
     CudaStreamPool,
@@ -12,16 +39,19 @@ from torchrec_swp.engine.streams import (
     StreamPool,
     stream_pool_for,
 )
+from torchrec_swp.engine.tasks import Binding, Observer
 from torchrec_swp.engine.turnstile import Turnstile
 
 __all__ = [
-    "STREAM_DEVICE_TYPES",
     "DEFAULT_TIMEOUT_S",
+    "STREAM_DEVICE_TYPES",
     "ActionBinding",
+    "BatchBook",
     "BatchLedger",
     "Binding",
     "CollectiveAborted",
     "CudaStreamPool",
+    "Draws",
     "Engine",
     "EngineError",
     "EngineTimeout",

@@ -22,5 +22,16 @@ class EngineTimeout(EngineError, TimeoutError):
     thread was waiting on and the schedule with the current position marked."""
 
 
+class Interrupted(Exception):
+    """A thread was told to stop where it is (a failure elsewhere, a stop, a reset): it parks at
+    the instruction it was about to execute and goes on from there when resumed. Never leaves
+    the engine."""
+
+
+class Stopped(Exception):
+    """The source found no batch under ``on_exhausted="stop"``: this thread parks where it is
+    (what single-thread order would not have run yet). Never leaves the engine."""
+
+
 def describe(task: str, batch: int, thread: str, iteration: int) -> str:
     return f"task {task} (batch {batch}, internal iteration {iteration}) on thread {thread!r}"

@@ -5,7 +5,7 @@ into an ``IterationProgram`` whose work instructions are ``run 0F3`` (``RunActio
 cross-thread dependencies are the ``wait``/``signal`` pairs plan programs use, keyed by the
 action's text. ``ProgramEngine.run_program`` runs such a program once, with the interpreter,
 latches, turnstiles, workers, failure and timeout handling of the plan ``Engine``
-(``executor.Interpreter``).
+(``torchrec_swp.engine.interpreter``: each thread walks its part of the step once).
 
 Bindings: ``actions`` maps an action kind (``"F"``, ``"B"``, ``"SF"``, ``"RB"``, ``"G"``, ...) to
 ``fn(stage, microbatch)`` (``microbatch`` is None for ``G`` and ``O``). Where an action's kind runs
@@ -43,17 +43,11 @@ from typing import Any
 
 import torch
 
-from torchrec_swp.compile import IterationProgram, RunAction, Signal, WaitTask
+from torchrec_swp.compile import Instr, IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.executor import (
-    DEFAULT_TIMEOUT_S,
-    Interpreter,
-    Observer,
-    _Failure,
-    _IterationContext,
-    _Latch,
-)
+from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Interpreter, Walker, WalkState
 from torchrec_swp.engine.streams import StreamPool
+from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.plan import MAIN_THREAD
 
 ActionBinding = Callable[[int, "int | None"], Any]
@@ -76,7 +70,9 @@ class ProgramEngine(Interpreter):
                 raise TypeError(f"the function bound to action kind {kind!r} is not callable: {fn!r}")
         self._actions = dict(actions)
         self._bound: dict[str, ActionBinding] = dict(actions)
-        self._checked: dict[int, tuple[IterationProgram, frozenset[str]]] = {}
+        self._checked: dict[int, IterationProgram] = {}
+        self._program_now: IterationProgram | None = None
+        self._bases: dict[str, int] = {}  # comm group -> first ticket of the next step
         #: programs run so far (the step number in reports and notes)
         self.steps = 0
 
@@ -91,29 +87,88 @@ class ProgramEngine(Interpreter):
 
     def reset(self) -> None:
         """Clear a failure: collectives may be issued again (after the caller has made sure every
-        rank agrees on where the failed step left them)."""
+        rank agrees on where the failed step left them); tickets are numbered from 0 again."""
         for t in self._turnstiles.values():
-            t.clear_failure()
+            t.restart()
+        self._bases = {}
+        self.failures.clear()
+        self.board.resume()
 
     # ------------------------------------------------------------------- run
     def run_program(self, program: IterationProgram) -> None:
         """Run every thread of ``program`` once (one optimizer step of one rank)."""
-        signalled = self._check(program)
+        self._check(program)
         step = self.steps
         self.steps += 1
-        ctx = _IterationContext(step, program, {t: _Latch() for t in signalled}, torch.is_grad_enabled())
+        self._program_now = program
+        self.failures.clear()
+        self.board.resume()
+        self.board.clear_latches()
+        walkers = [self._walker(MAIN_THREAD)] + [self._walker(t) for t, instrs in program.threads if t != MAIN_THREAD and instrs]
+        for w in walkers:
+            w.place(step, self._bases)
         start = time.perf_counter() if self._observer is not None else 0.0
-        self._execute(ctx)
-        if ctx.failures:
-            raise self._first_failure(ctx)
+        grad = torch.is_grad_enabled()
+        for w in walkers[1:]:
+            self._launch(w, lambda w=w: self._background(w, step, grad))
+        self._walk(walkers[0], step)
+        try:
+            self.board.wait(
+                lambda: self.failures or all(w.state is not WalkState.RUNNING for w in walkers),
+                lambda: "every thread to finish the step",
+                self.timeout_s,
+            )
+        except BaseException as e:  # noqa: BLE001 - a timeout is a failure like the others
+            if not self.failures:
+                self.failures.append(Failure(e, "-", -1, MAIN_THREAD, step))
+        if self.failures:
+            self.board.interrupt_all("an action failed")
+            self._wait_idle(walkers)
+            raise self._first_failure()
+        for group, count in program.tickets:
+            self._bases[group] = self._bases.get(group, 0) + count
         if self._observer is not None:
             self._observer.on_iteration(step, start, time.perf_counter())
 
-    def _run_action(self, instr: RunAction, ctx: _IterationContext) -> None:
+    def _walker(self, thread: str) -> Walker:
+        w = self._walkers.get(thread)
+        if w is None:
+            w = self._walkers[thread] = Walker(thread, thread)
+        return w
+
+    def _background(self, w: Walker, step: int, grad: bool) -> None:
+        with torch.set_grad_enabled(grad):
+            self._walk(w, step)
+
+    def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
+        assert self._program_now is not None
+        return self._program_now.instructions(w.thread)
+
+    def _run(self, w: Walker, P: int, instr: Instr) -> None:
+        if not isinstance(instr, RunAction):
+            raise EngineError(f"{type(self).__name__} runs `run <action>`, `wait` and `signal` only; got `{instr}`")
+        mb = -1 if instr.microbatch is None else instr.microbatch
+        w.current = (instr.action, mb)
+        if instr.ticket is None:
+            self._run_action(instr)
+        else:
+            self._ticketed(w, instr.comm_group, instr.ticket, lambda: self._run_action(instr), instr.action, mb)
+
+    def _run_action(self, instr: RunAction) -> None:
         try:
             self._bound[instr.kind](instr.stage, instr.microbatch)
         except StopIteration as e:  # would end a generator somewhere up the stack silently
             raise RuntimeError(f"action {instr.action} raised StopIteration") from e
+
+    def _wait_task(self, w: Walker, P: int, instr: WaitTask) -> None:
+        w.current = (str(instr), -1)
+        start = time.perf_counter() if self._observer is not None else 0.0
+        self.board.wait_latch((instr.task, P - instr.lag), f"action {instr.task}", self.timeout_s)
+        if self._observer is not None:
+            self._observer.on_wait(instr.task, w.thread, P, start, time.perf_counter())
+
+    def _signal(self, w: Walker, P: int, instr: Signal) -> None:
+        self.board.set_latch((instr.task, P))
 
     def _timed(self, kind: str, fn: ActionBinding) -> ActionBinding:
         def timed(stage: int, microbatch: int | None) -> Any:
@@ -138,12 +193,11 @@ class ProgramEngine(Interpreter):
         return MAIN_THREAD
 
     # ---------------------------------------------------------------- checks
-    def _check(self, program: IterationProgram) -> frozenset[str]:
-        """The keys signalled in ``program``, after the checks of the module docstring (once per
-        program object)."""
+    def _check(self, program: IterationProgram) -> None:
+        """The checks of the module docstring (once per program object)."""
         cached = self._checked.get(id(program))
-        if cached is not None and cached[0] is program:
-            return cached[1]
+        if cached is program:
+            return
         if not isinstance(program, IterationProgram):
             raise TypeError(f"run_program takes an IterationProgram, got {type(program).__name__}")
         signals: dict[str, str] = {}
@@ -189,34 +243,29 @@ class ProgramEngine(Interpreter):
                     f"comm group {group!r}: tickets {sorted(numbers)} but the program declares "
                     f"{declared.get(group, 0)} (they must be numbered 0..n-1)"
                 )
-        signalled = frozenset(signals)
-        self._checked[id(program)] = (program, signalled)
-        return signalled
+        self._checked[id(program)] = program
 
     # --------------------------------------------------------------- reports
-    def _describe(self, f: _Failure) -> str:
+    def _describe(self, f: Failure) -> str:
         mb = "" if f.batch < 0 else f", microbatch {f.batch}"
         return f"action {f.task}{mb} on thread {f.thread!r}, step {f.iteration} of {self.name}"
 
-    def _timeout_report(self, ctx: _IterationContext) -> str:
-        lines = [f"step {ctx.iteration} of {self.name} did not finish within {self.timeout_s:.1f}s"]
-        at: dict[str, Any] = {}
-        for thread, _ in ctx.program.threads:
-            pos = ctx.position.get(thread)
-            lines.append(f"  thread {thread!r}: {pos if pos is not None else 'not started'}")
-            if pos is not None and pos.state == "at":
-                at[thread] = pos.instr
-            elif pos is not None and pos.state == "failed":  # where it failed: the wait or the action
-                instrs = ctx.program.instructions(thread)
-                at[thread] = next((i for i in instrs if pos.task in (str(i), getattr(i, "action", None))), None)
+    def _timeout_report(self) -> str:
+        program = self._program_now
+        step = self.steps - 1
+        lines = [f"step {step} of {self.name} did not finish within {self.timeout_s:.1f}s"]
+        walkers = {w.thread: w for w in self._walkers.values()}
+        for thread, _ in program.threads if program is not None else ():
+            w = walkers.get(thread)
+            lines.append(f"  thread {thread!r}: {w.position() if w is not None else 'not started'}")
         for group, t in self._turnstiles.items():
             lines.append(f"  comm group {group!r}: next ticket {t.next_ticket}, waiting {t.waiting or 'none'}")
+        if program is None:
+            return "\n".join(lines)
         lines.append("the program, where each thread is (or failed) marked '>':")
-        for thread, instrs in ctx.program.threads:
+        for thread, instrs in program.threads:
+            w = walkers.get(thread)
+            here = w.i if w is not None and w.state is not WalkState.FINISHED and w.at is not None else -1
             lines.append(f"thread {thread}:")
-            marked = False
-            for i in instrs:
-                here = not marked and thread in at and i == at[thread]
-                marked = marked or here
-                lines.append(f"{'> ' if here else '  '}{i}")
+            lines.extend(f"{'> ' if k == here else '  '}{i}" for k, i in enumerate(instrs))
         return "\n".join(lines)

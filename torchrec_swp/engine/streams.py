@@ -22,7 +22,6 @@ import torch
 
 from torchrec_swp.plan import DEFAULT_STREAM
 
-
 #: Device types with streams and events; everywhere else (the CPU) nothing crosses a stream.
 STREAM_DEVICE_TYPES = ("cuda", "mtia")
 

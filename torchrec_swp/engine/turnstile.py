@@ -1,25 +1,38 @@
 """The ticketed collective lock: collectives of a comm group in one fixed order on every rank.
 
-Tasks of one comm group hold tickets numbered in fire order when the plan is compiled. A task
-may start only when every lower ticket has been released, so every rank issues the group's
-collectives in the same order whatever thread submits them. A failure (or an abort) makes
-every later ``acquire`` raise CollectiveAborted instead of blocking: ranks cannot desync and
-no thread hangs.
+Every instance of a task of the comm group holds a ticket: its iteration's first ticket (the
+group's tickets of the earlier iterations, counted by every thread as it walks them) plus its
+place among the group's tasks in fire order. A task may start only when every lower ticket was
+released or skipped (an instance that does not run - its batch does not exist, its guard says
+no - skips its ticket without waiting), so every rank issues the group's collectives in the same
+order whatever thread submits them. The numbering never restarts within an engine's life but
+for ``restart()`` (a reset, with nobody holding a ticket).
+
+A failure (or an abort) makes every later ``acquire`` raise CollectiveAborted instead of
+blocking: ranks cannot desync and no thread hangs. Waits are bounded by a timeout and, given
+the engine's board, broken by its interrupts.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torchrec_swp.engine.errors import CollectiveAborted, EngineTimeout
+from torchrec_swp.engine.errors import CollectiveAborted, EngineTimeout, Interrupted
+
+if TYPE_CHECKING:
+    from torchrec_swp.engine.board import Board
 
 
 class Turnstile:
-    def __init__(self, group: str) -> None:
+    def __init__(self, group: str, board: Board | None = None) -> None:
         self.group = group
-        self._cond = threading.Condition()
+        self._board = board
+        self._cond = board.cond if board is not None else threading.Condition()
         self._next = 0
+        self._skipped: set[int] = set()
         self._failed: str | None = None
         self.waiting: dict[str, int] = {}  # thread name -> ticket it waits for (diagnostics)
 
@@ -32,16 +45,17 @@ class Turnstile:
         return self._failed
 
     def restart(self) -> None:
-        """Start numbering again at 0 (between iterations, when nobody holds a ticket)."""
+        """Start numbering again at 0 (nobody holds a ticket) and forget a failure."""
         with self._cond:
             self._next = 0
-
-    def clear_failure(self) -> None:
-        with self._cond:
+            self._skipped.clear()
             self._failed = None
-            self._next = 0
 
-    def acquire(self, ticket: int, timeout_s: float) -> None:
+    clear_failure = restart
+
+    def acquire(self, ticket: int, timeout_s: float, check: Callable[[], None] | None = None) -> None:
+        """Wait for ``ticket``'s turn. ``check()``, called before every wait, may raise to give up
+        (the engine's threads park when the plan stopped before their iteration)."""
         deadline = time.monotonic() + timeout_s
         me = threading.current_thread().name
         with self._cond:
@@ -59,13 +73,20 @@ class Turnstile:
                             f"collective ticket {ticket} of comm group {self.group!r} was passed "
                             f"(next ticket is {self._next})"
                         )
+                    if self._board is not None and self._board.interrupt is not None:
+                        raise Interrupted(self._board.interrupt)
+                    if check is not None:
+                        check()
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise EngineTimeout(
                             f"waited {timeout_s:.1f}s for collective ticket {ticket} of comm group "
                             f"{self.group!r}; the turnstile is at ticket {self._next}"
                         )
-                    self._cond.wait(remaining)
+                    if self._board is not None:
+                        self._board.sleep(remaining)
+                    else:
+                        self._cond.wait(remaining)
             finally:
                 del self.waiting[me]
 
@@ -73,7 +94,23 @@ class Turnstile:
         with self._cond:
             if self._next == ticket:
                 self._next = ticket + 1
+                self._advance()
             self._cond.notify_all()
+
+    def skip(self, ticket: int) -> None:
+        """Ticket ``ticket`` will not be used: pass it on when its turn comes, without waiting."""
+        with self._cond:
+            if ticket == self._next:
+                self._next += 1
+                self._advance()
+                self._cond.notify_all()
+            elif ticket > self._next:
+                self._skipped.add(ticket)
+
+    def _advance(self) -> None:
+        while self._next in self._skipped:
+            self._skipped.remove(self._next)
+            self._next += 1
 
     def fail(self, reason: str) -> None:
         """Abort every ticket not yet granted."""

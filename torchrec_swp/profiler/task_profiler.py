@@ -51,8 +51,7 @@ class TaskProfiler:
         self._engine: Instrumentable | None = None
         self._runs: list[RawRun] = []
         self._waits: list[RawWait] = []
-        self._raw: list[tuple[int, float, float, list[RawRun], list[RawWait]]] = []
-        self._records: list[IterationRecord] = []
+        self._iterations: list[tuple[int, float, float]] = []
 
     # -------------------------------------------------------------- attaching
     def attach(self, engine: Instrumentable) -> TaskProfiler:
@@ -69,7 +68,7 @@ class TaskProfiler:
 
     def clear(self) -> None:
         """Forget everything recorded so far."""
-        self._runs, self._waits, self._raw, self._records = [], [], [], []
+        self._runs, self._waits, self._iterations = [], [], []
 
     # --------------------------------------------------------------- observer
     def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None:
@@ -79,18 +78,23 @@ class TaskProfiler:
         self._waits.append((producer, thread, iteration, start, end))
 
     def on_iteration(self, iteration: int, start: float, end: float) -> None:
-        # Called on the calling thread after the iteration barrier: no worker appends now.
-        # Events are turned into records only in profile(), to keep this call cheap.
-        self._raw.append((iteration, start, end, self._runs, self._waits))
-        self._runs, self._waits = [], []
+        # Events are turned into records only when asked for, to keep the calls cheap.
+        self._iterations.append((iteration, start, end))
 
     # ---------------------------------------------------------------- results
     @property
     def records(self) -> tuple[IterationRecord, ...]:
-        """Every iteration recorded so far, complete or not."""
-        if len(self._records) < len(self._raw):
-            self._records.extend(_record(*raw) for raw in self._raw[len(self._records) :])
-        return tuple(self._records)
+        """Every iteration the calling thread finished so far, complete or not, with the runs and
+        waits of every thread in it (iteration numbers count on over epochs: the engine's
+        ``on_iteration`` numbering). Threads walk iterations without a barrier: a worker's runs
+        of an iteration may come before or after the calling thread's."""
+        runs: dict[int, list[RawRun]] = {}
+        waits: dict[int, list[RawWait]] = {}
+        for r in self._runs:
+            runs.setdefault(r[3], []).append(r)
+        for w in self._waits:
+            waits.setdefault(w[2], []).append(w)
+        return tuple(_record(p, start, end, runs.get(p, []), waits.get(p, [])) for p, start, end in self._iterations)
 
     def complete(self, plan: PipelinePlan) -> list[IterationRecord]:
         """The recorded iterations in which every task of ``plan`` that runs in the steady state
@@ -114,7 +118,7 @@ class TaskProfiler:
         measured = self.measured(plan)
         if not measured:
             raise ProfileError(
-                f"no iteration of plan {plan.name} to profile: {len(self._raw)} recorded, "
+                f"no iteration of plan {plan.name} to profile: {len(self._iterations)} recorded, "
                 f"{len(self.complete(plan))} complete, the first {self.warmup} of which are warm-up; run more steps"
             )
         comm = {t: plan.task(t).comm_group for t in plan.fire_order}
@@ -166,12 +170,13 @@ def _record(
     runs: list[RawRun],
     waits: list[RawWait],
 ) -> IterationRecord:
-    """An IterationRecord from raw events. Events of an attempt of this iteration that failed
-    (and was resumed) carry the same number but began before ``start``: they are dropped."""
+    """An IterationRecord from raw events. A task that failed and ran again when the engine
+    resumed appears twice: its last run counts."""
+    last = {t: (t, b, th, p, s, e) for t, b, th, p, s, e in sorted(runs, key=lambda r: r[4])}
     return IterationRecord(
         iteration,
         start,
         end,
-        tuple(RunEvent(t, b, th, s, e) for t, b, th, p, s, e in runs if p == iteration and s >= start),
-        tuple(WaitEvent(t, th, s, e) for t, th, p, s, e in waits if p == iteration and s >= start),
+        tuple(RunEvent(t, b, th, s, e) for t, b, th, p, s, e in sorted(last.values(), key=lambda r: r[4])),
+        tuple(WaitEvent(t, th, s, e) for t, th, p, s, e in waits),
     )

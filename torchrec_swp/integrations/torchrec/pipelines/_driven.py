@@ -31,7 +31,6 @@ class _PlanDriven:
     """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine."""
 
     _swp_engine: Engine
-    _swp_iter: Iterator[Any] | None
 
     def _swp_setup(
         self,
@@ -62,7 +61,6 @@ class _PlanDriven:
                 f"{type(self).__name__} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
                 culprit=unknown[0],
             )
-        self._swp_iter = None
         self._swp_engine = Engine(
             chosen,
             {t: functions[t] for t in tasks},
@@ -84,19 +82,64 @@ class _PlanDriven:
         """Names of the tasks a plan for this pipeline may use."""
         return tuple(self._swp_task_functions())
 
-    def _swp_take_iterator(self, dataloader_iter: Iterator[Any]) -> None:
-        """Note the iterator progress() was given; new data for the engine when it is a new
-        iterator, or when progress() is called again after it raised StopIteration at the end
-        of the data (a new epoch of a DataLoader whose iterator object is reused, e.g. with
-        persistent workers). Nothing in flight is lost either way: see Engine.new_data."""
+    def _swp_step(self, dataloader_iter: Iterator[Any] | None) -> Any:
+        """``progress()``: the engine's step over ``dataloader_iter``, which reaches the plan's
+        source task as its ``data``. A new iterator, or the same one after StopIteration at the
+        end of the data (a new epoch of a DataLoader whose iterator object is reused, e.g. with
+        persistent workers), is new data: the upstream class's own end-of-data flag is cleared
+        and nothing in flight is lost (Engine.new_data)."""
         engine = self._swp_engine
-        if engine.end_reported or (self._swp_iter is not None and dataloader_iter is not self._swp_iter):
-            engine.new_data()
+        draws = engine.draws
+        if dataloader_iter is not None and (
+            engine.end_reported or (draws is not None and dataloader_iter is not draws.iterator)
+        ):
             self._swp_on_new_data()
-        self._swp_iter = dataloader_iter
+        return engine.step(dataloader_iter)
 
     def _swp_on_new_data(self) -> None:
         """Clear the upstream class's own end-of-data flag (overridden where it has one)."""
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent cut at the batches trained so far (``torchrec_swp.engine.cuts``).
+
+        ``state["loader"]`` is the data position just before the first batch not yet trained,
+        taken from the iterator given to ``progress()`` (it must have ``state_dict()``, as
+        torchdata's StatefulDataLoader iterators do; otherwise this raises EngineError rather
+        than lose the batches in flight). ``state["engine"]`` holds the batch number (phases,
+        TorchRec's context index) and the ledger; ``state["pipeline"]`` what the class itself
+        keeps (e.g. SemiSync's looked-up embeddings of the batch in flight). Resume:
+        ``loader.load_state_dict(state["loader"])`` on a new loader,
+        ``pipeline.load_state_dict(state)`` on a new pipeline (model and optimizer restored from
+        the same cut), then ``progress(iter(loader))``."""
+        engine_state = self._swp_engine.state_dict()
+        return {
+            "pipeline_class": type(self).__name__,
+            "loader": engine_state.pop("loader"),
+            "engine": engine_state,
+            "pipeline": self._swp_state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from ``state_dict()``'s cut; before the first ``progress()``. The loader is
+        restored by the caller (``state["loader"]``)."""
+        if not isinstance(state, Mapping) or not {"engine", "pipeline", "pipeline_class"} <= set(state):
+            raise PlanError(f"{type(self).__name__}.load_state_dict(): not a pipeline state (a dict from state_dict())")
+        if state["pipeline_class"] != type(self).__name__:
+            raise PlanError(
+                f"{type(self).__name__}.load_state_dict(): the state was saved by {state['pipeline_class']}"
+            )
+        self._swp_engine.load_state_dict(dict(state["engine"]))
+        if hasattr(self, "_next_index"):  # TorchRec's context index counts the same source calls
+            self._next_index = int(state["engine"]["batch_number"])
+        self._swp_load_state_dict(state["pipeline"])
+
+    def _swp_state_dict(self) -> dict[str, Any]:
+        """What the class itself must carry over a cut (overridden where there is something)."""
+        return {}
+
+    def _swp_load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``_swp_state_dict()``'s values."""
 
     @property
     def batch_ledger(self) -> BatchLedger:

@@ -38,9 +38,8 @@ class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], _PlanDriven):
         self._swp_setup(plans.train_pipeline_base_plan(), plan, thread_map, engine_timeout_s, streams)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        self._swp_take_iterator(dataloader_iter)
         self._connected = True
-        return self._swp_engine.step()
+        return self._swp_step(dataloader_iter)
 
     def _swp_on_new_data(self) -> None:
         self._data_iter_stopped = False
@@ -61,8 +60,8 @@ class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], _PlanDriven):
             "OptimizerStep": self._task_optimizer_step,
         }
 
-    def _task_load_batch(self, b: int) -> Any:
-        batch = self._next_batch(self._swp_iter)  # type: ignore[arg-type]
+    def _task_load_batch(self, b: int, data: Iterator[Any]) -> Any:
+        batch = self._next_batch(data)
         if batch is None:
             raise StopIteration
         return batch

@@ -59,8 +59,7 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], _PlanDriven):
         self._state = PipelineState.IDLE
         # After a StopIteration this is new data: the next call asks the iterator again, as
         # upstream does on every call.
-        self._swp_take_iterator(dataloader_iter)
-        return self._swp_engine.step()
+        return self._swp_step(dataloader_iter)
 
     def reset(self) -> None:
         super().reset()
@@ -78,9 +77,9 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], _PlanDriven):
             "OptimizerStep": self._task_optimizer_step,
         }
 
-    def _task_load_batch(self, b: int) -> Any:
+    def _task_load_batch(self, b: int, data: Iterator[In]) -> Any:
         with record_function("## load_batch ##"):
-            return next(self._swp_iter)  # type: ignore[arg-type]
+            return next(data)
 
     def _task_h2d(self, b: int, host_batch: Any) -> Any:
         with record_function("## copy_batch_to_gpu ##"):

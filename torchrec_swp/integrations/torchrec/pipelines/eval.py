@@ -45,21 +45,20 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         return plans.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        if self._swp_iter is None:
-            self._swp_iter = dataloader_iter
-        return self._swp_engine.step()
+        # the loader binds the first iterator given (until reset()), as upstream's loading thread
+        return self._swp_engine.step(dataloader_iter if self._swp_engine.draws is None else None)
 
     def reset(self) -> None:
         super().reset()
-        self._swp_iter = None
+        self._swp_engine.forget_data()
 
     # ------------------------------------------------------------ task functions
-    def _task_h2d(self, b: int) -> tuple[Any, Any]:
+    def _task_h2d(self, b: int, data: Iterator[In]) -> tuple[Any, Any]:
         # what upstream's DataLoadingThread does for one batch; the engine has entered the
         # memcpy stream. StopIteration from the iterator is the end of data.
         while True:
             try:
-                batch = next(self._swp_iter)  # type: ignore[arg-type]
+                batch = next(data)
                 break
             except Exception as e:  # StopIteration too: it is not retriable
                 if not _is_data_loading_retriable(e):

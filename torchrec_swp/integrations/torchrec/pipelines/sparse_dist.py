@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
@@ -14,8 +15,9 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec import compat
+from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
-from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, ThreadMap
+from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, ThreadMap
 
 __all__ = ["TrainPipelineSparseDist"]
 
@@ -39,6 +41,17 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
     Prefetch): with ``enable_inplace_copy_batch`` the H2D task runs on thread group
     ``inplace_copy``, as upstream's background copy thread would, on every device (upstream
     keeps it off on CPU). Same results either way.
+
+    ``input_dist_group`` (ours): ``True`` gives the sparse input dist a process group of its own,
+    created here over the ranks of the default group with its backend (every rank must build
+    the pipeline); a ProcessGroup object is used as given (e.g. one group shared by several
+    pipelines). The input dists are moved to it right after TorchRec creates them (the first
+    input dist), and the default plan gets ``plans.with_input_dist_group``: with the input dist
+    tasks on a thread of their own (``thread_map={"InitPipelinedModules": "dist",
+    "InputDistStart": "dist", "InputDistWait": "dist"}`` or ``"by_stream"``), the next batch's
+    input dist overlaps this batch's forward and backward collectives (a ``plan=`` of the
+    user's keeps its own comm groups). Same results; see
+    ``integrations/torchrec/input_dist_group.py`` for what moves and its cost.
     """
 
     def __init__(
@@ -47,8 +60,17 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
         plan: PlanLike | None = None,
         thread_map: ThreadMap | None = None,
         engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        input_dist_group: bool | dist.ProcessGroup = False,
         **kwargs: Any,
     ) -> None:
+        self._swp_input_dist_group: dist.ProcessGroup | None = None
+        self._swp_rebound_modules: list[Any] | None = None  # the _pipelined_modules last rebound
+        if input_dist_group is True:
+            self._swp_input_dist_group = new_input_dist_group(where=f"{type(self).__name__}(input_dist_group=True)")
+        elif isinstance(input_dist_group, dist.ProcessGroup):
+            self._swp_input_dist_group = input_dist_group
+        elif input_dist_group is not False:
+            raise TypeError(f"input_dist_group must be a bool or a ProcessGroup, got {type(input_dist_group).__name__}")
         # async_inplace_copy (TorchRec 1.9) is ours to schedule, on any supported version and
         # device: never handed to upstream, whose background copy thread would bypass the engine.
         if _upstream_name(type(self)) in compat.ASYNC_INPLACE_COPY_PIPELINES:
@@ -57,7 +79,10 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             async_copy = None
         self._swp_async_inplace_copy = bool(async_copy)
         self._swp_init_upstream(*args, **kwargs)
-        self._swp_setup(self._swp_default_plan(), plan, thread_map, engine_timeout_s, self._swp_streams())
+        default_plan: PipelinePlan | PhasedPlan = self._swp_default_plan()
+        if self._swp_input_dist_group is not None:
+            default_plan = plans.with_input_dist_group(default_plan)
+        self._swp_setup(default_plan, plan, thread_map, engine_timeout_s, self._swp_streams())
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
         """The upstream class's constructor (a subclass overrides it where upstream's cannot run
@@ -81,18 +106,26 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
     def _swp_streams(self) -> StreamPool:
         return stream_pool_for(self._device, {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream})
 
+    def start_sparse_data_dist(self, batch: In | None, context: Any) -> None:
+        super().start_sparse_data_dist(batch, context)
+        # TorchRec creates the input dists in the first call (inside _pipeline_model, which then
+        # hands their group to _override_input_dist_forwards): move them to their own group now.
+        group = self._swp_input_dist_group
+        if group is not None and batch is not None and self._swp_rebound_modules is not self._pipelined_modules:
+            rebind_input_dists(self._pipelined_modules, group)
+            self._swp_rebound_modules = self._pipelined_modules
+
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         self._state = PipelineState.IDLE
         # attach the model in case the user detached it and forgot to attach it (as upstream does)
         if not self._model_attached:
             self.attach(self._model)
-        self._swp_take_iterator(dataloader_iter)
         engine = self._swp_engine
         if self.batches and not engine.in_flight():
             # Batches the engine did not load: user code (or a test) put them where upstream's
             # progress() reads them. batches[0] is the one to train now, as upstream assumes.
             engine.adopt([{"batch": b, "context": c} for b, c in zip(self.batches, self.contexts)])
-        return engine.step()
+        return self._swp_step(dataloader_iter)
 
     def _swp_on_new_data(self) -> None:
         self._dataloader_exhausted = False
@@ -117,7 +150,7 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             "Dequeue": self._task_dequeue,
         }
 
-    def _task_h2d(self, b: int) -> tuple[Any, Any]:
+    def _task_h2d(self, b: int, data: Iterator[In]) -> tuple[Any, Any]:
         # enqueue_batch appends to self.batches/self.contexts (user-visible state) and, with
         # execute_all_batches=False, raises StopIteration itself at the end of data.
         if self._enable_inplace_copy_batch:
@@ -126,9 +159,9 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             # skips record_stream for it), so the allocation must not happen on the memcpy
             # stream the engine entered for this task.
             with self._swp_engine.streams.context(DEFAULT_STREAM):
-                loaded = self.enqueue_batch(self._swp_iter)  # type: ignore[arg-type]
+                loaded = self.enqueue_batch(data)
         else:
-            loaded = self.enqueue_batch(self._swp_iter)  # type: ignore[arg-type]
+            loaded = self.enqueue_batch(data)
         if not loaded:
             raise StopIteration
         return self.batches[-1], self.contexts[-1]

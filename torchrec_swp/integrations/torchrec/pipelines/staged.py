@@ -150,8 +150,7 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
         return names, streams
 
     def progress(self, dataloader_iter: Iterator[In]) -> StageOut | None:
-        self._swp_iter = dataloader_iter
-        out = self._swp_engine.step()
+        out = self._swp_engine.step(dataloader_iter)
         if out is None and self._flushing:
             # everything in flight has drained: end the flush and refill within this call
             self.flush_end()
@@ -160,7 +159,9 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
 
     def flush_end(self) -> None:
         """Upstream's flush_end (stop flushing, refill next, ``on_flush_end()``); the batches
-        in flight, all None by now, are dropped so that the next step refills."""
+        in flight, all None by now, are dropped so that the next step refills (after the worker
+        threads finished this call's stages, as upstream runs them all before flushing)."""
+        self._swp_engine.quiesce()
         self._swp_engine.reset()
         super().flush_end()
 
@@ -172,14 +173,14 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDrive
             functions[f"{task}.fill"] = functools.partial(self._task_fill_callback, k)
         return functions
 
-    def _task_stage(self, k: int, b: int, **inputs: Any) -> Any:
+    def _task_stage(self, k: int, b: int, data: Iterator[In] | None = None, **inputs: Any) -> Any:
         """Upstream's _run_stage for stage k: the runnable on the input, or the
         data_exhausted_callback on None (the plan's ``NAME.fill`` task calls the fill_callback
         after it during the fill)."""
         stage = self._pipeline_stages[k]
         with record_function(f"## Pipeline Stage {k} : {stage.name} for batch {b} ##"):
             if k == 0:
-                batch = self._next_batch(self._swp_iter)  # type: ignore[arg-type]
+                batch = self._next_batch(data)  # type: ignore[arg-type]
             else:
                 (batch,) = inputs.values()
             if self._debug_mode:

@@ -1,0 +1,347 @@
+"""Engine: runs a plan (or a PhasedPlan) on threads and streams; ``step()`` is ``progress()``.
+
+Contract of ``step(data)``: return batch ``d``'s ``plan.output`` value once every task of batch
+``d`` is done (``d``: the batches returned so far this epoch; with ``lookahead`` 0, once every
+thread finished internal iteration ``d + top``, so that a call does exactly what it does on one
+thread, only concurrently), or raise StopIteration when no
+batch is left (after draining, or as soon as the source finds none under
+``on_exhausted="stop"``). The calling thread runs its part of internal iteration ``d + top``
+(and of the earlier ones it has not run), exactly what a plan on one thread runs in one call;
+the other threads walk on in the background between calls, each as far as its dependencies,
+its tickets and the source's credit let it: batches in flight at most ``pipeline_depth +
+lookahead``, and the source draws a batch at most ``lookahead`` calls before the call a plan on
+one thread draws it in (so with lookahead 0, in that very call). No thread starts the training
+step (the highest stage) of a batch ``step()`` was not asked for yet.
+
+``data``: the iterator the source draws from (its function gets it as keyword ``data``; see
+``torchrec_swp.engine.source``). A new iterator, or the same one again after StopIteration,
+is new data (``new_data()``): nothing in flight is lost.
+
+Phases: with a PhasedPlan, internal iteration ``P`` runs the plan of the phase of the batch it
+trains (``P - top``; the epoch's first batch during the fill).
+
+Failures: an exception in any task on any thread stops every thread where it is and comes out
+of the current (or next) ``step()`` with its own type and a note naming task, batch, thread and
+internal iteration (attributes ``swp_task``, ``swp_batch``, ``swp_thread``, ``swp_iteration``).
+``step()`` again resumes where every thread stopped: nothing runs twice, nothing is skipped (but
+a rank that failed issues no more collectives of a comm group spread over threads until
+``reset()``). Every blocking wait honours ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from torchrec_swp.compile import Alias, CompiledPlan, Run
+from torchrec_swp.engine.batches import BatchBook, BatchLedger
+from torchrec_swp.engine.cuts import Cuts
+from torchrec_swp.engine.errors import EngineError
+from torchrec_swp.engine.instructions import InstalledPlan, check_limits, in_stream
+from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Walker, WalkState
+from torchrec_swp.engine.source import Draws
+from torchrec_swp.engine.streams import StreamPool
+from torchrec_swp.engine.tasks import Binding, Observer, instrumented, make_alias, make_invoker
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plan.task import parse_read
+
+MAX_THREADS = 16
+MAX_IN_FLIGHT = 8
+
+
+class Engine(Cuts):
+    """Runs a plan's programs. One Engine per pipeline instance."""
+
+    def __init__(
+        self,
+        plan: PipelinePlan | PhasedPlan,
+        bindings: Mapping[str, Binding],
+        *,
+        streams: StreamPool | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str = "swp",
+        max_threads: int = MAX_THREADS,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        device_type: str | None = None,
+    ) -> None:
+        if isinstance(plan, PipelinePlan):
+            phased = PhasedPlan([(0, plan)])
+        elif isinstance(plan, PhasedPlan):
+            phased = plan
+        else:
+            raise TypeError(f"plan must be a PipelinePlan or a PhasedPlan, got {type(plan).__name__}")
+        for p in phased.plans:
+            check_limits(p, max_threads, max_in_flight)
+        tasks = list(dict.fromkeys(t for p in phased.plans for t in p.fire_order))
+        missing = [t for t in tasks if t not in bindings]
+        if missing:
+            raise PlanError(f"no function bound to task {missing[0]} of plan {phased.name}", culprit=missing[0])
+        extra = [t for t in bindings if t not in tasks]
+        if extra:
+            raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
+        for task, fn in bindings.items():
+            if not callable(fn):
+                raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
+        super().__init__(streams=streams, timeout_s=timeout_s, name=name)
+        self.device_type = device_type
+        self.phased = phased
+        self.plan: PipelinePlan = phased.plans[0]
+        self._bindings = dict(bindings)
+        self._top = phased.max_stage
+        self._source = self.plan.source
+        self._stage = {t: s.stage for p in phased.plans for t, s in p.schedule.items()}
+        self._lanes = max(p.loads for p in phased.plans)
+        self._lookahead = max(p.lookahead for p in phased.plans)
+        # how many batches back values and events are read: slots and events kept that long
+        self._keep_slots = max((parse_read(r)[1] for p in phased.plans for io in p.tasks.values() for r in io.reads), default=0)
+        self._keep_events = max((d.distance for p in phased.plans for d in p.deps), default=0)
+        self.ledger = BatchLedger()
+        self._slots: dict[int, dict[str, Any]] = {}  # every epoch's book holds this one dict
+        self.book = BatchBook(slots=self._slots)
+        self._pulls = 0  # source calls since construction or reset(): the next batch number
+        self._data: Iterator[Any] | None = None
+        self._draws: Draws | None = None
+        # (first batch, its Draws): a new iterator serves the batches a step() call makes drawable
+        self._draws_from: list[tuple[int, Draws]] = []
+        self._grad = torch.is_grad_enabled()
+        self._iteration_start = 0.0
+        self._epoch_base = 0  # observers count iterations on over epochs: this epoch's iteration 0
+        self._failure_raised = False
+        self._installed = {id(p): self._install(p) for p in phased.plans}
+        self._make_walkers()
+        self.reset()
+
+    # ------------------------------------------------------------------ setup
+    def _install(self, plan: PipelinePlan) -> InstalledPlan:
+        compiled = CompiledPlan(plan, device_streams=self.streams.has_streams, device_type=self.device_type)
+        steady = compiled.steady
+        installed = InstalledPlan(plan, compiled, {t: i for t, i in steady.threads if i}, steady.tickets, {}, {})
+        self._bind(installed)
+        return installed
+
+    def _bind(self, inst: InstalledPlan) -> None:
+        """The (instrumented) calls of ``inst``'s tasks, entering each task's stream where the
+        device has streams."""
+        plan, slots = inst.plan, self._slots
+        observer, labels = self._observer, self._labels
+        for task in plan.fire_order:
+            t = plan.task(task)
+            extra = self._data_argument if task == plan.source else None
+            invoke = make_invoker(t.io, self._bindings[task], slots, extra)
+            if self.streams.has_streams and t.stream != DEFAULT_STREAM:
+                invoke = in_stream(invoke, self.streams, t.stream)
+            iteration = lambda b, s=t.stage: self._epoch_base + b + s
+            inst.invokers[task] = instrumented(task, invoke, t.thread_group, iteration, observer, labels)
+            if self.device_type in t.io.noop_on:
+                alias = make_alias(tuple(zip(t.io.writes, t.io.reads)), slots)
+                inst.aliases[task] = instrumented(task, alias, t.thread_group, iteration, observer, labels)
+
+    def _make_walkers(self) -> None:
+        threads: dict[str, int] = {MAIN_THREAD: -1}  # thread -> highest stage of its tasks
+        for inst in self._installed.values():
+            for thread, instrs in inst.programs.items():
+                stages = [i.stage for i in instrs if isinstance(i, (Run, Alias))]
+                threads[thread] = max(threads.get(thread, -1), *stages)
+        self._main = Walker(MAIN_THREAD, MAIN_THREAD, top=threads[MAIN_THREAD])
+        self._walkers = {MAIN_THREAD: self._main}
+        source_thread = self.plan.task(self._source).thread_group if self._source else None
+        for thread, top in threads.items():
+            if thread == MAIN_THREAD:
+                continue
+            lanes = self._lanes if thread == source_thread else 1
+            for lane in range(lanes):
+                name = thread if lane == 0 else f"{thread}.{lane}"
+                self._walkers[name] = Walker(thread, name, lane=lane, top=top)
+        self._tasked = [w for w in self._walkers.values() if w.top >= 0]
+        self._threaded = len(self._walkers) > 1
+
+    def instrument(self, observer: Observer | None = None, *, labels: bool = False) -> None:
+        """Attach (or, with no arguments, detach) instrumentation.
+
+        ``observer`` gets every task run, every cross-thread wait and every iteration of the
+        calling thread with its times (iterations numbered on over epochs); ``labels`` wraps each task in
+        ``torch.profiler.record_function("## Task b ##")`` so profiler traces show the plan's
+        tasks. Detached, the engine runs the bare calls. Only between steps.
+        """
+        self._observer = observer
+        self._labels = labels
+        for inst in self._installed.values():
+            self._bind(inst)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def compiled(self) -> CompiledPlan:
+        return self._installed[id(self.plan)].compiled
+
+    @property
+    def slots(self) -> dict[int, dict[str, Any]]:
+        return self.book.slots
+
+    @property
+    def iteration(self) -> int:
+        """The next internal iteration the calling thread runs."""
+        return self._main.P
+
+    @property
+    def loaded(self) -> int:
+        return self.book.returned + len(self.book.in_flight())
+
+    @property
+    def delivered(self) -> int:
+        return self.book.returned
+
+    @property
+    def num_batches(self) -> int | None:
+        return self.book.num_batches
+
+    @property
+    def stopped(self) -> bool:
+        return self.book.stopped
+
+    @property
+    def end_reported(self) -> bool:
+        """The last step() raised StopIteration because the data ended."""
+        return self.book.end_reported
+
+    @property
+    def ended(self) -> bool:
+        """The data is exhausted and no batch is left to deliver (or the plan stopped)."""
+        return self.book.ended
+
+    @property
+    def draws(self) -> Draws | None:
+        """The data the source draws from (None before ``step()`` got an iterator)."""
+        return self._draws
+
+    def in_flight(self) -> list[int]:
+        """Batches loaded but not delivered (in order), by index in this epoch."""
+        return self.book.in_flight()
+
+    def untrained(self) -> list[tuple[int, str]]:
+        """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
+        book = self.book
+        reason = "left in flight: the plan stopped at the end of data" if book.stopped else "in flight"
+        return [*self.ledger.dropped, *((book.serial(b), reason) for b in book.in_flight())]
+
+    # ------------------------------------------------------------------- step
+    def step(self, data: Iterator[Any] | None = None) -> Any:
+        if data is not None:
+            self._take_data(data)
+        if self._failure_raised:  # step() again after a failure: go on where every thread stopped
+            self.failures.clear()
+            self._failure_raised = False
+            self.board.resume()
+        self._grad = torch.is_grad_enabled()
+        main = self._main
+        while True:
+            book = self.book
+            if book.ended:
+                if book.restart_after_drain:
+                    self._settle()
+                    self._start_epoch()
+                    continue
+                book.end_reported = True
+                raise StopIteration
+            book.end_reported = False
+            d = book.returned
+            if book.requested <= d:
+                book.requested = d + 1
+                if self._threaded:
+                    self.board.changed()
+            self._start_workers()
+            if main.state is not WalkState.FINISHED:
+                self._walk(main, d + self._top)
+            outcome = self._await(d)
+            if outcome == "done":
+                return self._retire(d)
+            if outcome == "failed":
+                self._raise_failure()
+            if outcome == "stopped":
+                book.end_reported = True
+                raise StopIteration
+            # drained: no batch d; every thread walks out of the epoch
+            self._settle()
+
+    def run_to_end(self) -> list[Any]:
+        """Step until the data ends; the outputs in order."""
+        outputs = []
+        while True:
+            try:
+                outputs.append(self.step())
+            except StopIteration:
+                return outputs
+
+    def _start_workers(self) -> None:
+        if self.failures:
+            return
+        for w in self._walkers.values():
+            if w is not self._main and w.state in (WalkState.READY, WalkState.PARKED):
+                self._launch(w, lambda w=w: self._background(w))
+
+    def _background(self, w: Walker) -> None:
+        torch.set_grad_enabled(self._grad)
+        self._walk(w, None)
+
+    def _await(self, d: int) -> str:
+        """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
+        iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
+        batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
+        book, board = self.book, self.board
+        walkers = list(self._walkers.values())
+        # with no lookahead the call does what it does on one thread: all of iteration d + top
+        ahead, top = self._lookahead > 0, self._top
+
+        def outcome() -> str | None:
+            if self.failures:
+                return "failed"
+            if d in book.loaded and all(w.done_through >= d + (w.top if ahead else top) for w in self._tasked):
+                return "done"
+            m = book.num_batches
+            if m is not None and d >= m and not book.stopped:
+                return "drained"
+            resting = all(w.state is not WalkState.RUNNING for w in walkers)
+            if book.stopped and resting:
+                return "stopped"
+            if resting:  # nobody can make batch d: a bug of the engine's, not a wait
+                self.failures.append(Failure(EngineError(f"no thread can go on:\n{self._timeout_report()}"), "-", d, MAIN_THREAD, self._main.P))
+                return "failed"
+            return None
+
+        result = outcome()
+        if result is None:
+            try:
+                board.wait(lambda: outcome() is not None, lambda: f"batch {d} to be trained", self.timeout_s)
+            except BaseException as e:  # noqa: BLE001 - a timeout here is a failure like any other
+                if not self.failures:
+                    self.failures.append(Failure(e, "-", d, MAIN_THREAD, self._main.P))
+            result = outcome() or "failed"
+        return result
+
+    def _raise_failure(self) -> None:
+        if self._threaded:
+            self.board.interrupt_all("a task failed")
+        self._wait_idle(list(self._walkers.values()))
+        self._failure_raised = True
+        raise self._first_failure()
+
+    def _retire(self, d: int) -> Any:
+        book, inst = self.book, self._installed[id(self.plan)]
+        with self.board.cond:
+            slot = book.slots[d]
+            output = slot.get(inst.plan.output) if inst.plan.output is not None else None
+            book.returned = d + 1
+            book.loaded.discard(d)
+            book.numbers.pop(d, None)
+            self.ledger.trained += 1
+            book.slots.pop(d - self._keep_slots, None)
+            for key in [k for k in book.events if k[1] <= d - self._keep_events]:
+                del book.events[key]
+            latches = self.board.latches
+            for key in [k for k in latches if k[1] <= d]:  # type: ignore[index]
+                del latches[key]
+            if self._draws is not None:
+                self._draws.forget(d + 1)
+            self.board.cond.notify_all()
+        return output

@@ -1,0 +1,379 @@
+"""What a plan's instructions do: the gates a task instance passes, the source, the waits.
+
+``PlanInterpreter`` is the ``Interpreter`` of plan programs (``Engine`` adds the caller's side:
+``step()``, epochs, data). For the walker at internal iteration ``P`` it picks the program
+(``_program``: the phase's plan, the caller's gate: a worker runs iteration ``P`` only once
+``step()`` asked for the batch ``P - top - lookahead``) and runs each instruction:
+
+* ``run T`` for batch ``b = P - stage``: nothing if ``b`` does not exist (waiting until the
+  source has looked for it) or its guard says no (its ticket, if any, is skipped); a training
+  step (highest stage) only once ``step()`` asked for ``b``; then, holding its ticket if it has
+  one, the call - inside its stream.
+* ``run! S`` (the source): on its lane, once the credit allows (``_credit``), draws batch ``b``
+  into its slot, or finds the end of data (a stop parks every thread where single-thread order
+  would have stopped).
+* ``wait T@P-k`` / ``signal T``: the latches of the board, keyed ``(task, batch)``.
+* ``stream S <- T@k`` / ``record T``: device events, kept per ``(task, batch)``.
+
+Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and by the
+end of the epoch before its iteration (the thread finishes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.engine.batches import BatchBook, BatchLedger
+from torchrec_swp.engine.board import LatchState
+from torchrec_swp.engine.errors import Stopped, describe
+from torchrec_swp.engine.interpreter import Failure, Interpreter, Walker, WalkState
+from torchrec_swp.engine.streams import StreamPool
+from torchrec_swp.engine.tasks import Invoker
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, When
+from torchrec_swp.plan.table import format_schedule
+
+
+@dataclass
+class InstalledPlan:
+    """One plan, ready to run: its compiled steady-state program per thread, tickets per
+    iteration, and its tasks' calls."""
+
+    plan: PipelinePlan
+    compiled: CompiledPlan
+    programs: dict[str, tuple[Instr, ...]]
+    tickets: tuple[tuple[str, int], ...]
+    invokers: dict[str, Invoker]
+    aliases: dict[str, Invoker]
+
+
+class PlanInterpreter(Interpreter):
+    """Runs plan programs; the state it reads is set up by ``Engine``."""
+
+    phased: PhasedPlan
+    plan: PipelinePlan
+    book: BatchBook
+    ledger: BatchLedger
+    _installed: dict[int, InstalledPlan]
+    _main: Walker
+    _top: int
+    _lookahead: int
+    _lanes: int
+    _source: str | None
+    _stage: dict[str, int]
+    _threaded: bool
+    _pulls: int
+    _epoch_base: int
+    _iteration_start: float
+    _grad: bool
+
+    # ------------------------------------------------------------ the program
+    def _plan_at(self, P: int) -> PipelinePlan:
+        """The plan internal iteration ``P`` runs: its phase's, by the batch it trains."""
+        if len(self.phased.phases) == 1:
+            return self.plan
+        d = P - self._top
+        if d < 0:
+            return self.phased.plan_for(self.book.number(0))
+        self._exists(d, P)
+        return self.phased.plan_for(self.book.number_of(d))
+
+    def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
+        book = self.book
+        m = book.num_batches
+        if m is not None:
+            if book.stopped:
+                if P > m:
+                    raise Stopped
+            elif self._past_end(P):
+                return None
+        w.current = ("-", P - self._top)
+        if w is not self._main and P > book.requested - 1 + self._top + self._lookahead:
+            self._wait(
+                P,
+                lambda: P <= book.requested - 1 + self._top + self._lookahead or self._past_end(P),
+                lambda: f"step() to be called for batch {P - self._top - self._lookahead} (internal iteration {P})",
+            )
+            if self._past_end(P):
+                return None
+        plan = self._plan_at(P)
+        if w is self._main:
+            self.plan = plan
+            if self._observer is not None:
+                self._iteration_start = time.perf_counter()
+        inst = self._installed[id(plan)]
+        w.inst = inst
+        return inst.programs.get(w.thread, ())
+
+    def _iteration_done(self, w: Walker, P: int) -> None:
+        for group, count in w.inst.tickets:
+            w.bases[group] = w.bases.get(group, 0) + count
+        if w is self._main:
+            if self._observer is not None:
+                self._observer.on_iteration(self._epoch_base + P, self._iteration_start, time.perf_counter())
+        elif self._threaded:
+            self.board.changed()
+
+    # ------------------------------------------------------------ instructions
+    def _run(self, w: Walker, P: int, instr: Instr) -> None:
+        self._stop_check(P)
+        if isinstance(instr, Alias):
+            b = P - instr.stage
+            w.current = (instr.task, b)
+            if self._exists(b, P):
+                w.inst.aliases[instr.task](b)
+            return
+        assert isinstance(instr, Run)
+        b = P - instr.stage
+        task = instr.task
+        w.current = (task, b)
+        if instr.source:
+            self._run_source(w, P, b, instr)
+            return
+        if not self._exists(b, P) or (instr.when is not When.ALWAYS and not self._admits(instr.when, b, P)):
+            if instr.ticket is not None:
+                self._skip_ticket(w, instr.comm_group, instr.ticket)
+            return
+        if instr.stage == self._top and w is not self._main:
+            self._requested(b, P)
+        if w is not self._main and torch.is_grad_enabled() != self._grad:
+            torch.set_grad_enabled(self._grad)
+        invoke = w.inst.invokers[task]
+        if instr.ticket is None:
+            self._call(w, task, invoke, b)
+        else:
+            run = lambda: self._call(w, task, invoke, b)
+            self._ticketed(w, instr.comm_group, instr.ticket, run, task, b, lambda: self._stop_check(P))
+
+    def _call(self, w: Walker, task: str, invoke: Invoker, b: int) -> None:
+        try:
+            invoke(b)
+        except StopIteration as e:  # would end a generator up the stack silently
+            raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
+
+    def _exists(self, b: int, P: int) -> bool:
+        """Whether batch ``b`` exists, waiting (at internal iteration ``P``) until the source has
+        looked for it. Stopped when it never will while the plan is stopped."""
+        book = self.book
+        known = book.exists(b)
+        if known is None:
+            self._wait(P, lambda: book.exists(b) is not None or book.stopped, lambda: f"batch {b} to be drawn")
+            known = book.exists(b)
+            if known is None:
+                raise Stopped
+        return known
+
+    def _admits(self, when: When, b: int, P: int) -> bool:
+        if when.needs_next:
+            self._exists(b + 1, P)
+        return when.admits(b, self.book.num_batches, P, self._top)
+
+    def _requested(self, b: int, P: int) -> None:
+        """The training step of batch ``b`` waits for the ``step()`` call that asks for it."""
+        book = self.book
+        self._wait(P, lambda: b < book.requested, lambda: f"step() to be called for batch {b}")
+
+    def _beyond_stop(self, P: int) -> bool:
+        """The plan stopped at the end of data before internal iteration ``P``."""
+        book = self.book
+        return book.stopped and book.num_batches is not None and P > book.num_batches
+
+    def _past_end(self, P: int) -> bool:
+        """Internal iteration ``P`` is past the epoch's last (the data ended, no stop)."""
+        book = self.book
+        return book.num_batches is not None and not book.stopped and P >= book.num_batches + self._top
+
+    def _stop_check(self, P: int) -> None:
+        """Park a thread at internal iteration ``P`` if the plan stopped before it: single-thread
+        order would not have got there."""
+        if self._beyond_stop(P):
+            raise Stopped
+
+    def _wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Wait, at internal iteration ``P``, until ``ready()``; park if the plan stops before ``P``."""
+        self.board.wait(lambda: ready() or self._beyond_stop(P), what, self.timeout_s)
+        self._stop_check(P)
+
+    def _run_source(self, w: Walker, P: int, b: int, instr: Run) -> None:
+        book, board = self.book, self.board
+        if b < 0 or (instr.lanes > 1 and b % instr.lanes != w.lane) or b in book.loaded:
+            return
+        if book.num_batches is not None:
+            if book.stopped:
+                raise Stopped
+            if b >= book.num_batches:
+                if instr.ticket is not None:
+                    self._skip_ticket(w, instr.comm_group, instr.ticket)
+                return
+        plan = w.inst.plan
+        if not self._credit(b, plan):
+            self._wait(
+                P,
+                lambda: self._credit(b, plan) or book.num_batches is not None,
+                lambda: f"credit to draw batch {b} (depth {plan.pipeline_depth}, lookahead {plan.lookahead})",
+            )
+            if book.stopped:
+                raise Stopped
+            if book.num_batches is not None and b >= book.num_batches:
+                return
+        invoke = w.inst.invokers[instr.task]
+        book.slots[b] = {}
+        draws = self._draws_for(b)
+        if draws is not None:
+            draws.drawing(b)
+        try:
+            if instr.ticket is None:
+                invoke(b)
+            else:
+                self._ticketed(w, instr.comm_group, instr.ticket, lambda: invoke(b), instr.task, b, lambda: self._stop_check(P))
+        except StopIteration:
+            book.slots.pop(b, None)
+            self._found_end(b, plan)
+            return
+        except BaseException:
+            book.slots.pop(b, None)
+            raise
+        finally:
+            if draws is not None:
+                draws.drawing(None)
+        with board.cond:
+            book.loaded.add(b)
+            book.numbers[b] = book.number(b)
+            self.ledger.drawn += 1
+            self._pulls = max(self._pulls, book.numbers[b] + 1)
+            board.cond.notify_all()
+
+    def _credit(self, b: int, plan: PipelinePlan) -> bool:
+        """Whether the source may draw batch ``b``: at most ``pipeline_depth + lookahead`` batches
+        in flight, and no earlier than ``lookahead`` batches before the ``step()`` call that
+        single-thread order draws it in (with lookahead 0, in that very call)."""
+        book = self.book
+        return b < book.returned + plan.pipeline_depth + plan.lookahead and b < book.requested + self._top + plan.lookahead
+
+    def _found_end(self, b: int, plan: PipelinePlan) -> None:
+        book, board = self.book, self.board
+        with board.cond:
+            if book.num_batches is None or b < book.num_batches:
+                book.num_batches = b
+            self._pulls = max(self._pulls, book.number(b) + 1)
+            if plan.on_exhausted == "stop":
+                book.stopped = True
+                board.latches[(plan.source, b)] = LatchState.STOPPED
+            board.cond.notify_all()
+        if plan.on_exhausted == "stop":
+            raise Stopped
+
+    def _take_turn(self, b: int) -> None:
+        """Batch ``b`` may draw once batch ``b - 1`` drew (several loads take turns); StopIteration
+        when an earlier batch found the end."""
+        book = self.book
+        if self._lanes > 1:
+            self.board.wait(
+                lambda: book.next_claim >= b or (book.num_batches is not None and book.num_batches < b),
+                lambda: f"batch {b - 1} to be drawn first",
+                self.timeout_s,
+            )
+        if book.next_claim != b and book.num_batches is not None and book.num_batches < b:
+            raise StopIteration
+
+    def _turn_taken(self, b: int, ended: bool) -> None:
+        if not ended:
+            with self.board.cond:
+                self.book.next_claim = max(self.book.next_claim, b + 1)
+                self.board.cond.notify_all()
+
+    def _wait_task(self, w: Walker, P: int, instr: WaitTask) -> None:
+        producer, q = instr.task, P - instr.lag
+        pb = q - self._stage[producer]
+        if q < w.start or pb < 0:
+            return
+        lanes = self._lanes > 1 and producer == self._source
+        if not lanes and w.waited.get(producer, -1) >= q:
+            return  # instances of one thread finish in order: an earlier wait covered it
+        book = self.book
+        if book.num_batches is not None and pb >= book.num_batches and not book.stopped:
+            return  # no such batch
+        w.current = (str(instr), pb)
+        key: Hashable = (producer, pb)
+        latches = self.board.latches
+        self._stop_check(P)
+        start = time.perf_counter() if self._observer is not None else 0.0
+        self._wait(
+            P, lambda: key in latches or pb < book.returned or self._beyond_stop(q), lambda: f"task {producer} (batch {pb}) to finish"
+        )
+        if self._observer is not None:
+            self._observer.on_wait(producer, w.thread, self._epoch_base + P, start, time.perf_counter())
+        if latches.get(key) is LatchState.STOPPED or (key not in latches and self._beyond_stop(q)):
+            raise Stopped
+        if not lanes:
+            w.waited[producer] = q
+
+    def _signal(self, w: Walker, P: int, instr: Signal) -> None:
+        self._stop_check(P)
+        b = P - self._stage[instr.task]
+        if b < 0 or (self._lanes > 1 and instr.task == self._source and b % self._lanes != w.lane):
+            return
+        self.board.set_latch((instr.task, b))
+
+    def _device_sync(self, w: Walker, P: int, instr: WaitStream | RecordEvent) -> None:
+        self._stop_check(P)
+        book = self.book
+        if isinstance(instr, WaitStream):
+            event = book.events.get((instr.task, P - instr.consumer_stage - instr.distance))
+            if event is not None:
+                self.streams.wait(instr.stream, event)
+        elif P - instr.stage in book.loaded:  # not for a batch that was never loaded
+            book.events[(instr.task, P - instr.stage)] = self.streams.record(instr.stream)
+
+    # ---------------------------------------------------------------- reports
+    def _describe(self, f: Failure) -> str:
+        return f"{describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}"
+
+    def _timeout_report(self) -> str:
+        main = self._main
+        lines = [f"internal iteration {main.P} of plan {self.plan.name} did not finish within {self.timeout_s:.1f}s"]
+        lines += [f"  thread {w.name!r}: {w.position()}" for w in self._walkers.values()]
+        for group, t in self._turnstiles.items():
+            lines.append(f"  comm group {group!r}: next ticket {t.next_ticket}, waiting {t.waiting or 'none'}")
+        running = [
+            (w.at.task, w.P)
+            for w in self._walkers.values()
+            if w.state is WalkState.RUNNING and isinstance(w.at, Run)
+        ]
+        last = max(w.P for w in self._walkers.values())
+        lines.append(format_schedule(self.plan, last + 2, self.book.num_batches, mark=running[0] if running else None))
+        return "\n".join(lines)
+
+
+def check_limits(plan: PipelinePlan, max_threads: int, max_in_flight: int) -> None:
+    threads = len(plan.thread_groups) + plan.loads - 1
+    if threads > max_threads:
+        raise PlanError(
+            f"plan {plan.name} uses {threads} threads ({', '.join(plan.thread_groups)}"
+            f"{f', {plan.loads} loads' if plan.loads > 1 else ''}); at most {max_threads} are allowed (max_threads)",
+            culprit="thread_map",
+        )
+    in_flight = plan.pipeline_depth + plan.lookahead
+    if in_flight > max_in_flight:
+        raise PlanError(
+            f"plan {plan.name} keeps {in_flight} batches in flight (depth {plan.pipeline_depth} + lookahead "
+            f"{plan.lookahead}); at most {max_in_flight} are allowed (max_in_flight)",
+            culprit="pipeline_depth",
+        )
+    if plan.source is None:
+        raise PlanError(f"plan {plan.name} has no source task: the engine needs one to pull batches", culprit="source")
+
+
+def in_stream(invoke: Invoker, streams: StreamPool, stream: str) -> Invoker:
+    context = streams.context
+
+    def in_stream(b: int) -> Any:
+        with context(stream):
+            return invoke(b)
+
+    return in_stream

@@ -1,0 +1,333 @@
+"""The interpreter: threads walking their programs, iteration after iteration.
+
+Every thread of a program has a ``Walker``: its position (internal iteration ``P``, instruction
+``i``), the iteration it finished last, and why it stopped walking. The thread that calls the
+engine walks the ``"default"`` program itself; every other one has a persistent ``Worker``
+thread that walks in the background between calls, until it has to wait for something only a
+later call provides. There is no barrier between iterations: a thread starts its part of
+iteration ``P + 1`` as soon as its own part of ``P`` is done, and every ordering between
+threads is an explicit wait in the program (``wait``/``signal``, collective tickets) or a
+gate the engine checks (a batch drawn, credit, the caller's request).
+
+Parking: a thread stops where it is - before the instruction it could not execute - when
+interrupted (a failure elsewhere, a reset), when the source stopped at the end of data
+(``Stopped``), or when its own task failed; resumed, it executes that instruction again. A
+finished instruction is never executed twice, so resuming loses and repeats nothing.
+
+Failures: the first exception of a task (or a timeout) is recorded with where it happened,
+every later ticket of every comm group fails (this rank issues no more collectives until a
+reset: the others may not be where it is), and every thread is interrupted. The engine's
+caller re-raises it, of its own type, with a note naming task, batch, thread and iteration.
+
+What a ``run`` instruction does is the subclass's: ``Engine`` runs plan tasks
+(``torchrec_swp.engine.engine``), ``ProgramEngine`` pipeline-parallel actions
+(``torchrec_swp.engine.programs``).
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchrec_swp.compile import Alias, Instr, RecordEvent, Run, RunAction, Signal, WaitStream, WaitTask
+from torchrec_swp.engine.board import Board
+from torchrec_swp.engine.errors import (
+    CollectiveAborted,
+    EngineError,
+    EngineTimeout,
+    Interrupted,
+    Stopped,
+    TaskAborted,
+    describe,
+)
+from torchrec_swp.engine.streams import NullStreamPool, StreamPool
+from torchrec_swp.engine.tasks import Observer
+from torchrec_swp.engine.turnstile import Turnstile
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class WalkState(enum.Enum):
+    READY = "ready"  # positioned, not walking
+    RUNNING = "running"
+    PARKED = "parked"  # stopped where it is: interrupted, stopped at the end of data, or failed
+    FINISHED = "finished"  # walked every iteration of the epoch (or of the step)
+
+
+@dataclass(eq=False)
+class Walker:
+    """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
+    source with several loads: ``load.1``); ``top``: the highest stage of its tasks (it is done
+    with batch ``d`` once it finished iteration ``d + top``)."""
+
+    thread: str
+    name: str
+    lane: int = 0
+    top: int = 0
+    P: int = 0
+    i: int = 0
+    start: int = 0
+    done_through: int = -1
+    state: WalkState = WalkState.READY
+    parked_by: str = ""
+    at: Instr | None = None  # the instruction it executes or parked at
+    current: tuple[str, int] = ("-", 0)  # (task or instruction, batch) it works on
+    bases: dict[str, int] = field(default_factory=dict)  # comm group -> first ticket of iteration P
+    waited: dict[str, int] = field(default_factory=dict)  # producer -> latest iteration waited for
+    inst: Any = None  # what the engine runs in iteration P (its plan, for a plan engine)
+
+    def place(self, start: int, bases: dict[str, int]) -> None:
+        self.P, self.i, self.start, self.done_through = start, 0, start, start - 1
+        self.state, self.parked_by, self.at, self.current = WalkState.READY, "", None, ("-", 0)
+        self.bases, self.waited = dict(bases), {}
+
+    def position(self) -> str:
+        """Where it is, for reports."""
+        match self.state:
+            case WalkState.PARKED if self.parked_by == "failed":
+                return f"failed in {self.current[0]} (internal iteration {self.P})"
+            case WalkState.PARKED:
+                return f"parked ({self.parked_by}) at {self.at} (internal iteration {self.P})"
+            case WalkState.FINISHED:
+                return "finished"
+            case _ if self.at is not None:
+                return f"at {self.at} (internal iteration {self.P})"
+            case _:
+                return f"not started (internal iteration {self.P})"
+
+
+@dataclass
+class Failure:
+    exc: BaseException
+    task: str
+    batch: int
+    thread: str
+    iteration: int
+
+
+class Worker:
+    """A persistent thread running the jobs put in its inbox (None stops it)."""
+
+    def __init__(self, name: str, streams: StreamPool) -> None:
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
+        streams.thread_init()
+        while (job := inbox.get()) is not None:
+            job()
+
+    def stop(self, timeout_s: float) -> None:
+        self.inbox.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+
+
+def _stop_workers(workers: dict[str, Worker]) -> None:
+    for w in workers.values():
+        w.stop(5.0)
+    workers.clear()
+
+
+class Interpreter:
+    """Walkers, workers, the board, turnstiles, failures and reports; subclasses say what the
+    programs are (``_program``) and what their work instructions do (``_run``)."""
+
+    def __init__(self, *, streams: StreamPool | None, timeout_s: float, name: str) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        self.streams: StreamPool = streams if streams is not None else NullStreamPool()
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self.board = Board()
+        self.failures: list[Failure] = []
+        self._walkers: dict[str, Walker] = {}
+        self._workers: dict[str, Worker] = {}
+        self._turnstiles: dict[str, Turnstile] = {}
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._observer: Observer | None = None
+        self._labels = False
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent)."""
+        self.board.interrupt_all("the engine was closed")
+        self._finalizer()
+
+    # ------------------------------------------------------------- the walk
+    def _walk(self, w: Walker, until: int | None) -> None:
+        """Walk ``w``'s program from its position through iteration ``until`` (None: as far as
+        it goes). Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
+        board = self.board
+        w.state = WalkState.RUNNING
+        try:
+            while until is None or w.P <= until:
+                P = w.P
+                instrs = self._program(w, P)
+                if instrs is None:
+                    w.state = WalkState.FINISHED
+                    break
+                while w.i < len(instrs):
+                    if board.interrupt is not None:
+                        raise Interrupted(board.interrupt)
+                    instr = w.at = instrs[w.i]
+                    self._execute(w, P, instr)
+                    w.i += 1
+                w.i, w.P, w.at = 0, P + 1, None
+                w.done_through = P
+                self._iteration_done(w, P)
+            else:
+                w.state = WalkState.READY
+        except Interrupted:
+            self._park(w, "interrupted")
+        except Stopped:
+            self._park(w, "stopped at the end of data")
+        except BaseException:  # noqa: BLE001 - every failure is recorded and re-raised by the caller
+            self._fail(w)
+        finally:
+            if len(self._walkers) > 1:
+                board.changed()
+
+    def _park(self, w: Walker, why: str) -> None:
+        w.state, w.parked_by = WalkState.PARKED, why
+
+    def _fail(self, w: Walker) -> None:
+        exc = sys.exc_info()[1]
+        assert exc is not None
+        task, batch = w.current
+        with self.board.cond:
+            secondary = isinstance(exc, (TaskAborted, CollectiveAborted)) and self.failures
+            if not secondary:
+                self.failures.append(Failure(exc, task, batch, w.name, w.P))
+        w.state, w.parked_by = WalkState.PARKED, "failed"
+        reason = f"{describe(task, batch, w.name, w.P)} failed: {exc!r}"
+        for t in self._turnstiles.values():
+            t.fail(reason)
+        self.board.interrupt_all(reason)
+
+    def _execute(self, w: Walker, P: int, instr: Instr) -> None:
+        match instr:
+            case Run() | RunAction() | Alias():
+                self._run(w, P, instr)
+            case WaitTask():
+                self._wait_task(w, P, instr)
+            case Signal():
+                self._signal(w, P, instr)
+            case WaitStream() | RecordEvent():
+                self._device_sync(w, P, instr)
+            case _:
+                raise EngineError(f"unknown instruction {instr!r}")
+
+    # ---------------------------------------------------------------- tickets
+    def turnstile(self, group: str) -> Turnstile:
+        t = self._turnstiles.get(group)
+        if t is None:
+            t = self._turnstiles[group] = Turnstile(group, self.board)
+        return t
+
+    def _ticketed(
+        self,
+        w: Walker,
+        group: str | None,
+        ticket: int,
+        run: Callable[[], None],
+        task: str,
+        b: int,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Run ``run`` holding ticket ``ticket`` of this iteration of ``group`` (``check``: see
+        ``Turnstile.acquire``)."""
+        turnstile = self.turnstile(group or "")
+        number = w.bases.get(group or "", 0) + ticket
+        turnstile.acquire(number, self.timeout_s, check)
+        try:
+            run()
+        except BaseException:
+            turnstile.fail(f"{describe(task, b, w.name, w.P)} failed")
+            raise
+        turnstile.release(number)
+
+    def _skip_ticket(self, w: Walker, group: str | None, ticket: int) -> None:
+        self.turnstile(group or "").skip(w.bases.get(group or "", 0) + ticket)
+
+    # ------------------------------------------------------------- workers
+    def _worker(self, thread: str) -> Worker:
+        w = self._workers.get(thread)
+        if w is None or not w.thread.is_alive():
+            w = self._workers[thread] = Worker(f"{self.name}-{thread}", self.streams)
+        return w
+
+    def _launch(self, w: Walker, job: Callable[[], None]) -> None:
+        w.state = WalkState.RUNNING
+        self._worker(w.name).inbox.put(job)
+
+    def _wait_idle(self, walkers: list[Walker]) -> None:
+        """Wait until none of ``walkers`` is walking (interrupts do not end this wait); an
+        EngineTimeout with the report if one does not stop in time (stuck inside a task)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.board.cond:
+            while any(w.state is WalkState.RUNNING for w in walkers):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    cause = self.failures[0].exc if self.failures else None
+                    raise EngineTimeout(self._timeout_report()) from cause
+                self.board.cond.wait(remaining)
+
+    # -------------------------------------------------------------- failures
+    def _first_failure(self) -> BaseException:
+        """The first failure, annotated, with notes naming the others (an EngineTimeout is
+        raised as one whose message is the full report)."""
+        first = self.failures[0]
+        for other in self.failures[1:]:
+            first.exc.add_note(
+                f"also failed: {describe(other.task, other.batch, other.thread, other.iteration)}: {other.exc!r}"
+            )
+        self._annotate(first.exc, first)
+        if isinstance(first.exc, EngineTimeout):
+            report = EngineTimeout(self._timeout_report())
+            report.__cause__ = first.exc
+            self._annotate(report, first)
+            return report
+        return first.exc
+
+    def _annotate(self, exc: BaseException, f: Failure) -> None:
+        if getattr(exc, "swp_task", None) is not None:
+            return
+        exc.swp_task, exc.swp_batch, exc.swp_thread, exc.swp_iteration = f.task, f.batch, f.thread, f.iteration  # type: ignore[attr-defined]
+        exc.add_note(f"torchrec_swp: {self._describe(f)}")
+
+    # ------------------------------------------------------ what subclasses do
+    def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
+        raise NotImplementedError(f"{type(self).__name__} defines no programs")
+
+    def _run(self, w: Walker, P: int, instr: Run | RunAction | Alias) -> None:
+        raise EngineError(f"{type(self).__name__} cannot run `{instr}`")
+
+    def _wait_task(self, w: Walker, P: int, instr: WaitTask) -> None:
+        raise EngineError(f"{type(self).__name__} cannot run `{instr}`")
+
+    def _signal(self, w: Walker, P: int, instr: Signal) -> None:
+        raise EngineError(f"{type(self).__name__} cannot run `{instr}`")
+
+    def _device_sync(self, w: Walker, P: int, instr: WaitStream | RecordEvent) -> None:
+        raise EngineError(f"{type(self).__name__} has no device syncs between plan tasks: cannot run `{instr}`")
+
+    def _iteration_done(self, w: Walker, P: int) -> None:
+        """``w`` finished its part of iteration ``P``."""
+
+    def _describe(self, f: Failure) -> str:
+        return describe(f.task, f.batch, f.thread, f.iteration)
+
+    def _timeout_report(self) -> str:
+        lines = [f"{self.name} did not finish within {self.timeout_s:.1f}s"]
+        lines += [f"  thread {w.name!r}: {w.position()}" for w in self._walkers.values()]
+        return "\n".join(lines)
+
