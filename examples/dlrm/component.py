@@ -1,13 +1,16 @@
-"""torchx component for the DLRM example: ``examples/dlrm/train.py`` on N local ranks (gloo).
+"""torchx component for the DLRM example: ``examples/dlrm/train.py`` on nnodes x nproc ranks.
 
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 100 --thread_map io
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
 
 The named parameters are the common ones; anything after ``--`` goes to train.py unchanged (see
-``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j 1x{nproc}`` and the
+``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j {nnodes}x{nproc}`` and the
 script filled in, launched with ``python -m torch.distributed.run`` by the interpreter that runs
 torchx, so it works without activating the venv (``dist.ddp`` itself runs ``torchrun`` from
-PATH). Run it from the repository root.
+PATH; so the component suits schedulers whose nodes see this interpreter at the same path, e.g.
+local_cwd or Slurm with a shared file system, not a container image: see docs/cluster.md). Run it
+from the repository root. ``max_retries`` is both the scheduler's retry count and torchrun's
+``--max-restarts`` (``PET_MAX_RESTARTS``), as in ``launch.py``.
 """
 
 import shlex
@@ -24,6 +27,9 @@ TRAIN = "examples/dlrm/train.py"
 def dlrm(
     *script_args: str,
     nproc: int = 2,
+    nnodes: int = 1,
+    max_retries: int = 0,
+    rdzv_port: int = 29500,
     pipeline: str = "TrainPipelineSparseDist",
     impl: str = "ours",
     steps: int = 100,  # = train.STEPS
@@ -37,7 +43,10 @@ def dlrm(
 
     Args:
         script_args: further arguments for train.py (after --)
-        nproc: ranks (processes) on this machine
+        nproc: ranks (processes) per node
+        nnodes: nodes (one torchrun each; they meet through the c10d rendezvous on the first node)
+        max_retries: restarts after a failure (the scheduler's retries and torchrun's --max-restarts)
+        rdzv_port: port of the rendezvous on the first node (nnodes > 1)
         pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase
         impl: ours (torchrec_swp) or upstream (TorchRec)
         steps: batches per rank
@@ -61,15 +70,20 @@ def dlrm(
         args += ["--thread-map", thread_map]
     if json:
         args += ["--json", json]
+    env = {"OMP_NUM_THREADS": "1", "PET_MAX_RESTARTS": str(max_retries)}
+    if max_retries:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a new store per restart (see launch.py)
     app = ddp(
         *args,
         *script_args,
         script=TRAIN,
         name="dlrm",
-        j=f"1x{nproc}",
+        j=f"{nnodes}x{nproc}",
         cpu=cpu,
         memMB=memMB,
-        env={"OMP_NUM_THREADS": "1"},
+        env=env,
+        max_retries=max_retries,
+        rdzv_port=rdzv_port,
     )
     # dist.ddp runs "torchrun ..." through bash; run this interpreter's torch.distributed.run instead
     role = app.roles[0]

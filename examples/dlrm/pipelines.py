@@ -9,6 +9,9 @@ Our pipelines are the names ``torchrec_swp`` exports (``torchrec_swp.__all__``);
 not export (yet) is reported by ``not_exported()`` and refused by ``make_runner`` with a
 message saying so.
 
+``device`` (default: the CPU) is the device the pipeline trains on: with a CUDA device the plans
+run on real streams (and upstream's pipelines as shipped).
+
 Upstream on CPU (see ``docs/install.md``): Base, SparseDist, Lite, PT2 and
 EvalSparseDist run as shipped. The others fail there; they run only with ``upstream_patch=True``,
 which applies the repository's test-only patch (``examples/dlrm/upstream_cpu_patch.py``: CPU tensors
@@ -185,13 +188,16 @@ def make_runner(
     thread_map: Any = None,
     options: Mapping[str, Any] | None = None,
     upstream_patch: bool = False,
+    device: torch.device = CPU,
 ) -> Runner:
-    """Build a model with ``build()`` and pipeline ``name`` of ``impl`` around it.
+    """Build a model with ``build()`` and pipeline ``name`` of ``impl`` around it, on ``device``
+    (``build()`` puts the model there).
 
     ``plan`` and ``thread_map`` (ours only) replace the default plan and thread map;
     ``options`` add constructor options (on top of ``INFO[name].options``).
     ``upstream_patch`` allows upstream pipelines that need the test-only CPU patch (see the
-    module docstring). Raises PipelineUnavailable when the pipeline cannot run as asked.
+    module docstring; on a CUDA device they run as shipped). Raises PipelineUnavailable when the
+    pipeline cannot run as asked.
     """
     if name not in INFO:
         raise PipelineUnavailable(f"unknown pipeline {name!r}; choose one of {', '.join(PIPELINES)}")
@@ -200,7 +206,8 @@ def make_runner(
         raise PipelineUnavailable(f"impl must be 'upstream' or 'ours', got {impl!r}")
     if impl == "upstream" and (plan is not None or thread_map is not None):
         raise PipelineUnavailable("a plan or a thread_map applies to our pipelines only (impl='ours')")
-    if impl == "upstream" and info.upstream_fails and not upstream_patch:
+    on_cpu = device.type == "cpu"
+    if impl == "upstream" and info.upstream_fails and on_cpu and not upstream_patch:
         raise PipelineUnavailable(
             f"upstream's {name} fails on CPU as shipped ({info.upstream_fails}); "
             "allow the test-only CPU patch (--upstream-cpu-patch) or use our pipeline"
@@ -210,7 +217,7 @@ def make_runner(
     kwargs = {**info.options, **(options or {})}
     patch = contextlib.ExitStack()
     try:
-        if impl == "upstream" and info.upstream_fails:
+        if impl == "upstream" and info.upstream_fails and on_cpu:
             from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 
             patch.enter_context(upstream_cpu_patch())
@@ -227,25 +234,31 @@ def make_runner(
         if info.kind == "staged":
             if kwargs:
                 raise PipelineUnavailable(f"StagedTrainPipeline takes no options here, got {sorted(kwargs)}")
-            pipeline = _staged(cls, impl, model, engine_options)
+            pipeline = _staged(cls, impl, model, engine_options, device)
         else:
-            pipeline = cls(model, optimizer, CPU, **kwargs, **engine_options)
+            pipeline = cls(model, optimizer, device, **kwargs, **engine_options)
     except BaseException:
         patch.close()
         raise
     return Runner(info, impl, pipeline, model, optimizer, patch)
 
 
-def _staged(cls: type, impl: Impl, model: torch.nn.Module, engine_options: dict[str, Any]) -> Any:
-    """StagedTrainPipeline with two stages: copy the batch, start its sparse data dist, with the
-    stream objects a user writes on CPU (``torch.Stream(device="cpu")``, which upstream needs:
-    its streams must have a ``.device``). Ours runs with them as shipped."""
+def _staged(
+    cls: type, impl: Impl, model: torch.nn.Module, engine_options: dict[str, Any], device: torch.device = CPU
+) -> Any:
+    """StagedTrainPipeline with two stages: copy the batch to ``device``, start its sparse data
+    dist, on streams of ``device``: on CPU the stream objects a user writes there
+    (``torch.Stream(device="cpu")``, which upstream needs: its streams must have a ``.device``;
+    ours runs with them as shipped), on CUDA new CUDA streams."""
     from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
-    sdd = SparseDataDistUtil(model, data_dist_stream=torch.Stream(device="cpu"))
-    stream: Callable[[], Any] = lambda: torch.Stream(device="cpu")  # noqa: E731
+    if device.type == "cuda":
+        stream: Callable[[], Any] = lambda: torch.cuda.Stream(device=device)  # noqa: E731
+    else:
+        stream = lambda: torch.Stream(device="cpu")  # noqa: E731
+    sdd = SparseDataDistUtil(model, data_dist_stream=stream())
     stages = [
-        PipelineStage("data_copy", lambda b: b.to(CPU, non_blocking=True), stream()),
+        PipelineStage("data_copy", lambda b: b.to(device, non_blocking=True), stream()),
         PipelineStage(
             "start_sparse_data_dist",
             sdd.start_sparse_data_dist,
@@ -256,7 +269,7 @@ def _staged(cls: type, impl: Impl, model: torch.nn.Module, engine_options: dict[
     ]
     if impl == "ours":
         return cls(stages, **engine_options)
-    return cls(stages, compute_stream=torch.Stream(device="cpu"))
+    return cls(stages, compute_stream=stream())
 
 
 def _upstream_prefetch_on_cpu() -> type:

@@ -12,16 +12,31 @@ active: ``source .venv/bin/activate``; torchx's ``dist.ddp`` runs ``torchrun`` f
 thread map without training.
 
 Data: Criteo-like synthetic batches made on the fly (13 dense, ``--num-sparse`` sparse features),
-or real Criteo TSV files with ``--criteo-tsv FILE ...``; ``--loader-latency-ms`` makes the loader
-wait that long per batch, like storage would. Pipeline: ``--pipeline NAME`` (any of the 11),
-``--impl ours|upstream``, ``--plan FILE`` (a plan text file replacing the default plan) and
+or real Criteo TSV files with ``--criteo-tsv FILE ...``, handed out by torchdata's
+StatefulDataLoader (``--num-workers`` worker processes, 0: in the training process; see
+``loader.py``); ``--loader-latency-ms`` makes the loader wait that long per batch, like storage
+would. Pipeline: ``--pipeline NAME`` (any of the 11), ``--impl ours|upstream``, ``--plan FILE``
+(a plan text file replacing the default plan) and
 ``--thread-map`` (ours only: ``main``, ``by_stream``, ``per_task``, ``io``, or ``TASK=THREAD,...``
 such as ``H2D=io``, or a JSON object). ``--thread-map io`` puts the stage-0 tasks (loading the
 batch and copying it to the device) on their own thread, so the loader's waiting overlaps the
 training. ``--profile-out FILE`` (ours) profiles every task and writes rank 0's profile, the
 input of ``python -m torchrec_swp.autosched --profile FILE --out PLAN``.
 
-Rank 0 prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
+Devices: ``--device auto|cpu|cuda`` (auto: CUDA when torch sees a GPU). On CUDA each process
+takes the GPU of its ``LOCAL_RANK``, the ranks talk over NCCL and the pipelines get the CUDA
+device, so their plans run on real streams; on the CPU, gloo.
+
+Long jobs: ``--checkpoint-dir DIR`` saves checkpoints through torch.distributed.checkpoint every
+``--checkpoint-every N`` steps and at the end (model with its sharded tables, dense and fused
+optimizer state, the pipeline's state with the loader's position; written atomically, see
+``checkpoint.py``); ``--resume`` continues from the latest one (or starts at step 0 when there is
+none yet, so a restarted job runs the same command). ``--stop-after N`` ends the run after step N
+(after its checkpoint), as a job's time limit would. ``--kill-rank-at RANK:STEP`` is a fault
+drill: that rank kills itself with SIGKILL after that step, on the launcher's first attempt only.
+
+Rank 0's first line says what runs where (pipeline, ranks as nodes x processes, backend, device),
+then it prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
 second over all ranks), and a summary at the end; ``--json FILE`` also writes the summary.
 A bad argument, plan or thread map ends the run with one line ``error: ...`` per rank.
 """
@@ -30,14 +45,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,8 +64,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from examples.dlrm.data import CriteoTsv, SyntheticCriteo, with_latency
-from examples.dlrm.model import DlrmSize, build_dlrm
+from examples.dlrm import checkpoint
+from examples.dlrm.checkpoint import CheckpointError, TrainState
+from examples.dlrm.data import CriteoTsv, SyntheticCriteo
+from examples.dlrm.loader import SyntheticBatches, TsvBatches, make_loader, shutdown_workers
+from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
 from examples.dlrm.pipelines import INFO, PIPELINES, PipelineUnavailable, make_runner
 from torchrec_swp.catalog.torchrec import default_plans
 from torchrec_swp.plan import PlanError, load_plan
@@ -129,7 +149,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the loader waits this long for each batch (default: %(default)s)",
     )
     model.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    model.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="sgd: SGD on the tables and the MLPs; adagrad: row-wise Adagrad on the tables, Adagrad on the MLPs "
+        "(both keep state) (default: %(default)s)",
+    )
+    model.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default="mixed",
+        help="mixed: tables alternately table-wise and row-wise; or all one way (default: %(default)s)",
+    )
+    model.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="worker processes of the StatefulDataLoader; 0: load in the training process (default: %(default)s)",
+    )
     run = parser.add_argument_group("run")
+    run.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda when torch sees a GPU, else cpu. cuda: NCCL, the GPU of LOCAL_RANK (default: %(default)s)",
+    )
     run.add_argument(
         "--threads",
         type=int,
@@ -144,12 +189,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours: profile every task (TaskProfiler) and write rank 0's profile here",
     )
     run.add_argument(
-        "--check", action="store_true", help="only check the arguments, plan file and thread map, then exit"
+        "--check",
+        action="store_true",
+        help="only check the arguments, plan file, thread map and checkpoint directory, then exit",
+    )
+    run.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="with --check: the ranks the job will have, compared with a checkpoint's (launch.py passes it)",
+    )
+    long = parser.add_argument_group("long jobs (see checkpoint.py)")
+    long.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints into DIR")
+    long.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="save every N steps (and at the end); 0: only at the end (default: %(default)s)",
+    )
+    long.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=2,
+        metavar="K",
+        help="keep the K newest checkpoints; 0: all (default: %(default)s)",
+    )
+    long.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (start at step 0 when there is none yet)",
+    )
+    long.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="N",
+        help="end this run after step N (after its checkpoint), like a time limit",
+    )
+    long.add_argument(
+        "--kill-rank-at",
+        metavar="RANK:STEP",
+        help="fault drill: rank RANK kills itself (SIGKILL) after step STEP, on the launcher's first attempt only",
     )
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "num_sparse", "num_embeddings", "embedding_dim", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("num_workers", "checkpoint_every", "keep_checkpoints"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.stop_after is not None and args.stop_after < 1:
+        parser.error("--stop-after must be >= 1")
+    if args.world_size is not None and args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    if args.num_workers and args.criteo_tsv:
+        parser.error("--num-workers: Criteo TSV files are read without workers (each would read every file)")
+    _check_long_job(parser, args)
+    _check_device(parser, args)
     if args.loader_latency_ms < 0:
         parser.error("--loader-latency-ms must be >= 0")
     try:
@@ -187,6 +283,55 @@ def _check_thread_map(args: argparse.Namespace) -> None:
     plan = args.plan_value if args.plan_value is not None else default_plans().get(args.pipeline)
     if plan is not None and args.pipeline != "StagedTrainPipeline":
         plan.with_thread_map(args.thread_map_value)  # PlanError naming an unknown task or strategy
+
+
+def _check_long_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checkpoint options hang together, and the pipeline can be checkpointed."""
+    args.kill_at = None
+    if args.kill_rank_at is not None:
+        rank, sep, step = args.kill_rank_at.partition(":")
+        if not (sep and rank.isdigit() and step.isdigit() and int(step) >= 1):
+            parser.error(f"--kill-rank-at must be RANK:STEP (e.g. 1:25), got {args.kill_rank_at!r}")
+        args.kill_at = (int(rank), int(step))
+    if args.checkpoint_dir is None:
+        for flag, given in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume)):
+            if given:
+                parser.error(f"{flag} needs --checkpoint-dir")
+        return
+    info = INFO[args.pipeline]
+    if info.kind == "eval":
+        parser.error(f"--checkpoint-dir: {args.pipeline} evaluates; checkpoints are for training")
+    if args.impl == "upstream":
+        parser.error(
+            "--checkpoint-dir: upstream TorchRec's pipelines have no state_dict() (the batches in flight would be "
+            "lost on resume); use --impl ours"
+        )
+
+
+def not_checkpointable(args: argparse.Namespace) -> str | None:
+    """Why ``args.pipeline`` (ours) cannot be checkpointed, or None: it needs ``state_dict()`` and
+    ``load_state_dict()``, which record and restore the batches in flight and the loader's position."""
+    import torchrec_swp
+
+    cls = getattr(torchrec_swp, args.pipeline, None)
+    missing = [m for m in ("state_dict", "load_state_dict") if cls is None or not hasattr(cls, m)]
+    if missing:
+        return (
+            f"--checkpoint-dir: torchrec_swp's {args.pipeline} has no {' / '.join(missing)}() (yet): "
+            "it cannot record which batches are in flight"
+        )
+    return None
+
+
+def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.device_value``: the device type to train on (the index is LOCAL_RANK's, set in main)."""
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        parser.error(
+            f"--device cuda: torch sees no CUDA device here (torch {torch.__version__}, "
+            f"torch.cuda.is_available() is False); use --device cpu"
+        )
+    args.device_value = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and cuda) else "cpu")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -233,11 +378,13 @@ def thread_map_of(text: str | None) -> Any:
     return mapping
 
 
-def batches_for(args: argparse.Namespace, rank: int, world_size: int) -> Iterable[Any]:
-    """This rank's batches: Criteo TSV files or synthetic data, with the loader latency."""
+def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticBatches | TsvBatches:
+    """This rank's batches, for the StatefulDataLoader: Criteo TSV files or synthetic data, with
+    the loader latency."""
     size: DlrmSize = args.size
+    latency_s = args.loader_latency_ms / 1000
     if args.criteo_tsv:
-        data: Iterable[Any] = CriteoTsv(
+        tsv = CriteoTsv(
             args.criteo_tsv,
             batch_size=size.batch_size,
             num_embeddings=size.num_embeddings,
@@ -246,16 +393,45 @@ def batches_for(args: argparse.Namespace, rank: int, world_size: int) -> Iterabl
             world_size=world_size,
             max_batches=args.steps,
         )
-    else:
-        data = SyntheticCriteo(
-            batch_size=size.batch_size,
-            num_batches=args.steps,
-            num_embeddings=size.num_embeddings,
-            num_sparse=size.num_sparse,
-            rank=rank,
-            seed=1000 + args.seed,
-        )
-    return with_latency(data, args.loader_latency_ms / 1000)
+        return TsvBatches(tsv, latency_s)
+    synthetic = SyntheticCriteo(
+        batch_size=size.batch_size,
+        num_batches=args.steps,
+        num_embeddings=size.num_embeddings,
+        num_sparse=size.num_sparse,
+        rank=rank,
+        seed=1000 + args.seed,
+    )
+    return SyntheticBatches(synthetic, latency_s)
+
+
+def fingerprint(args: argparse.Namespace, world_size: int | None) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes from it (see checkpoint.py), in the
+    order it is compared. Without ``world_size`` (``--check`` without ``--world-size``) the world
+    size and the sharding plan, which depends on it, are left out."""
+    size: DlrmSize = args.size
+    found: dict[str, Any] = {}
+    if world_size is not None:
+        found["world_size"] = world_size
+        plan = sharding_plan(size, world_size, optimizer=args.optimizer, sharding=args.sharding)
+        found["plan"] = describe_plan(plan)
+    found["model"] = {
+        "num_sparse": size.num_sparse,
+        "num_embeddings": size.num_embeddings,
+        "embedding_dim": size.embedding_dim,
+        "dense_arch": list(size.dense_arch),
+        "over_arch": list(size.over_arch),
+    }
+    found["optimizer"] = args.optimizer
+    found["data"] = {
+        "source": "criteo-tsv" if args.criteo_tsv else "synthetic",
+        "files": [str(p) for p in args.criteo_tsv or []],
+        "batch_size": size.batch_size,
+        "seed": args.seed,
+        "num_workers": args.num_workers,
+    }
+    found["pipeline"] = f"{args.impl} {args.pipeline}"
+    return found
 
 
 class _LineStream:
@@ -273,23 +449,56 @@ class _LineStream:
         self._stream.flush()
 
 
-def train(args: argparse.Namespace) -> dict[str, Any] | None:
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train as ``args`` say, in the default process group (on ``args.device_value``); return the
+    run's summary on every rank (``losses`` are this rank's; the digests are the same everywhere).
+
+    With ``--checkpoint-dir``: rank 0 checks the directory before the model is built (the same
+    CheckpointError on every rank), a resume loads the model, the optimizers, the pipeline's state
+    and the loader's position, and checkpoints are saved after the steps ``--checkpoint-every``
+    names and after the last one.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     size: DlrmSize = args.size
+    device: torch.device = args.device_value
+    fp = fingerprint(args, world_size) if args.checkpoint_dir else {}
+    resume_from = None
+    if args.checkpoint_dir:
+        resume_from = checkpoint.check_on_ranks(args.checkpoint_dir, fp, resume=args.resume)
+        if (why := not_checkpointable(args)) is not None:
+            raise CheckpointError(why)
     runner = make_runner(
         args.pipeline,
         args.impl,
-        lambda: build_dlrm(rank, world_size, size, seed=args.seed),
+        lambda: build_dlrm(
+            rank, world_size, size, seed=args.seed, device=device, optimizer=args.optimizer, sharding=args.sharding
+        ),
         plan=args.plan_value,
         thread_map=args.thread_map_value,
         options=args.options,
         upstream_patch=args.upstream_cpu_patch,
+        device=device,
     )
+    state = TrainState(runner.model, runner.optimizer)
+    loader = make_loader(dataset_for(args, rank, world_size), num_workers=args.num_workers, device=device)
+    start_step = 0
+    if resume_from is not None:
+        step_dir, meta = resume_from
+        pipeline_state = checkpoint.load(step_dir, state)["pipeline"]
+        loader.load_state_dict(pipeline_state["loader"])
+        runner.pipeline.load_state_dict(pipeline_state)
+        start_step = int(meta["step"])
     kind = INFO[args.pipeline].kind
     if rank == 0:
         print(
-            f"{args.impl} {args.pipeline} ({kind}) on {world_size} ranks (gloo), {args.steps} steps, {size.describe()}"
+            f"{args.impl} {args.pipeline} ({kind}) on {world_size} ranks ({_topology(world_size)}; "
+            f"{dist.get_backend()}, {device.type}), {args.steps} steps, {size.describe()}",
+            flush=True,
         )
+        if args.checkpoint_dir:
+            every = f"every {args.checkpoint_every} steps and " if args.checkpoint_every else ""
+            where = f"resuming from {resume_from[0]} (step {start_step})" if resume_from else "starting at step 0"
+            print(f"checkpoints: {every}at the end into {args.checkpoint_dir}; {where}", flush=True)
         if args.impl == "ours":
             print(runner.pipeline.plan.format_schedule(runner.pipeline.plan.max_stage + 3))
     profiler = None
@@ -297,11 +506,12 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         from torchrec_swp.profiler import TaskProfiler
 
         profiler = TaskProfiler(warmup=2).attach(runner.pipeline.engine)
-    it: Iterator[Any] = iter(batches_for(args, rank, world_size))
+    it: Iterator[Any] = iter(loader)
     examples_per_step = size.batch_size * world_size
     interactive = sys.stdout.isatty()
     bar = tqdm(
         total=args.steps,
+        initial=start_step,
         disable=rank != 0,
         unit="step",
         desc=args.pipeline,
@@ -311,9 +521,11 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     )
     step_s: list[float] = []
     losses: list[float] = []
+    saved: list[int] = []
+    trained = start_step
     start = time.perf_counter()
     try:
-        while True:
+        while trained < args.steps and (args.stop_after is None or trained < args.stop_after):
             t0 = time.perf_counter()
             try:
                 output = runner.step(it)
@@ -321,6 +533,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
                 break
             step_s.append(time.perf_counter() - t0)
             losses.append(float(output[0]))
+            trained += 1
             if rank == 0:
                 recent = step_s[-20:]
                 bar.set_postfix(
@@ -329,9 +542,23 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
                     refresh=False,
                 )
                 bar.update()
+            if args.checkpoint_dir and _checkpoint_due(args, trained):
+                per_rank = {"pipeline": runner.pipeline.state_dict()}
+                step_dir = checkpoint.save(
+                    args.checkpoint_dir, trained, state, per_rank, fp, keep=args.keep_checkpoints
+                )
+                saved.append(trained)
+                if rank == 0:
+                    bar.write(f"checkpoint: step {trained} saved to {step_dir}")
+            if args.kill_at == (rank, trained) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                sys.stdout.flush()
+                drill = f"fault drill: rank {rank} kills itself (SIGKILL) after step {trained}"
+                print(drill, file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
     finally:
         bar.close()
         runner.close()
+        shutdown_workers(it)
     wall = time.perf_counter() - start
     if profiler is not None and rank == 0:
         profile = profiler.profile()
@@ -339,8 +566,6 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         profile.save(str(args.profile_out))
         print(profile.format_table())
         print(f"profile written to {args.profile_out}: python -m torchrec_swp.autosched --profile {args.profile_out} --out PLAN")
-    if rank != 0:
-        return None
     steady = step_s[len(step_s) // 10 :]  # the first steps build caches (and compile, for PT2)
     head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10) :]
     return {
@@ -349,10 +574,16 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         "thread_map": args.thread_map,
         "plan": str(args.plan) if args.plan else None,
         "ranks": world_size,
+        "topology": _topology(world_size),
+        "device": device.type,
         "size": size.describe(),
         "data": "criteo-tsv" if args.criteo_tsv else "synthetic",
+        "num_workers": args.num_workers,
         "loader_latency_ms": args.loader_latency_ms,
+        "start_step": start_step,
         "steps": len(step_s),
+        "total_steps": args.steps,
+        "checkpoints_saved": saved,
         "wall_s": wall,
         "qps": examples_per_step * len(step_s) / wall if wall else 0.0,
         "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
@@ -360,11 +591,38 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         "steady_qps": examples_per_step / statistics.median(steady) if steady else None,
         "loss_first": statistics.fmean(head) if losses else None,
         "loss_last": statistics.fmean(tail) if losses else None,
+        "losses": losses,
+        "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
+        "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
     }
 
 
+def _checkpoint_due(args: argparse.Namespace, trained: int) -> bool:
+    every = args.checkpoint_every
+    return bool(every and trained % every == 0) or trained == args.steps or trained == args.stop_after
+
+
+def _topology(world_size: int) -> str:
+    """``"2 nodes x 2 processes"``, from the launcher's LOCAL_WORLD_SIZE (torchrun sets it)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nodes = max(1, world_size // max(1, per_node))
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {per_node} process{'es' if per_node != 1 else ''}"
+
+
+def _all_ranks_sha256(local: str) -> str:
+    """SHA-256 over every rank's ``local`` digest, in rank order (collective)."""
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, local)
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
 def print_summary(s: dict[str, Any]) -> None:
-    print(f"done: {s['steps']} steps of {s['impl']} {s['pipeline']} in {s['wall_s']:.1f}s on {s['ranks']} ranks")
+    end = s["start_step"] + s["steps"]
+    resumed = f" (steps {s['start_step'] + 1}..{end})" if s["start_step"] else ""
+    print(
+        f"done: {s['steps']} steps{resumed} of {s['impl']} {s['pipeline']} in {s['wall_s']:.1f}s on {s['ranks']} ranks"
+        + (f"; stopped at step {end} of {s['total_steps']}" if end < s["total_steps"] and s["steps"] else "")
+    )
     if s["steps"]:
         print(
             f"  step time: median {s['median_step_ms']:.2f} ms, p90 {s['p90_step_ms']:.2f} ms "
@@ -372,16 +630,28 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  QPS: {s['steady_qps']:,.0f} examples/s at the median step, {s['qps']:,.0f} over the whole run\n"
             f"  loss: {s['loss_first']:.4f} (first 10% of steps) -> {s['loss_last']:.4f} (last 10%)"
         )
+    print(f"  weights: sha256 {s['weights_sha256'][:16]} (all ranks' shards)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check:
+        if args.checkpoint_dir:
+            try:
+                checkpoint.check(args.checkpoint_dir, fingerprint(args, args.world_size), resume=args.resume)
+            except CheckpointError as e:
+                print(f"train.py: error: --checkpoint-dir: {e}", file=sys.stderr)
+                return 2
+            if (why := not_checkpointable(args)) is not None:
+                print(f"train.py: error: {why}", file=sys.stderr)
+                return 2
         print(f"ok: {args.impl} {args.pipeline}, {args.steps} steps" + (f", plan {args.plan}" if args.plan else ""))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # torchdata 0.11's StatefulDataLoader calls torch.set_vital, which torch 2.13 deprecates: its code, not ours.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     # torch.fx warns once that is_fx_tracing() also covers export; TorchRec's code calls it.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -392,16 +662,32 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    dist.init_process_group("gloo")
+    backend = "gloo"
+    if args.device_value.type == "cuda":
+        local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= count:
+            print(
+                f"error: rank {os.environ['RANK']}: LOCAL_RANK {local_rank} but this node has {count} CUDA "
+                f"device(s): launch at most {count} processes per node",
+                file=sys.stderr,
+            )
+            return 2
+        torch.cuda.set_device(local_rank)
+        args.device_value = torch.device("cuda", local_rank)
+        backend = "nccl"
+    dist.init_process_group(backend)
     try:
         summary = train(args)
-    except (PipelineUnavailable, PlanError, FileNotFoundError, ValueError, TypeError) as e:
+        # every rank done with its collectives before any tears gloo down: a rank destroying its
+        # group while a peer still closes its connections was seen to abort (std::terminate)
+        dist.barrier()
+    except (PipelineUnavailable, PlanError, CheckpointError, FileNotFoundError, ValueError, TypeError) as e:
         # what a user can fix: one line, not a traceback per rank
         print(f"error: rank {dist.get_rank()}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         return 1
     finally:
         dist.destroy_process_group()
-    if summary is not None:
+    if int(os.environ["RANK"]) == 0:
         print_summary(summary)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """The DLRM example launched through torchx on 2 CPU ranks, as the README launches it, for a few steps.
 
 * ``dist.ddp`` with the script (the README's command): ours and upstream's TrainPipelineSparseDist
-  on the same synthetic data end with the same losses (the summaries of rank 0 are equal);
+  on the same synthetic data end with the same losses (the summaries of rank 0 are equal), ours
+  loading in the training process, upstream through 2 StatefulDataLoader workers (the same batches);
 * the example's own component (``examples/dlrm/component.py:dlrm``) with the loader on its own
   thread, reading a small Criteo TSV file written by the test.
 
@@ -58,11 +59,13 @@ def _torchx(args: list[str], tmp_path: Path) -> dict[str, Any]:
 def test_dist_ddp_runs_ours_and_upstream_with_equal_losses(tmp_path: Path) -> None:
     base = ["dist.ddp", "-j", "1x2", "--script", "examples/dlrm/train.py", "--", "--steps", str(STEPS), *SMALL]
     ours = _torchx([*base, "--impl", "ours"], tmp_path)
-    upstream = _torchx([*base, "--impl", "upstream"], tmp_path)
+    upstream = _torchx([*base, "--impl", "upstream", "--num-workers", "2"], tmp_path)
     for summary in (ours, upstream):
         assert summary["ranks"] == 2 and summary["steps"] == STEPS, summary
         assert 0.0 < summary["loss_last"] < 2.0, summary
-    assert (ours["loss_first"], ours["loss_last"]) == (upstream["loss_first"], upstream["loss_last"])
+    assert (ours["num_workers"], upstream["num_workers"]) == (0, 2)
+    assert ours["losses"] == upstream["losses"]
+    assert ours["weights_sha256"] == upstream["weights_sha256"]
 
 
 @pytest.mark.slow

@@ -11,10 +11,11 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipelinedForward
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup, _wait_for_events
+from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from torchrec_swp.engine import STREAM_DEVICE_TYPES
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import STREAM_DEVICE_TYPES
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PhasedPlan
 
@@ -48,6 +49,33 @@ class _EmbeddingPipelinedForward(EmbeddingPipelinedForward):
         self._context.embedding_tensors.append([tensor])
         self._context.embedding_features.append([list(embeddings.keys())])
         self._context.detached_embedding_tensors.append([detached])
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: the embeddings looked up before a checkpoint's cut; backward: the gradient goes
+    to the same lookup run again after the resume (the tables' gradient depends on the indices
+    and the gradient, not on the weights looked up), so the optimizer sees what it saw."""
+
+    @staticmethod
+    def forward(ctx: Any, fresh: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+        return saved.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _replayed(saved: torch.Tensor, what: str) -> Callable[[Any], Any]:
+    def replay(embeddings: Any) -> Any:
+        if not isinstance(embeddings, KeyedTensor) or embeddings.values().shape != saved.shape:
+            raise RuntimeError(
+                f"TrainPipelineSemiSync resume: the embeddings of {what} looked up again differ in shape from "
+                "the ones saved at the cut (another model, sharding or data?)"
+            )
+        embeddings._values = _Replay.apply(embeddings.values(), saved.to(embeddings.values().device))
+        return embeddings
+
+    return replay
 
 
 class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSemiSync[In, Out]):
@@ -135,6 +163,41 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
 
     def _task_emb_lookup(self, b: int, batch: Any, context: Any) -> None:
         self.start_embedding_lookup(batch, context)
+        replays = getattr(self, "_swp_replays", None)
+        if replays:
+            for name, awaitable in context.embedding_a2a_requests.items():
+                saved = replays.pop((context.index, name), None)
+                if saved is not None:
+                    awaitable.callbacks.append(_replayed(saved, f"batch {context.index}, module {name}"))
+
+    # ---------------------------------------------------------------- checkpoints
+    def _swp_state_dict(self) -> dict[str, Any]:
+        """The embeddings already looked up for the batches in flight at the cut: in the
+        semi-sync phase they were looked up before the last trained batch's update, which the
+        checkpointed tables already hold, so the resumed run uses these values instead (see
+        ``_Replay``). Waiting for them here changes no value, only when they are waited for."""
+        if self._stash_gradients:
+            raise RuntimeError(
+                "TrainPipelineSemiSync.state_dict(): stash_gradients=True keeps gradients across steps, "
+                "which a checkpoint does not carry yet"
+            )
+        engine = self._swp_engine
+        looked: dict[tuple[int, str], torch.Tensor] = {}
+        for b in engine.in_flight():
+            context = engine.slots.get(b, {}).get("context")
+            requests = getattr(context, "embedding_a2a_requests", None) or {}
+            for name, awaitable in list(requests.items()):
+                if not isinstance(awaitable, Awaitable):
+                    raise TypeError(f"TrainPipelineSemiSync.state_dict(): module {name} looks up more than embeddings (a managed-collision module), which a checkpoint does not carry yet")
+                embeddings = awaitable.wait()
+                if not isinstance(embeddings, KeyedTensor):
+                    raise TypeError(f"TrainPipelineSemiSync.state_dict(): module {name} returns {type(embeddings).__name__}, a checkpoint carries KeyedTensor lookups only")
+                requests[name] = NoWait(embeddings)
+                looked[(context.index, name)] = embeddings.values().detach().cpu().clone()
+        return {"looked_up": looked}
+
+    def _swp_load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._swp_replays = dict(state.get("looked_up", {}))
 
     def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
         losses, output = self._mlp_forward(batch, context)

@@ -1,0 +1,102 @@
+"""The example's data loader: torchdata's StatefulDataLoader over this rank's batches.
+
+A StatefulDataLoader's iterator has ``state_dict()``: where the data is, which a checkpoint records
+(through the pipeline's ``state_dict()``, at the first batch not yet trained) and a resume gives back
+with ``loader.load_state_dict(...)``. Each item of the datasets below is a whole batch (a
+``torchrec.datasets.utils.Batch``), so the loader runs with ``batch_size=None`` and does no
+batching of its own; with ``num_workers`` > 0, worker processes make the batches ahead of the
+training, and the loader's state still counts only the batches it handed out.
+
+* ``SyntheticBatches``: map-style, item ``k`` is ``SyntheticCriteo(...).batch(k)``: the batches
+  the example trained on before it had a loader, in the same order. Any number of workers.
+* ``TsvBatches``: iterable over Criteo TSV files (``CriteoTsv``); a resume re-reads the files and
+  drops the batches already handed out (StatefulDataLoader's fast-forward). No workers: each would
+  read every file.
+
+Both wait ``latency_s`` before each batch, like a loader waiting on storage (in a worker when
+there are workers, so the wait overlaps the training).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchrec.datasets.utils import Batch
+
+from examples.dlrm.data import CriteoTsv, SyntheticCriteo
+
+
+class SyntheticBatches(Dataset[Batch]):
+    """Map-style: item ``k`` is batch ``k`` of ``synthetic``, ``latency_s`` late."""
+
+    def __init__(self, synthetic: SyntheticCriteo, latency_s: float = 0.0) -> None:
+        if latency_s < 0:
+            raise ValueError(f"latency must be >= 0, got {latency_s}")
+        self.synthetic = synthetic
+        self.latency_s = latency_s
+
+    def __len__(self) -> int:
+        return len(self.synthetic)
+
+    def __getitem__(self, k: int) -> Batch:
+        if not 0 <= k < len(self.synthetic):
+            raise IndexError(f"batch {k} of {len(self.synthetic)}")
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return self.synthetic.batch(k)
+
+
+class TsvBatches(IterableDataset[Batch]):
+    """Iterable: the batches of ``tsv``, each ``latency_s`` late."""
+
+    def __init__(self, tsv: CriteoTsv, latency_s: float = 0.0) -> None:
+        if latency_s < 0:
+            raise ValueError(f"latency must be >= 0, got {latency_s}")
+        self.tsv = tsv
+        self.latency_s = latency_s
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.tsv:
+            if self.latency_s:
+                time.sleep(self.latency_s)
+            yield batch
+
+
+def _whole_batch(item: Batch) -> Batch:
+    """The loader's collate function: an item is already a batch (module level: workers pickle it)."""
+    return item
+
+
+def make_loader(
+    dataset: SyntheticBatches | TsvBatches, *, num_workers: int = 0, device: torch.device | None = None
+) -> StatefulDataLoader:
+    """A StatefulDataLoader handing out the items of ``dataset`` in order, made by ``num_workers``
+    worker processes (0: in the calling thread). Batches go to pinned memory when ``device`` is a
+    CUDA device (the pipelines copy them to the device)."""
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if num_workers and isinstance(dataset, TsvBatches):
+        raise ValueError("Criteo TSV files are read without workers (each worker would read every file): use 0 workers")
+    return StatefulDataLoader(
+        dataset,
+        batch_size=None,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_whole_batch,
+        pin_memory=device is not None and device.type == "cuda",
+    )
+
+
+def shutdown_workers(iterator: object) -> None:
+    """Stop the worker processes of a StatefulDataLoader iterator now.
+
+    The iterator does this itself when it is garbage-collected; a pipeline may still hold it, so
+    the example stops them explicitly at the end of a run (a private method of torch's
+    DataLoader iterators, which StatefulDataLoader's inherit)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
