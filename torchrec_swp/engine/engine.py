@@ -10,7 +10,10 @@ batch is left (after draining, or as soon as the source finds none under
 the other threads walk on in the background between calls, each as far as its dependencies,
 its tickets and the source's credit let it: batches in flight at most ``pipeline_depth +
 lookahead``, and the source draws a batch at most ``lookahead`` calls before the call a plan on
-one thread draws it in (so with lookahead 0, in that very call). No thread starts the training
+one thread draws it in (so with lookahead 0, in that very call). A thread that issues collectives
+(a task in a comm group) never runs ahead of the call: every collective is issued while
+``step()`` runs, as upstream's are, so none interleaves with what the caller does on the same
+process group between calls (an eval, a metric all-reduce, another pipeline). No thread starts the training
 step (the highest stage) of a batch ``step()`` was not asked for yet.
 
 ``data``: the iterator the source draws from (its function gets it as keyword ``data``; see
@@ -140,10 +143,13 @@ class Engine(Cuts):
 
     def _make_walkers(self) -> None:
         threads: dict[str, int] = {MAIN_THREAD: -1}  # thread -> highest stage of its tasks
+        collective: set[str] = set()  # threads that issue collectives (a task in a comm group)
         for inst in self._installed.values():
             for thread, instrs in inst.programs.items():
                 stages = [i.stage for i in instrs if isinstance(i, (Run, Alias))]
                 threads[thread] = max(threads.get(thread, -1), *stages)
+                if any(getattr(i, "comm_group", None) is not None for i in instrs):
+                    collective.add(thread)
         self._main = Walker(MAIN_THREAD, MAIN_THREAD, top=threads[MAIN_THREAD])
         self._walkers = {MAIN_THREAD: self._main}
         source_thread = self.plan.task(self._source).thread_group if self._source else None
@@ -153,7 +159,8 @@ class Engine(Cuts):
             lanes = self._lanes if thread == source_thread else 1
             for lane in range(lanes):
                 name = thread if lane == 0 else f"{thread}.{lane}"
-                self._walkers[name] = Walker(thread, name, lane=lane, top=top)
+                ahead = 0 if thread in collective else self._lookahead
+                self._walkers[name] = Walker(thread, name, lane=lane, top=top, ahead=ahead)
         self._tasked = [w for w in self._walkers.values() if w.top >= 0]
         self._threaded = len(self._walkers) > 1
 
@@ -291,12 +298,14 @@ class Engine(Cuts):
         book, board = self.book, self.board
         walkers = list(self._walkers.values())
         # with no lookahead the call does what it does on one thread: all of iteration d + top
-        ahead, top = self._lookahead > 0, self._top
+        top = self._top
 
         def outcome() -> str | None:
             if self.failures:
                 return "failed"
-            if d in book.loaded and all(w.done_through >= d + (w.top if ahead else top) for w in self._tasked):
+            # a thread that may run ahead is done with d after its own part; the others (with
+            # lookahead 0, every thread) finish iteration d + top, collectives included
+            if d in book.loaded and all(w.done_through >= d + (w.top if w.ahead else top) for w in self._tasked):
                 return "done"
             m = book.num_batches
             if m is not None and d >= m and not book.stopped:

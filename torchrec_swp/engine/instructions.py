@@ -93,11 +93,11 @@ class PlanInterpreter(Interpreter):
             elif self._past_end(P):
                 return None
         w.current = ("-", P - self._top)
-        if w is not self._main and P > book.requested - 1 + self._top + self._lookahead:
+        if w is not self._main and P > book.requested - 1 + self._top + w.ahead:
             self._wait(
                 P,
-                lambda: P <= book.requested - 1 + self._top + self._lookahead or self._past_end(P),
-                lambda: f"step() to be called for batch {P - self._top - self._lookahead} (internal iteration {P})",
+                lambda: P <= book.requested - 1 + self._top + w.ahead or self._past_end(P),
+                lambda: f"step() to be called for batch {P - self._top - w.ahead} (internal iteration {P})",
             )
             if self._past_end(P):
                 return None

@@ -65,12 +65,15 @@ class WalkState(enum.Enum):
 class Walker:
     """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
     source with several loads: ``load.1``); ``top``: the highest stage of its tasks (it is done
-    with batch ``d`` once it finished iteration ``d + top``)."""
+    with batch ``d`` once it finished iteration ``d + top``); ``ahead``: how many iterations it
+    may run beyond the current ``step()`` call's (the plan's lookahead; 0 for a thread that issues
+    collectives: those are issued only while ``step()`` runs)."""
 
     thread: str
     name: str
     lane: int = 0
     top: int = 0
+    ahead: int = 0
     P: int = 0
     i: int = 0
     start: int = 0
