@@ -186,8 +186,11 @@ class StepAccounting:
     (atomic under the GIL); everything is summed in ``take``.
     """
 
-    def __init__(self, main_thread: str = "default") -> None:
+    def __init__(self, main_thread: str = "default", lanes: dict[str, int] | None = None) -> None:
+        """``lanes``: thread group -> how many threads run it at once (a source with several
+        loads): its busy time counts divided by that, as the lanes share its work."""
         self.main = main_thread
+        self.lanes = dict(lanes or {})
         self._runs: list[tuple[str, int, float, float]] = []
         self._waits: list[tuple[str, int, float, float]] = []
 
@@ -215,7 +218,7 @@ class StepAccounting:
             per_thread: dict[str, float] = {}
             for t, i, s, e in runs:
                 if i == it:
-                    per_thread[t] = per_thread.get(t, 0.0) + e - s
+                    per_thread[t] = per_thread.get(t, 0.0) + (e - s) / self.lanes.get(t, 1)
             if sum(per_thread.values()) > sum(busy.values()):
                 busy = per_thread
         return StepRecord(step_seconds, main_tasks, main_waits, barrier, busy, len(runs))

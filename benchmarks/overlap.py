@@ -27,6 +27,14 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
 * ``ours+io+dist``: besides, every other task of the batches ahead of the one being trained on
   thread ``dist`` (for SparseDist: the input dist of the next batch): loading, copying and input
   dist all off the training thread;
+* ``ours+io+ahead``: ``ours+io`` whose plan declares ``lookahead 2``: the io thread loads up to
+  two batches beyond the pipeline's depth, ahead of the step being trained (a prefetch queue
+  of depth 2 inside the plan);
+* ``ours+2loads``: the plan edit ``plans.with_parallel_loads(plan, 2)``: a Fetch task draws the
+  items on two threads at once (``loads 2``, ``lookahead 2``), H2D copies them where it was; the
+  data is ``torchrec_swp.data.MapSource`` over the very dataset the DataLoader's two workers read
+  (the same loader concurrency as ``upstream+dataloader``);
+* ``ours+2loads+dist``: besides, the input dist of the batches ahead on thread ``dist``;
 * ``ours+thread``, ``ours+io+thread``: the default plan and ``ours+io`` reading the same
   prefetch thread as ``upstream+thread``;
 * ``ours+dataloader``, ``ours+io+dataloader``: the default plan and ``ours+io`` reading the same
@@ -38,8 +46,12 @@ background loader steps alternate between short and long, and the median can fal
 between) and median step, QPS at the mean, ratios to upstream, each peer against the best of
 ours with the same kind of loader (ahead / equal / behind), and, for ours, the efficiency
 against the **lower bound**: an iteration cannot take less than its busiest thread's task time
-(an observer, ``StepAccounting``, attached to our engines during the timed steps); efficiency =
-bound / step, both means.
+(an observer, ``StepAccounting``, attached to our engines during the timed steps; a source's
+time counts divided by its parallel loads, which share it); efficiency = bound / step, both means.
+
+Then a memory pass: each contender alone in new rank processes for ``--memory-steps`` steps at
+the first latency; its peak RSS per rank (the largest rank's ``ru_maxrss``; for DataLoader
+contenders also the largest worker's) goes into its rows: running ahead holds more batches.
 
 ``--ranks 2,1`` (default) runs it on 2 gloo ranks, then on 1: with 2 ranks on the 2 cores the
 ranks share the cores and wait for each other in every collective; 1 rank has both cores and no
@@ -82,6 +94,9 @@ CONTENDERS = (
     "ours",
     "ours+io",
     "ours+io+dist",
+    "ours+io+ahead",
+    "ours+2loads",
+    "ours+2loads+dist",
     "ours+thread",
     "ours+io+thread",
     "ours+dataloader",
@@ -93,8 +108,8 @@ ASYNC_COPY = ("upstream+async_copy", "upstream+async_copy(forced)")
 
 
 def io_map(task: Any) -> str:
-    """``+io``: the stage-0 tasks on thread ``io``."""
-    return "io" if task.stage == 0 else task.thread_group
+    """``+io``: the stage-0 tasks on thread ``io`` (a Fetch of parallel loads keeps its lanes)."""
+    return "io" if task.stage == 0 and task.name != "Fetch" else task.thread_group
 
 
 def io_dist_map(pipeline: str) -> Callable[[Any], str]:
@@ -109,6 +124,8 @@ def io_dist_map(pipeline: str) -> Callable[[Any], str]:
     top = max(p.max_stage for p in getattr(plan, "plans", (plan,)))
 
     def io_dist(task: Any) -> str:
+        if task.name == "Fetch":  # parallel loads: the lanes stay the source's own
+            return task.thread_group
         return "io" if task.stage == 0 else "dist" if task.stage < top else task.thread_group
 
     return io_dist
@@ -133,15 +150,19 @@ def _contender(
     """Build contender ``label``: ``upstream`` or ``ours``, then ``+`` options: ``async_copy``,
     ``async_copy(forced)`` (upstream), ``io``, ``dist`` (ours' thread map), ``thread`` or
     ``dataloader`` (the loader)."""
+    from benchmarks.peers import ThreadPrefetcher, async_copy_runner, dataloader
     from examples.dlrm.model import build_dlrm
     from examples.dlrm.pipelines import make_runner
-
-    from benchmarks.peers import ThreadPrefetcher, async_copy_runner, dataloader
 
     impl, *options = label.split("+")
     size = SIZES[size_name]
     build = lambda: build_dlrm(rank, world_size, size)
-    if "dataloader" in options:
+    if "2loads" in options:
+        from benchmarks.peers import latency_dataset
+        from torchrec_swp.data import MapSource
+
+        data = MapSource(latency_dataset(size, rank, n, latency))
+    elif "dataloader" in options:
         it = dataloader(size, rank, n, latency, num_workers=args.loader_workers, prefetch_factor=args.prefetch_factor)
         data: Iterator[Any] = _Closing(it, getattr(it, "_shutdown_workers", lambda: None))
     elif "thread" in options:
@@ -155,8 +176,21 @@ def _contender(
         runner = make_runner(args.pipeline, "upstream", build, upstream_patch=True)
     else:
         thread_map = io_dist_map(args.pipeline) if "dist" in options else io_map if "io" in options else None
-        runner = make_runner(args.pipeline, "ours", build, thread_map=thread_map)
+        runner = make_runner(args.pipeline, "ours", build, plan=_plan(args.pipeline, options), thread_map=thread_map)
     return Contender(label, runner, data)
+
+
+def _plan(pipeline: str, options: list[str]) -> Any:
+    """The plan of ``ours+...``: the default one, declaring a lookahead (``ahead``) or split for
+    two parallel loads (``2loads``); None: the default plan as it is."""
+    from torchrec_swp.catalog.torchrec import default_plans, with_parallel_loads
+
+    if "2loads" in options:
+        return with_parallel_loads(default_plans()[pipeline], 2)
+    if "ahead" in options:
+        plan = default_plans()[pipeline]
+        return plan.replace(lookahead=2) if hasattr(plan, "replace") else plan
+    return None
 
 
 def interleave_blocks(
@@ -211,7 +245,9 @@ def _case(
         for c in contenders:
             c.times.clear()
             if c.label.startswith("ours"):
-                accounts[c.label] = StepAccounting()
+                plan = c.runner.pipeline.engine.plan
+                lanes = {plan.task(plan.source).thread_group: plan.loads} if plan.source else {}
+                accounts[c.label] = StepAccounting(lanes=lanes)
                 c.runner.pipeline.engine.instrument(accounts[c.label])
         records = interleave_blocks(contenders, rounds, args.block, args.skip, accounts, tick)
         threads = {c.label: c.runner.pipeline.engine.plan.thread_groups for c in contenders if c.label in accounts}
@@ -246,6 +282,29 @@ def _case(
     return out
 
 
+def _memory_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, float]:
+    """The memory pass: contender ``args.memory_label`` alone in new rank processes, for
+    ``args.memory_steps`` steps at the first latency; peak RSS (MiB) of this rank's process and
+    of its largest child (DataLoader workers; 0 without). Running ahead holds more batches."""
+    rank_setup()
+    import resource
+
+    c = _contender(
+        args.memory_label, rank, world_size, args.sizes[0], args.memory_steps + 4, args.latencies_ms[0] / 1000, args
+    )
+    try:
+        for _ in range(args.memory_steps):
+            c.runner.step(c.batches)
+    finally:
+        if isinstance(c.batches, _Closing):
+            c.batches.close()  # the workers are joined: their peak counts in RUSAGE_CHILDREN
+        release(c)
+    return {
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "worker_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
+
+
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     rank_setup()
     from tqdm import tqdm
@@ -275,7 +334,8 @@ def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[
     best of ours over everything (each pair once)."""
 
     def loader(label: str) -> str:
-        return "dataloader" if "dataloader" in label else "thread" if "thread" in label else "plain"
+        # two parallel loads draw as many items at once as the DataLoader's two workers
+        return "dataloader" if "dataloader" in label or "2loads" in label else "thread" if "thread" in label else "plain"
 
     out = []
     ours = [o for o in labels if o in OURS]
@@ -317,8 +377,8 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"## {r['ranks']} rank(s), {r['size']} DLRM, loader {r['latency_ms']:g} ms"
             + (f" ({100 * share:.0f}% of upstream's step)" if share else ""),
             "",
-            "| contender | mean ms | median ms | QPS | vs upstream | bound ms (busiest thread) | eff |",
-            "|---|---|---|---|---|---|---|",
+            "| contender | mean ms | median ms | QPS | vs upstream | bound ms (busiest thread) | eff | peak RSS MiB/rank |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         up = r.get("upstream")
         for label in labels:
@@ -330,14 +390,16 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 busiest = max(b["busy_ms"], key=b["busy_ms"].get)
                 bound = f"{b['bound_ms']:.2f} ({busiest})"
             eff = f"{r['efficiency'][label]:.2f}" if label in r["efficiency"] else "-"
+            m = r.get("memory", {}).get(label)
+            rss = "-" if m is None else f"{m['rss_mib']:,.0f}" + (f" (+ worker {m['worker_rss_mib']:,.0f})" if "dataloader" in label else "")
             lines.append(
-                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s['qps']:,.0f} | {vs} | {bound} | {eff} |"
+                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s['qps']:,.0f} | {vs} | {bound} | {eff} | {rss} |"
             )
         lines.append("")
         for ours, peer, ratio, verdict in comparisons(r, labels, meta["tolerance"]):
             lines.append(f"- {ours} vs {peer}: {ratio:.2f}x, **{verdict}**")
         lines.append(
-            f"- same losses at every step: "
+            "- same losses at every step: "
             + ("yes" if r["same_losses"] else f"NO ({', '.join(r['losses_differ'])})")
             + f" ('equal' = within +-{100 * meta['tolerance']:.0f}%)"
         )
@@ -374,6 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers (default: %(default)s)")
     parser.add_argument(
         "--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--memory-steps",
+        type=int,
+        default=30,
+        help="the memory pass: each contender alone, in new processes, this many steps; its peak RSS per rank "
+        "(the largest rank's) goes into its rows (0: no memory pass; default: %(default)s)",
     )
     parser.add_argument("--thread-depth", type=int, default=2, help="prefetch thread queue (default: %(default)s)")
     parser.add_argument(
@@ -414,7 +483,17 @@ def main(argv: list[str] | None = None) -> None:
 
     results = []
     for world_size in args.ranks:
-        results += run_on_ranks(_rank, args, world_size=world_size, timeout_s=7200.0)[0]
+        rows = run_on_ranks(_rank, args, world_size=world_size, timeout_s=7200.0)[0]
+        if args.memory_steps:
+            memory = {}
+            for label in args.contenders:
+                print(f"memory pass: {label} alone on {world_size} rank(s), {args.memory_steps} steps", flush=True)
+                per_rank = run_on_ranks(_memory_rank, argparse.Namespace(**vars(args), memory_label=label),
+                                        world_size=world_size, timeout_s=600.0)
+                memory[label] = {k: max(m[k] for m in per_rank) for k in per_rank[0]}
+            for row in rows:
+                row["memory"] = memory
+        results += rows
     meta = run_meta(
         "overlap.py",
         argv,

@@ -96,16 +96,22 @@ class LatencyDataset(torch.utils.data.Dataset):
         return self.cycle[k % len(self.cycle)]
 
 
+def latency_dataset(size: DlrmSize, rank: int, num_batches: int, latency_s: float) -> LatencyDataset:
+    """The map-style dataset behind ``dataloader``: the batches of ``common.batches`` (the same
+    ``DISTINCT_BATCHES``, repeated), each ``latency_s`` late."""
+    from benchmarks.common import DISTINCT_BATCHES, batches
+
+    cycle = list(itertools.islice(batches(size, rank, DISTINCT_BATCHES), DISTINCT_BATCHES))
+    return LatencyDataset(cycle, num_batches, latency_s)
+
+
 def dataloader(
     size: DlrmSize, rank: int, num_batches: int, latency_s: float, *, num_workers: int, prefetch_factor: int
 ) -> Iterator[Any]:
     """An iterator over a DataLoader yielding the batches of ``common.batches``: the same
     ``DISTINCT_BATCHES`` batches, repeated, each ``latency_s`` late."""
-    from benchmarks.common import DISTINCT_BATCHES, batches
-
-    cycle = list(itertools.islice(batches(size, rank, DISTINCT_BATCHES), DISTINCT_BATCHES))
     loader = torch.utils.data.DataLoader(
-        LatencyDataset(cycle, num_batches, latency_s),
+        latency_dataset(size, rank, num_batches, latency_s),
         batch_size=None,
         shuffle=False,
         num_workers=num_workers,

@@ -79,9 +79,9 @@ class Model:
             assert group is not None
             self.collectives[group].append((task, b))
 
-        def h2d(b: int) -> int:
+        def h2d(b: int, data: Any = None) -> int:
             self._pause()
-            return next(self.data)
+            return next(self.data if data is None else data)
 
         def dist_start(b: int, x: int) -> int:
             coll("DistStart", b)
@@ -121,6 +121,27 @@ def random_thread_map(rng: random.Random, plan: PipelinePlan) -> dict[str, str]:
     return {t: rng.choice(threads) for t in plan.fire_order}
 
 
+def random_run_ahead(rng: random.Random, plan: PipelinePlan) -> PipelinePlan:
+    """A random lookahead (0-2), and 2 loads where the source is alone on a worker thread."""
+    plan = plan.replace(lookahead=rng.randint(0, 2))
+    group = plan.task("H2D").thread_group
+    alone = group != "default" and all(plan.task(t).thread_group != group for t in plan.fire_order if t != "H2D")
+    if alone and rng.random() < 0.5:
+        plan = plan.with_loads(2, lookahead=max(plan.lookahead, 1))
+    return plan
+
+
+def run_over(engine: Engine, n: int) -> list[Any]:
+    """Every output of ``engine`` over the data ``range(n)`` (reaching the source as ``data``)."""
+    data = iter(range(n))
+    outs = []
+    while True:
+        try:
+            outs.append(engine.step(data))
+        except StopIteration:
+            return outs
+
+
 @pytest.mark.slow
 def test_ten_thousand_iterations_over_random_thread_maps_match_one_thread() -> None:
     plan = wide_plan()
@@ -130,10 +151,10 @@ def test_ten_thousand_iterations_over_random_thread_maps_match_one_thread() -> N
     iterations = 0
     for run in range(RUNS):
         thread_map = random_thread_map(rng, plan)
-        threaded = plan.with_thread_map(thread_map)
+        threaded = random_run_ahead(rng, plan.with_thread_map(thread_map))
         model = Model(BATCHES, random.Random(run))
         engine = Engine(threaded, model.bindings(threaded), timeout_s=30)
-        assert run_all(engine) == expected, f"run {run}, thread map {thread_map}"
+        assert run_over(engine, BATCHES) == expected, f"run {run}, thread map {thread_map}, {threaded!r}"
         assert (model.w, model.emb) == (reference.w, reference.emb)
         assert model.collectives == reference.collectives, f"collective order differs, thread map {thread_map}"
         iterations += engine.iteration

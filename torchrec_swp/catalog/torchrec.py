@@ -25,6 +25,8 @@ itself): the auto-scheduler keeps them on the default stream at the highest stag
 
 from __future__ import annotations
 
+import dataclasses
+
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
 
 WORLD = "world"
@@ -691,3 +693,48 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
     for task in tasks:
         plan = plan.with_schedule(task, comm_group=group)
     return plan
+
+
+# ------------------------------------------------------------- parallel loads
+#: The task ``with_parallel_loads`` adds: it draws the next item from the data (``next(data)``).
+FETCH = "Fetch"
+
+
+def with_parallel_loads(
+    plan: PipelinePlan | PhasedPlan, loads: int = 2, *, lookahead: int | None = None, thread: str = "load"
+) -> PipelinePlan | PhasedPlan:
+    """``plan`` with its source H2D split in two: ``Fetch`` draws the item from the data on
+    ``loads`` lanes of thread group ``thread`` (``loads`` items drawn at once, in batch order:
+    ``torchrec_swp.engine.source``), and H2D, where it was, copies the item it reads (``host``)
+    into the pipeline (``enqueue_batch``). ``lookahead`` (default ``loads``): how many batches
+    the source may draw ahead of single-thread order, which gives the lanes batches to load.
+
+    Only the data's arrival changes: every other task, and the calls H2D makes, stay as they are,
+    so results are bit-identical. One difference from upstream's bookkeeping: the draw that finds
+    the end of data creates no TorchRec context (H2D does not run for it).
+
+    Raises ValueError when the plan's source is not H2D.
+    """
+    if isinstance(plan, PhasedPlan):
+        return PhasedPlan(
+            [(start, with_parallel_loads(p, loads, lookahead=lookahead, thread=thread)) for start, p in plan.phases],
+            name=plan.name,
+        )
+    if plan.source != "H2D":
+        raise ValueError(f"plan {plan.name}: with_parallel_loads splits a source named H2D, this plan's is {plan.source}")
+    h2d = plan.task("H2D")
+    schedule = {FETCH: TaskSchedule(stage=h2d.stage, thread_group=thread), **plan.schedule}
+    tasks = [PipelineTask(FETCH, writes=("host",))]
+    for io in plan.tasks.values():
+        if io.name == "H2D":
+            io = dataclasses.replace(io, reads=(*io.reads, "host"))
+        tasks.append(io)
+    fire_order = [t for name in plan.fire_order for t in ((FETCH, name) if name == "H2D" else (name,))]
+    return plan.replace(
+        schedule=schedule,
+        tasks=tasks,
+        fire_order=fire_order,
+        source=FETCH,
+        loads=loads,
+        lookahead=loads if lookahead is None else lookahead,
+    )

@@ -143,6 +143,7 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             "InitPipelinedModules": self._task_init_pipelined_modules,
             "InputDistStart": self._task_input_dist_start,
             "H2D": self._task_h2d,
+            plans.FETCH: self._task_fetch,
             "Forward": self._task_forward,
             "InputDistWait": self._task_input_dist_wait,
             "Backward": self._task_backward,
@@ -150,7 +151,13 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
             "Dequeue": self._task_dequeue,
         }
 
-    def _task_h2d(self, b: int, data: Iterator[In]) -> tuple[Any, Any]:
+    def _task_fetch(self, b: int, data: Iterator[In]) -> In:
+        # plans.with_parallel_loads: the draw alone, on the loads' lanes; H2D copies it
+        return next(data)
+
+    def _task_h2d(self, b: int, data: Iterator[In] | None = None, host: In | None = None) -> tuple[Any, Any]:
+        if data is None:  # the item was drawn by Fetch (plans.with_parallel_loads)
+            data = iter((host,))
         # enqueue_batch appends to self.batches/self.contexts (user-visible state) and, with
         # execute_all_batches=False, raises StopIteration itself at the end of data.
         if self._enable_inplace_copy_batch:
