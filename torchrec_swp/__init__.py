@@ -1,13 +1,18 @@
 """torchrec_swp: TorchRec's training pipelines as declarative plans on one shared engine.
 
-``torchrec_swp.plan``, ``.compile`` and ``.sim`` are pure Python; the pipeline classes
-(importable from here) need torch and the supported TorchRec version, and are loaded on
-first use so that the pure layers import without them.
+``torchrec_swp.plan``, ``.compile`` and ``.sim`` are pure Python; the plan names are importable
+from here (``from torchrec_swp import load_plan, PipelinePlan``). The pipeline classes (importable
+from here too) need torch and the supported TorchRec version, and are loaded on first use so that
+the pure layers import without them.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# torchrec_swp.plan's public names, importable from here (loaded on first use, like the pipelines:
+# ``import torchrec_swp.streamcheck`` must not load the plan layer)
+_PLAN_NAMES = ("PhasedPlan", "PipelinePlan", "PipelineTask", "PlanError", "TaskSchedule", "When", "load_plan")
 
 __version__ = "0.1.0"
 
@@ -27,8 +32,6 @@ _PIPELINES = (
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelinePEC",
 )
-
-
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.
 _MAGLEV = ("MaglevPipelineBase", "Maglev1F1B", "Maglev1F1BRecvAhead", "PipelineRank")
@@ -51,10 +54,19 @@ def _is_1_9() -> bool:
         return True
 
 
-__all__ = ["__version__", *_available(), *(_MAGLEV if _is_1_9() else ())]
+__all__ = ["__version__", *_PLAN_NAMES, *_available(), *(_MAGLEV if _is_1_9() else ())]
+
+
+def __dir__() -> list[str]:
+    """What tab completion shows: the public names, pipelines included (loaded on first use)."""
+    return sorted({*globals(), *__all__})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _PLAN_NAMES:
+        from torchrec_swp import plan
+
+        return getattr(plan, name)
     if name in _PIPELINES:
         from torchrec_swp.integrations.torchrec import pipelines
 

@@ -7,7 +7,7 @@ import pytest
 from torchrec_swp.catalog.torchrec import FETCH, semi_sync_phases, sparse_dist_plan, with_parallel_loads
 from torchrec_swp.compile import CompiledPlan, format_program
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
-from torchrec_swp.plan.text import plan_from_text, plan_to_text
+from torchrec_swp.plan.text import plan_to_text
 
 
 def test_the_source_becomes_fetch_on_lanes_and_h2d_copies_what_it_drew() -> None:
@@ -22,7 +22,7 @@ def test_the_source_becomes_fetch_on_lanes_and_h2d_copies_what_it_drew() -> None
     # nothing else moves: same tasks, stages, streams, threads, comm groups
     for name in base.fire_order:
         assert plan.schedule[name] == base.schedule[name]
-    assert plan_from_text(plan_to_text(plan)) == plan
+    assert PipelinePlan.from_text(plan_to_text(plan)) == plan
     # the compiled program runs Fetch on both lanes, H2D where it was (after Fetch's batch)
     text = format_program(CompiledPlan(plan).steady)
     assert "run! Fetch x2" in text

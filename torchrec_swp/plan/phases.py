@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
+from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import check_name
+from torchrec_swp.plan.text import is_phased_text, phased_args_from_text, phased_to_text
 
 
 def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
@@ -90,23 +92,18 @@ class PhasedPlan:
 
     # ------------------------------------------------------------- rendering
     def to_text(self) -> str:
-        from torchrec_swp.plan.text import phased_to_text
-
         return phased_to_text(self)
 
     @classmethod
     def from_text(cls, text: str) -> PhasedPlan:
-        from torchrec_swp.plan.text import phased_from_text
-
-        return phased_from_text(text)
+        name, phases = phased_args_from_text(text)
+        return cls([(start, PipelinePlan(**args)) for start, args in phases], name=name)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.to_text())
 
     def format_schedule(self, num_iterations: int, num_batches: int | None = None) -> str:
-        from torchrec_swp.plan.table import format_schedule
-
         blocks = []
         for k, (start, plan) in enumerate(self.phases):
             end = self.phases[k + 1][0] if k + 1 < len(self.phases) else None
@@ -134,8 +131,6 @@ class PhasedPlan:
 
 def load_plan(path: str) -> PipelinePlan | PhasedPlan:
     """A plan file written by ``save()``: a PipelinePlan, or a PhasedPlan."""
-    from torchrec_swp.plan.text import is_phased_text
-
     with open(path, encoding="utf-8") as f:
         text = f.read()
     return PhasedPlan.from_text(text) if is_phased_text(text) else PipelinePlan.from_text(text)

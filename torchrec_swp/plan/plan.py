@@ -28,34 +28,25 @@ A PipelinePlan is validated when built: an instance exists only if it can run.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal, Union
 
 from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import (
     MAIN_THREAD,
+    Dep,
     PipelineTask,
     ScheduledTask,
     TaskSchedule,
     check_name,
 )
+from torchrec_swp.plan.text import plan_args_from_text, plan_to_text
+from torchrec_swp.plan.threads import resolve_thread_map
+from torchrec_swp.plan.validate import validate_plan
 
 Exhausted = Literal["drain", "stop"]
 ThreadMap = Union[str, Mapping[str, str], Callable[[ScheduledTask], str]]
 DepSpec = Union["Dep", tuple[str, str], tuple[str, str, int]]
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Dep:
-    """``consumer(b)`` runs after ``producer(b - distance)``."""
-
-    consumer: str
-    producer: str
-    distance: int = 0
-
-    def __str__(self) -> str:
-        tail = f" @{self.distance}" if self.distance else ""
-        return f"{self.consumer} <- {self.producer}{tail}"
 
 
 def _as_dep(spec: DepSpec, default_distance: int) -> Dep:
@@ -102,8 +93,6 @@ class PipelinePlan:
         lookahead: int = 0,
         loads: int = 1,
     ) -> None:
-        from torchrec_swp.plan.validate import validate_plan
-
         self.name = check_name(name, "plan")
         if not isinstance(schedule, Mapping):
             raise PlanError(f"schedule must be a mapping task -> TaskSchedule, got {type(schedule).__name__}", culprit="schedule")
@@ -274,23 +263,17 @@ class PipelinePlan:
         a dict ``{task: thread}`` moves the named tasks and leaves the others where they are;
         a callable gets each ScheduledTask and returns its thread group.
         """
-        from torchrec_swp.plan.threads import resolve_thread_map
-
         groups = resolve_thread_map(self, thread_map)
         sched = {t: s.replace(thread_group=groups[t]) for t, s in self._schedule.items()}
         return self.replace(schedule=sched)
 
     # ------------------------------------------------------------- rendering
     def to_text(self) -> str:
-        from torchrec_swp.plan.text import plan_to_text
-
         return plan_to_text(self)
 
     @classmethod
     def from_text(cls, text: str) -> PipelinePlan:
-        from torchrec_swp.plan.text import plan_from_text
-
-        return plan_from_text(text)
+        return cls(**plan_args_from_text(text))
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -302,8 +285,6 @@ class PipelinePlan:
             return cls.from_text(f.read())
 
     def format_schedule(self, num_iterations: int, num_batches: int | None = None) -> str:
-        from torchrec_swp.plan.table import format_schedule
-
         return format_schedule(self, num_iterations, num_batches)
 
     def print_schedule(self, num_iterations: int, num_batches: int | None = None) -> None:

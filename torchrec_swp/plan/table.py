@@ -1,4 +1,4 @@
-"""print_schedule: the stage table (the format of tests/golden/seed001/), rows in fire order.
+"""print_schedule: the stage table (the format of tests/golden/design_tables/), rows in fire order.
 
 One row per task in fire order (``#`` is its position: the CPU submission order within an
 iteration), with its stage, thread and stream, then one column per internal iteration showing

@@ -233,3 +233,16 @@ class ScheduledTask:
     @property
     def when(self) -> When:
         return self.schedule.when
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Dep:
+    """``consumer(b)`` runs after ``producer(b - distance)``."""
+
+    consumer: str
+    producer: str
+    distance: int = 0
+
+    def __str__(self) -> str:
+        tail = f" @{self.distance}" if self.distance else ""
+        return f"{self.consumer} <- {self.producer}{tail}"

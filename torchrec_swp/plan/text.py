@@ -24,20 +24,22 @@ ignored. Rows of the older form ``task NAME stage=2 stream=... reads=a,b`` are r
 A phased plan (``PhasedPlan``) is ``phases NAME`` followed by ``phase START`` lines, each
 followed by one plan.
 
-``plan_from_text(plan_to_text(p)) == p`` and ``plan_to_text(plan_from_text(t)) == t`` for text
-produced by plan_to_text (likewise for phased plans).
+``PipelinePlan(**plan_args_from_text(plan_to_text(p))) == p`` (what ``PipelinePlan.from_text``
+does) and the text comes back unchanged from a plan read so (likewise for phased plans). This
+module reads and writes text only: it makes the plan's constructor arguments and reads a plan's
+attributes, so that the plan classes import it and not the other way round.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchrec_swp.plan.errors import PlanError
-from torchrec_swp.plan.plan import Dep, PipelinePlan
-from torchrec_swp.plan.task import PipelineTask, TaskSchedule, When
+from torchrec_swp.plan.task import Dep, PipelineTask, TaskSchedule, When
 
 if TYPE_CHECKING:
     from torchrec_swp.plan.phases import PhasedPlan
+    from torchrec_swp.plan.plan import PipelinePlan
 
 _NONE = "-"
 COLUMNS = ("task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags")
@@ -79,7 +81,8 @@ def plan_to_text(plan: PipelinePlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_from_text(text: str) -> PipelinePlan:
+def plan_args_from_text(text: str) -> dict[str, Any]:
+    """The constructor arguments of the PipelinePlan ``text`` describes."""
     header: dict[str, str] = {}
     schedule: dict[str, TaskSchedule] = {}
     tasks: list[PipelineTask] = []
@@ -114,19 +117,19 @@ def plan_from_text(text: str) -> PipelinePlan:
             raise PlanError(f"plan text has no '{key}' line", culprit=key)
     depth, lookahead, loads = (_int(header, key, default) for key, default in (("depth", 0), ("lookahead", 0), ("loads", 1)))
     exhausted = header.get("exhausted", "drain")
-    return PipelinePlan(
-        schedule=schedule,
-        intra_iter_deps=[d for d in deps if d.distance == 0],
-        inter_iter_deps=[d for d in deps if d.distance != 0],
-        pipeline_depth=depth,
-        tasks=tasks,
-        source=_opt(header.get("source")),
-        output=_opt(header.get("output")),
-        on_exhausted=exhausted,  # type: ignore[arg-type]
-        name=header["plan"],
-        lookahead=lookahead,
-        loads=loads,
-    )
+    return {
+        "schedule": schedule,
+        "intra_iter_deps": [d for d in deps if d.distance == 0],
+        "inter_iter_deps": [d for d in deps if d.distance != 0],
+        "pipeline_depth": depth,
+        "tasks": tasks,
+        "source": _opt(header.get("source")),
+        "output": _opt(header.get("output")),
+        "on_exhausted": exhausted,
+        "name": header["plan"],
+        "lookahead": lookahead,
+        "loads": loads,
+    }
 
 
 def _int(header: dict[str, str], key: str, default: int) -> int:
@@ -144,9 +147,9 @@ def phased_to_text(phased: PhasedPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def phased_from_text(text: str) -> PhasedPlan:
-    from torchrec_swp.plan.phases import PhasedPlan
-
+def phased_args_from_text(text: str) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
+    """The name and phases ``(start, plan constructor arguments)`` of the PhasedPlan ``text``
+    describes."""
     name: str | None = None
     phases: list[tuple[int, list[str]]] = []
     for lineno, raw in enumerate(text.splitlines(), 1):
@@ -166,7 +169,7 @@ def phased_from_text(text: str) -> PhasedPlan:
             raise PlanError(f"line {lineno}: expected 'phases NAME' or 'phase START', got {raw.strip()!r}")
     if name is None:
         raise PlanError("phased plan text has no 'phases' line", culprit="phases")
-    return PhasedPlan([(start, plan_from_text("\n".join(body))) for start, body in phases], name=name)
+    return name, [(start, plan_args_from_text("\n".join(body))) for start, body in phases]
 
 
 def is_phased_text(text: str) -> bool:

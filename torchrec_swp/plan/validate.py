@@ -30,15 +30,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.task import MAIN_THREAD, Dep, parse_read
 
 if TYPE_CHECKING:
-    from torchrec_swp.plan.plan import Dep, PipelinePlan
+    from torchrec_swp.plan.plan import PipelinePlan
 
 
 def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
     """Check every rule above; return explicit and inferred deps merged (explicit first)."""
-    from torchrec_swp.plan.plan import Dep
-
     sched = plan._schedule
     if not sched:
         raise PlanError(f"plan {plan.name} has no tasks", culprit=plan.name)
@@ -95,8 +94,6 @@ def _check_guards(plan: PipelinePlan) -> None:
 
 
 def _check_loads(plan: PipelinePlan) -> None:
-    from torchrec_swp.plan.task import MAIN_THREAD
-
     for field, low in (("lookahead", 0), ("loads", 1)):
         value = getattr(plan, field)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -136,8 +133,6 @@ def _check_fire_order(plan: PipelinePlan) -> None:
 
 
 def _infer_io_deps(plan: PipelinePlan, dep_type: type[Dep]) -> list[Dep]:
-    from torchrec_swp.plan.task import parse_read
-
     writers: dict[str, str] = {}
     for task in plan.fire_order:
         for data in plan._tasks[task].writes:
