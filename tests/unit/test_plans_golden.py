@@ -1,5 +1,5 @@
 """The upstream pipelines as plans: golden schedule tables and text forms, and how they differ
-from the design tables in tests/golden/seed001/ (only where upstream's progress() does).
+from the design tables in tests/golden/design_tables/ (only where upstream's progress() does).
 
 Regenerate the goldens after an intended change with ``SWP_UPDATE_GOLDEN=1 pytest tests/unit``
 and read the diff.
@@ -71,7 +71,7 @@ def test_semi_sync_table_shows_both_phases() -> None:
     assert "Synchronize" in sync and "Synchronize" not in semi
 
 
-# ------------------------------------------- against the design tables (tests/golden/seed001)
+# ------------------------------------------- against the design tables (tests/golden/design_tables)
 # Where our plan's table departs from the design table's, and why (each documented in catalog/torchrec.py).
 FIRST_INPUT_DIST = "upstream's first input dist of an epoch is _init_pipelined_modules (when=first)"
 EXTRA_TASKS = {
@@ -115,7 +115,7 @@ def ours(plan: PipelinePlan, columns: int) -> list[tuple[str, str, str, str]]:
 
 @pytest.mark.parametrize("name", sorted(EXTRA_TASKS))
 def test_tables_match_seed_001_except_documented_differences(name: str) -> None:
-    seed = parse_seed((GOLDEN / "seed001" / f"{name}.txt").read_text())
+    seed = parse_seed((GOLDEN / "design_tables" / f"{name}.txt").read_text())
     entry = ALL[name]
     plan = entry.plan_for(10**6) if isinstance(entry, PhasedPlan) else entry  # SemiSync: its semi-sync phase
     rows = ours(plan, len(seed[0][3].split("|")[1].split()))

@@ -6,7 +6,7 @@ comm group, guard (``when``), reads and writes, then the explicit dependencies. 
 pipeline takes the constructor options that change the schedule and applies the option edits,
 each written once below (``_stopping``, ``_h2d_after_forward``, ``_clearing_data_dist_inputs``).
 
-Task names are those of the design tables kept in ``tests/golden/seed001/``. Where such a table
+Task names are those of the design tables kept in ``tests/golden/design_tables/``. Where such a table
 and upstream's real ``progress()`` disagree, the plan follows upstream and says so in a comment
 marked ``UPSTREAM:``.
 
@@ -60,7 +60,7 @@ def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | 
 
 # ------------------------------------------------------------------------------- the tables
 BASE = """
-# UPSTREAM: the design table (tests/golden/seed001) has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
+# UPSTREAM: the design table (tests/golden/design_tables) has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
 # first (_next_batch, before zero_grad) and copies it to the device only after backward
 # (_copy_batch_to_gpu): two stage-0 tasks, LoadBatch (the source) and H2D. A copy to the device
 # the batch is already on is skipped there (compiled as an alias). No deque, so no Dequeue task.
@@ -88,7 +88,7 @@ dep ZeroGrad <- OptimizerStep @1
 PT2 = """
 # No pipelining: every task on the default stream for the same batch.
 # UPSTREAM: the model is compiled in the 4th progress() call (_iter == compile_on_iter with
-# _iter counting from 0), not the 3rd as the design notes say; that happens inside Forward.
+# _iter counting from 0), not the 3rd as the design table says; that happens inside Forward.
 plan TrainPipelinePT2
 depth 1
 source LoadBatch
@@ -290,7 +290,7 @@ PREFETCH_SPARSE_DIST = """
 # H2D and InputDistStart(i+2), InputDistWait and the embedding cache prefetch (i+1) on a
 # prefetch stream, forward/backward/optimizer (i). EmbPrefetch(i+1) refills the cache Forward(i)
 # reads from (EmbPrefetch <- Forward @1).
-# UPSTREAM: the design notes say this pipeline uses the deprecated _batch_i/_ip1/_ip2 window; since 1.8
+# UPSTREAM: the design table says this pipeline uses the deprecated _batch_i/_ip1/_ip2 window; since 1.8
 # it uses the batches/contexts deques and pops with dequeue_batch() (the Dequeue task). With
 # execute_all_batches=False upstream refills on every call and drops the last four batches; the
 # plan stops at the first missing batch, like TrainPipelineSparseDist.
@@ -328,7 +328,7 @@ dep ZeroGrad <- OptimizerStep @1
 EVAL_SPARSE_DIST = """
 # A background loader thread copies batch i+2 while the calling thread runs input dist (i+1)
 # and forward (i). The loader is a thread group of the plan.
-# UPSTREAM: the design notes draw two stages with input dist in the forward stage and says pipelined
+# UPSTREAM: the design table draws two stages with input dist in the forward stage and says pipelined
 # modules are re-initialised on every call. Upstream starts the input dist of batch i+1 in the
 # call that forwards batch i, so there are three stages (depth 3), and initialises the pipelined
 # modules only on the first call. It also starts batch 0's input dist twice; the plan, once.
@@ -586,7 +586,7 @@ def staged_plan(
     an Emit task hands the batch that left the last stage to the caller (who runs fwd/bwd/opt).
     A stage with a fill callback has a task ``NAME.fill`` right after it, ``when=fill``.
 
-    UPSTREAM: the design notes give depth N; the batch being returned is one more position, so the
+    UPSTREAM: the design table gives depth N; the batch being returned is one more position, so the
     depth is N + 1. Within a call upstream first pops the batch it returns (``_advance``, the
     Emit task), then runs stage 0 (the newest batch), stage 1, ... stage N-1.
     """
