@@ -1,8 +1,9 @@
 """The README's commands run as written.
 
 Every fenced ```bash block of README.md runs, in order, as one bash script (``set -e``, so
-``source .venv/bin/activate`` carries to the next line) from the repository root, which CI
-checks out fresh. ``make test`` lines are left out: CI runs exactly that command (``.ci/run``),
+``source .venv/bin/activate`` carries to the next line) from the root of a temporary copy of the
+checkout (its files as git sees them, the venvs linked in), so that what the commands write
+(``out/``, checkpoints) never lands in, or overwrites, the user's checkout. ``make test`` lines are left out: CI runs exactly that command (``.ci/run``),
 and here it would run this test again. A block right after a
 ``<!-- not run by tests: REASON -->`` line is skipped, with its reason. Sample output lives in
 ```text blocks, which are not run.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,17 +54,39 @@ def test_the_readme_has_the_two_set_up_commands_and_runs_the_rest() -> None:
     assert all(reason for _, reason in blocks if reason is not None)
 
 
+def copy_of_checkout(dest: Path) -> Path:
+    """The checkout's files (tracked, and untracked ones git does not ignore) copied into
+    ``dest`` with their times (so make sees its venvs up to date), the venvs linked, not copied."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    for venv in (".venv", ".venv-tr18"):
+        if (ROOT / venv).exists():
+            (dest / venv).symlink_to(ROOT / venv)
+    return dest
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_readme_bash_blocks_run_as_written() -> None:
+def test_readme_bash_blocks_run_as_written(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    checkout = copy_of_checkout(tmp_path / "checkout")
+    out_before = sorted(p.name for p in (ROOT / "out").iterdir()) if (ROOT / "out").exists() else None
     ran = 0
     for script, skip in bash_blocks((ROOT / "README.md").read_text()):
         if skip is not None:
             continue
         done = subprocess.run(
-            ["bash", "-e", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+            ["bash", "-e", "-c", script], cwd=checkout, env=env, capture_output=True, text=True, timeout=600, check=False
         )
         assert done.returncode == 0, f"README block failed ({done.returncode}):\n{script}\n--- output ---\n{(done.stdout + done.stderr)[-4000:]}"
         ran += 1
     assert ran >= 3
+    assert (checkout / "out").exists()  # the commands wrote there, and not into the checkout:
+    assert (sorted(p.name for p in (ROOT / "out").iterdir()) if (ROOT / "out").exists() else None) == out_before
