@@ -16,7 +16,7 @@ Upstream pipelines that fail on CPU as shipped run under the repository's test-o
 (marked "patched"); pipelines torchrec_swp does not export yet are skipped and listed.
 
 Shortcut: on a CPU device the compiler removes every stream wait and event record
-(the device has no streams), so a single-thread plan runs as a flat list of calls. For
+(the device has no streams), so a single-thread plan is a plain list of calls. For
 TrainPipelineSparseDist the benchmark also times ours against ours compiled *with* the stream
 syncs, run through torch.cpu's dummy streams and events: the difference is what the removal saves.
 
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         "--pipelines",
         type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
         default=list(PIPELINES),
-        help="comma-separated pipeline names (default: all 11)",
+        help="comma-separated pipeline names (default: all 12; TrainPipelinePEC on TorchRec 1.9 only)",
     )
     parser.add_argument(
         "--compiled-sizes",

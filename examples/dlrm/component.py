@@ -39,7 +39,7 @@ def dlrm(
     cpu: int = 2,
     memMB: int = 4096,
 ) -> specs.AppDef:
-    """Train TorchRec's DLRM on synthetic Criteo-like data with one of the 11 train pipelines.
+    """Train TorchRec's DLRM on synthetic Criteo-like data with one of the 12 train pipelines (TrainPipelinePEC on TorchRec 1.9 only).
 
     Args:
         script_args: further arguments for train.py (after --)

@@ -134,6 +134,45 @@ def _pipeline_class(name: str, impl: Impl) -> type:
     return getattr(torchrec_swp, name)
 
 
+def upstream_unavailable(name: str, impl: Impl, device: torch.device, upstream_patch: bool) -> str:
+    """Why ``make_runner`` would refuse upstream's ``name`` here (checked before launch), or ""."""
+    info = INFO.get(name)
+    if impl != "upstream" or info is None or not info.upstream_fails or device.type != "cpu" or upstream_patch:
+        return ""
+    return (
+        f"upstream's {name} fails on CPU as shipped ({info.upstream_fails}); allow the test-only CPU patch "
+        "(--upstream-cpu-patch) or use our pipeline"
+    )
+
+
+def unknown_options(name: str, impl: Impl, options: Mapping[str, Any]) -> str:
+    """A message naming the ``options`` that ``name``'s constructor does not take (its upstream
+    class's parameters, and for ours the engine's keyword options), or "" (checked before launch)."""
+    if name not in INFO or not options:
+        return ""
+    try:
+        upstream_cls = _pipeline_class(name, "upstream")
+    except PipelineUnavailable:
+        return ""
+    taken = {p for klass in upstream_cls.__mro__ for p in _parameters(klass)}
+    if impl == "ours":
+        taken |= {"plan", "thread_map", "engine_timeout_s", "input_dist_group", "streams"}
+    unknown = sorted(set(options) - taken)
+    if not unknown:
+        return ""
+    return f"--option {', '.join(unknown)}: not an option of {name} (it takes {', '.join(sorted(taken))})"
+
+
+def _parameters(klass: type) -> list[str]:
+    import inspect
+
+    init = klass.__dict__.get("__init__")
+    if init is None:
+        return []
+    params = inspect.signature(init).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 class Runner:
     """One pipeline and the model it trains. ``step(it)`` handles one batch; ``close()`` ends it.
 

@@ -15,7 +15,7 @@ Data: Criteo-like synthetic batches made on the fly (13 dense, ``--num-sparse`` 
 or real Criteo TSV files with ``--criteo-tsv FILE ...``, handed out by torchdata's
 StatefulDataLoader (``--num-workers`` worker processes, 0: in the training process; see
 ``loader.py``); ``--loader-latency-ms`` makes the loader wait that long per batch, like storage
-would. Pipeline: ``--pipeline NAME`` (any of the 11), ``--impl ours|upstream``, ``--plan FILE``
+would. Pipeline: ``--pipeline NAME`` (any of the 12; TrainPipelinePEC needs TorchRec 1.9), ``--impl ours|upstream``, ``--plan FILE``
 (a plan text file replacing the default plan) and
 ``--thread-map`` (ours only: ``main``, ``by_stream``, ``per_task``, ``io``, or ``TASK=THREAD,...``
 such as ``H2D=io``, or a JSON object). ``--thread-map io`` puts the stage-0 tasks (loading the
@@ -69,7 +69,14 @@ from examples.dlrm.checkpoint import CheckpointError, TrainState
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo
 from examples.dlrm.loader import SyntheticBatches, TsvBatches, make_loader, shutdown_workers
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
-from examples.dlrm.pipelines import INFO, PIPELINES, PipelineUnavailable, make_runner
+from examples.dlrm.pipelines import (
+    INFO,
+    PIPELINES,
+    PipelineUnavailable,
+    make_runner,
+    unknown_options,
+    upstream_unavailable,
+)
 from torchrec_swp.catalog.torchrec import default_plans
 from torchrec_swp.plan import PlanError, load_plan
 
@@ -244,8 +251,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--world-size must be >= 1")
     if args.num_workers and args.criteo_tsv:
         parser.error("--num-workers: Criteo TSV files are read without workers (each would read every file)")
+    missing = [str(f) for f in args.criteo_tsv or [] if not Path(f).is_file()]
+    if missing:
+        parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
     _check_long_job(parser, args)
     _check_device(parser, args)
+    why = upstream_unavailable(args.pipeline, args.impl, args.device_value, args.upstream_cpu_patch)
+    if why:
+        parser.error(f"--impl upstream --pipeline {args.pipeline}: {why}")
     if args.loader_latency_ms < 0:
         parser.error("--loader-latency-ms must be >= 0")
     try:
@@ -261,6 +274,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.thread_map_value = thread_map_of(args.thread_map)
     except ValueError as e:
         parser.error(str(e))
+    unknown = unknown_options(args.pipeline, args.impl, args.options)
+    if unknown:
+        parser.error(unknown)
     if args.impl == "upstream" and (args.plan or args.thread_map or args.profile_out):
         parser.error("--plan, --thread-map and --profile-out apply to our pipelines only (--impl ours)")
     if args.plan and not args.plan.is_file():
@@ -516,7 +532,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         unit="step",
         desc=args.pipeline,
         file=sys.stdout if interactive else _LineStream(sys.stdout),
-        mininterval=0.2 if interactive else 5.0,
+        # piped (make run, logs): a line every 10% of the steps, however fast they go
+        mininterval=0.2 if interactive else 0.0,
+        miniters=None if interactive else max(1, args.steps // 10),
         dynamic_ncols=interactive,
     )
     step_s: list[float] = []

@@ -138,7 +138,8 @@ class IterationProgram:
     #: Only one thread has instructions.
     single_thread: bool = field(init=False, compare=False)
     #: Only the calling thread works, and only plain runs (and aliases): no waits, signals,
-    #: tickets or device events. Such a program runs as a flat list of calls.
+    #: tickets or device events: the calls have nothing to synchronise (the engine still runs
+    #: it through its one interpreter; compare.py reports whether removing no-ops made it so).
     flat: bool = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
