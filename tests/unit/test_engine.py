@@ -5,115 +5,19 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from tests.unit.engine_fixtures import THREAD_MAPS, S, Toy, toy_plan
 from torchrec_swp.engine import (
     CollectiveAborted,
     Engine,
     EngineTimeout,
     RecordingStreamPool,
-    TaskAborted,
     Turnstile,
 )
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError, TaskSchedule
-
-S = TaskSchedule
-
-
-def toy_plan(**changes: object) -> PipelinePlan:
-    """A 3-stage pipeline whose numbers depend on order: Fwd(b) folds in the state Opt(b-1) left."""
-    args: dict[str, object] = dict(
-        schedule={
-            "Fwd": S(2, comm_group="world"),
-            "Dist": S(1, "data_dist", comm_group="world"),
-            "H2D": S(0, "memcpy"),
-            "Opt": S(2, comm_group="world"),
-        },
-        tasks=[
-            PipelineTask("H2D", writes=("x",)),
-            PipelineTask("Dist", reads=("x",), writes=("y",)),
-            PipelineTask("Fwd", reads=("y",), writes=("out",)),
-            PipelineTask("Opt", reads=("out",)),
-        ],
-        intra_iter_deps=[("Opt", "Fwd")],
-        inter_iter_deps=[("Fwd", "Opt")],
-        source="H2D",
-        output="out",
-        name="toy",
-    )
-    args.update(changes)
-    return PipelinePlan(**args)  # type: ignore[arg-type]
-
-
-class Toy:
-    """Task functions with random sleeps that record the order collectives are issued in."""
-
-    def __init__(self, n: int, jitter_s: float = 0.0, seed: int = 0) -> None:
-        self.data: Iterator[int] = iter(range(n))
-        self.state = 0
-        self.jitter = jitter_s
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
-        self.collectives: list[tuple[str, int]] = []
-        self.finished: set[tuple[str, int]] = set()
-
-    def _sleep(self) -> None:
-        if self.jitter:
-            with self.lock:
-                d = self.rng.random() * self.jitter
-            time.sleep(d)
-
-    def _done(self, task: str, b: int, needs: list[tuple[str, int]] = ()) -> None:  # type: ignore[assignment]
-        with self.lock:
-            missing = [n for n in needs if n not in self.finished]
-            assert not missing, f"{task}({b}) ran before {missing}"
-            self.finished.add((task, b))
-
-    def _collective(self, task: str, b: int) -> None:
-        with self.lock:
-            self.collectives.append((task, b))
-
-    def bindings(self) -> dict[str, Callable[..., Any]]:
-        def h2d(b: int) -> int:
-            self._sleep()
-            v = next(self.data)
-            self._done("H2D", b)
-            return v
-
-        def dist(b: int, x: int) -> int:
-            self._collective("Dist", b)
-            self._sleep()
-            self._done("Dist", b, [("H2D", b)])
-            return x * 10
-
-        def fwd(b: int, y: int) -> int:
-            self._collective("Fwd", b)
-            self._sleep()
-            self._done("Fwd", b, [("Dist", b)] + ([("Opt", b - 1)] if b else []))
-            return y + self.state
-
-        def opt(b: int, out: int) -> None:
-            self._collective("Opt", b)
-            self._sleep()
-            self._done("Opt", b, [("Fwd", b)])
-            self.state = self.state * 3 + out + 1
-
-        return {"H2D": h2d, "Dist": dist, "Fwd": fwd, "Opt": opt}
-
-
-def run_all(engine: Engine) -> list[Any]:
-    outs = []
-    while True:
-        try:
-            outs.append(engine.step())
-        except StopIteration:
-            return outs
-
-
-THREAD_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}, {"Dist": "io", "Opt": "io"}]
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError
 
 
 @pytest.mark.parametrize("thread_map", THREAD_MAPS, ids=str)
@@ -121,12 +25,12 @@ THREAD_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}, {"Dist
 def test_any_thread_map_gives_the_single_thread_results(thread_map: Any, on_exhausted: str) -> None:
     reference = Toy(12)
     ref_engine = Engine(toy_plan(on_exhausted=on_exhausted), reference.bindings())
-    expected = run_all(ref_engine)
+    expected = ref_engine.run_to_end()
     assert len(expected) == (12 if on_exhausted == "drain" else 10)
     for seed in range(3):
         toy = Toy(12, jitter_s=0.002, seed=seed)
         engine = Engine(toy_plan(on_exhausted=on_exhausted).with_thread_map(thread_map), toy.bindings())
-        assert run_all(engine) == expected
+        assert engine.run_to_end() == expected
         assert toy.state == reference.state
         # collectives were issued in the single-thread fire order
         assert toy.collectives == reference.collectives
@@ -139,7 +43,7 @@ def test_single_thread_plan_starts_no_threads_and_no_locks() -> None:
     toy = Toy(5)
     engine = Engine(toy_plan(), toy.bindings())
     before = threading.active_count()
-    assert len(run_all(engine)) == 5
+    assert len(engine.run_to_end()) == 5
     assert threading.active_count() == before
     assert engine._workers == {} and engine._turnstiles == {}
     assert all(engine.compiled.program(p, 5).flat for p in range(7))
@@ -219,7 +123,7 @@ def test_a_failing_task_surfaces_with_where_it_failed(thread_map: Any, failing: 
     plan = toy_plan().with_thread_map(thread_map)
     engine = Engine(plan, bindings, timeout_s=10)
     with pytest.raises(ValueError, match=f"boom in {task}") as info:
-        run_all(engine)
+        engine.run_to_end()
     err = info.value
     assert (err.swp_task, err.swp_batch) == (task, batch)  # type: ignore[attr-defined]
     assert err.swp_thread == plan.task(task).thread_group  # type: ignore[attr-defined]
@@ -246,7 +150,7 @@ def test_failure_aborts_later_collectives_on_other_threads() -> None:
     bindings["Dist"] = broken_dist
     engine = Engine(toy_plan().with_thread_map({"Dist": "dd"}), bindings, timeout_s=10)
     with pytest.raises(RuntimeError, match="all-to-all failed"):
-        run_all(engine)
+        engine.run_to_end()
     # iteration 3 fires Fwd(1) #0, Dist(2) #1, H2D(3), Opt(1) #2: Fwd(1) ran, Dist(2) failed,
     # and the collective after it, Opt(1), was aborted rather than issued
     assert ("Fwd", 1) in toy.finished and ("Opt", 1) not in toy.finished
@@ -279,7 +183,7 @@ def test_blocking_wait_times_out_with_a_diagnostic() -> None:
     )
     engine = Engine(plan, bindings, timeout_s=0.3)
     with pytest.raises(EngineTimeout) as info:
-        run_all(engine)
+        engine.run_to_end()
     release.set()
     # the report says what each thread was doing and marks the stuck cell in the schedule
     message = str(info.value)
@@ -306,14 +210,14 @@ def test_wrong_number_of_returned_values_is_an_error() -> None:
     bindings = Toy(3).bindings()
     bindings["Opt"] = lambda b, out: 1
     with pytest.raises(Exception, match="must return a tuple of 2 values"):
-        run_all(Engine(plan, bindings))
+        Engine(plan, bindings).run_to_end()
 
 
 def test_fake_streams_record_and_wait_in_dependency_order() -> None:
     pool = RecordingStreamPool()
     toy = Toy(4)
     engine = Engine(toy_plan(), toy.bindings(), streams=pool)
-    assert len(run_all(engine)) == 4
+    assert len(engine.run_to_end()) == 4
     log = pool.log
     # H2D(b) runs on memcpy and is recorded; Dist(b) on data_dist waits that very event
     records = {e[2]: i for i, e in enumerate(log) if e[0] == "record"}
@@ -339,7 +243,7 @@ def test_one_stage_plan_delivers_every_batch_and_stops() -> None:
     for p in (plan, plan.with_thread_map("main")):
         data = iter(range(4))
         engine = Engine(p, {"Load": lambda b: next(data), "Step": lambda b, x: x * 2})
-        assert run_all(engine) == [0, 2, 4, 6]
+        assert engine.run_to_end() == [0, 2, 4, 6]
         engine.close()
 
 
@@ -371,7 +275,7 @@ def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> Non
     engine = Engine(plan, {"Load": lambda b: next(data), "Prep": lambda b, x: x, "Fwd": lambda b, y: y})
     recorder = Recorder()
     engine.instrument(recorder, labels=True)
-    assert run_all(engine) == [0, 1, 2]
+    assert engine.run_to_end() == [0, 1, 2]
     assert recorder.iterations == [0, 1, 2, 3]
     assert ("Load", 0, "io", 0) in recorder.runs and ("Fwd", 2, "default", 3) in recorder.runs
     assert ("Load", "default", 1) in recorder.waits  # Prep waited for Load on the calling thread
@@ -380,7 +284,7 @@ def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> Non
     before = (list(recorder.runs), list(recorder.waits), list(recorder.iterations))
     data = iter(range(3))
     engine.new_data()
-    assert run_all(engine) == [0, 1, 2]
+    assert engine.run_to_end() == [0, 1, 2]
     assert (recorder.runs, recorder.waits, recorder.iterations) == before
     engine.close()
 
@@ -410,11 +314,11 @@ def test_noop_tasks_become_aliases_on_their_device() -> None:
     }
     cpu = Engine(plan, bindings, device_type="cpu")
     assert "alias Copy batch=host" in [str(i) for i in cpu.compiled.program(1, None).instructions("default")]
-    assert run_all(cpu) == [0, 3, 6, 9, 12]
+    assert cpu.run_to_end() == [0, 3, 6, 9, 12]
     assert calls == {"Copy": 0, "Fwd": 5}  # Copy never called
     # on another device the copy is real
     data = iter(range(5))
-    assert run_all(Engine(plan.with_thread_map({"Copy": "io"}), bindings, device_type="cuda")) == [0, 3, 6, 9, 12]
+    assert Engine(plan.with_thread_map({"Copy": "io"}), bindings, device_type="cuda").run_to_end() == [0, 3, 6, 9, 12]
     assert calls["Copy"] == 5
 
 
@@ -452,7 +356,7 @@ def test_guards_and_previous_batch_reads(thread_map: Any) -> None:
     }
     engine = Engine(GUARDED.with_thread_map(thread_map), bindings, timeout_s=10)
     # batch b's Pair gets batch b-1's x, None for the first batch of the epoch
-    assert run_all(engine) == [(10, None), (11, 10), (12, 11), (13, 12)]
+    assert engine.run_to_end() == [(10, None), (11, 10), (12, 11), (13, 12)]
     assert sorted(log) == sorted(
         [("Init", 0), ("Start", 1), ("Start", 2), ("Start", 3),  # first / not_first
          ("Sync", 0), ("Sync", 1), ("Sync", 2), ("Finish", 3),  # has_next / last
@@ -474,15 +378,15 @@ def test_phases_take_turns_at_batch_numbers_across_epochs() -> None:
         PhasedPlan([(0, a), (2, b)]),
         {"Load": lambda n: next(data[0]), "Fwd": lambda n, x: x, "Tag": lambda n: seen.append("a"), "Other": lambda n: seen.append("b")},
     )
-    assert run_all(engine) == [0, 1, 2] and seen == ["a", "a", "b"]
+    assert engine.run_to_end() == [0, 1, 2] and seen == ["a", "a", "b"]
     # batch numbers count source calls across epochs (3 batches + the call that found none):
     # the next epoch is all in phase b
     data[0] = iter(range(2))
     engine.new_data()
-    assert run_all(engine) == [0, 1] and seen[3:] == ["b", "b"]
+    assert engine.run_to_end() == [0, 1] and seen[3:] == ["b", "b"]
     engine.reset()  # reset() starts the batch numbers again
     data[0] = iter(range(1))
-    assert run_all(engine) == [0] and seen[5:] == ["a"]
+    assert engine.run_to_end() == [0] and seen[5:] == ["a"]
 
 
 def test_one_thread_plans_enter_each_task_stream_on_a_device_with_streams() -> None:
@@ -498,5 +402,5 @@ def test_one_thread_plans_enter_each_task_stream_on_a_device_with_streams() -> N
     data = iter(range(3))
     engine = Engine(plan, {"Load": lambda b: next(data), "Post": lambda b: b * 2}, streams=streams)
     assert engine.compiled.program(1, None).flat
-    assert run_all(engine) == [0, 2, 4]
+    assert engine.run_to_end() == [0, 2, 4]
     assert streams.log == [("enter", "postproc")] * 3  # Post, once per batch; Load stays on the default stream

@@ -5,6 +5,7 @@ block interleaving and the ahead / equal / behind verdicts."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,13 +27,17 @@ def test_the_prefetch_thread_yields_everything_in_order_and_ends() -> None:
 
 
 def test_the_prefetch_thread_loads_ahead_while_the_consumer_works() -> None:
+    three_queued = threading.Event()
+
     def slow() -> object:
         for k in range(6):
+            if k == 3:  # the thread asks for a 4th item: items 0, 1 and 2 are in its queue
+                three_queued.set()
             time.sleep(0.02)
             yield k
 
     p = ThreadPrefetcher(slow(), depth=3)
-    time.sleep(0.1)  # the thread filled its queue meanwhile: three items wait, ready
+    assert three_queued.wait(5)  # the thread filled its queue meanwhile: three items wait, ready
     start = time.perf_counter()
     assert [next(p), next(p), next(p)] == [0, 1, 2]
     assert time.perf_counter() - start < 0.015

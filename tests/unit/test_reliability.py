@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_engine import THREAD_MAPS, Toy, run_all, toy_plan
+from tests.unit.engine_fixtures import THREAD_MAPS, Toy, toy_plan
 from torchrec_swp.engine import CollectiveAborted, Engine, EngineError
 
 N = 9
@@ -47,7 +47,7 @@ def test_calling_progress_again_after_a_failure_resumes_without_losing_or_repeat
     thread_map: Any, where: tuple[str, int]
 ) -> None:
     reference = Toy(N)
-    expected = run_all(Engine(toy_plan(), reference.bindings()))
+    expected = Engine(toy_plan(), reference.bindings()).run_to_end()
     toy = Toy(N, jitter_s=0.001)
     engine = Engine(resumable_plan(thread_map), flaky(toy, *where), timeout_s=10)
     outs: list[Any] = []
@@ -69,14 +69,14 @@ def test_calling_progress_again_after_a_failure_resumes_without_losing_or_repeat
 def test_reset_after_a_failure_reports_the_batches_it_drops() -> None:
     toy = Toy(N)
     engine = Engine(toy_plan(), flaky(toy, "Fwd", 3))
-    assert [engine.step() for _ in range(3)] == run_all(Engine(toy_plan(), Toy(3).bindings()))
+    assert [engine.step() for _ in range(3)] == Engine(toy_plan(), Toy(3).bindings()).run_to_end()
     with pytest.raises(OSError):
         engine.step()
     # batches 3 and 4 were drawn (batch 5's H2D fires after Fwd, so it was not)
     assert engine.in_flight() == [3, 4]
     engine.reset()
     assert engine.ledger.dropped == [(3, "in flight when reset() was called"), (4, "in flight when reset() was called")]
-    rest = run_all(engine)  # resumes on the same data iterator: batches 5..8 as a new epoch
+    rest = engine.run_to_end()  # resumes on the same data iterator: batches 5..8 as a new epoch
     assert len(rest) == N - 5
     ledger = engine.ledger
     assert ledger.drawn == N and ledger.trained == 3 + len(rest)
@@ -86,7 +86,7 @@ def test_reset_after_a_failure_reports_the_batches_it_drops() -> None:
 @pytest.mark.parametrize("thread_map", THREAD_MAPS, ids=str)
 def test_stop_policy_reports_the_batches_left_in_flight(thread_map: Any) -> None:
     engine = Engine(toy_plan(on_exhausted="stop").with_thread_map(thread_map), Toy(N).bindings(), timeout_s=10)
-    assert len(run_all(engine)) == N - 2
+    assert len(engine.run_to_end()) == N - 2
     reason = "left in flight: the plan stopped at the end of data"
     assert engine.untrained() == [(N - 2, reason), (N - 1, reason)]
     assert engine.ledger.drawn == N
@@ -104,7 +104,7 @@ def test_after_a_failure_collectives_on_several_threads_stay_aborted_until_reset
     with pytest.raises(CollectiveAborted, match="transient failure of H2D on batch 4"):
         engine.step()
     engine.reset()
-    rest = run_all(engine)  # a new epoch on what is left of the data
+    rest = engine.run_to_end()  # a new epoch on what is left of the data
     ledger = engine.ledger
     assert ledger.trained == 2 + len(rest)
     assert ledger.drawn == ledger.trained + len(ledger.dropped) == N
@@ -146,11 +146,11 @@ def counting_plan_bindings(source: list[Any]) -> dict[str, Any]:
 def test_new_data_after_a_stop_trains_what_was_left_in_flight(thread_map: Any) -> None:
     source: list[Any] = [iter(range(6))]
     engine = Engine(toy_plan(on_exhausted="stop").with_thread_map(thread_map), counting_plan_bindings(source), timeout_s=5)
-    first = run_all(engine)
+    first = engine.run_to_end()
     assert first == [0, 1, 2, 3]  # batches 4 and 5 stayed in flight
     source[0] = iter(range(100, 103))
     engine.new_data()
-    second = run_all(engine)
+    second = engine.run_to_end()
     assert second == [4, 5, 100]  # 101 and 102 in flight: the plan stopped again
     assert [s for s, _ in engine.untrained()] == [7, 8]
     engine.close()
@@ -163,7 +163,7 @@ def test_new_data_while_draining_continues_without_a_stop() -> None:
     assert engine.num_batches == 4
     source[0] = iter(range(10, 12))
     engine.new_data()
-    outs += run_all(engine)
+    outs += engine.run_to_end()
     assert outs == [0, 1, 2, 3, 10, 11]
     assert engine.ledger.drawn == engine.ledger.trained == 6
 
@@ -178,7 +178,7 @@ def test_same_iterator_object_refilled_for_a_new_epoch(thread_map: Any) -> None:
         data.refill([10 * epoch + k for k in range(5)])
         if epoch:
             engine.new_data()
-        assert run_all(engine) == [10 * epoch + k for k in range(5)]
+        assert engine.run_to_end() == [10 * epoch + k for k in range(5)]
     assert engine.ledger.drawn == engine.ledger.trained == 15
     engine.close()
 
@@ -209,7 +209,7 @@ def test_fault_injection_matrix_every_task_every_phase(thread_map: Any) -> None:
         engine = Engine(plan, bindings, timeout_s=5)
         start = time.monotonic()
         with pytest.raises(KeyError) as info:
-            run_all(engine)
+            engine.run_to_end()
         assert time.monotonic() - start < 5
         err = info.value
         assert (err.swp_task, err.swp_batch, err.swp_thread) == (task, batch, plan.task(task).thread_group)  # type: ignore[attr-defined]
@@ -228,14 +228,14 @@ def test_adopted_batches_continue_as_if_the_engine_had_loaded_them() -> None:
     # batch 0 at stage 2 (Fwd reads y), batch 1 at stage 1 (Dist reads x), batch 2 at stage 0 (drawn)
     engine.adopt([{"x": 0, "y": 7}, {"x": 1}, {"x": 2}])
     assert engine.in_flight() == [0, 1, 2]
-    assert run_all(engine) == [7, 1, 2, 100, 101, 102]
+    assert engine.run_to_end() == [7, 1, 2, 100, 101, 102]
     assert engine.ledger.drawn == engine.ledger.trained == 6
 
 
 def test_adopting_fewer_batches_than_stages_drains_them() -> None:
     engine = Engine(toy_plan(), counting_plan_bindings([iter(range(100, 103))]))
     engine.adopt([{"x": 0, "y": 5}])
-    assert run_all(engine) == [5]
+    assert engine.run_to_end() == [5]
 
 
 def test_adopt_names_what_a_slot_lacks_and_refuses_while_batches_are_in_flight() -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_engine import run_all
 from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.sim import check_happens_before, simulate
@@ -146,7 +145,7 @@ def run_over(engine: Engine, n: int) -> list[Any]:
 def test_ten_thousand_iterations_over_random_thread_maps_match_one_thread() -> None:
     plan = wide_plan()
     reference = Model(BATCHES, None)
-    expected = run_all(Engine(plan, reference.bindings(plan)))
+    expected = Engine(plan, reference.bindings(plan)).run_to_end()
     rng = random.Random(2026)
     iterations = 0
     for run in range(RUNS):
