@@ -52,7 +52,7 @@ def _profile_rank(rank: int, world_size: int, args: argparse.Namespace, plans: l
     """Train one copy per plan (None: the default plan), interleaved, profiled."""
     rank_setup()
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
+    from harness.dlrm import make_runner
     from torchrec_swp.plan import PipelinePlan
 
     size = _size(args.size)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 10 or args.warmup < 4 or args.latency_ms < 0:
         parser.error("--steps >= 10, --warmup >= 4, --latency-ms >= 0")
 
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
     from torchrec_swp.autosched import Problem, beam_search, check_constraints
     from torchrec_swp.plan import PipelinePlan
     from torchrec_swp.profiler import Profile

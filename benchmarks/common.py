@@ -50,11 +50,11 @@ def size_arg(text: str) -> list[str]:
 def run_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 7200.0) -> Any:
     """Run ``fn(rank, world_size, *args)`` on 2 spawned gloo ranks; return rank 0's result.
 
-    Uses the test harness (``tests/dist/harness.py``): a failing rank raises RankError with its
+    Uses the test harness (``harness/ranks.py and harness/parity.py``): a failing rank raises RankError with its
     traceback, and no rank outlives the call. The harness turns on deterministic algorithms;
     the benchmarks turn them off again in each rank (``rank_setup``), as a user's run would be.
     """
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
 
     return run_on_ranks(fn, *args, timeout_s=timeout_s)[0]
 

@@ -52,7 +52,7 @@ from benchmarks.common import (
     step_stats,
     write_json,
 )
-from examples.dlrm.pipelines import INFO, PIPELINES
+from harness.dlrm import INFO, PIPELINES
 
 SHORTCUT_PIPELINE = "TrainPipelineSparseDist"
 
@@ -93,7 +93,7 @@ class CpuEventStreamPool:
 def _pair(name: str, rank: int, world_size: int, size_name: str, args: argparse.Namespace, tick: Any) -> dict[str, Any]:
     """Upstream vs ours for one pipeline and size, then our overhead pass."""
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
+    from harness.dlrm import make_runner
 
     size = SIZES[size_name]
     total = args.warmup + args.steps
@@ -162,7 +162,7 @@ def _shortcut(rank: int, world_size: int, size_name: str, args: argparse.Namespa
 
     import torchrec_swp
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import Runner, make_runner
+    from harness.dlrm import Runner, make_runner
     from torchrec_swp.compile import CompiledPlan, RecordEvent, WaitStream
 
     size = SIZES[size_name]
@@ -222,8 +222,8 @@ def _engine_only_shortcut(iterations: int = 3000) -> dict[str, float]:
     per iteration, best of 5. Shows the saving without the model's noise around it."""
     import time
 
-    from torchrec_swp.engine import Engine
     from torchrec_swp.catalog.torchrec import sparse_dist_plan
+    from torchrec_swp.engine import Engine
 
     plan = sparse_dist_plan()
 
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.warmup < 0 or args.overhead_steps < 1:
         parser.error("--steps and --overhead-steps must be >= 1, --warmup >= 0")
 
-    from examples.dlrm.pipelines import not_exported
+    from harness.dlrm import not_exported
 
     skipped = {n: why for n, why in not_exported().items() if n in args.pipelines}
     for n, why in skipped.items():

@@ -141,7 +141,7 @@ def _group_cost() -> tuple[Any, dict[str, Any]]:
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     rank_setup()
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
+    from harness.dlrm import make_runner
 
     group, cost = _group_cost()
     size = SIZES[args.size]
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
 
     results = run_on_ranks(_rank, args, timeout_s=1800)  # every rank's result: the group's cost per rank
     write_json(

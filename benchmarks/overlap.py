@@ -152,7 +152,7 @@ def _contender(
     ``dataloader`` (the loader)."""
     from benchmarks.peers import ThreadPrefetcher, async_copy_runner, dataloader
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
+    from harness.dlrm import make_runner
 
     impl, *options = label.split("+")
     size = SIZES[size_name]
@@ -474,12 +474,12 @@ def main(argv: list[str] | None = None) -> None:
             "--steps, --ranks, --loader-workers, --prefetch-factor, --thread-depth >= 1; --warmup, latencies >= 0; "
             "0 <= --skip < --block"
         )
-    from examples.dlrm.pipelines import not_exported
+    from harness.dlrm import not_exported
 
     if args.pipeline in not_exported():
         parser.error(not_exported()[args.pipeline])
 
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
 
     results = []
     for world_size in args.ranks:

@@ -126,7 +126,7 @@ def async_copy_runner(build: Callable[[], Any], *, forced: bool) -> Any:
     from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
     from torchrec.distributed.train_pipeline.utils import FutureDeque
 
-    from examples.dlrm.pipelines import CPU, INFO, Runner
+    from harness.dlrm import CPU, INFO, Runner
 
     class ForcedAsyncCopy(TrainPipelineSparseDist):
         """Upstream's pipeline with the background copy thread on the CPU too: what

@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
 
     results = run_on_ranks(_rank, args, timeout_s=3600)
     report = _report(results, args, time.perf_counter() - start)

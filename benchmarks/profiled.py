@@ -62,7 +62,7 @@ def profile_interleaved(
     steps: int,
     tick: Callable[[], None] | None = None,
 ) -> list[ProfiledRun]:
-    """In a rank: ``warmup`` then ``steps`` steps of every runner (``examples.dlrm.pipelines.Runner``
+    """In a rank: ``warmup`` then ``steps`` steps of every runner (``harness.dlrm.Runner``
     of our pipelines), interleaved call by call, the order rotating every step; a TaskProfiler
     on each during the measured steps. Returns a ProfiledRun per runner."""
     from torchrec_swp.profiler import TaskProfiler

@@ -23,7 +23,7 @@ def write_report(out: Path, stem: str, data: Any, markdown: str) -> None:
 
 def add_train_pipeline_arg(parser: argparse.ArgumentParser) -> None:
     """``--pipeline``: one of the train pipelines that do not compile (default SparseDist)."""
-    from examples.dlrm.pipelines import INFO
+    from harness.dlrm import INFO
 
     parser.add_argument(
         "--pipeline",

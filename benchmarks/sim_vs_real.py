@@ -39,9 +39,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import SIZES, batches, rank_setup, size_arg
-from benchmarks.report import run_meta, write_report
 from benchmarks.profiled import ProfiledRun, calibration, predicted_step, profile_interleaved, single_rank_step
-from examples.dlrm.pipelines import INFO, PIPELINES
+from benchmarks.report import run_meta, write_report
+from harness.dlrm import INFO, PIPELINES
 
 CORES = 2  # this machine
 QUICK_PIPELINES = [n for n in PIPELINES if not INFO[n].compiles]
@@ -52,8 +52,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, lis
     from tqdm import tqdm
 
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
     from examples.dlrm.train import thread_map_of
+    from harness.dlrm import make_runner
 
     size = SIZES[args.size[0]]
     total = args.warmup + args.steps
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             saved = pickle.load(f)
         per_rank, args.latency_ms = saved["per_rank"], saved["latency_ms"]
     else:
-        from tests.dist.harness import run_on_ranks
+        from harness.ranks import run_on_ranks
 
         per_rank = run_on_ranks(_rank, args, timeout_s=3600.0)
         args.out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import SIZES, batches, rank_setup, run_ranks
-from examples.dlrm.pipelines import INFO
+from harness.dlrm import INFO
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -38,8 +38,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
     import torch
 
     from examples.dlrm.model import build_dlrm
-    from examples.dlrm.pipelines import make_runner
     from examples.dlrm.train import thread_map_of
+    from harness.dlrm import make_runner
     from torchrec_swp.profiler import TaskProfiler
 
     size = SIZES[args.size]
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 4 or args.latency_ms < 0:
         parser.error("--steps must be >= 1, --warmup >= 4 (the profiler needs complete iterations), --latency-ms >= 0")
-    from examples.dlrm.pipelines import not_exported
+    from harness.dlrm import not_exported
 
     if args.pipeline in not_exported():
         parser.error(not_exported()[args.pipeline])

@@ -116,7 +116,7 @@ def run(
 ) -> dict[str, Any]:
     from benchmarks.gpu.dlrm import GPU_SIZE, TIMED_PIPELINES
     from benchmarks.gpu.parity import backend_of
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
 
     names = list(pipelines or TIMED_PIPELINES)
     args = (names, warmup, steps, block_steps, device_type, size or GPU_SIZE)

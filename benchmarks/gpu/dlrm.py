@@ -51,11 +51,11 @@ def pinned_batches(size: DlrmSize, rank: int, num_batches: int, *, seed: int = 1
 def make_gpu_runner(
     name: str, impl: str, device: torch.device, rank: int, world_size: int, size: DlrmSize, *, thread_map: Any = None
 ) -> Any:
-    """A ``examples.dlrm.pipelines.Runner`` of pipeline ``name`` (a train pipeline) on ``device``."""
+    """A ``harness.dlrm.Runner`` of pipeline ``name`` (a train pipeline) on ``device``."""
     import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
     import torchrec_swp
-    from examples.dlrm.pipelines import INFO, Runner
+    from harness.dlrm import INFO, Runner
 
     info = INFO[name]
     if info.kind != "train" or info.compiles:

@@ -1,6 +1,6 @@
 """Part (b): every one of our pipelines against upstream's on one GPU (nccl, world size 1).
 
-The harness of the CPU parity tests (``tests/dist/harness.py``) with ``backend="nccl"`` and the
+The harness of the CPU parity tests (``harness/ranks.py and harness/parity.py``) with ``backend="nccl"`` and the
 model sharded onto ``cuda:0``: per pipeline, upstream's class as shipped and ours (default plan
 and a few thread maps) train a fresh copy of the same model on the same 20 batches; outputs,
 losses, final weights, batch count and the StopIteration call must be bit-identical. Where ours
@@ -97,7 +97,7 @@ def _train(
     import torch
     import torch._dynamo
 
-    from tests.dist.harness import build_model, make_batches, train_pipeline_run
+    from harness.parity import build_model, make_batches, train_pipeline_run
 
     if case.mode == "staged":
         return _staged(impl, engine, rank, world_size, steps, device)
@@ -127,7 +127,7 @@ def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, st
     import torch
     from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
-    from tests.dist.harness import build_model, make_batches, staged_pipeline_run
+    from harness.parity import build_model, make_batches, staged_pipeline_run
 
     model, optimizer = build_model(rank, world_size, SEED, device)
 
@@ -154,7 +154,7 @@ def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, st
 
 
 def _difference(a: Any, b: Any) -> str | None:
-    from tests.dist.harness import assert_runs_equal
+    from harness.parity import assert_runs_equal
 
     try:
         assert_runs_equal(a, b)
@@ -242,9 +242,8 @@ def run(
     pipelines: list[str] | None = None,
     device_type: str = "cuda",
 ) -> dict[str, Any]:
-    from tests.dist.harness import run_on_ranks
-
     import torchrec_swp
+    from harness.ranks import run_on_ranks
 
     # every pipeline the installed TorchRec has (TrainPipelinePEC from 1.9 on)
     names = pipelines or [c.pipeline for c in CASES if c.pipeline in torchrec_swp._available()]

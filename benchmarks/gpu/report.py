@@ -123,7 +123,7 @@ def _parity_section(part: Mapping[str, Any]) -> list[str]:
     lines = [
         (
             f"{part.get('steps', '?')} steps per run on one GPU (nccl, world size 1), the test model of "
-            "tests/dist/harness.py; outputs, losses, final weights, batch count and StopIteration call compared "
+            "harness/ranks.py and harness/parity.py; outputs, losses, final weights, batch count and StopIteration call compared "
             "bit for bit with upstream's run of the same options."
         ),
         "",

@@ -107,7 +107,7 @@ def run(
 ) -> dict[str, Any]:
     from benchmarks.gpu.dlrm import GPU_SIZE
     from benchmarks.gpu.parity import backend_of
-    from tests.dist.harness import run_on_ranks
+    from harness.ranks import run_on_ranks
 
     run = {"out": str(out), "warmup": warmup, "steps": steps, "device_type": device_type, "size": size or GPU_SIZE}
     start = time.perf_counter()

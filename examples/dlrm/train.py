@@ -69,7 +69,7 @@ from examples.dlrm.checkpoint import CheckpointError, TrainState
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo
 from examples.dlrm.loader import SyntheticBatches, TsvBatches, make_loader, shutdown_workers
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
-from examples.dlrm.pipelines import (
+from harness.dlrm import (
     INFO,
     PIPELINES,
     PipelineUnavailable,

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.overlap import _case
 from benchmarks.sim_vs_real import _rank as sim_rank
 from benchmarks.sim_vs_real import analyse
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 

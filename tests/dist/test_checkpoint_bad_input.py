@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 
 N, K = 8, 3
 SMALL = [

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 
 TOTAL, BEFORE_SAVE = 12, 5
 WORKERS = (0, 2)
@@ -34,7 +34,7 @@ def _setup(rank: int, world_size: int, impl: str, workers: int) -> tuple[Any, An
     from examples.dlrm.data import SyntheticCriteo
     from examples.dlrm.loader import SyntheticBatches, make_loader
     from examples.dlrm.model import DlrmSize, build_dlrm
-    from examples.dlrm.pipelines import make_runner
+    from harness.dlrm import make_runner
 
     size = DlrmSize(batch_size=16, num_sparse=4, num_embeddings=100, embedding_dim=8, dense_arch=(8,), over_arch=(8,))
     runner = make_runner("TrainPipelineSparseDist", impl, lambda: build_dlrm(rank, world_size, size))

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 

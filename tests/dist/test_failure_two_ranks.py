@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 import torchrec_swp
-from tests.dist.harness import build_model, make_batches, run_on_ranks
+from harness.parity import build_model, make_batches
+from harness.ranks import run_on_ranks
 
 PG_TIMEOUT_S = 5
 

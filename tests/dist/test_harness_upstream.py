@@ -18,17 +18,16 @@ import torch.distributed as dist
 from torchrec.distributed.test_utils.test_model import ModelInput
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from .harness import (
-    RankError,
+from harness.parity import (
     RunResult,
     assert_runs_equal,
     build_model,
     local_state,
     make_batches,
     plain_loop_run,
-    run_on_ranks,
     train_pipeline_run,
 )
+from harness.ranks import RankError, run_on_ranks
 
 SEED = 1234
 NUM_BATCHES = 20

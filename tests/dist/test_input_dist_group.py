@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
 import torchrec_swp
-from tests.dist.harness import RunResult, assert_runs_equal, build_model, make_batches, run_on_ranks, train_pipeline_run
+from harness.parity import RunResult, assert_runs_equal, build_model, make_batches, train_pipeline_run
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.input_dist_group import input_dist_all_to_alls, rebind_input_dists
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.parity]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 from tests.dist.test_maglev_parity import same, train
 from torchrec_swp.integrations.torchrec.compat import installed
 

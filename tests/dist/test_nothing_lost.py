@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import torchrec_swp
-from tests.dist.harness import RunResult, assert_runs_equal, build_model, make_batches, plain_loop_run, run_on_ranks, train_pipeline_run
+from harness.parity import RunResult, assert_runs_equal, build_model, make_batches, plain_loop_run, train_pipeline_run
+from harness.ranks import run_on_ranks
 
 CPU = torch.device("cpu")
 

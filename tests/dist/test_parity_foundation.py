@@ -15,8 +15,9 @@ import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
 import torchrec_swp
+from harness.parity import RunResult, assert_runs_equal, build_model, make_batches, train_pipeline_run
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
-from tests.dist.harness import RunResult, assert_runs_equal, build_model, make_batches, run_on_ranks, train_pipeline_run
 
 pytestmark = pytest.mark.parity
 

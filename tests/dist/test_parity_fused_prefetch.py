@@ -27,7 +27,8 @@ import torchrec.distributed.train_pipeline.train_pipelines as upstream
 from torch import nn
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 
-from tests.dist.harness import (
+from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
+from harness.parity import (
     RunResult,
     assert_runs_equal,
     build_model,
@@ -35,10 +36,9 @@ from tests.dist.harness import (
     make_batches,
     plain_loop_run,
     record_losses,
-    run_on_ranks,
     train_pipeline_run,
 )
-from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.pipelines.fused import EvalPipelineFusedSparseDist, TrainPipelineFusedSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 

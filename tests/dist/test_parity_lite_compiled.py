@@ -24,15 +24,8 @@ import torch
 import torch._dynamo
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
-from tests.dist.harness import (
-    RunResult,
-    assert_runs_equal,
-    build_model,
-    make_batches,
-    plain_loop_run,
-    run_on_ranks,
-    train_pipeline_run,
-)
+from harness.parity import RunResult, assert_runs_equal, build_model, make_batches, plain_loop_run, train_pipeline_run
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.pipelines.compiled import TrainPipelinePT2, TrainPipelineSparseDistCompAutograd
 from torchrec_swp.integrations.torchrec.pipelines.lite import TrainPipelineSparseDistLite
 

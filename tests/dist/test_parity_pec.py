@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.harness import RunResult, assert_runs_equal, local_state, record_losses, run_on_ranks, train_pipeline_run
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
+from harness.parity import RunResult, assert_runs_equal, local_state, record_losses, train_pipeline_run
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
 
 pytestmark = [

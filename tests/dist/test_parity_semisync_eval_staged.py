@@ -26,18 +26,18 @@ import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
-from tests.dist.harness import (
+from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
+from harness.parity import (
     RunResult,
     assert_runs_equal,
     build_model,
     local_state,
     make_batches,
     plain_loop_run,
-    run_on_ranks,
     staged_pipeline_run,
     train_pipeline_run,
 )
-from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipelineSemiSync
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline

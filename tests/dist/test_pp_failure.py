@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_on_ranks
+from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
 
 pytestmark = [

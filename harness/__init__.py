@@ -1,0 +1,9 @@
+"""What tests, benchmarks and examples share to run things; nothing in the library imports it.
+
+* ``harness.ranks``: ``run_on_ranks``, a function on N ranks in fresh processes over loopback
+  (gloo; nccl on GPUs), the stand-in for a cluster on one machine.
+* ``harness.parity``: the small TorchRec model the parity tests train, its batches, recorded
+  runs and their bit-for-bit comparison.
+* ``harness.dlrm``: TorchRec's train pipelines by name, upstream's or ours, around the DLRM
+  example's model (``make_runner``): what the example, the benchmarks and the tests train with.
+"""
