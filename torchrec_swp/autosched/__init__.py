@@ -15,12 +15,22 @@ Pure Python; CP-SAT (``cpsat``) imports OR-Tools on first use, ``loop`` runs the
 from torchrec_swp.autosched.beam import SearchResult, beam_search
 from torchrec_swp.autosched.bounds import Bound, BoundReport, plan_bounds, search_bounds
 from torchrec_swp.autosched.constraints import ConstraintError, Violation, check_constraints, ensure_constraints
-from torchrec_swp.autosched.cpsat import DagSolution, PeriodicSolution, solve_dag, solve_periodic
-from torchrec_swp.autosched.dag import Dag, DagError, DagSchedule, DagTask, Memory, interleaved_pipeline, list_schedule
+from torchrec_swp.autosched.cpsat import PeriodicSolution, solve_periodic
 from torchrec_swp.autosched.estimate import iteration_time
 from torchrec_swp.autosched.layout import Layout, layout_of, to_plan
-from torchrec_swp.autosched.stages import assign_stages, auto_assign_stages
 from torchrec_swp.autosched.problem import Problem
+from torchrec_swp.autosched.stages import assign_stages, auto_assign_stages
+from torchrec_swp.solve import (
+    Dag,
+    DagError,
+    DagSchedule,
+    DagSolution,
+    DagTask,
+    Memory,
+    interleaved_pipeline,
+    list_schedule,
+    solve_dag,
+)
 
 __all__ = [
     "Bound",

@@ -34,9 +34,9 @@ from torchrec_swp.autosched.bounds import BoundReport, plan_bounds, search_bound
 from torchrec_swp.autosched.constraints import ensure_constraints
 from torchrec_swp.autosched.estimate import cross_thread_waits, iteration_time
 from torchrec_swp.autosched.layout import Layout, layout_of, named_threads, normalized, to_plan
-from torchrec_swp.autosched.stages import assign_stages
 from torchrec_swp.autosched.problem import Problem
 from torchrec_swp.autosched.score import predict
+from torchrec_swp.autosched.stages import assign_stages
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PlanError
 
 #: ``on_level(levels done, levels at most, best score so far)``

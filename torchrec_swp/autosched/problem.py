@@ -28,6 +28,7 @@ from functools import cached_property
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PipelinePlan, PlanError
 from torchrec_swp.profiler.profile import Profile
 
+
 @dataclass(frozen=True, slots=True)
 class IndexedDep:
     """A dependency by task index: ``consumer(b)`` after ``producer(b - distance)``."""

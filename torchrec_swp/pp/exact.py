@@ -1,6 +1,6 @@
 """Exact mode: makespan-optimal PP programs with OR-Tools CP-SAT (imported on first use).
 
-The problem is a one-shot DAG (``pp_dag``) solved by ``torchrec_swp.autosched.cpsat.solve_dag``
+The problem is a one-shot DAG (``pp_dag``) solved by ``torchrec_swp.solve.cpsat.solve_dag``
 (interval variables, NoOverlap per rank, a Cumulative per rank for activations): the same
 model that reproduces the 285 of docs/autosched.md's interleaved example for the plan-level DAG, not a second one. Per (stage,
 microbatch): ``F``, then ``B`` or (``split_backward``) ``I`` and ``W``; edges ``F(s-1) -> F(s)``,
@@ -24,11 +24,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchrec_swp.autosched.dag import Dag, DagSchedule, DagTask, Memory, list_schedule
 from torchrec_swp.pp.actions import Action, B, F, I, Program, W, _positive
 from torchrec_swp.pp.comm import add_p2p
 from torchrec_swp.pp.errors import PPError
 from torchrec_swp.pp.simulate import Durations
+from torchrec_swp.solve.dag import Dag, DagSchedule, DagTask, Memory, list_schedule
 
 
 def pp_dag(
@@ -115,7 +115,7 @@ def solve(
 ) -> ExactSolution:
     """Minimize the makespan of one step. Raises PPError when CP-SAT finds no schedule in time
     (or the caps make the step infeasible)."""
-    from torchrec_swp.autosched.cpsat import solve_dag
+    from torchrec_swp.solve.cpsat import solve_dag
 
     dag, limit = pp_dag(
         num_microbatches, placement, durations, split_backward=split_backward, activation_caps=activation_caps

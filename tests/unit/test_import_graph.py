@@ -1,0 +1,121 @@
+"""The package's imports flow one way: no circle among its modules (imports inside functions
+count; those under ``if TYPE_CHECKING:`` do not run and do not), pp does not import autosched,
+and nothing outside tests/ imports tests/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "torchrec_swp"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = f
+    return mods
+
+
+def _runtime_imports(tree: ast.AST) -> list[str]:
+    """Every module an import statement names, skipping ``if TYPE_CHECKING:`` blocks."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.extend(f"{node.module}.{a.name}" for a in node.names)
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (a name imported from a package counts as an
+    import of the submodule it names, if it is one, else of the package)."""
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for m, f in mods.items():
+        targets = {resolve(n) for n in _runtime_imports(ast.parse(f.read_text())) if n.startswith("torchrec_swp")}
+        # a package's own __init__ importing its submodules is how packages are built, and a
+        # submodule importing a sibling through the package name resolves to the sibling
+        graph[m] = {t for t in targets if t and t != m and not m.startswith(t + ".")}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_the_tool_finds_a_circle_when_there_is_one() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_circle_among_the_package_modules() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_pp_does_not_import_autosched() -> None:
+    graph = import_graph()
+    offenders = sorted(m for m, targets in graph.items() if m.startswith("torchrec_swp.pp") for t in targets if t.startswith("torchrec_swp.autosched"))
+    assert offenders == []
+
+
+def test_nothing_outside_tests_imports_tests() -> None:
+    offenders = []
+    for top in ("torchrec_swp", "benchmarks", "examples", "tools"):
+        for f in (ROOT / top).rglob("*.py"):
+            for name in _runtime_imports(ast.parse(f.read_text())):
+                if name == "tests" or name.startswith("tests."):
+                    offenders.append(f"{f.relative_to(ROOT)}: {name}")
+    assert sorted(set(offenders)) == []
