@@ -15,7 +15,7 @@ Simulated vs measured: after the timed steps, our contenders run ``--calibrate``
 interleaved the same way, with the engine instrumented (``ProgramEngine.instrument``): every
 action's duration, minus the time a compute action waited for the wire, averaged per kind and
 stage, plus the transfer latency of one activation (a gloo ping-pong), become the simulator's
-``Durations``; ``pp.simulate`` of the program then predicts the time of ``run_program``, compared
+``ActionDurations``; ``pp.simulate`` of the program then predicts the time of ``run_program``, compared
 with the measured one (the engine's step time in the same instrumented steps).
 
     python benchmarks/pp.py                  # about 2 minutes; out/pp/pp.json and out/pp/pp.md
@@ -217,8 +217,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
 
 
 def _durations(label: str, results: list[dict[str, Any]], latency_s: float) -> Any:
-    """The simulator's Durations from both ranks' calibration of ``label``."""
-    from torchrec_swp.pp import Durations
+    """The simulator's ActionDurations from both ranks' calibration of ``label``."""
+    from torchrec_swp.pp import ActionDurations
 
     per_stage: dict[int, dict[str, float]] = defaultdict(dict)
     p2p: list[float] = []
@@ -239,7 +239,7 @@ def _durations(label: str, results: list[dict[str, Any]], latency_s: float) -> A
         d = per_stage.get(s, {})
         scale.append(sum(d.values()) / sum(base[k] for k in d) if d else 1.0)
     fields = {k: base.get(k, 0.0) for k in ("F", "E", "B", "I", "W")}
-    return Durations(
+    return ActionDurations(
         **fields,
         P2P=statistics.mean(p2p) if p2p else 0.0,
         G=statistics.mean(other["G"]) if other["G"] else 0.0,

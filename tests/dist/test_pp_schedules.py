@@ -136,10 +136,10 @@ def _rank(rank: int, world_size: int, exact: str | None) -> dict[str, Any]:
 def exact_program() -> str | None:
     """The CP-SAT optimum, solved once here (every rank must run the same program)."""
     try:
-        from torchrec_swp.pp import Durations, loop_placement
+        from torchrec_swp.pp import ActionDurations, loop_placement
         from torchrec_swp.pp.exact import solve
 
-        return solve(M, loop_placement(2, 2), Durations(F=1, B=2), time_limit_s=20).program.to_text()
+        return solve(M, loop_placement(2, 2), ActionDurations(F=1, B=2), time_limit_s=20).program.to_text()
     except ImportError:  # OR-Tools is optional
         return None
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from torchrec_swp.pp import SCHEDULES, Durations, PPError, Program, build, format_grid, simulate, validate
+from torchrec_swp.pp import SCHEDULES, ActionDurations, PPError, Program, build, format_grid, simulate, validate
 from torchrec_swp.pp.actions import COMPUTE, Kind
 from torchrec_swp.pp.builders import maglev_1f1b, maglev_base, sparse_hoist_1f1b
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "pp"
-UNIT = Durations(F=1, E=1, B=2, I=1, W=1)
+UNIT = ActionDurations(F=1, E=1, B=2, I=1, W=1)
 
 
 def check_golden(name: str, text: str) -> None:
@@ -152,7 +152,7 @@ def test_sparse_hoist_split_runs_every_lookup_before_the_first_backward() -> Non
 def test_sparse_hoist_costs_memory_not_time_when_lookups_are_free() -> None:
     """Hoisting only moves lookups: with free lookups the split runs as 1F1B does; its live
     activations (a hoisted lookup's output is held until the backward) are higher."""
-    free_lookup = Durations(F=1, E=0, B=2)
+    free_lookup = ActionDurations(F=1, E=0, B=2)
     split = simulate(build("1F1B-split", 4, 8), free_lookup)
     plain = simulate(build("1F1B", 4, 8), free_lookup)
     assert split.makespan == plain.makespan == 33

@@ -8,12 +8,12 @@ import pytest
 
 pytest.importorskip("ortools")
 
-from torchrec_swp.pp import Durations, PPError, loop_placement, simulate, validate
+from torchrec_swp.pp import ActionDurations, PPError, loop_placement, simulate, validate
 from torchrec_swp.pp.actions import COMPUTE
 from torchrec_swp.pp.builders import SCHEDULES, interleaved_1f1b, one_f_one_b
 from torchrec_swp.pp.exact import greedy, solve
 
-SEED = Durations(F=5, B=10)
+SEED = ActionDurations(F=5, B=10)
 # the example's charts: the layers (stages) each device runs, in order
 SEED_GREEDY = ["00004444000044400404444044400400", "11115555111515511515155555511511",
                "22226666626262226222666666622622", "33337777773737333333777777373733"]  # fmt: skip
@@ -61,7 +61,7 @@ def test_optimum_is_never_above_a_builder(name: str) -> None:
         split = any(a.kind.value == "I" for r in program.ranks for a in r)
         if split and R == 2 and program.num_stages > R:
             continue  # 2-rank V/looped split problems take CP-SAT seconds to prove
-        d = Durations(F=1, B=2, I=1, W=1, E=0)
+        d = ActionDurations(F=1, B=2, I=1, W=1, E=0)
         built = simulate(program, d)
         exact = solve(M, program.placement, d, split_backward=split, time_limit_s=10)
         validate(exact.program)
@@ -72,14 +72,14 @@ def test_optimum_is_never_above_a_builder(name: str) -> None:
 
 
 def test_zbv_is_optimal_at_equal_f_i_w() -> None:
-    d = Durations(F=1, I=1, W=1)
+    d = ActionDurations(F=1, I=1, W=1)
     zbv = SCHEDULES["ZBV"].build(3, 6)
     exact = solve(6, zbv.placement, d, split_backward=True, time_limit_s=10)
     assert exact.optimal and exact.makespan == simulate(zbv, d).makespan == 38
 
 
 def test_activation_caps_and_latency() -> None:
-    d = Durations(F=1, B=2)
+    d = ActionDurations(F=1, B=2)
     caps = (3, 2, 1)  # 1F1B's own peaks on 3 ranks
     exact = solve(6, loop_placement(3), d, activation_caps=caps, time_limit_s=10)
     result = simulate(exact.program, d)
@@ -89,12 +89,12 @@ def test_activation_caps_and_latency() -> None:
     assert tight.makespan == 6 * 3 * 3  # one microbatch at a time through 3 stages
     # the solver's transfers start when the producer ends: so does a compute-only replay; with
     # receives posted just before their consumers the latency shows (see recv_ahead)
-    slow = Durations(F=1, B=2, latency=1)
+    slow = ActionDurations(F=1, B=2, latency=1)
     exact = solve(6, loop_placement(3), slow, time_limit_s=10)
     compute = exact.program.only(COMPUTE)
     assert exact.makespan == simulate(compute, slow).makespan == 28 <= simulate(one_f_one_b(3, 6), slow).makespan
     assert simulate(exact.program, slow).makespan == 34
     with pytest.raises(PPError, match="integer durations"):
-        solve(2, loop_placement(2), Durations(F=1.5))
+        solve(2, loop_placement(2), ActionDurations(F=1.5))
     with pytest.raises(PPError, match="activation caps"):
         solve(2, loop_placement(2), d, activation_caps=(1,))

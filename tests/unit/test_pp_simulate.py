@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from torchrec_swp.pp import Durations, PPDeadlock, PPError, Program, add_p2p, build, recv_ahead, simulate, validate
+from torchrec_swp.pp import ActionDurations, PPDeadlock, PPError, Program, add_p2p, build, recv_ahead, simulate, validate
 from torchrec_swp.pp.builders import SCHEDULES, gpipe, interleaved_1f1b, maglev_1f1b, one_f_one_b, zb_h1, zbv
 
 
@@ -18,7 +18,7 @@ def close(a: float, b: float) -> bool:
 
 @pytest.mark.parametrize("fb", [(1, 1), (1, 2), (2, 3)])
 def test_gpipe_and_1f1b_bubble_is_s_minus_1_over_m_plus_s_minus_1(fb: tuple[int, int]) -> None:
-    d = Durations(F=fb[0], B=fb[1])
+    d = ActionDurations(F=fb[0], B=fb[1])
     for S in range(1, 7):
         for M in range(1, 13):
             expected = (S - 1) / (M + S - 1)
@@ -31,7 +31,7 @@ def test_gpipe_and_1f1b_bubble_is_s_minus_1_over_m_plus_s_minus_1(fb: tuple[int,
 @pytest.mark.parametrize("fb", [(1, 1), (1, 2), (2, 3)])
 def test_interleaved_bubble_is_divided_by_the_virtual_stages(fb: tuple[int, int]) -> None:
     """Megatron: (S - 1) / (v M + S - 1) when M is a multiple of S."""
-    d = Durations(F=fb[0], B=fb[1])
+    d = ActionDurations(F=fb[0], B=fb[1])
     for S in range(2, 6):
         for v in (2, 3):
             for M in (S, 2 * S, 3 * S):
@@ -44,19 +44,19 @@ def test_zb_h1_bubble_is_s_minus_1_times_f_plus_i_minus_w(fiw: tuple[int, int, i
     """ZB paper: ZB-H1's bubble is (S - 1)(F + I - W) per rank (1F1B: (S - 1)(F + I + W)), for
     W no longer than F and I; with W = 2 > F = I = 1 the held-back W's no longer fit."""
     F, I, W = fiw
-    d = Durations(F=F, I=I, W=W)
+    d = ActionDurations(F=F, I=I, W=W)
     for S in range(1, 7):
         for M in range(S, 13):
             bubble = (S - 1) * (F + I - W)
             result = simulate(add_p2p(zb_h1(S, M)), d)
             assert close(result.bubble, bubble / (M * (F + I + W) + bubble)), (S, M, result.bubble)
-    assert simulate(zb_h1(4, 8), Durations(F=1, I=1, W=2)).bubble > 0
+    assert simulate(zb_h1(4, 8), ActionDurations(F=1, I=1, W=2)).bubble > 0
 
 
 def test_zbv_bubble_at_equal_f_i_w() -> None:
     """Measured: (R - 1) idle units per rank, whatever M >= 2R - 1 (CP-SAT proves that optimal
     for R = 3, M = 6 in test_pp_exact.py)."""
-    d = Durations(F=1, I=1, W=1)
+    d = ActionDurations(F=1, I=1, W=1)
     for R in range(1, 6):
         for M in range(2 * R - 1, 13):
             result = simulate(add_p2p(zbv(R, M)), d)
@@ -68,12 +68,12 @@ def test_peak_activations() -> None:
     assert simulate(build("GPipe", 4, 8)).peak_activations == (8, 8, 8, 8)
     assert simulate(build("1F1B", 4, 2)).peak_activations == (2, 2, 2, 1)
     # the example's Megatron chart: 11, 9, 7, 5
-    assert simulate(build("Interleaved1F1B", 4, 8), Durations(F=5, B=10)).peak_activations == (11, 9, 7, 5)
+    assert simulate(build("Interleaved1F1B", 4, 8), ActionDurations(F=5, B=10)).peak_activations == (11, 9, 7, 5)
 
 
 def test_compute_only_program_with_latency() -> None:
     """Without P2P actions a cross-rank input arrives ``latency`` after its producer ends."""
-    d = Durations(F=1, B=1, latency=1)
+    d = ActionDurations(F=1, B=1, latency=1)
     assert simulate(gpipe(2, 1), d).makespan == 6  # 0F0, hop, 1F0, 1B0, hop, 0B0
 
 
@@ -85,7 +85,7 @@ def test_timeline_is_ordered_per_rank_and_grid_renders() -> None:
     grid = result.grid()
     assert grid.splitlines()[1].startswith("rank 0  0F0")
     with pytest.raises(PPError, match="tick boundary"):
-        simulate(build("1F1B", 2, 2), Durations(F=1.5)).grid(tick=1)
+        simulate(build("1F1B", 2, 2), ActionDurations(F=1.5)).grid(tick=1)
 
 
 # ---------------------------------------------------------------------------- deadlocks
@@ -130,7 +130,7 @@ def test_swapped_receive_order_across_ranks_deadlocks_with_synchronous_p2p() -> 
 def test_receive_ahead_hides_latency() -> None:
     """Maglev1F1BRecvAhead's point: a receive posted just before its consumer exposes the whole
     transfer; posted one compute ahead it lands while that compute runs."""
-    d = Durations(F=1, B=2, latency=0.5)
+    d = ActionDurations(F=1, B=2, latency=0.5)
     just_in_time = simulate(maglev_1f1b(4, 8), d)
     ahead = simulate(maglev_1f1b(4, 8, recv_ahead=True), d)
     ideal = simulate(one_f_one_b(4, 8), d)  # transfers start when the producer ends
@@ -171,7 +171,7 @@ def test_gradient_sync_inside_the_last_backward_delays_the_upstream_stage() -> N
     """Maglev's DDP reduces during the last backward, before that backward's send: with a
     costly all-reduce each stage's last gradient leaves one sync later, and the delays add up
     down the pipeline: 33 + 4 x 3 against 33 + 3 when each stage syncs after its send."""
-    d = Durations(F=1, B=2, G=3)
+    d = ActionDurations(F=1, B=2, G=3)
     maglev = simulate(maglev_1f1b(4, 8), d)
     after_send = simulate(build("1F1B", 4, 8), d)
     assert (maglev.makespan, after_send.makespan) == (45.0, 36.0)
@@ -181,9 +181,9 @@ def test_bad_arguments() -> None:
     with pytest.raises(PPError, match="comm must be"):
         simulate(build("1F1B", 2, 2), comm="eager")  # type: ignore[arg-type]
     with pytest.raises(PPError, match="duration F"):
-        Durations(F=-1)
-    assert Durations.from_text(str(Durations(F=5, B=10, stage_scale=(1, 2)))) == Durations(
+        ActionDurations(F=-1)
+    assert ActionDurations.from_text(str(ActionDurations(F=5, B=10, stage_scale=(1, 2)))) == ActionDurations(
         F=5, B=10, stage_scale=(1, 2)
     )
     with pytest.raises(PPError, match="bad duration"):
-        Durations.from_text("X=1")
+        ActionDurations.from_text("X=1")

@@ -20,18 +20,18 @@ from torchrec_swp.pp.builders import SCHEDULES, build
 from torchrec_swp.pp.comm import add_p2p, add_step, recv_ahead
 from torchrec_swp.pp.errors import PPDeadlock, PPError, Stuck
 from torchrec_swp.pp.grid import format_grid, format_ticks
-from torchrec_swp.pp.simulate import Durations, SimResult, Span, simulate
+from torchrec_swp.pp.simulate import ActionDurations, ProgramSimResult, Span, simulate
 from torchrec_swp.pp.validate import validate
 
 __all__ = [
     "SCHEDULES",
     "Action",
-    "Durations",
+    "ActionDurations",
     "Kind",
     "PPDeadlock",
     "PPError",
     "Program",
-    "SimResult",
+    "ProgramSimResult",
     "Span",
     "Stuck",
     "act",

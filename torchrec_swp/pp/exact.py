@@ -15,7 +15,7 @@ limit ``L`` allows exactly ``cap[r]`` of them on rank ``r``.
 ``solve`` returns the optimal per-rank compute orders as a program with P2P added
 (``comm.add_p2p``), which ``validate`` accepts and ``simulate`` replays in exactly the solver's
 makespan (ASAP replay of the optimal orders cannot be longer, nor shorter than the optimum).
-Durations must be integers (CP-SAT's); ``greedy`` is the list scheduler on the same DAG.
+ActionDurations must be integers (CP-SAT's); ``greedy`` is the list scheduler on the same DAG.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from torchrec_swp.pp.actions import Action, B, F, I, Program, W, _positive
 from torchrec_swp.pp.comm import add_p2p
 from torchrec_swp.pp.errors import PPError
-from torchrec_swp.pp.simulate import Durations
+from torchrec_swp.pp.simulate import ActionDurations
 from torchrec_swp.solve.dag import Dag, DagSchedule, DagTask, Memory, list_schedule
 
 
 def pp_dag(
     num_microbatches: int,
     placement: Sequence[int],
-    durations: Durations,
+    durations: ActionDurations,
     *,
     split_backward: bool = False,
     activation_caps: int | Sequence[int] | None = None,
@@ -105,7 +105,7 @@ class ExactSolution:
 def solve(
     num_microbatches: int,
     placement: Sequence[int],
-    durations: Durations,
+    durations: ActionDurations,
     *,
     split_backward: bool = False,
     activation_caps: int | Sequence[int] | None = None,
@@ -129,7 +129,7 @@ def solve(
 
 
 def greedy(
-    num_microbatches: int, placement: Sequence[int], durations: Durations, *, split_backward: bool = False
+    num_microbatches: int, placement: Sequence[int], durations: ActionDurations, *, split_backward: bool = False
 ) -> tuple[Program, int]:
     """Greedy list scheduling of the same DAG (oldest microbatch first): program and makespan."""
     dag, _ = pp_dag(num_microbatches, placement, durations, split_backward=split_backward)

@@ -5,7 +5,7 @@ and the peak of live activations per rank, or raises ``PPDeadlock`` naming each 
 action and what it waits for. Semantics, rules:
 
   1. A rank runs its actions in order, one at a time, each as early as its inputs allow; an
-     action occupies the rank for its duration (``Durations``).
+     action occupies the rank for its duration (``ActionDurations``).
   2. A compute action waits for its inputs: the actions it needs on its own rank (which must
      have run: a later one is never waited for, that is a deadlock), and the data of a
      cross-rank input. In a program with P2P, that input arrives through its receive:
@@ -40,10 +40,10 @@ Comm = Literal["async", "rendezvous"]
 
 
 @dataclass(frozen=True, slots=True)
-class Durations:
+class ActionDurations:
     """How long each kind of action occupies its rank; ``latency`` is a transfer's flight time.
     ``stage_scale[s]`` multiplies stage ``s``'s compute (unbalanced stages; default 1).
-    Text form (``str``/``Durations.from_text``): ``F=1 E=1 B=2 I=1 W=1 P2P=0 G=0 O=0 latency=0``."""
+    Text form (``str``/``ActionDurations.from_text``): ``F=1 E=1 B=2 I=1 W=1 P2P=0 G=0 O=0 latency=0``."""
 
     F: float = 1.0
     E: float = 1.0
@@ -80,15 +80,15 @@ class Durations:
         return " ".join(parts)
 
     @staticmethod
-    def from_text(text: str) -> Durations:
+    def from_text(text: str) -> ActionDurations:
         kv: dict[str, object] = {}
-        names = {f.name for f in fields(Durations)}
+        names = {f.name for f in fields(ActionDurations)}
         for part in text.split():
             key, sep, value = part.partition("=")
             if not sep or key not in names or not re.match(r"[0-9.,e+-]+\Z", value):
                 raise PPError(f"bad duration {part!r}: expected NAME=NUMBER with NAME in {sorted(names)}")
             kv[key] = tuple(float(x) for x in value.split(",")) if key == "stage_scale" else float(value)
-        return Durations(**kv)  # type: ignore[arg-type]
+        return ActionDurations(**kv)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +102,9 @@ class Span:
 
 
 @dataclass(frozen=True)
-class SimResult:
+class ProgramSimResult:
     program: Program
-    durations: Durations
+    durations: ActionDurations
     timelines: tuple[tuple[Span, ...], ...]
     makespan: float
     busy: tuple[float, ...]
@@ -127,17 +127,17 @@ class SimResult:
 
 
 def simulate(
-    program: Program, durations: Durations | None = None, *, comm: Comm = "async", lazy_init: bool = False
-) -> SimResult:
+    program: Program, durations: ActionDurations | None = None, *, comm: Comm = "async", lazy_init: bool = False
+) -> ProgramSimResult:
     """Replay ``program`` (module rules 1-6). Raises PPDeadlock, or PPError for a program whose
     receives have no send (run ``validate`` first for a full diagnosis)."""
     if comm not in ("async", "rendezvous"):
         raise PPError(f"comm must be 'async' or 'rendezvous', got {comm!r}")
-    return _Replay(program, durations or Durations(), comm, lazy_init).run()
+    return _Replay(program, durations or ActionDurations(), comm, lazy_init).run()
 
 
 class _Replay:
-    def __init__(self, program: Program, d: Durations, comm: Comm, lazy_init: bool) -> None:
+    def __init__(self, program: Program, d: ActionDurations, comm: Comm, lazy_init: bool) -> None:
         self.p, self.d, self.comm, self.lazy = program, d, comm, lazy_init
         R = program.num_ranks
         self.pc = [0] * R
@@ -164,7 +164,7 @@ class _Replay:
             self.first[a] = other
 
     # ------------------------------------------------------------------ driver
-    def run(self) -> SimResult:
+    def run(self) -> ProgramSimResult:
         R = self.p.num_ranks
         while True:
             progress = False
@@ -177,7 +177,7 @@ class _Replay:
                 raise self._deadlock()
         makespan = max(self.clock, default=0.0)
         busy = tuple(sum(self.d.of(s.action) for s in spans) for spans in self.spans)
-        return SimResult(self.p, self.d, tuple(tuple(s) for s in self.spans), makespan, busy, self._peaks())
+        return ProgramSimResult(self.p, self.d, tuple(tuple(s) for s in self.spans), makespan, busy, self._peaks())
 
     def _step(self, r: int) -> str | None:
         """Run rank ``r``'s next action (or P2P batch); None on success, else what it waits for."""
