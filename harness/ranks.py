@@ -8,10 +8,12 @@ children exit when the parent dies. ``harness.parity`` builds the models and com
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
 import random
+import signal
 import socket
 import threading
 import time
@@ -90,6 +92,9 @@ def _rank_main(
     (not as shared-memory handles that die with this process) and so that an unpicklable
     result is reported as this rank's error.
     """
+    # this rank leads a process group of its own: what it starts (DataLoader workers, ...) is in
+    # it, and the parent kills the group at the end, so nothing outlives a rank that crashed
+    os.setpgid(0, 0)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     # Keep gloo on the loopback interface instead of whatever the host name resolves to.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -149,7 +154,8 @@ def run_on_ranks(
         TimeoutError: ``timeout_s`` passed before every rank reported; the message names the
             ranks that had not finished, and all ranks are killed.
 
-    No child process outlives this call.
+    No child process outlives this call, nor anything a rank started (each rank leads a process
+    group, killed at the end).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -175,8 +181,15 @@ def run_on_ranks(
                 proc.kill()
             if proc.pid is not None:
                 proc.join()
+                _kill_group(proc.pid)
         results.close()
         results.cancel_join_thread()
+
+
+def _kill_group(pgid: int) -> None:
+    """Kill what is left of a rank's process group (its own children: loader workers, ...)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _collect(

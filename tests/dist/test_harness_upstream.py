@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,36 @@ def _die_on_rank_1(rank: int, world_size: int, pid_dir: str) -> None:
     if rank == 1:
         os._exit(3)
     dist.barrier()  # fails with "Connection reset by peer" once rank 1 is gone
+
+
+def _start_a_worker_then_crash(rank: int, world_size: int, pid_dir: str) -> None:
+    """Like a rank whose DataLoader workers are running when it aborts."""
+    (Path(pid_dir) / str(rank)).write_text(str(os.getpid()))
+    if rank == 1:
+        worker = subprocess.Popen(["sleep", "600"])
+        (Path(pid_dir) / "worker").write_text(str(worker.pid))
+        os.abort()
+    dist.barrier()
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead, waiting for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"
+
+
+@pytest.mark.multiprocess
+def test_nothing_a_crashed_rank_started_outlives_the_call(tmp_path: Path) -> None:
+    with pytest.raises(RankError):
+        run_on_ranks(_start_a_worker_then_crash, str(tmp_path), timeout_s=120.0)
+    worker = int((tmp_path / "worker").read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(worker), f"the worker {worker} the crashed rank started is still running"
 
 
 @pytest.mark.multiprocess
