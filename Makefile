@@ -36,7 +36,7 @@ $(STAMP18): setup.py requirements/runtime.txt requirements/torchrec-1.8.txt requ
 # checked before anything starts, and a failed job ends with one line saying why.
 ARGS ?=
 run: $(STAMP)
-	$(PY) examples/dlrm/launch.py $(ARGS)
+	$(PY) examples/dlrm/launch.py --timeline out/run/timeline.png $(ARGS)
 
 # A shorter first look: 20 steps that print the plan and every step's loss.
 quickstart: $(STAMP)

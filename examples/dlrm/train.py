@@ -196,6 +196,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours: profile every task (TaskProfiler) and write rank 0's profile here",
     )
     run.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="PNG",
+        help="ours: draw rank 0's last 4 steps as a Gantt chart, one row per thread, into PNG "
+        "(make run writes out/run/timeline.png)",
+    )
+    run.add_argument(
         "--check",
         action="store_true",
         help="only check the arguments, plan file, thread map and checkpoint directory, then exit",
@@ -522,6 +529,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         from torchrec_swp.profiler import TaskProfiler
 
         profiler = TaskProfiler(warmup=2).attach(runner.pipeline.engine)
+    recorder = None
+    last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    if args.timeline and rank == 0 and args.impl == "ours" and profiler is None:
+        from examples.dlrm.picture import StepRecorder
+
+        recorder = StepRecorder(keep=4)
     it: Iterator[Any] = iter(loader)
     examples_per_step = size.batch_size * world_size
     interactive = sys.stdout.isatty()
@@ -536,6 +549,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         mininterval=0.2 if interactive else 0.0,
         miniters=None if interactive else max(1, args.steps // 10),
         dynamic_ncols=interactive,
+        leave=interactive,  # piped: the 100% line is already printed; closing would print it again
     )
     step_s: list[float] = []
     losses: list[float] = []
@@ -544,12 +558,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         while trained < args.steps and (args.stop_after is None or trained < args.stop_after):
+            if recorder is not None and trained == max(start_step, last_step - recorder.keep):
+                runner.pipeline.engine.instrument(recorder)  # only the steps drawn pay for it
             t0 = time.perf_counter()
             try:
                 output = runner.step(it)
             except StopIteration:
                 break
             step_s.append(time.perf_counter() - t0)
+            if recorder is not None and trained >= last_step - recorder.keep:
+                recorder.step(t0, t0 + step_s[-1])
             losses.append(float(output[0]))
             trained += 1
             if rank == 0:
@@ -578,6 +596,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         runner.close()
         shutdown_workers(it)
     wall = time.perf_counter() - start
+    timeline = None
+    if recorder is not None and recorder.steps:
+        from examples.dlrm.picture import save_gantt
+
+        runner.pipeline.engine.instrument()
+        title = f"ours {args.pipeline}, rank 0 of {world_size}: the last {len(recorder.steps)} steps"
+        timeline = str(save_gantt(recorder, args.timeline, title))
     if profiler is not None and rank == 0:
         profile = profiler.profile()
         args.profile_out.parent.mkdir(parents=True, exist_ok=True)
@@ -610,6 +635,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "loss_first": statistics.fmean(head) if losses else None,
         "loss_last": statistics.fmean(tail) if losses else None,
         "losses": losses,
+        "timeline_png": timeline,
         "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
         "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
     }
@@ -649,6 +675,8 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  loss: {s['loss_first']:.4f} (first 10% of steps) -> {s['loss_last']:.4f} (last 10%)"
         )
     print(f"  weights: sha256 {s['weights_sha256'][:16]} (all ranks' shards)")
+    if s.get("timeline_png"):
+        print(f"  timeline: {s['timeline_png']} (the last steps as a Gantt chart, one row per thread)")
 
 
 def main(argv: list[str] | None = None) -> int:
