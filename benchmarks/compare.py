@@ -384,13 +384,14 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         ):
             whiskers = [[0.0] * len(rows), [r[side]["p90_ms"] - m for r, m in zip(rows, medians)]]
             ax.bar([i + offset for i in x], medians, 0.4, yerr=whiskers, capsize=2, label=label, color=color)
-        for i, r in enumerate(rows):
-            top = max(r["upstream"]["p90_ms"], r["ours"]["p90_ms"])
+        tops = [max(r["upstream"]["p90_ms"], r["ours"]["p90_ms"]) for r in rows]
+        for i, (r, top) in enumerate(zip(rows, tops)):
             ax.annotate(f"{r['ratio']:.2f}", (i, top), ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.15 * max(tops, default=1.0))  # room for the ratios under the title
         ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("step time (ms)\nmedian, whisker P90")
         ax.set_title(f"{size}: {SIZES[size].describe()}   (numbers: ours / upstream)", fontsize=9)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not over a ratio
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
