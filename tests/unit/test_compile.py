@@ -21,7 +21,7 @@ def test_mask_formula_fill_steady_drain() -> None:
     masks = [active_stages(plan, p, 5) for p in range(7)]
     assert masks == [(0,), (0, 1), (0, 1, 2), (0, 1, 2), (0, 1, 2), (1, 2), (2,)]
     assert active_stages(plan, 9, None) == (0, 1, 2)  # M unknown: steady state
-    assert [p for p, _ in CompiledPlan(plan).phases(5)] == list(range(7))
+    assert [p for p, _ in CompiledPlan(plan).iterations(5)] == list(range(7))
 
 
 def test_single_thread_plan_compiles_to_a_flat_list() -> None:

@@ -272,7 +272,7 @@ def test_tickets_contradicting_a_wait_deadlock() -> None:
 def test_a_deadlock_in_a_later_iteration_names_it() -> None:
     # iterations 0 and 1 run as compiled; in iteration 2 the two threads wait on each other
     plan = two_stage().with_thread_map({"H2D": "io"})
-    phases = CompiledPlan(plan).phases(4)
+    phases = CompiledPlan(plan).iterations(4)
     p, prog = phases[2]
     crossed = (
         ("default", (WaitTask("H2D"), Run("Compute", 1), Signal("Compute"))),
@@ -310,7 +310,7 @@ def without_first_wait(
 
 def test_removing_a_wait_is_a_race_even_when_timing_hides_it() -> None:
     plan = load_prep().with_thread_map({"Load": "io"})
-    phases, removed = without_first_wait(CompiledPlan(plan).phases(4), "default")
+    phases, removed = without_first_wait(CompiledPlan(plan).iterations(4), "default")
     assert removed == "Load"
     # Load is fast: Prep still starts after it in time, but nothing in the program says so
     r = simulate_programs(plan, phases, {"Load": 0, "Prep": 1, "Fwd": 1})
@@ -328,13 +328,13 @@ def test_removing_a_wait_is_a_race_even_when_timing_hides_it() -> None:
     assert "cpu-order: Prep(0) on thread 'default' at internal iteration 0 may run before Load(0)" in msg
     assert "i0*" in msg
     # the compiled programs themselves are fine, with or without timing
-    check_happens_before(CompiledPlan(plan).phases(4), plan)
+    check_happens_before(CompiledPlan(plan).iterations(4), plan)
     check_happens_before(simulate(plan, {"Load": 3, "Prep": 1, "Fwd": 1}, 4), plan)
 
 
 def test_removing_a_wait_in_a_sparse_dist_plan_on_a_thread_per_task() -> None:
     plan = sparse_like().with_thread_map("per_task")
-    phases, removed = without_first_wait(CompiledPlan(plan).phases(5), "WaitBatch")
+    phases, removed = without_first_wait(CompiledPlan(plan).iterations(5), "WaitBatch")
     assert removed == "ZeroGrad"
     with pytest.raises(SimRace) as info:
         check_happens_before(phases, plan)
@@ -354,7 +354,7 @@ def test_removing_a_stream_wait_is_a_device_race() -> None:
                 ),
             ),
         )
-        for p, prog in CompiledPlan(plan, device_streams=True).phases(3)
+        for p, prog in CompiledPlan(plan, device_streams=True).iterations(3)
     ]
     assert find_races(phases, plan) == []  # CPU order is intact
     with pytest.raises(SimRace) as info:
@@ -380,7 +380,7 @@ def test_without_the_barrier_the_compiled_waits_across_iterations_are_what_order
     # ends iteration b and Compute(b), on the main thread, starts iteration b + 1 with a
     # `wait H2D@P-1`. Without that wait they race on every batch.
     plan = two_stage().with_thread_map({"H2D": "io"})
-    phases = CompiledPlan(plan).phases(4)
+    phases = CompiledPlan(plan).iterations(4)
     assert "wait H2D@P-1" in [str(i) for i in phases[2][1].instructions("default")]
     r = simulate(plan, {"H2D": 2, "Compute": 5}, 4, iteration_barrier=False)
     assert not find_races(r, plan)
@@ -393,7 +393,7 @@ def test_without_the_barrier_the_compiled_waits_across_iterations_are_what_order
     races = find_races(unwaited, plan, iteration_barrier=False)
     assert {(x.kind, x.batch) for x in races if x.kind == "cpu-order"} == {("cpu-order", b) for b in range(4)}
     # on one thread program order is enough
-    assert not find_races(CompiledPlan(two_stage()).phases(4), two_stage(), iteration_barrier=False)
+    assert not find_races(CompiledPlan(two_stage()).iterations(4), two_stage(), iteration_barrier=False)
 
 
 def random_durations(
@@ -412,7 +412,7 @@ def test_every_compiled_program_replays_without_deadlock_or_race(
 ) -> None:
     plan = mapped(PLANS[name](), thread_map)
     compiled = CompiledPlan(plan, device_streams=device_streams)
-    check_happens_before(compiled.phases(6), plan, device_streams=device_streams)
+    check_happens_before(compiled.iterations(6), plan, device_streams=device_streams)
     rng = random.Random(f"{name}{thread_map}{device_streams}")
     tasks = list(plan.schedule)
     for _ in range(5):
@@ -458,7 +458,7 @@ def test_random_plans_compile_to_programs_without_deadlock_or_race(seed: int) ->
     num_batches = rng.randint(1, 5)
     for device_streams in (False, True):
         compiled = CompiledPlan(plan, device_streams=device_streams)
-        check_happens_before(compiled.phases(num_batches), plan, device_streams=device_streams)
+        check_happens_before(compiled.iterations(num_batches), plan, device_streams=device_streams)
         cpu = random_durations(rng, plan, num_batches, [0.0, 1.0, 3.0])
         dev = random_durations(rng, plan, num_batches, [0.0, 1.0, 5.0]) if device_streams else None
         r = simulate(compiled, cpu, num_batches, device_durations=dev)

@@ -221,7 +221,7 @@ class CompiledPlan:
             self._cache[stages] = prog
         return prog
 
-    def phases(self, num_batches: int) -> list[tuple[int, IterationProgram]]:
+    def iterations(self, num_batches: int) -> list[tuple[int, IterationProgram]]:
         """Every iteration of a run over ``num_batches`` batches: fill, steady state, drain."""
         last = num_batches + self.plan.max_stage
         return [(p, self.program(p, num_batches)) for p in range(last)]

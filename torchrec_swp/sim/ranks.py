@@ -139,7 +139,7 @@ def simulate_ranks(
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
         raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
     return simulate_rank_programs(
-        [(r, r.compiled().phases(num_batches)) for r in ranks],
+        [(r, r.compiled().iterations(num_batches)) for r in ranks],
         cores=cores,
         background=background,
         iteration_barrier=iteration_barrier,

@@ -68,7 +68,7 @@ def simulate(
         raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
     return simulate_programs(
         compiled.plan,
-        compiled.phases(num_batches),
+        compiled.iterations(num_batches),
         durations,
         device_durations=device_durations,
         iteration_barrier=iteration_barrier,
