@@ -111,3 +111,22 @@ def test_torch_rejects_what_we_accept() -> None:
             schedules.ScheduleInterleavedZeroBubble, 4, 9
         )  # ZB-H1: rounds do not matter with one stage per rank
     assert ours(zb_h1(4, 9))
+
+
+def test_every_action_kind_torch_has_round_trips_through_torchs_own_parser() -> None:
+    from torch.distributed.pipelining.schedules import _Action
+
+    from torchrec_swp.pp import TORCH_KINDS, Action, PPError, from_torch_text, to_torch_text
+    from torchrec_swp.pp.actions import PER_STEP, Kind
+
+    for kind in TORCH_KINDS:
+        ours = Action(1, kind, None if kind in PER_STEP else 3)
+        text = to_torch_text(ours)
+        assert str(_Action.from_str(text)) == text  # torch reads and writes it back unchanged
+        assert from_torch_text(text) == ours
+    assert to_torch_text(Action(0, Kind.SEND_F, 2)) == "0SEND_F2"
+    for kind in (Kind.SPARSE, Kind.STEP):
+        with pytest.raises(PPError, match="no torch.distributed.pipelining counterpart"):
+            to_torch_text(Action(0, kind, None if kind in PER_STEP else 0))
+    with pytest.raises(PPError, match="unsupported torch action '0UNSHARD'"):
+        from_torch_text("0UNSHARD")

@@ -15,7 +15,17 @@
   ``torchrec_swp.integrations.torchrec.maglev``.
 """
 
-from torchrec_swp.pp.actions import Action, Kind, Program, act, loop_placement, v_placement
+from torchrec_swp.pp.actions import (
+    TORCH_KINDS,
+    Action,
+    Kind,
+    Program,
+    act,
+    from_torch_text,
+    loop_placement,
+    to_torch_text,
+    v_placement,
+)
 from torchrec_swp.pp.builders import SCHEDULES, build
 from torchrec_swp.pp.comm import add_p2p, add_step, recv_ahead
 from torchrec_swp.pp.errors import PPDeadlock, PPError, Stuck
@@ -24,6 +34,9 @@ from torchrec_swp.pp.simulate import ActionDurations, ProgramSimResult, Span, si
 from torchrec_swp.pp.validate import validate
 
 __all__ = [
+    "TORCH_KINDS",
+    "from_torch_text",
+    "to_torch_text",
     "SCHEDULES",
     "Action",
     "ActionDurations",

@@ -18,7 +18,8 @@ Kinds, roughly:
 
 ``E``/``F``/``B``/``I``/``W`` are *compute*; ``SF``/``RF``/``SB``/``RB`` are *P2P*; ``G`` and ``O``
 end a step. The text is torch.distributed.pipelining's ``_Action`` form for the kinds both have
-(``F``, ``B``, ``I``, ``W``; torch spells the P2P kinds ``SEND_F`` ... and ``G`` ``REDUCE_GRAD``).
+(``F``, ``B``, ``I``, ``W``; torch spells the P2P kinds ``SEND_F`` ... and ``G`` ``REDUCE_GRAD``):
+``TORCH_KINDS`` is the one-to-one table, ``to_torch_text``/``from_torch_text`` the round trip.
 
 A **program** holds, per rank, the actions that rank runs in order, and the placement of
 stages on ranks. Its text form (``program_to_text``/``program_from_text``) round-trips exactly::
@@ -143,6 +144,36 @@ class Action:
         if self.kind not in P2P:
             raise PPError(f"{self} is not a send or a receive", action=str(self))
         return self.kind.value[1]
+
+
+#: Our kind -> torch.distributed.pipelining's ``_ComputationType`` text, one to one (``E`` and ``O``
+#: have none: torch has no sparse forward and leaves the optimizer outside its schedules).
+TORCH_KINDS: dict[Kind, str] = {
+    F: "F", B: "B", I: "I", W: "W",
+    SF: "SEND_F", RF: "RECV_F", SB: "SEND_B", RB: "RECV_B",
+    G: "REDUCE_GRAD",
+}  # fmt: skip
+_FROM_TORCH = {text: kind for kind, text in TORCH_KINDS.items()}
+_TORCH_ACTION = re.compile(r"(0|[1-9][0-9]*)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|[A-Z_]+?)(0|[1-9][0-9]*)?\Z")
+
+
+def to_torch_text(action: Action) -> str:
+    """``action`` in torch.distributed.pipelining's action text (``_Action.from_str`` reads it):
+    ``0SF1`` -> ``0SEND_F1``, ``1G`` -> ``1REDUCE_GRAD``. PPError for ``E`` and ``O``."""
+    text = TORCH_KINDS.get(action.kind)
+    if text is None:
+        raise PPError(f"action {action} has no torch.distributed.pipelining counterpart (kind {action.kind.value})", action=str(action))
+    return f"{action.stage}{text}{'' if action.microbatch is None else action.microbatch}"
+
+
+def from_torch_text(text: str) -> Action:
+    """The action torch.distributed.pipelining's text names (``0SEND_F1`` -> ``0SF1``). PPError for
+    torch's kinds we do not have (``UNSHARD``, ``RESHARD``, ``OVERLAP_F_B``)."""
+    m = _TORCH_ACTION.match(text.strip())
+    kind = None if m is None else _FROM_TORCH.get(m.group(2))
+    if m is None or kind is None:
+        raise PPError(f"bad or unsupported torch action {text!r}: kinds {', '.join(_FROM_TORCH)}", action=text)
+    return Action(int(m.group(1)), kind, None if m.group(3) is None else int(m.group(3)))
 
 
 def _kind(value: object) -> Kind:
