@@ -1,0 +1,231 @@
+"""The stream checker on one thread: unsynchronised accesses and early frees, caught and clean."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from torchrec_swp.streamcheck import (
+    EarlyFree,
+    StreamChecker,
+    StreamCheckError,
+    UnsyncedAccess,
+)
+
+
+@pytest.fixture
+def checker() -> Iterator[StreamChecker]:
+    c = StreamChecker()
+    with c:
+        yield c
+
+
+def produce(c: StreamChecker, batch: int = 0, stream: str = "memcpy") -> torch.Tensor:
+    """H2D-like task: a fresh tensor written on ``stream``."""
+    with c.task("H2D", batch), torch.cpu.stream(c.stream(stream)):
+        return torch.ones(4, 8).mul_(batch + 1)
+
+
+def only(c: StreamChecker) -> UnsyncedAccess | EarlyFree:
+    assert len(c.findings) == 1, c.findings
+    return c.findings[0]
+
+
+def test_read_without_wait_is_caught_naming_both_accesses(checker: StreamChecker) -> None:
+    x = produce(checker, batch=3)
+    with checker.task("Forward", 3):
+        x.sum()
+    f = only(checker)
+    assert isinstance(f, UnsyncedAccess) and f.kind == "W/R"
+    assert (f.earlier.task, f.earlier.batch, f.earlier.stream, f.earlier.op) == ("H2D", 3, "memcpy", "aten.mul_.Tensor")
+    assert (f.later.task, f.later.batch, f.later.stream, f.later.op) == ("Forward", 3, "default", "aten.sum.default")
+    assert f.earlier.shape == f.later.shape == (4, 8)
+    text = str(f)
+    assert "task H2D batch 3 on stream 'memcpy'" in text and "task Forward batch 3 on stream 'default'" in text
+    with pytest.raises(StreamCheckError, match=r"1 distinct finding\(s\), 1 in all"):
+        checker.check()
+
+
+def test_wait_stream_orders_the_read(checker: StreamChecker) -> None:
+    x = produce(checker)
+    with checker.task("Forward", 0):
+        torch.cpu.current_stream().wait_stream(checker.stream("memcpy"))
+        x.sum()
+    checker.check()
+
+
+def test_event_record_and_wait_order_the_read(checker: StreamChecker) -> None:
+    x = produce(checker)
+    event = checker.stream("memcpy").record_event()
+    with checker.task("Forward", 0):
+        event.wait()  # on the current stream
+        x.sum()
+    y = produce(checker, batch=1)
+    event = checker.event()
+    event.record(checker.stream("memcpy"))
+    with checker.task("Forward", 1):
+        checker.default_stream.wait_event(event)
+        y.sum()
+    checker.check()
+
+
+def test_a_wait_recorded_before_the_write_does_not_order_it(checker: StreamChecker) -> None:
+    early = checker.stream("memcpy").record_event()
+    x = produce(checker)
+    with checker.task("Forward", 0):
+        checker.default_stream.wait_event(early)
+        x.sum()
+    assert isinstance(only(checker), UnsyncedAccess)
+
+
+def test_the_same_stream_is_ordered(checker: StreamChecker) -> None:
+    x = produce(checker)
+    with checker.task("Consumer", 0), torch.cpu.stream(checker.stream("memcpy")):
+        x.add_(1).sum()
+    checker.check()
+
+
+def test_write_after_read_is_caught_and_ordered_by_a_wait(checker: StreamChecker) -> None:
+    memcpy = checker.stream("memcpy")
+    buffer = produce(checker)
+    with checker.task("Forward", 0):
+        memcpy_done = memcpy.record_event()
+        checker.current_stream().wait_event(memcpy_done)
+        buffer.sum()  # read on default
+    with checker.task("H2D", 1), torch.cpu.stream(memcpy):
+        buffer.copy_(torch.zeros(4, 8))  # in-place refill while default may still read it
+    f = only(checker)
+    assert isinstance(f, UnsyncedAccess) and f.kind == "R/W"
+    assert (f.earlier.task, f.earlier.stream, f.later.task, f.later.stream) == ("Forward", "default", "H2D", "memcpy")
+    assert f.later.arg == "self" and f.later.op == "aten.copy_.default"
+
+    checker.clear()
+    with checker.task("Forward", 1):
+        memcpy.wait_stream(memcpy)  # a no-op
+        checker.current_stream().wait_stream(memcpy)
+        buffer.sum()
+    with checker.task("H2D", 2), torch.cpu.stream(memcpy):
+        memcpy.wait_stream(checker.default_stream)
+        buffer.copy_(torch.zeros(4, 8))
+    checker.check()
+
+
+def test_write_write_on_two_streams(checker: StreamChecker) -> None:
+    x = produce(checker)
+    with checker.task("Other", 0), torch.cpu.stream(checker.stream("side")):
+        x.fill_(2)
+    f = only(checker)
+    assert isinstance(f, UnsyncedAccess) and f.kind == "W/W"
+    assert (f.earlier.stream, f.later.stream) == ("memcpy", "side")
+
+
+def test_a_view_shares_its_base_storage(checker: StreamChecker) -> None:
+    x = produce(checker)
+    with checker.task("Forward", 0):
+        x.view(32)[:4].sum()  # views are no accesses; the read through them is
+    f = only(checker)
+    assert isinstance(f, UnsyncedAccess) and f.later.shape == (4,)
+
+
+def test_ops_outside_tasks_are_not_recorded(checker: StreamChecker) -> None:
+    with torch.cpu.stream(checker.stream("memcpy")):
+        x = torch.ones(3)
+    x.sum()
+    checker.check()
+    assert checker.stats.ops == 0
+
+
+def test_early_free_without_record_stream_is_caught(checker: StreamChecker) -> None:
+    x = produce(checker, batch=5)
+    with checker.task("Forward", 5):
+        checker.current_stream().wait_stream(checker.stream("memcpy"))
+        x.sum()
+    with checker.task("Drop", 5):
+        del x
+    f = only(checker)
+    assert isinstance(f, EarlyFree) and f.alloc_stream == "memcpy" and f.nbytes == 4 * 8 * 4
+    assert (f.use.task, f.use.batch, f.use.stream, f.use.kind) == ("Forward", 5, "default", "read")
+    assert "freed in task Drop batch 5" in str(f) and "record_stream('default')" in str(f)
+
+
+def test_record_stream_keeps_the_block(checker: StreamChecker) -> None:
+    x = produce(checker)
+    with checker.task("Forward", 0):
+        current = torch.cpu.current_stream()
+        current.wait_stream(checker.stream("memcpy"))
+        x.record_stream(current)
+        x.sum()
+    del x
+    checker.check()
+    assert checker.stats.storages_freed >= 1
+
+
+def test_a_wait_of_the_allocation_stream_or_a_host_sync_covers_the_free(checker: StreamChecker) -> None:
+    memcpy = checker.stream("memcpy")
+    x = produce(checker)
+    with checker.task("Forward", 0):
+        checker.current_stream().wait_stream(memcpy)
+        x.sum()
+    memcpy.wait_stream(checker.default_stream)  # the next copy waits for Forward: the block is safe
+    del x
+    y = produce(checker, batch=1)
+    with checker.task("Forward", 1):
+        checker.current_stream().wait_stream(memcpy)
+        y.sum()
+    torch.cpu.synchronize()
+    del y
+    checker.check()
+
+
+def test_item_synchronises_the_host_with_the_current_stream(checker: StreamChecker) -> None:
+    x = produce(checker)
+    with checker.task("H2D", 0), torch.cpu.stream(checker.stream("memcpy")):
+        x.sum().item()  # a device-to-host copy: the host knows memcpy's work completed
+    with checker.task("Forward", 0):
+        x.sum()
+    checker.check()
+
+
+def test_repeats_are_counted_once(checker: StreamChecker) -> None:
+    for b in range(4):
+        x = produce(checker, batch=b)
+        with checker.task("Forward", b):
+            checker.current_stream().wait_stream(checker.stream("memcpy"))
+            x.record_stream(checker.current_stream())
+            x.sum()
+        with checker.task("Backward", b), torch.cpu.stream(checker.stream("side")):
+            x.sum()  # no wait of side on memcpy (and no record_stream(side): an early free too)
+    kinds = [type(f).__name__ for f in checker.findings]
+    assert kinds == ["UnsyncedAccess", "EarlyFree"] and checker.counts == [4, 3]  # the last batch is alive
+    f = checker.findings[0]
+    assert isinstance(f, UnsyncedAccess) and f.later.task == "Backward" and f.later.batch == 0  # the first is kept
+
+
+def test_fail_fast_raises_at_the_op() -> None:
+    with StreamChecker(fail_fast=True) as c:
+        x = produce(c)
+        with pytest.raises(StreamCheckError, match="unsynchronised W/R"), c.task("Forward", 0):
+            x.sum()
+
+
+def test_a_clean_training_step_reports_nothing(checker: StreamChecker) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    memcpy = checker.stream("memcpy")
+    for b in range(3):
+        with checker.task("H2D", b), torch.cpu.stream(memcpy):
+            batch = torch.randn(4, 8).clone()
+        with checker.task("Train", b):
+            current = torch.cpu.current_stream()
+            current.wait_stream(memcpy)
+            batch.record_stream(current)
+            loss = model(batch).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        del batch
+    checker.check()
+    assert checker.stats.ops > 50

@@ -1,0 +1,102 @@
+"""What an installed checker patches in torch, so that library code inside a task is seen.
+
+torch 2.13's CPU device module (``torch.cpu``, which ``torch.get_device_module("cpu")`` and
+``torch.get_device_module(torch.device("cpu"))`` return) has no-op ``Stream``/``Event``
+classes and one *process-global* current stream. While installed:
+
+===============================  ==========================================================
+``torch.cpu.current_stream()``   the calling thread's current emulated stream (default:
+                                 the checker's ``default`` stream; per thread, as on CUDA)
+``torch.cpu.stream(s)``,         enter ``s`` on the calling thread (None: no-op). The
+``torch.cpu.StreamContext(s)``   original ``torch.cpu.stream`` looks ``StreamContext`` up at
+                                 call time, so references taken before installing (TorchRec
+                                 keeps ``get_device_module(device).stream`` as
+                                 ``self._stream_context``) are covered too.
+``torch.cuda.StreamContext(s)``  the same for this checker's streams and adopted objects, and
+(so ``torch.cuda.stream(s)``)    for any stream while CUDA is unavailable (TorchRec's
+                                 ``_stream_context`` is ``torch.cuda.stream`` on CPU devices,
+                                 where the original is a no-op); else the original.
+``torch.cpu.Stream(...)``        a new emulated stream; ``torch.cpu.Event(...)``: a new
+                                 emulated event; ``torch.cpu.synchronize()``: device sync.
+``Tensor.record_stream(s)``      for CPU tensors: ``checker.record_stream`` (every tensor of
+                                 a KJT/JaggedTensor/KeyedTensor/context goes through it);
+                                 other tensors: the original.
+===============================  ==========================================================
+
+Stream objects that are not emulated (a user's ``torch.cpu.Stream()`` made before installing,
+a ``torch.Stream(device="cpu")``) are adopted on first sight: each stands for one emulated
+stream. Not covered: ``torch.Stream``/``torch.Event``'s own methods and ``with torch.Stream``
+(an immutable C type; on the CPU its ``wait_stream``/``record_event`` raise anyway),
+``torch.accelerator.*`` (no accelerator on a CPU-only machine), ``torch.cuda.current_stream``
+/ ``torch.cuda.Event`` (they raise without CUDA; TorchRec calls them only for CUDA devices).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.cpu
+import torch.cuda
+
+from torchrec_swp.streamcheck.streams import Event, Stream
+
+if TYPE_CHECKING:
+    from torchrec_swp.streamcheck.checker import StreamChecker
+
+_MISSING = object()
+
+
+class TorchPatch:
+    """Installs and removes the patches above for one checker (process-global)."""
+
+    def __init__(self, checker: StreamChecker) -> None:
+        self.checker = checker
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        checker = self.checker
+        original_cuda_context = torch.cuda.StreamContext
+        original_record_stream = torch.Tensor.record_stream
+        cuda_available = torch.cuda.is_available()
+
+        def current_stream(device: Any = None) -> Stream:
+            return checker.current_stream()
+
+        def stream(stream: Any) -> Any:
+            return checker.stream_context(stream)
+
+        def cuda_stream_context(stream: Any) -> Any:
+            if stream is not None and (checker.knows(stream) or not cuda_available):
+                return checker.stream_context(stream)
+            return original_cuda_context(stream)
+
+        def synchronize(device: Any = None) -> None:
+            checker.synchronize()
+
+        def record_stream(self: torch.Tensor, stream: Any) -> None:
+            if self.is_cpu:
+                checker.record_stream(self, stream)
+            else:
+                original_record_stream(self, stream)
+
+        self._set(torch.cpu, "current_stream", current_stream)
+        self._set(torch.cpu, "stream", stream)
+        self._set(torch.cpu, "StreamContext", stream)
+        self._set(torch.cpu, "Stream", Stream)
+        self._set(torch.cpu, "Event", Event)
+        self._set(torch.cpu, "synchronize", synchronize)
+        self._set(torch.cuda, "StreamContext", cuda_stream_context)
+        self._set(torch.Tensor, "record_stream", record_stream)
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, value)
+
+    def uninstall(self) -> None:
+        while self._saved:
+            owner, name, old = self._saved.pop()
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
