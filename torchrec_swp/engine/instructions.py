@@ -69,6 +69,8 @@ class PlanInterpreter(Interpreter):
     _threaded: bool
     _pulls: int
     _epoch_base: int
+    _checker: Any  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
+    _epoch_base: int
     _iteration_start: float
     _grad: bool
 
@@ -152,9 +154,16 @@ class PlanInterpreter(Interpreter):
 
     def _call(self, w: Walker, task: str, invoke: Invoker, b: int) -> None:
         try:
-            invoke(b)
+            self._in_task(w, task, b, invoke)
         except StopIteration as e:  # would end a generator up the stack silently
             raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
+
+    def _in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None:
+        if self._checker is None:
+            invoke(b)
+        else:  # checked mode: every op inside is recorded as this task's, on this thread
+            with self._checker.task(task, b, w.name):
+                invoke(b)
 
     def _exists(self, b: int, P: int) -> bool:
         """Whether batch ``b`` exists, waiting (at internal iteration ``P``) until the source has
@@ -226,11 +235,12 @@ class PlanInterpreter(Interpreter):
         draws = self._draws_for(b)
         if draws is not None:
             draws.drawing(b)
+        draw = lambda: self._in_task(w, instr.task, b, invoke)  # noqa: E731
         try:
             if instr.ticket is None:
-                invoke(b)
+                draw()
             else:
-                self._ticketed(w, instr.comm_group, instr.ticket, lambda: invoke(b), instr.task, b, lambda: self._stop_check(P))
+                self._ticketed(w, instr.comm_group, instr.ticket, draw, instr.task, b, lambda: self._stop_check(P))
         except StopIteration:
             book.slots.pop(b, None)
             self._found_end(b, plan)
@@ -310,6 +320,8 @@ class PlanInterpreter(Interpreter):
             self._observer.on_wait(producer, w.thread, self._epoch_base + P, start, time.perf_counter())
         if latches.get(key) is LatchState.STOPPED or (key not in latches and self._beyond_stop(q)):
             raise Stopped
+        if self._checker is not None and key in latches:  # what the producer's thread did is ordered before us
+            self._checker.cpu_acquire(("latch", self._epoch_base, producer, pb))
         if not lanes:
             w.waited[producer] = q
 
@@ -318,6 +330,8 @@ class PlanInterpreter(Interpreter):
         b = P - self._stage[instr.task]
         if b < 0 or (self._lanes > 1 and instr.task == self._source and b % self._lanes != w.lane):
             return
+        if self._checker is not None:
+            self._checker.cpu_release(("latch", self._epoch_base, instr.task, b))
         self.board.set_latch((instr.task, b))
 
     def _device_sync(self, w: Walker, P: int, instr: WaitStream | RecordEvent) -> None:

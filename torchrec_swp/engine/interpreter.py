@@ -149,6 +149,8 @@ class Interpreter:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         self.streams: StreamPool = streams if streams is not None else NullStreamPool()
+        # a checked pool (SWP_STREAM_CHECK, torchrec_swp.streamcheck) watches the tasks' tensor accesses
+        self._checker = getattr(self.streams, "checker", None)
         self.timeout_s = float(timeout_s)
         self.name = name
         self.board = Board()

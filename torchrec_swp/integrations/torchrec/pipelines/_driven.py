@@ -70,6 +70,16 @@ class _PlanDriven:
             device_type=getattr(getattr(self, "_device", None), "type", None),
         )
 
+    def _swp_checked(self, pool: StreamPool, attributes: Mapping[str, str]) -> StreamPool:
+        """In checked mode (``SWP_STREAM_CHECK``, a pool with emulated streams on the CPU), the
+        upstream class's stream attributes (``{plan stream: attribute}``, e.g. ``_memcpy_stream``)
+        become the pool's emulated streams, so that TorchRec's helpers take their CUDA branches
+        (``wait_stream``, events, ``record_stream``) and the checker sees what a GPU run would do."""
+        if getattr(pool, "checker", None) is not None:
+            for name, attribute in attributes.items():
+                setattr(self, attribute, pool.stream(name))
+        return pool
+
     def _swp_option_thread_map(self) -> dict[str, str]:
         """Thread groups that constructor options give tasks of the default plan (applied
         before the user's ``thread_map``); e.g. ``async_inplace_copy`` moves H2D."""

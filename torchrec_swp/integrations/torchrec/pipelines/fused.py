@@ -12,8 +12,8 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup
 
-from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddingForward
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
@@ -74,9 +74,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
 
     def _swp_streams(self) -> StreamPool:
         streams = {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream}
+        attributes = {"memcpy": "_memcpy_stream", "data_dist": "_data_dist_stream"}
         if self._swp_emb_lookup_stream == "new":
             streams["emb_lookup"] = self._emb_lookup_stream
-        return stream_pool_for(self._device, streams)
+            attributes["emb_lookup"] = "_emb_lookup_stream"
+        return self._swp_checked(stream_pool_for(self._device, streams), attributes)
 
     def start_embedding_lookup(self, batch: In | None, context: EmbeddingTrainPipelineContext) -> None:
         """Upstream's ``start_embedding_lookup``: wait for the input dist of ``batch`` and start

@@ -11,8 +11,8 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
-from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
@@ -45,9 +45,12 @@ class PrefetchTrainPipelineSparseDist(
         return plans.prefetch_sparse_dist_plan(execute_all_batches=self._execute_all_batches)
 
     def _swp_streams(self) -> StreamPool:
-        return stream_pool_for(
+        pool = stream_pool_for(
             self._device,
             {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream, "prefetch": self._prefetch_stream},
+        )
+        return self._swp_checked(
+            pool, {"memcpy": "_memcpy_stream", "data_dist": "_data_dist_stream", "prefetch": "_prefetch_stream"}
         )
 
     def _prefetch(self, context: PrefetchTrainPipelineContext) -> None:

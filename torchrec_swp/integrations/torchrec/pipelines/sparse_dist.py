@@ -12,8 +12,8 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
@@ -104,7 +104,8 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDr
         )
 
     def _swp_streams(self) -> StreamPool:
-        return stream_pool_for(self._device, {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream})
+        pool = stream_pool_for(self._device, {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream})
+        return self._swp_checked(pool, {"memcpy": "_memcpy_stream", "data_dist": "_data_dist_stream"})
 
     def start_sparse_data_dist(self, batch: In | None, context: Any) -> None:
         super().start_sparse_data_dist(batch, context)

@@ -1,0 +1,116 @@
+"""The engine in checked mode: a plan's real tasks on emulated streams, watched by the checker.
+
+The compiled waits and event records make a two-stream plan clean; remove one wait and the
+checker names both accesses (tasks, batches, streams, op, shape); the engine's cross-thread
+hand-offs (latches) order the threads' host work, so a plan on two threads is clean too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from torchrec_swp.compile import WaitStream
+from torchrec_swp.engine import Engine
+from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.streamcheck import CheckedStreamPool, EarlyFree, StreamChecker, UnsyncedAccess
+
+S = TaskSchedule
+N = 6
+
+
+def copy_plan(**changes: Any) -> PipelinePlan:
+    """H2D (memcpy stream) fills a tensor, Fwd (default stream) reads it, Opt updates a weight."""
+    args: dict[str, Any] = dict(
+        schedule={"H2D": S(0, "memcpy"), "Fwd": S(1), "Opt": S(1)},
+        tasks=[
+            PipelineTask("H2D", writes=("x",)),
+            PipelineTask("Fwd", reads=("x",), writes=("out",)),
+            PipelineTask("Opt", reads=("out",)),
+        ],
+        source="H2D",
+        output="out",
+        name="copy",
+    )
+    args.update(changes)
+    return PipelinePlan(**args)
+
+
+class Model:
+    """``record`` False: Fwd forgets what TorchRec's ``_wait_for_batch`` does, ``record_stream``
+    of the batch on the stream that uses it (its memory could be handed out again too early)."""
+
+    def __init__(self, record: bool = True) -> None:
+        self.w = torch.ones(4)
+        self.record = record
+
+    def bindings(self) -> dict[str, Any]:
+        def h2d(b: int, data: Any) -> torch.Tensor:
+            host = next(data)
+            x = torch.empty(4)
+            x.copy_(host)  # written on the memcpy stream
+            return x
+
+        def fwd(b: int, x: torch.Tensor) -> torch.Tensor:
+            if self.record:
+                x.record_stream(torch.cpu.current_stream())  # used on this stream too
+            return (x * self.w).sum()  # read on the default stream
+
+        def opt(b: int, out: torch.Tensor) -> None:
+            self.w.add_(out * 0.01)
+
+        return {"H2D": h2d, "Fwd": fwd, "Opt": opt}
+
+
+def run(plan: PipelinePlan, checker: StreamChecker, mutate: Any = None, record: bool = True) -> list[float]:
+    engine = Engine(plan, Model(record).bindings(), streams=CheckedStreamPool(checker), timeout_s=10)
+    if mutate is not None:
+        for inst in engine._installed.values():
+            mutate(inst)
+    data = iter([torch.full((4,), float(k)) for k in range(N)])
+    outs = []
+    with torch.no_grad():
+        while True:
+            try:
+                outs.append(float(engine.step(data)))
+            except StopIteration:
+                break
+    engine.close()
+    return outs
+
+
+def without_waits(inst: Any) -> None:
+    """The compiled programs with every stream wait removed (what a forgotten wait_stream is)."""
+    for key, prog in list(inst.programs.items()):
+        inst.programs[key] = tuple(i for i in prog if not isinstance(i, WaitStream))
+
+
+@pytest.mark.parametrize("thread_map", ["main", "by_stream"])
+def test_the_compiled_syncs_make_a_two_stream_plan_clean(thread_map: str) -> None:
+    with StreamChecker() as checker:
+        outs = run(copy_plan().with_thread_map(thread_map), checker)
+    assert len(outs) == N
+    assert checker.findings == []
+    checker.check()
+
+
+def test_a_removed_wait_is_caught_naming_both_accesses() -> None:
+    with StreamChecker() as checker:
+        run(copy_plan(), checker, mutate=without_waits)
+    races = [f for f in checker.findings if isinstance(f, UnsyncedAccess)]
+    assert races, checker.findings
+    text = str(races[0])
+    for needed in ("H2D", "Fwd", "memcpy", "default", "[4]"):
+        assert needed in text, text
+
+
+def test_a_missing_record_stream_is_caught_as_an_early_free() -> None:
+    with StreamChecker() as checker:
+        run(copy_plan(), checker, record=False)
+    frees = [f for f in checker.findings if isinstance(f, EarlyFree)]
+    assert frees, checker.findings
+    text = str(frees[0])
+    for needed in ("Fwd", "memcpy", "default", "[4]"):
+        assert needed in text, text
