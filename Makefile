@@ -9,7 +9,7 @@ VENV18 ?= .venv-tr18
 STAMP18 := $(VENV18)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run quickstart bench test test-1.8 test-fast upstream-suite gpu-check clean
+.PHONY: install run quickstart bench test test-1.8 test-fast upstream-suite gpu-check stream-check clean
 
 install: $(STAMP)
 
@@ -70,6 +70,12 @@ upstream-suite: $(STAMP) $(STAMP18)
 # Only the fast, single-process tests.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not multiprocess and not slow"
+
+# The pipelines' real tasks under the CPU stream checker (SWP_STREAM_CHECK=1, torchrec_swp.streamcheck),
+# then mutants: each compiled wait / event record removed and each record_stream call site ignored,
+# one at a time (tools/stream_check.py; docs/gpu_check.md). Exit 1 if a pipeline is not clean.
+stream-check: $(STAMP)
+	$(PY) tools/stream_check.py
 
 # What only a CUDA device can check (docs/gpu_check.md), into out/gpu_check/: CUDA stream tests,
 # parity with upstream, step time and an overlap trace on one GPU. Runs in .venv-gpu, made over the
