@@ -10,8 +10,8 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
 from torchrec_swp.plan import ThreadMap
 

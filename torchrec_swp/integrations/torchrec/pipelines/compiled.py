@@ -22,8 +22,8 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.train_pipeline.utils import _to_device
 
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan, ThreadMap
