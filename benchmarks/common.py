@@ -231,8 +231,8 @@ def instrumentation_cost_s(tasks: int = 8, iterations: int = 3000) -> float:
     Measured on a bare Engine running ``tasks`` trivial tasks on the calling thread, with and
     without the observer; best of 5 runs each.
     """
+    from harness.profiler_overhead import chain_plan
     from torchrec_swp.engine import Engine
-    from torchrec_swp.profiler.overhead import chain_plan
 
     plan = chain_plan(tasks)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.workloads import TORCHREC_MS, Workload, random_workload, torchrec_workloads
 from torchrec_swp.autosched import (
     Layout,
     Problem,
@@ -22,9 +23,8 @@ from torchrec_swp.autosched import (
 )
 from torchrec_swp.autosched.__main__ import main
 from torchrec_swp.autosched.estimate import lead
-from torchrec_swp.autosched.workloads import TORCHREC_MS, Workload, random_workload, torchrec_workloads
 from torchrec_swp.catalog.torchrec import default_plans, sparse_dist_plan
-from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PipelineTask, PlanError
+from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, PipelineTask, PlanError
 from torchrec_swp.profiler import Profile, TaskStats
 from torchrec_swp.sim import check_happens_before, simulate
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from harness.workloads import random_workload, torchrec_workloads
 from torchrec_swp.autosched import Problem, assign_stages, beam_search, plan_bounds, search_bounds, to_plan
 from torchrec_swp.autosched.layout import Layout
 from torchrec_swp.autosched.score import steady_period
-from torchrec_swp.autosched.workloads import random_workload, torchrec_workloads
 from torchrec_swp.catalog.torchrec import default_plans
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.sim import simulate

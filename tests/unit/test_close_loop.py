@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from harness.close_loop import close_loop
+from harness.workloads import sleep_workload
 from torchrec_swp.autosched import Problem, beam_search, check_constraints
-from torchrec_swp.autosched.loop import close_loop
-from torchrec_swp.autosched.workloads import sleep_workload
 from torchrec_swp.plan import Dep, PipelinePlan
 from torchrec_swp.profiler import TaskProfiler
 

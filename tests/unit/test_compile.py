@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import textwrap
 
-from torchrec_swp.compile import CompiledPlan, active_stages, compile_iteration, format_program
 from torchrec_swp.catalog.torchrec import sparse_dist_plan
+from torchrec_swp.compile import CompiledPlan, active_stages, compile_iteration, format_program
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 
 S = TaskSchedule

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("ortools")
 
+from harness.workloads import random_workload, sleep_workload, torchrec_workloads
 from torchrec_swp.autosched import (
     Dag,
     DagError,
@@ -25,7 +26,6 @@ from torchrec_swp.autosched import (
     solve_dag,
     solve_periodic,
 )
-from torchrec_swp.autosched.workloads import random_workload, sleep_workload, torchrec_workloads
 
 # The example's greedy chart: the layers each device runs, in order (forward and backward alike).
 SEED_GREEDY_ORDER = {

@@ -8,7 +8,17 @@ import itertools
 
 import pytest
 
-from torchrec_swp.pp import ActionDurations, PPDeadlock, PPError, Program, add_p2p, build, recv_ahead, simulate, validate
+from torchrec_swp.pp import (
+    ActionDurations,
+    PPDeadlock,
+    PPError,
+    Program,
+    add_p2p,
+    build,
+    recv_ahead,
+    simulate,
+    validate,
+)
 from torchrec_swp.pp.builders import SCHEDULES, gpipe, interleaved_1f1b, maglev_1f1b, one_f_one_b, zb_h1, zbv
 
 

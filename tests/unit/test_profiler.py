@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.profiler_overhead import measure_overhead
+from harness.sleep import SleepWorkload
 from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.profiler import (
@@ -20,8 +22,6 @@ from torchrec_swp.profiler import (
     WaitEvent,
     exposed_times,
 )
-from torchrec_swp.profiler.overhead import measure_overhead
-from torchrec_swp.profiler.synthetic import SleepWorkload
 
 S = TaskSchedule
 

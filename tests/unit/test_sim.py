@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from torchrec_swp.compile import CompiledPlan, IterationProgram, Run, Signal, WaitStream, WaitTask
 from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan
+from torchrec_swp.compile import CompiledPlan, IterationProgram, Run, Signal, WaitStream, WaitTask
 from torchrec_swp.plan import Dep, PipelinePlan, PipelineTask, PlanError, TaskSchedule
 from torchrec_swp.sim import (
     SimDeadlock,

@@ -6,8 +6,8 @@
   plan's text; ``save``/``load`` a JSON file, ``print_table()``.
 * ``exposed_times``: the critical-path attribution of one iteration.
 
-``torchrec_swp.profiler.synthetic`` (sleeping tasks on an Engine) and
-``torchrec_swp.profiler.overhead`` (the profiler's cost) import the engine and are not loaded here.
+Fixtures and measurements around it live outside the library, in ``harness/``: ``harness.sleep``
+(sleeping tasks on an Engine) and ``harness.profiler_overhead`` (the profiler's cost).
 """
 
 from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent

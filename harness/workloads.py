@@ -115,7 +115,7 @@ def random_workload(seed: int, tasks: int = 12, *, max_threads: int = 3, max_in_
 
 def sleep_workload() -> Workload:
     """The close-the-loop demo: a seven-task step all on the calling thread at one stage, with
-    durations in seconds for ``profiler.synthetic.SleepWorkload`` (Load -> Decode -> H2D ->
+    durations in seconds for ``harness.sleep.SleepWorkload`` (Load -> Decode -> H2D ->
     Dist -> Forward -> Backward -> OptimizerStep; Dist, Forward and Backward are collectives;
     Forward follows the previous OptimizerStep)."""
     names = ["Load", "Decode", "H2D", "Dist", "Forward", "Backward", "OptimizerStep"]

@@ -1,4 +1,4 @@
-"""The checker's cost: ``python -m torchrec_swp.streamcheck.overhead [--steps N]``.
+"""The checker's cost: ``python -m harness.streamcheck_overhead [--steps N]``.
 
 Times one small training step (MLP 64-256-256-1, batch 128, SGD) as three tasks (H2D copy on a
 memcpy stream, forward+backward, optimizer) without the checker and inside it, and an empty task;

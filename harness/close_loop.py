@@ -1,7 +1,7 @@
 """Close the loop: profile a real run, search a plan, run it, compare prediction and measurement.
 
-This module runs the engine (it imports torch through ``profiler.synthetic``); the rest of
-``torchrec_swp.autosched`` does not. ``python -m torchrec_swp.autosched.loop`` runs the demo
+This module runs the engine (it imports torch through ``harness.sleep``); ``torchrec_swp.autosched``
+does not. ``python -m harness.close_loop`` runs the demo
 workload (``workloads.sleep_workload``) and prints the report.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.sleep import SleepWorkload
+from harness.workloads import Workload, sleep_workload
 from torchrec_swp.autosched.beam import SearchResult, beam_search
 from torchrec_swp.autosched.problem import Problem
-from torchrec_swp.autosched.workloads import Workload, sleep_workload
 from torchrec_swp.profiler import Profile
-from torchrec_swp.profiler.synthetic import SleepWorkload
 
 
 @dataclass(frozen=True)

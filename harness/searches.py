@@ -1,6 +1,6 @@
 """Beam search against CP-SAT's proven optimum on the same problems.
 
-``python -m torchrec_swp.autosched.compare`` prints the table for the TorchRec workloads (with
+``python -m harness.searches`` prints the table for the TorchRec workloads (with
 the default limits, and with 2 threads and 2 batches in flight: ``/2x2``) and six random ones
 (``workloads``).
 """
@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from harness.workloads import Workload, random_workload, torchrec_workloads
 from torchrec_swp.autosched.beam import beam_search
 from torchrec_swp.autosched.cpsat import solve_periodic
-from torchrec_swp.autosched.workloads import Workload, random_workload, torchrec_workloads
 
 
 @dataclass(frozen=True, slots=True)
