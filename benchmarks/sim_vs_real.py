@@ -1,6 +1,6 @@
 """Predicted vs measured step time of real 2-rank runs: the multi-rank simulator against the clock.
 
-    python benchmarks/sim_vs_real.py              # the 11 pipelines, default plan and io thread (about 6 min)
+    python benchmarks/sim_vs_real.py              # the 12 pipelines, default plan and io thread (about 6 min)
     python benchmarks/sim_vs_real.py --quick      # the 9 that do not compile, fewer steps (about 1 min)
     python benchmarks/sim_vs_real.py --pipelines TrainPipelineSparseDist --steps 300
 
