@@ -119,3 +119,12 @@ def test_nothing_outside_tests_imports_tests() -> None:
                 if name == "tests" or name.startswith("tests."):
                     offenders.append(f"{f.relative_to(ROOT)}: {name}")
     assert sorted(set(offenders)) == []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    offenders = []
+    for f in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchrec_swp"):
+                offenders += [f"{f.relative_to(ROOT)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert offenders == []

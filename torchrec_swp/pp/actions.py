@@ -191,17 +191,17 @@ def act(text: str) -> tuple[Action, ...]:
 # --------------------------------------------------------------------------- placement
 def loop_placement(num_ranks: int, stages_per_rank: int = 1) -> tuple[int, ...]:
     """Stage ``s`` on rank ``s % num_ranks`` (Megatron's interleaving; 1F1B when one per rank)."""
-    _positive(num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+    check_positive(num_ranks=num_ranks, stages_per_rank=stages_per_rank)
     return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
 
 
 def v_placement(num_ranks: int) -> tuple[int, ...]:
     """Two stages per rank in a V: rank ``r`` holds stages ``r`` and ``2R - 1 - r`` (ZBV, DualPipeV)."""
-    _positive(num_ranks=num_ranks)
+    check_positive(num_ranks=num_ranks)
     return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(2 * num_ranks))
 
 
-def _positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PPError(f"{name} must be an int >= 1, got {v!r}")
@@ -221,7 +221,7 @@ class Program:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.match(r"[A-Za-z0-9_.+-]+\Z", self.name):
             raise PPError(f"program name {self.name!r} must be a word (letters, digits, _ . + -)")
-        _positive(num_microbatches=self.num_microbatches)
+        check_positive(num_microbatches=self.num_microbatches)
         object.__setattr__(self, "placement", tuple(self.placement))
         object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
         if not self.placement:

@@ -28,13 +28,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchrec_swp.pp.actions import Action, B, E, F, I, Kind, Program, W, _positive, loop_placement, v_placement
+from torchrec_swp.pp.actions import Action, B, E, F, I, Kind, Program, W, check_positive, loop_placement, v_placement
 from torchrec_swp.pp.errors import PPError
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Program:
     """All forwards, then all backwards in microbatch order (fill-drain). Peak activations: M."""
-    _positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     m = range(num_microbatches)
     ranks = [[Action(r, F, k) for k in m] + [Action(r, B, k) for k in m] for r in range(num_ranks)]
     return Program("GPipe", num_microbatches, loop_placement(num_ranks), ranks)
@@ -49,7 +49,7 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Program:
     numbers that rank's forwards 1..M instead of 0..M-1 (its ``forward_mb`` is incremented before
     the first steady forward even when there was no warm-up forward); the runtime does not.
     """
-    _positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     ranks = []
     for r in range(num_ranks):
         w = min(num_ranks - r - 1, num_microbatches)
@@ -87,7 +87,7 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Program:
 
 
 def _interleaved(name: str, num_ranks: int, num_microbatches: int, v: int, *, zero_bubble: bool) -> Program:
-    _positive(num_ranks=num_ranks, num_microbatches=num_microbatches, virtual_stages=v)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches, virtual_stages=v)
     rounds = max(1, num_microbatches // num_ranks)
     if v == 1:  # rounds only shape the stage rotation; torch still rejects such M with one stage per rank
         rounds = 1
@@ -143,7 +143,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> Program:
     ``2R - 1 - r``; warm-up ``2(R - r) - 1`` forwards of the first, ``r`` pairs of forwards, then
     ``F I W`` on the second; steady state alternates the two stages' ``F I W``; cool-down runs the
     remaining ``I``s then the ``W``s. Zero bubble in steady state when F = I = W."""
-    _positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     R, M = num_ranks, num_microbatches
     ranks = []
     for r in range(R):
@@ -189,7 +189,7 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Program:
     sub-actions in order, ``F`` then ``B`` (what torch's runtime does without a custom overlap
     function), so ``simulate`` charges ``F + B`` for the pair; an overlap would shorten it.
     """
-    _positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     R, M = num_ranks, num_microbatches
     if M < 2 * R:
         raise PPError(f"DualPipeV needs at least as many microbatches as stages: got {M} for {2 * R} stages")
@@ -264,7 +264,7 @@ def sparse_hoist_1f1b(num_ranks: int, num_microbatches: int) -> Program:
     cool-down. Every ``E`` runs before the rank's first ``B``, so under a fused (in-backward)
     embedding optimizer all lookups of a step read the same pre-step weights (SGD-exact); the
     price is the hoisted lookups' outputs held live (more activation memory)."""
-    _positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     R, M = num_ranks, num_microbatches
     ranks = []
     for r in range(R):

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchrec_swp.pp.actions import Action, B, F, I, Program, W, _positive
+from torchrec_swp.pp.actions import Action, B, F, I, Program, W, check_positive
 from torchrec_swp.pp.comm import add_p2p
 from torchrec_swp.pp.errors import PPError
 from torchrec_swp.pp.simulate import ActionDurations
@@ -44,7 +44,7 @@ def pp_dag(
     Tasks are named by their action text (``0F3``) on resources ``rank0``...; declared microbatch
     by microbatch, forwards up the stages then backwards down (the list scheduler's priority).
     """
-    _positive(num_microbatches=num_microbatches)
+    check_positive(num_microbatches=num_microbatches)
     S = len(placement)
     R = max(placement) + 1
     caps = _caps(activation_caps, R)

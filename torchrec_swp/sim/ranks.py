@@ -46,8 +46,7 @@ from torchrec_swp.sim.device import replay_streams
 from torchrec_swp.sim.durations import Durations, cpu_time, device_time, optional_time
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
 from torchrec_swp.sim.result import Interval, SimResult, Step, cpu_lane
-from torchrec_swp.sim.simulator import _Lane as _ReplayLane
-from torchrec_swp.sim.simulator import _Replay, _spans, _ticket, validate_programs
+from torchrec_swp.sim.simulator import Replay, ReplayLane, iteration_spans, ticket_of, validate_programs
 
 Phases = Sequence[tuple[int, IterationProgram]]
 
@@ -190,7 +189,7 @@ def simulate_rank_programs(
                 threads=s.threads,
                 timeline=tuple(timeline),
                 steps=tuple(s.steps),
-                iterations=_spans(s.phases, s.steps, timeline),
+                iterations=iteration_spans(s.phases, s.steps, timeline),
                 iteration_barrier=iteration_barrier,
                 device_modelled=s.spec.device_durations is not None,
             )
@@ -214,8 +213,8 @@ def _per_machine(value: Any, machine: int, name: str) -> Any:
 
 # ---------------------------------------------------------------------- state
 @dataclass(slots=True)
-class _Lane(_ReplayLane):
-    """A thread of a rank (see ``simulator._Lane``) and the job it is running, if any. Its
+class _Lane(ReplayLane):
+    """A thread of a rank (see ``simulator.ReplayLane``) and the job it is running, if any. Its
     ``todo`` entries may hold ``None``: the per-iteration overhead."""
 
     job: _Job | None = None
@@ -253,7 +252,7 @@ class _Job:
         return math.inf
 
 
-class _RankState(_Replay):
+class _RankState(Replay):
     """One rank's replay state: the single-rank replay's lanes, signals and tickets (whose
     bookkeeping it reuses), plus its collectives, jobs and what it waited for."""
 
@@ -373,7 +372,7 @@ class _Multi:
             case None:
                 self._start(_Job(s, thread, p, index, None, p, now, s.spec.overhead, "off", 0.0, now))
             case Run(task=task, stage=stage):
-                held = _ticket(instr)
+                held = ticket_of(instr)
                 sources = [s.last_ticket[held[0]]] if held is not None and held[0] in s.last_ticket else []
                 b = p - stage
                 admitted = instr.when.admits(b, s.num_batches, p, s.plan.max_stage)
@@ -436,7 +435,7 @@ class _Multi:
         instr = job.instr
         step = s._record(job.thread, lane, job.p, job.index, instr, job.batch, job.start, now, job.sources)
         s.cpu_intervals.append(Interval(cpu_lane(job.thread), instr.task, job.batch, job.p, job.start, now))
-        if (held := _ticket(instr)) is not None:
+        if (held := ticket_of(instr)) is not None:
             s._release(held[0], job.p, step)
         admitted = instr.when.admits(job.batch, s.num_batches, job.p, s.plan.max_stage)
         where = f"rank {s.number}, thread {job.thread!r}, internal iteration {job.p}"

@@ -92,7 +92,7 @@ def simulate_programs(
     """
     phases = tuple(phases)
     validate_programs(plan, phases)
-    replay = _Replay(plan, phases, durations, device_durations)
+    replay = Replay(plan, phases, durations, device_durations)
     if iteration_barrier:
         for phase in phases:
             replay.run((phase,))
@@ -109,7 +109,7 @@ def simulate_programs(
         threads=replay.threads,
         timeline=tuple(timeline),
         steps=tuple(replay.steps),
-        iterations=_spans(phases, replay.steps, timeline),
+        iterations=iteration_spans(phases, replay.steps, timeline),
         iteration_barrier=iteration_barrier,
         device_modelled=device_durations is not None,
     )
@@ -164,7 +164,7 @@ def _validate_program(plan: PipelinePlan, p: int, prog: IterationProgram) -> Non
 
 # ---------------------------------------------------------------------- replay
 @dataclass(slots=True)
-class _Lane:
+class ReplayLane:
     """A CPU thread: the time it is free, its vector clock, how many steps it executed, and
     the instructions ``(iteration, index, instr)`` of the segment being replayed."""
 
@@ -176,14 +176,14 @@ class _Lane:
     at: int = 0
 
 
-def _ticket(instr: Instr) -> tuple[str, int] | None:
+def ticket_of(instr: Instr) -> tuple[str, int] | None:
     """``(comm group, ticket)`` held by a ticketed run (validated: the group is declared)."""
     if isinstance(instr, Run) and instr.ticket is not None and instr.comm_group is not None:
         return instr.comm_group, instr.ticket
     return None
 
 
-class _Replay:
+class Replay:
     """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes."""
 
     def __init__(
@@ -201,7 +201,7 @@ class _Replay:
         self.durations = durations
         self.device_durations = device_durations
         self.threads = tuple(dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)]))
-        self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
+        self.lanes = {t: ReplayLane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.signals: dict[tuple[int, str], Step] = {}
         self.will_signal = {(p, i.task) for p, prog in phases for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)}
         # tickets: runs holding one per (group, iteration); iterations of a group not fully
@@ -209,7 +209,7 @@ class _Replay:
         self.ticket_runs: dict[tuple[str, int], int] = {}
         for p, prog in phases:
             for run in prog.runs():
-                if (held := _ticket(run)) is not None:
+                if (held := ticket_of(run)) is not None:
                     self.ticket_runs[(held[0], p)] = self.ticket_runs.get((held[0], p), 0) + 1
         self.pending: dict[str, list[int]] = {}
         for group, p in self.ticket_runs:
@@ -255,7 +255,7 @@ class _Replay:
             if key not in self.signals and (instr.lag == 0 or key in self.will_signal):
                 when = "in this iteration" if instr.lag == 0 else f"in internal iteration {key[0]}"
                 return f"no thread has signalled {instr.task} (batch {key[0] - self.stage[instr.task]}) {when}"
-        if (held := _ticket(instr)) is not None:
+        if (held := ticket_of(instr)) is not None:
             group, ticket = held
             earliest = self.pending[group][0]
             if earliest < p:
@@ -265,11 +265,11 @@ class _Replay:
                 return f"ticket {ticket} of comm group {group!r} is not next: {released} released so far"
         return None
 
-    def _execute(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr) -> None:
+    def _execute(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr) -> None:
         where = f"thread {thread!r}, internal iteration {p}"
         match instr:
             case Run(task=task, stage=stage):
-                held = _ticket(instr)
+                held = ticket_of(instr)
                 sources = [self.last_ticket[held[0]]] if held is not None and held[0] in self.last_ticket else []
                 b = p - stage
                 start = max([lane.time, *(s.end for s in sources)])
@@ -285,7 +285,7 @@ class _Replay:
             case _:
                 self._execute_sync(thread, lane, p, index, instr, where)
 
-    def _execute_sync(self, thread: str, lane: _Lane, p: int, index: int, instr: Instr, where: str) -> None:
+    def _execute_sync(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr, where: str) -> None:
         """Execute an instruction that is not a run (it takes no CPU time) when the lane is at it."""
         match instr:
             case WaitTask(task=task, lag=lag):
@@ -316,7 +316,7 @@ class _Replay:
     def _record(
         self,
         thread: str,
-        lane: _Lane,
+        lane: ReplayLane,
         p: int,
         index: int,
         instr: Instr,
@@ -371,7 +371,7 @@ class _Replay:
         return SimDeadlock(message, tuple(blocked))
 
 
-def _blocked_task(lane: _Lane) -> str:
+def _blocked_task(lane: ReplayLane) -> str:
     """The task a blocked lane is trying to run: its next run in the blocked iteration, else
     the task the blocked instruction names."""
     p, _, head = lane.todo[lane.at]
@@ -383,7 +383,7 @@ def _blocked_task(lane: _Lane) -> str:
     return head.task
 
 
-def _spans(
+def iteration_spans(
     phases: tuple[tuple[int, IterationProgram], ...], steps: list[Step], timeline: list[Interval]
 ) -> tuple[IterationSpan, ...]:
     cpu: dict[int, tuple[float, float]] = {}

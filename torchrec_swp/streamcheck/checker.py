@@ -53,7 +53,7 @@ from torchrec_swp.streamcheck.findings import (
     StreamCheckUsageError,
     UnsyncedAccess,
 )
-from torchrec_swp.streamcheck.streams import Event, Stream, _set_active, active_checker
+from torchrec_swp.streamcheck.streams import Event, Stream, active_checker, set_active
 
 #: The name of the stream every thread is on unless it entered another (the plan's default).
 DEFAULT_STREAM = "default"
@@ -207,7 +207,7 @@ class StreamChecker:
             raise StreamCheckUsageError("another StreamChecker is installed; uninstall it first")
         self._patch = TorchPatch(self)
         self._patch.install()
-        _set_active(self)
+        set_active(self)
         return self
 
     def uninstall(self) -> None:
@@ -216,7 +216,7 @@ class StreamChecker:
             self._patch.uninstall()
             self._patch = None
         if active_checker() is self:
-            _set_active(None)
+            set_active(None)
 
     @property
     def installed(self) -> bool:

@@ -28,7 +28,7 @@ def active_checker() -> StreamChecker | None:
     return _active
 
 
-def _set_active(checker: StreamChecker | None) -> None:
+def set_active(checker: StreamChecker | None) -> None:
     global _active
     _active = checker
 

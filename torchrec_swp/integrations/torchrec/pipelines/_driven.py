@@ -27,7 +27,7 @@ from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, lo
 PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
 
 
-class _PlanDriven:
+class PlanDriven:
     """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine."""
 
     _swp_engine: Engine

@@ -12,13 +12,13 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
 from torchrec_swp.plan import ThreadMap
 
 __all__ = ["TrainPipelineBase"]
 
 
-class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], _PlanDriven):
+class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], PlanDriven):
     """TrainPipelineBase on the engine: LoadBatch(i+1), forward/backward(i), H2D(i+1), optimizer(i).
 
     The default plan is ``plans.train_pipeline_base_plan()``.

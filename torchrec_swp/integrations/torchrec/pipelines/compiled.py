@@ -24,7 +24,7 @@ from torchrec.distributed.train_pipeline.utils import _to_device
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan, ThreadMap
 
@@ -33,7 +33,7 @@ __all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], _PlanDriven):
+class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
     """TrainPipelinePT2 on the engine: one batch per call, no overlap; the model is compiled in
     the Forward of call ``compile_configs.compile_on_iter + 1`` (the 4th by default).
 

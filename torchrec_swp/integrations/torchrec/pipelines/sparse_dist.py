@@ -16,7 +16,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
 from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, ThreadMap
 
 __all__ = ["TrainPipelineSparseDist"]
@@ -31,7 +31,7 @@ def _upstream_name(cls: type) -> str:
     return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("torchrec."))
 
 
-class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], _PlanDriven):
+class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDriven):
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
     The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's

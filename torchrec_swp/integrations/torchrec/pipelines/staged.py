@@ -17,7 +17,7 @@ from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, Sp
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanLike, _PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
 from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
 
 __all__ = ["StagedTrainPipeline"]
@@ -56,7 +56,7 @@ def stage_task_names(stages: Sequence[PipelineStage]) -> list[str]:
     return names
 
 
-class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], _PlanDriven):
+class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], PlanDriven):
     """StagedTrainPipeline on the engine: stage k of the list works on batch i+N-k while the
     caller trains batch i on what ``progress()`` returned.
 
