@@ -45,7 +45,7 @@ def test_single_thread_plan_starts_no_threads_and_no_locks() -> None:
     before = threading.active_count()
     assert len(engine.run_to_end()) == 5
     assert threading.active_count() == before
-    assert engine._workers == {} and engine._turnstiles == {}
+    assert engine.worker_threads == [] and dict(engine.turnstiles) == {}
     assert all(engine.compiled.program(p, 5).flat for p in range(7))
 
 
@@ -130,11 +130,10 @@ def test_a_failing_task_surfaces_with_where_it_failed(thread_map: Any, failing: 
     assert err.swp_iteration == batch + plan.task(task).stage  # type: ignore[attr-defined]
     assert f"task {task} (batch {batch}" in "\n".join(err.__notes__)
     # every worker is idle again: alive, waiting on its inbox
-    for worker in engine._workers.values():
-        assert worker.thread.is_alive() and worker.inbox.empty()
+    engine.quiesce()  # every worker waits for a later step(): nothing left running
+    assert all(t.is_alive() for t in engine.worker_threads)
     engine.close()
-    for worker in engine._workers.values():
-        assert not worker.thread.is_alive()
+    assert not any(t.is_alive() for t in engine.worker_threads)
 
 
 def test_failure_aborts_later_collectives_on_other_threads() -> None:
@@ -155,9 +154,9 @@ def test_failure_aborts_later_collectives_on_other_threads() -> None:
     # and the collective after it, Opt(1), was aborted rather than issued
     assert ("Fwd", 1) in toy.finished and ("Opt", 1) not in toy.finished
     assert ("Opt", 1) not in toy.collectives
-    assert engine._turnstiles["world"].failed is not None
+    assert engine.turnstiles["world"].failed is not None
     engine.reset()
-    assert engine._turnstiles["world"].failed is None
+    assert engine.turnstiles["world"].failed is None
     engine.close()
 
 

@@ -123,7 +123,7 @@ def test_attach_detach_and_warmup_and_incomplete_iterations() -> None:
     assert len(profiler.complete(plan)) == 5 and len(profiler.measured(plan)) == 4
     assert profiler.profile().iterations == 4  # defaults to the attached engine's plan
     profiler.detach()
-    assert engine._observer is None
+    assert engine.observer is None
     with pytest.raises(ProfileError, match="warm-up"):
         TaskProfiler(warmup=9).profile(plan)
     with pytest.raises(ProfileError, match="attach"):

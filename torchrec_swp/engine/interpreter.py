@@ -32,8 +32,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from torchrec_swp.compile import Alias, Instr, RecordEvent, Run, RunAction, Signal, WaitStream, WaitTask
@@ -230,6 +231,22 @@ class Interpreter:
                 self._device_sync(w, P, instr)
             case _:
                 raise EngineError(f"unknown instruction {instr!r}")
+
+    # ---------------------------------------------------------------- views
+    @property
+    def worker_threads(self) -> list[threading.Thread]:
+        """The worker threads started so far (none for a plan on the calling thread only)."""
+        return [w.thread for w in self._workers.values()]
+
+    @property
+    def turnstiles(self) -> Mapping[str, Turnstile]:
+        """The comm groups' turnstiles made so far, by group (a read-only view)."""
+        return MappingProxyType(self._turnstiles)
+
+    @property
+    def observer(self) -> Observer | None:
+        """The observer attached with ``instrument()``, if any."""
+        return self._observer
 
     # ---------------------------------------------------------------- tickets
     def turnstile(self, group: str) -> Turnstile:
