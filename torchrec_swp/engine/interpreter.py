@@ -26,6 +26,7 @@ What a ``run`` instruction does is the subclass's: ``Engine`` runs plan tasks
 
 from __future__ import annotations
 
+import abc
 import enum
 import queue
 import sys
@@ -142,7 +143,7 @@ def _stop_workers(workers: dict[str, Worker]) -> None:
     workers.clear()
 
 
-class Interpreter:
+class Interpreter(abc.ABC):
     """Walkers, workers, the board, turnstiles, failures and reports; subclasses say what the
     programs are (``_program``) and what their work instructions do (``_run``)."""
 
@@ -327,8 +328,9 @@ class Interpreter:
         exc.add_note(f"torchrec_swp: {self._describe(f)}")
 
     # ------------------------------------------------------ what subclasses do
+    @abc.abstractmethod
     def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
-        raise NotImplementedError(f"{type(self).__name__} defines no programs")
+        """Walker ``w``'s instructions of internal iteration ``P`` (None: it has walked out)."""
 
     def _run(self, w: Walker, P: int, instr: Run | RunAction | Alias) -> None:
         raise EngineError(f"{type(self).__name__} cannot run `{instr}`")
