@@ -32,6 +32,7 @@ How each kind trains:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -164,8 +165,6 @@ def unknown_options(name: str, impl: Impl, options: Mapping[str, Any]) -> str:
 
 
 def _parameters(klass: type) -> list[str]:
-    import inspect
-
     init = klass.__dict__.get("__init__")
     if init is None:
         return []

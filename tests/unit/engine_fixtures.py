@@ -96,3 +96,20 @@ class Toy:
 
 
 THREAD_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}, {"Dist": "io", "Opt": "io"}]
+
+
+def load_dist_train_plan(schedule: dict[str, TaskSchedule], **changes: Any) -> PipelinePlan:
+    """Load -> Dist -> Train (``schedule`` places them), Train folding every batch in order."""
+    args: dict[str, Any] = dict(
+        schedule=schedule,
+        tasks=[
+            PipelineTask("Load", writes=("x",)),
+            PipelineTask("Dist", reads=("x",), writes=("y",)),
+            PipelineTask("Train", reads=("y",), writes=("out",)),
+        ],
+        inter_iter_deps=[("Train", "Train")],
+        source="Load",
+        output="out",
+    )
+    args.update(changes)
+    return PipelinePlan(**args)

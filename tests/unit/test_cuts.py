@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.unit.engine_fixtures import load_dist_train_plan
 from torchrec_swp.engine import Engine, EngineError
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, TaskSchedule
 
 S = TaskSchedule
 N = 12
@@ -39,20 +40,8 @@ class Stateful:
 
 def plan(**changes: Any) -> PipelinePlan:
     """Load(0) -> Dist(1) -> Train(2); Train folds every batch into the model in order."""
-    args: dict[str, Any] = dict(
-        schedule={"Load": S(0, "memcpy"), "Dist": S(1, "data_dist", comm_group="world"), "Train": S(2, comm_group="world")},
-        tasks=[
-            PipelineTask("Load", writes=("x",)),
-            PipelineTask("Dist", reads=("x",), writes=("y",)),
-            PipelineTask("Train", reads=("y",), writes=("out",)),
-        ],
-        inter_iter_deps=[("Train", "Train")],
-        source="Load",
-        output="out",
-        name="cut_toy",
-    )
-    args.update(changes)
-    return PipelinePlan(**args)
+    schedule = {"Load": S(0, "memcpy"), "Dist": S(1, "data_dist", comm_group="world"), "Train": S(2, comm_group="world")}
+    return load_dist_train_plan(schedule, **{"name": "cut_toy", **changes})
 
 
 class Model:

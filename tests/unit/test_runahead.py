@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from tests.unit.engine_fixtures import load_dist_train_plan
 from torchrec_swp.data import MapSource
 from torchrec_swp.engine import Engine
-from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import PipelinePlan, TaskSchedule
 
 S = TaskSchedule
 N = 10
@@ -19,24 +20,12 @@ N = 10
 
 def plan(**changes: Any) -> PipelinePlan:
     """Load(0, thread load) -> Dist(1, thread dist, comm group world) -> Train(2)."""
-    args: dict[str, Any] = dict(
-        schedule={
-            "Load": S(0, thread_group="load"),
-            "Dist": S(1, "data_dist", thread_group="dist", comm_group="world"),
-            "Train": S(2, comm_group="world"),
-        },
-        tasks=[
-            PipelineTask("Load", writes=("x",)),
-            PipelineTask("Dist", reads=("x",), writes=("y",)),
-            PipelineTask("Train", reads=("y",), writes=("out",)),
-        ],
-        inter_iter_deps=[("Train", "Train")],
-        source="Load",
-        output="out",
-        name="ahead",
-    )
-    args.update(changes)
-    return PipelinePlan(**args)
+    schedule = {
+        "Load": S(0, thread_group="load"),
+        "Dist": S(1, "data_dist", thread_group="dist", comm_group="world"),
+        "Train": S(2, comm_group="world"),
+    }
+    return load_dist_train_plan(schedule, **{"name": "ahead", **changes})
 
 
 class Recorder:

@@ -154,11 +154,15 @@ class PlanInterpreter(Interpreter):
 
     def _call(self, w: Walker, task: str, invoke: Invoker, b: int) -> None:
         try:
-            self._in_task(w, task, b, invoke)
+            if self._checker is None:  # the common case, one call less per task
+                invoke(b)
+            else:
+                self._in_task(w, task, b, invoke)
         except StopIteration as e:  # would end a generator up the stack silently
             raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
 
     def _in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None:
+        """``invoke(b)``; in checked mode inside the checker's label of this task."""
         if self._checker is None:
             invoke(b)
         else:  # checked mode: every op inside is recorded as this task's, on this thread
@@ -235,11 +239,11 @@ class PlanInterpreter(Interpreter):
         draws = self._draws_for(b)
         if draws is not None:
             draws.drawing(b)
-        draw = lambda: self._in_task(w, instr.task, b, invoke)  # noqa: E731
         try:
             if instr.ticket is None:
-                draw()
+                self._in_task(w, instr.task, b, invoke)
             else:
+                draw = lambda: self._in_task(w, instr.task, b, invoke)  # noqa: E731
                 self._ticketed(w, instr.comm_group, instr.ticket, draw, instr.task, b, lambda: self._stop_check(P))
         except StopIteration:
             book.slots.pop(b, None)
