@@ -45,6 +45,9 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from torchrec_swp.engine.streams import process_checker
+from torchrec_swp.streamcheck import stream_check_requested
+
 __all__ = [
     "BATCH_SIZE",
     "LEARNING_RATE",
@@ -320,6 +323,7 @@ def train_pipeline_run(
                 stop_iteration_call = call
                 break
             outputs.append(_snapshot(output))
+    check_streams()
     return RunResult(outputs, losses, len(outputs), stop_iteration_call, local_state(model))
 
 
@@ -352,7 +356,21 @@ def staged_pipeline_run(
             loss.backward()
             optimizer.step()
             outputs.append(output.detach().cpu().clone())
+    check_streams()
     return RunResult(outputs, losses, len(outputs), none_call, local_state(model))
+
+
+def check_streams() -> None:
+    """In checked mode (``SWP_STREAM_CHECK=1``): raise ``StreamCheckError`` naming the two
+    accesses of each unsynchronised pair and each early free the run's tasks had, then forget
+    them (the next run in this process starts clean). Otherwise nothing."""
+    if not stream_check_requested():
+        return
+    checker = process_checker()
+    try:
+        checker.check()
+    finally:
+        checker.clear()
 
 
 def plain_loop_run(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Any]) -> RunResult:

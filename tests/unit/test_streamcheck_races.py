@@ -28,6 +28,15 @@ def produce(c: StreamChecker, batch: int = 0, stream: str = "memcpy") -> torch.T
         return torch.ones(4, 8).mul_(batch + 1)
 
 
+def copied_and_read(c: StreamChecker, batch: int = 0) -> torch.Tensor:
+    """``produce`` on memcpy, then read on default after waiting for memcpy (no record_stream)."""
+    x = produce(c, batch=batch)
+    with c.task("Forward", batch):
+        c.current_stream().wait_stream(c.stream("memcpy"))
+        x.sum()
+    return x
+
+
 def only(c: StreamChecker) -> UnsyncedAccess | EarlyFree:
     assert len(c.findings) == 1, c.findings
     return c.findings[0]
@@ -138,16 +147,39 @@ def test_ops_outside_tasks_are_not_recorded(checker: StreamChecker) -> None:
 
 
 def test_early_free_without_record_stream_is_caught(checker: StreamChecker) -> None:
-    x = produce(checker, batch=5)
-    with checker.task("Forward", 5):
-        checker.current_stream().wait_stream(checker.stream("memcpy"))
-        x.sum()
+    x = copied_and_read(checker, batch=5)
     with checker.task("Drop", 5):
         del x
+    checker.check()  # freed, but nothing can have its block yet
+    produce(checker, batch=6)  # the next allocation on memcpy, not ordered after Forward's read
     f = only(checker)
     assert isinstance(f, EarlyFree) and f.alloc_stream == "memcpy" and f.nbytes == 4 * 8 * 4
     assert (f.use.task, f.use.batch, f.use.stream, f.use.kind) == ("Forward", 5, "default", "read")
-    assert "freed in task Drop batch 5" in str(f) and "record_stream('default')" in str(f)
+    text = str(f)
+    assert "freed in task Drop batch 5" in text and "record_stream('default')" in text
+    assert "next allocation on 'memcpy', aten.ones.default (output [4, 8]) in task H2D batch 6" in text
+
+
+def test_a_wait_between_the_free_and_the_next_allocation_makes_it_safe(checker: StreamChecker) -> None:
+    memcpy = checker.stream("memcpy")
+    x = copied_and_read(checker)
+    del x  # freed before memcpy waited for the read: pending
+    with checker.task("H2D", 1), torch.cpu.stream(memcpy):
+        memcpy.wait_stream(checker.default_stream)
+        torch.ones(4, 8)  # ordered after the read: the block is safe to reuse
+        torch.ones(4, 8)
+    checker.check()
+    assert checker.stats.frees_pending == 1
+
+
+def test_an_allocation_of_the_other_pool_cannot_get_the_block(checker: StreamChecker) -> None:
+    x = copied_and_read(checker)
+    del x
+    with checker.task("H2D", 1), torch.cpu.stream(checker.stream("memcpy")):
+        torch.empty(1 << 19).fill_(1.0)  # 2 MiB: the large pool, not the freed 128-byte block's
+    checker.check()
+    produce(checker, batch=2)
+    assert isinstance(only(checker), EarlyFree)
 
 
 def test_record_stream_keeps_the_block(checker: StreamChecker) -> None:
@@ -164,10 +196,7 @@ def test_record_stream_keeps_the_block(checker: StreamChecker) -> None:
 
 def test_a_wait_of_the_allocation_stream_or_a_host_sync_covers_the_free(checker: StreamChecker) -> None:
     memcpy = checker.stream("memcpy")
-    x = produce(checker)
-    with checker.task("Forward", 0):
-        checker.current_stream().wait_stream(memcpy)
-        x.sum()
+    x = copied_and_read(checker)
     memcpy.wait_stream(checker.default_stream)  # the next copy waits for Forward: the block is safe
     del x
     y = produce(checker, batch=1)
@@ -198,7 +227,9 @@ def test_repeats_are_counted_once(checker: StreamChecker) -> None:
         with checker.task("Backward", b), torch.cpu.stream(checker.stream("side")):
             x.sum()  # no wait of side on memcpy (and no record_stream(side): an early free too)
     kinds = [type(f).__name__ for f in checker.findings]
-    assert kinds == ["UnsyncedAccess", "EarlyFree"] and checker.counts == [4, 3]  # the last batch is alive
+    # x of batch b is freed after batch b+1 was allocated, so batch b+2's allocation decides it:
+    # batches 0 and 1
+    assert kinds == ["UnsyncedAccess", "EarlyFree"] and checker.counts == [4, 2]
     f = checker.findings[0]
     assert isinstance(f, UnsyncedAccess) and f.later.task == "Backward" and f.later.batch == 0  # the first is kept
 
@@ -229,3 +260,43 @@ def test_a_clean_training_step_reports_nothing(checker: StreamChecker) -> None:
         del batch
     checker.check()
     assert checker.stats.ops > 50
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward notes the stream it runs on."""
+
+    seen: list[str] = []
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        _Probe.seen.append(torch.cpu.current_stream().name)
+        return grad * 1
+
+
+def test_backward_ops_run_on_their_forward_ops_stream(checker: StreamChecker) -> None:
+    """As CUDA autograd: a node made on 'side' runs its backward on 'side', after the current
+    stream's work, and the current stream's later work waits for it."""
+    side = checker.stream("side")
+    w = torch.ones(4, requires_grad=True)
+    _Probe.seen.clear()
+    with checker.task("Lookup", 0), torch.cpu.stream(side):
+        side.wait_stream(checker.default_stream)
+        h = torch.full((4,), 2.0)  # allocated on side, saved for mul's backward
+        y = _Probe.apply(w * h)
+    with checker.task("Forward", 0):
+        checker.current_stream().wait_stream(side)
+        y.record_stream(checker.current_stream())
+        loss = (y * 3).sum()
+    with checker.task("Backward", 0):
+        loss.backward()  # mul's backward reads h on side; w.grad is accumulated on default
+        w.grad.sum()  # default waited for side's backward ops
+        del h, y, loss
+    with checker.task("Lookup", 1), torch.cpu.stream(side):
+        torch.full((4,), 2.0)  # may reuse h's block: h was only used on side
+    assert _Probe.seen == ["side"]
+    assert checker.stats.backward_nodes >= 2
+    checker.check()

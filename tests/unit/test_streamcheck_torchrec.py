@@ -29,7 +29,8 @@ def host_batch() -> KeyedJaggedTensor:
 
 def copy_to_device(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """What ``_to_device`` does on CUDA: new tensors written on the current stream. (On the CPU
-    ``_to_device`` returns the same tensors: no op runs, so nothing would be seen.)"""
+    ``_to_device`` returns the same tensors; the installed checker copies host memory only, and
+    this batch was made inside the task.)"""
     assert utils._to_device(kjt, torch.device("cpu"), non_blocking=True).values() is kjt.values()
     return KeyedJaggedTensor.from_lengths_sync(
         keys=kjt.keys(), values=kjt.values().clone(), lengths=kjt.lengths().clone()

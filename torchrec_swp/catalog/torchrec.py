@@ -411,6 +411,8 @@ dep Forward <- NolCompute
 dep RecordBatch <- SetModuleContext
 dep NolGradApply <- Forward
 dep WaitOverlapDist <- Backward
+# the wait is on the event OverlapDistLast records: under a thread map that splits them, it must come after it
+dep WaitOverlapDist <- OverlapDistLast
 dep OlGradStart <- Backward
 dep OlGradStart <- WaitOverlapDist
 dep OlGradStart <- OverlapDistLast

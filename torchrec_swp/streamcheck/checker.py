@@ -20,8 +20,10 @@ Model (the vector clocks of ``torch.cuda._sanitizer``, with CPU threads added):
   after them is an ``UnsyncedAccess``. On the storage's deallocation (a weakref on its Python
   object: torch keeps one Python object per live storage, so the callback runs exactly when
   the storage dies) each use on a stream other than the allocation stream must be covered by
-  ``record_stream`` or by what the freeing thread knows of the allocation stream, else
-  ``EarlyFree``.
+  ``record_stream`` or by what the freeing thread knows of the allocation stream; if not, the
+  free stays pending (``memory``) until the next allocation on the allocation stream, which
+  must be ordered after those uses, else ``EarlyFree``.
+* Backward ops run on their forward op's stream (``autograd``).
 
 Findings are collected (the first occurrence of each signature, with a count) and ``check()``
 raises ``StreamCheckError`` listing them; with ``fail_fast=True`` an unsynchronised access or a
@@ -37,15 +39,14 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from typing_extensions import Self
 
-from torchrec_swp.streamcheck.dispatch import NONE, WRITE, AccessMode, OpPlan, Touch
+from torchrec_swp.streamcheck.autograd import NodeStreams
+from torchrec_swp.streamcheck.dispatch import NONE, WRITE, OpPlan, Touch
 from torchrec_swp.streamcheck.findings import (
-    Access,
     EarlyFree,
     Finding,
     HostOrder,
@@ -53,115 +54,14 @@ from torchrec_swp.streamcheck.findings import (
     StreamCheckUsageError,
     UnsyncedAccess,
 )
+from torchrec_swp.streamcheck.lanes import Clock, CheckStats, Lane, TaskLabel, ThreadState, Use, join
+from torchrec_swp.streamcheck.memory import PendingFree, StorageState, same_pool, unknown_uses
 from torchrec_swp.streamcheck.streams import Event, Stream, active_checker, set_active
 
 #: The name of the stream every thread is on unless it entered another (the plan's default).
 DEFAULT_STREAM = "default"
 
-Clock = dict[int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class TaskLabel:
-    """Where an op ran: task, batch and the engine's thread name."""
-
-    task: str
-    batch: int | None
-    thread: str
-
-    def __str__(self) -> str:
-        batch = "" if self.batch is None else f" batch {self.batch}"
-        return f"task {self.task}{batch} (thread {self.thread})"
-
-
-class _Lane:
-    __slots__ = ("id", "seq", "stream", "thread")
-
-    def __init__(self, lane_id: int, stream: Stream, thread: str) -> None:
-        self.id, self.stream, self.thread, self.seq = lane_id, stream, thread, 0
-
-
-class _Use:
-    """One access, kept per storage until superseded: enough to order it and to report it."""
-
-    __slots__ = ("arg", "label", "lane", "op", "seq", "shape", "write")
-
-    def __init__(
-        self, lane: _Lane, seq: int, write: bool, label: TaskLabel | None, op: str, arg: str, shape: Any
-    ) -> None:
-        self.lane, self.seq, self.write, self.label = lane, seq, write, label
-        self.op, self.arg, self.shape = op, arg, shape
-
-    def access(self) -> Access:
-        label = self.label
-        return Access(
-            kind="write" if self.write else "read",
-            task=None if label is None else label.task,
-            batch=None if label is None else label.batch,
-            thread=self.lane.thread if label is None else label.thread,
-            stream=self.lane.stream.name,
-            op=self.op,
-            arg=self.arg,
-            shape=tuple(self.shape),
-        )
-
-
-class _StorageState:
-    __slots__ = ("alloc", "host", "nbytes", "reads", "recorded", "ref", "write")
-
-    def __init__(self, alloc: Stream, nbytes: int, host: bool = False) -> None:
-        self.alloc = alloc
-        # made outside every task (the loader's batches, tensors that existed before): host memory
-        # in a CUDA run, whose caching host allocator records its uses itself - no early free
-        self.host = host
-        self.nbytes = nbytes
-        self.write: _Use | None = None
-        self.reads: dict[int, _Use] = {}  # lane id -> last read on that lane since the last write
-        self.recorded: set[Stream] = set()  # streams given to record_stream
-        self.ref: weakref.ref[Any] | None = None
-
-
-class _ThreadState:
-    __slots__ = ("depth", "done", "enq", "host", "label", "lanes", "mode", "name", "stack", "uid")
-
-    def __init__(self, uid: int, name: str, checker: StreamChecker) -> None:
-        self.uid = uid
-        self.name = name
-        self.host: Clock = {uid: 1}  # thread uid -> host epoch known
-        self.enq: dict[Stream, Clock] = {}  # stream -> clock of its work this thread knows enqueued
-        self.done: Clock = {}  # lane steps this thread knows completed (host syncs)
-        self.lanes: dict[Stream, _Lane] = {}
-        self.stack: list[Stream] = []  # entered streams; empty: the default stream
-        self.label: TaskLabel | None = None
-        self.mode = AccessMode(checker)
-        self.depth = 0  # nesting of tasks (the mode is pushed at depth 0 -> 1)
-
-    def where(self) -> str:
-        return f"outside tasks (thread {self.name})" if self.label is None else f"in {self.label}"
-
-
-def _task_of(ts: _ThreadState) -> str:
-    label = ts.label
-    return f"- ({ts.name})" if label is None else f"{label.task} ({label.thread})"
-
-
-def _join(into: Clock, other: Clock) -> None:
-    for k, v in other.items():
-        if into.get(k, 0) < v:
-            into[k] = v
-
-
-@dataclass
-class CheckStats:
-    """Counters (approximate under concurrency only in ``tasks``)."""
-
-    ops: int = 0
-    touches: int = 0
-    tasks: int = 0
-    storages_tracked: int = 0
-    storages_freed: int = 0
-    unknown_acquires: int = 0
-    keys_evicted: int = 0
+__all__ = ["DEFAULT_STREAM", "CheckStats", "StreamChecker", "TaskLabel", "checking"]
 
 
 class StreamChecker:
@@ -175,10 +75,13 @@ class StreamChecker:
     thread (its current stream, its host clock).
     """
 
-    def __init__(self, *, fail_fast: bool = False, max_findings: int = 1000, max_keys: int = 1 << 16) -> None:
+    def __init__(
+        self, *, fail_fast: bool = False, max_findings: int = 1000, max_keys: int = 1 << 16, max_pending: int = 1 << 12
+    ) -> None:
         self.fail_fast = fail_fast
         self.max_findings = max_findings
         self.max_keys = max_keys
+        self.max_pending = max_pending
         self.stats = CheckStats()
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -187,7 +90,8 @@ class StreamChecker:
         self._stream_ids = itertools.count(0)
         self._named: dict[str, Stream] = {}
         self._adopted: dict[int, tuple[Any, Stream]] = {}  # id(foreign stream object) -> (it, emulated)
-        self._storages: dict[int, _StorageState] = {}  # StorageImpl address -> state
+        self._storages: dict[int, StorageState] = {}  # StorageImpl address -> state
+        self._pending: dict[Stream, list[PendingFree]] = {}  # allocation stream -> frees not yet safe
         self._keys: OrderedDict[Hashable, tuple[Clock, dict[Stream, Clock], Clock]] = OrderedDict()
         self._findings: list[Finding] = []
         self._counts: list[int] = []
@@ -297,16 +201,31 @@ class StreamChecker:
             raise StreamCheckUsageError(f"leaving {stream!r}, but the current stream is {self.current_stream()!r}")
         stack.pop()
 
+    def enter_stream(self, stream: Stream) -> None:
+        """Make ``stream`` the calling thread's current stream until ``leave_stream(stream)``
+        (for callbacks that cannot use a context, such as autograd hooks)."""
+        self._push_stream(stream)
+
+    def leave_stream(self, stream: Stream) -> None:
+        """Undo the latest ``enter_stream(stream)`` of the calling thread, even if streams
+        entered after it are still current (hooks of one node may interleave with others')."""
+        stack = self._thread().stack
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is stream:
+                del stack[i]
+                return
+        raise StreamCheckUsageError(f"leaving {stream!r}, which the calling thread did not enter")
+
     def event(self) -> Event:
         """A new emulated event of this checker."""
         return Event(checker=self)
 
     # ------------------------------------------------------------------ threads, tasks, host order
-    def _thread(self) -> _ThreadState:
+    def _thread(self) -> ThreadState:
         try:
             return self._local.ts
         except AttributeError:
-            ts = self._local.ts = _ThreadState(next(self._uids), threading.current_thread().name, self)
+            ts = self._local.ts = ThreadState(next(self._uids), threading.current_thread().name, self)
             return ts
 
     def thread_init(self, name: str | None = None) -> None:
@@ -339,10 +258,10 @@ class StreamChecker:
                 host, enq, done = prev
                 merged_enq = {s: dict(c) for s, c in enq.items()}
                 for s, c in published[1].items():
-                    _join(merged_enq.setdefault(s, {}), c)
+                    join(merged_enq.setdefault(s, {}), c)
                 merged_host, merged_done = dict(host), dict(done)
-                _join(merged_host, published[0])
-                _join(merged_done, published[2])
+                join(merged_host, published[0])
+                join(merged_done, published[2])
                 self._keys[key] = (merged_host, merged_enq, merged_done)
         ts.host[ts.uid] += 1
 
@@ -357,18 +276,18 @@ class StreamChecker:
                 return
         ts = self._thread()
         host, enq, done = published
-        _join(ts.host, host)
+        join(ts.host, host)
         for s, c in enq.items():
-            _join(ts.enq.setdefault(s, {}), c)
-        _join(ts.done, done)
+            join(ts.enq.setdefault(s, {}), c)
+        join(ts.done, done)
 
     # ------------------------------------------------------------------ stream and event operations
-    def _capture(self, ts: _ThreadState, stream: Stream) -> Clock:
+    def _capture(self, ts: ThreadState, stream: Stream) -> Clock:
         """What ``ts`` knows to be enqueued on ``stream``, with all it knows completed."""
         c = dict(ts.done)
         known = ts.enq.get(stream)
         if known:
-            _join(c, known)
+            join(c, known)
         lane = ts.lanes.get(stream)
         if lane is not None and lane.seq > c.get(lane.id, 0):
             c[lane.id] = lane.seq
@@ -379,21 +298,21 @@ class StreamChecker:
         if src is None or src is stream:
             return
         ts = self._thread()
-        _join(ts.enq.setdefault(stream, {}), self._capture(ts, src))
+        join(ts.enq.setdefault(stream, {}), self._capture(ts, src))
 
     def _record_event(self, event: Event, stream: Any) -> None:
         ts = self._thread()
         s = self.resolve(stream) if stream is not None else self.current_stream()
         assert s is not None
-        event._state = (self._capture(ts, s), ts.uid, ts.host[ts.uid], ts.where(), s, _task_of(ts))
+        event._state = (self._capture(ts, s), ts.uid, ts.host[ts.uid], ts.where(), s, ts.task())
 
-    def _host_ordered(self, ts: _ThreadState, event: Event, action: str, report: bool) -> Clock | None:
+    def _host_ordered(self, ts: ThreadState, event: Event, action: str, report: bool) -> Clock | None:
         """The event's clock if its last record is host-ordered before the calling thread's
         present; else None, with a ``HostOrder`` finding if ``report``."""
         state = event._state
         if state is None:
             if report:
-                self._report(HostOrder(action, repr(event), ts.where(), None, _task_of(ts), "-"), raising=True)
+                self._report(HostOrder(action, repr(event), ts.where(), None, ts.task(), "-"), raising=True)
             return None
         clock, uid, epoch, where, stream, recorder_task = state
         if ts.host.get(uid, 0) >= epoch:
@@ -401,7 +320,7 @@ class StreamChecker:
         if report:
             recorder = f"on stream {stream.name!r} {where}"
             finding = HostOrder(
-                action, repr(event), ts.where(), recorder, _task_of(ts), f"{stream.name}: {recorder_task}"
+                action, repr(event), ts.where(), recorder, ts.task(), f"{stream.name}: {recorder_task}"
             )
             self._report(finding, raising=True)
         return None
@@ -412,23 +331,43 @@ class StreamChecker:
         assert s is not None
         clock = self._host_ordered(ts, event, f"stream {s.name!r} waits on", report=True)
         if clock is not None:
-            _join(ts.enq.setdefault(s, {}), clock)
+            join(ts.enq.setdefault(s, {}), clock)
 
     def _sync_event(self, event: Event, report: bool) -> None:
         ts = self._thread()
         clock = self._host_ordered(ts, event, "the host synchronises with", report=report)
         if clock is not None:
-            _join(ts.done, clock)
+            join(ts.done, clock)
 
     def _sync_stream(self, stream: Stream) -> None:
         ts = self._thread()
-        _join(ts.done, self._capture(ts, stream))
+        join(ts.done, self._capture(ts, stream))
 
     def synchronize(self) -> None:
         """Device synchronise: the calling thread knows all work it knows enqueued has completed."""
         ts = self._thread()
         for s in set(ts.enq) | set(ts.lanes):
-            _join(ts.done, self._capture(ts, s))
+            join(ts.done, self._capture(ts, s))
+
+    def host_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.to(device, non_blocking=True)`` where ``tensor`` is host memory (its storage
+        was made outside every task) and the calling thread is in a task: a copy written on the
+        current stream, as CUDA's H2D copy allocates and writes there; else ``tensor`` itself
+        (on the CPU ``to`` returns it, as CUDA does for a tensor already on the device)."""
+        ts = self._thread()
+        if not ts.depth:
+            return tensor
+        st = self._storages.get(tensor.untyped_storage()._cdata)
+        if st is not None and not st.host:
+            return tensor
+        return tensor.clone()
+
+    def tag_backward(self, out: Any) -> None:
+        """Inside a task on a non-default stream: the autograd nodes of ``out`` run their backward
+        on that stream (``autograd.NodeStreams``); elsewhere nothing."""
+        ts = self._thread()
+        if ts.depth:
+            ts.nodes.tag_outputs(out)
 
     # ------------------------------------------------------------------ tensors
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -442,11 +381,11 @@ class StreamChecker:
             st = self._storages.get(storage._cdata) or self._track(storage, self.default_stream)
             st.recorded.add(s)
 
-    def _track(self, storage: torch.UntypedStorage, alloc: Stream, host: bool = False) -> _StorageState:
+    def _track(self, storage: torch.UntypedStorage, alloc: Stream, host: bool = False) -> StorageState:
         key = storage._cdata
-        st = _StorageState(alloc, storage.nbytes(), host)
+        st = StorageState(alloc, storage.nbytes(), host)
 
-        def freed(_ref: Any, key: int = key, st: _StorageState = st) -> None:
+        def freed(_ref: Any, key: int = key, st: StorageState = st) -> None:
             self._freed(key, st)
 
         st.ref = weakref.ref(storage, freed)
@@ -461,7 +400,7 @@ class StreamChecker:
         stream = ts.stack[-1] if ts.stack else self.default_stream
         lane = ts.lanes.get(stream)
         if lane is None:
-            lane = ts.lanes[stream] = _Lane(next(self._lane_ids), stream, ts.name)
+            lane = ts.lanes[stream] = Lane(next(self._lane_ids), stream, ts.name)
         lane.seq += 1
         seq = lane.seq
         enq = ts.enq.get(stream) or {}
@@ -484,10 +423,13 @@ class StreamChecker:
             for key, (storage, access, fresh, arg, shape) in merged.items():
                 st = self._storages.get(key)
                 if st is None:
-                    st = self._track(storage, stream if fresh else self.default_stream, host=not fresh or label is None)
+                    host = not fresh or label is None
+                    st = self._track(storage, stream if fresh else self.default_stream, host=host)
+                    if not host and stream in self._pending:
+                        found += self._reuse(ts, stream, st.nbytes, plan.name, arg, shape)
                 if access == NONE:
                     continue
-                use = _Use(lane, seq, access == WRITE, label, plan.name, arg, shape)
+                use = Use(lane, seq, access == WRITE, label, plan.name, arg, shape)
                 if access == WRITE:
                     previous = list(st.reads.values()) if st.reads else ([st.write] if st.write is not None else [])
                     for p in previous:
@@ -510,24 +452,48 @@ class StreamChecker:
         for f in found:
             self._report(f, raising=True)
 
-    def _freed(self, key: int, st: _StorageState) -> None:
+    def _freed(self, key: int, st: StorageState) -> None:
         """Weakref callback: the storage died (on the calling thread, at any point of its code:
-        this only reads and appends)."""
+        this only reads and appends). Uses on other streams the freeing thread does not know
+        ordered before the allocation stream's next work keep the free pending."""
         with self._lock:
             if self._storages.get(key) is st:
                 del self._storages[key]
             self.stats.storages_freed += 1
-        if st.host:
-            return
-        uses = [u for u in (st.write, *st.reads.values()) if u is not None and u.lane.stream is not st.alloc]
-        uses = [u for u in uses if u.lane.stream not in st.recorded]
+        uses = st.foreign_uses()
         if not uses:
             return
         ts = self._thread()
-        known = self._capture(ts, st.alloc)
-        for u in uses:
-            if known.get(u.lane.id, 0) < u.seq:
-                self._report(EarlyFree(u.access(), st.alloc.name, st.nbytes, ts.where()), raising=False)
+        uses = unknown_uses(uses, self._capture(ts, st.alloc))
+        if not uses:
+            return
+        with self._lock:
+            pending = self._pending.setdefault(st.alloc, [])
+            pending.append(PendingFree(st.alloc, st.nbytes, uses, ts.where()))
+            self.stats.frees_pending += 1
+            if len(pending) > self.max_pending:
+                del pending[0]
+
+    def _reuse(self, ts: ThreadState, stream: Stream, nbytes: int, op: str, arg: str, shape: Any) -> list[Finding]:
+        """An allocation of ``nbytes`` on ``stream`` by the calling thread (lock held): the pending
+        frees of its pool it could get the block of. Each is decided and dropped: safe if the
+        thread knows its uses ordered before, else an ``EarlyFree`` per use."""
+        pending = self._pending[stream]
+        known = self._capture(ts, stream)
+        found: list[Finding] = []
+        keep: list[PendingFree] = []
+        reused_by = f"{op} ({arg} {list(shape)}) {ts.where()}"
+        for p in pending:
+            if not same_pool(p.nbytes, nbytes):
+                keep.append(p)
+                continue
+            for u in unknown_uses(p.uses, known):
+                found.append(EarlyFree(u.access(), stream.name, p.nbytes, p.freed_in, reused_by))
+        if keep:
+            self._pending[stream] = keep
+        else:
+            del self._pending[stream]
+        return found
 
     # ------------------------------------------------------------------ results
     def _report(self, finding: Finding, *, raising: bool) -> None:
@@ -564,8 +530,9 @@ class StreamChecker:
                 raise StreamCheckError(self._findings, self._counts, self._dropped)
 
     def clear(self) -> None:
-        """Forget the findings (the clocks and storages stay)."""
+        """Forget the findings and the pending frees (the clocks and storages stay)."""
         with self._lock:
+            self._pending.clear()
             self._findings.clear()
             self._counts.clear()
             self._index.clear()
@@ -600,6 +567,7 @@ class _TaskContext:
         ts.label = TaskLabel(name, batch, thread if thread is not None else ts.name)
         if ts.depth == 0:
             ts.mode.__enter__()
+            ts.nodes.__enter__()
         ts.depth += 1
         self.checker.stats.tasks += 1
 
@@ -607,6 +575,7 @@ class _TaskContext:
         ts = self.ts
         ts.depth -= 1
         if ts.depth == 0:
+            ts.nodes.__exit__(None, None, None)
             ts.mode.__exit__(None, None, None)
         ts.label = self.prev
 

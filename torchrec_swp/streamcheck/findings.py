@@ -3,8 +3,9 @@
 * ``UnsyncedAccess``: two accesses to one storage, at least one a write, on different lanes (a
   lane is one stream as enqueued by one CPU thread) with no happens-before edge between them.
 * ``EarlyFree``: a storage freed while a use on a stream other than its allocation stream is
-  covered neither by ``record_stream`` nor by a wait: the CUDA caching allocator would hand the
-  block out again to the next allocation on the allocation stream before that use ran.
+  covered neither by ``record_stream`` nor by a wait, and a later allocation on the allocation
+  stream is not ordered after that use: the CUDA caching allocator could hand it the block
+  before the use ran.
 * ``HostOrder``: a stream waited on (or the host synchronised with) an event whose record is not
   ordered before the wait on the CPU side: in another interleaving of the threads the wait runs
   first and orders nothing.
@@ -77,19 +78,21 @@ class UnsyncedAccess:
 @dataclass(frozen=True, slots=True)
 class EarlyFree:
     """A storage allocated on ``alloc_stream`` was freed while ``use`` (on another stream) was
-    covered neither by ``record_stream`` nor by a wait of the allocation stream."""
+    covered neither by ``record_stream`` nor by a wait of the allocation stream, and a later
+    allocation on ``alloc_stream`` (``reused_by``) is not ordered after that use either."""
 
     use: Access
     alloc_stream: str
     nbytes: int
     freed_in: str
+    reused_by: str = "-"
 
     def __str__(self) -> str:
         return (
             f"early free: a storage of {self.nbytes} bytes allocated on stream {self.alloc_stream!r} was freed "
             f"{self.freed_in}\n    while its {self.use}\n    was covered neither by record_stream({self.use.stream!r}) "
-            f"nor by a wait of stream {self.alloc_stream!r} for it: the CUDA caching allocator could hand the block "
-            f"to the next allocation on {self.alloc_stream!r} before that {self.use.kind} ran"
+            f"nor by a wait of stream {self.alloc_stream!r} for it, and the next allocation on {self.alloc_stream!r}, "
+            f"{self.reused_by},\n    could get the block from the CUDA caching allocator before that {self.use.kind} ran"
         )
 
     def signature(self) -> tuple[str, ...]:

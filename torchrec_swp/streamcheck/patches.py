@@ -21,6 +21,11 @@ classes and one *process-global* current stream. While installed:
 ``Tensor.record_stream(s)``      for CPU tensors: ``checker.record_stream`` (every tensor of
                                  a KJT/JaggedTensor/KeyedTensor/context goes through it);
                                  other tensors: the original.
+``Tensor.to(cpu, non_blocking=   inside a task, of host memory (a storage made outside every
+True)``                          task): a copy made on the current stream, as an H2D copy is
+                                 (``checker.host_to_device``); else the original
+``autograd.Function.apply``      the original, then the outputs' autograd node is tagged
+                                 with the current stream (``autograd``: backward runs there)
 ===============================  ==========================================================
 
 Stream objects that are not emulated (a user's ``torch.cpu.Stream()`` made before installing,
@@ -88,6 +93,25 @@ class TorchPatch:
         self._set(torch.cpu, "synchronize", synchronize)
         self._set(torch.cuda, "StreamContext", cuda_stream_context)
         self._set(torch.Tensor, "record_stream", record_stream)
+        original_to = torch.Tensor.to
+
+        def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = original_to(self, *args, **kwargs)
+            if out is self and self.is_cpu:
+                device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+                if non_blocking and device is not None and torch.device(device).type == "cpu":
+                    return checker.host_to_device(self)
+            return out
+
+        self._set(torch.Tensor, "to", to)
+        original_apply = torch.autograd.Function.__dict__["apply"].__func__
+
+        def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original_apply(cls, *args, **kwargs)
+            checker.tag_backward(out)
+            return out
+
+        self._set(torch.autograd.Function, "apply", classmethod(apply))
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))

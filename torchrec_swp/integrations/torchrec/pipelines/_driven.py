@@ -72,11 +72,12 @@ class PlanDriven:
 
     def _swp_checked(self, pool: StreamPool, attributes: Mapping[str, str]) -> StreamPool:
         """In checked mode (``SWP_STREAM_CHECK``, a pool with emulated streams on the CPU), the
-        upstream class's stream attributes (``{plan stream: attribute}``, e.g. ``_memcpy_stream``)
-        become the pool's emulated streams, so that TorchRec's helpers take their CUDA branches
-        (``wait_stream``, events, ``record_stream``) and the checker sees what a GPU run would do."""
+        upstream class's stream attributes (``{attribute: plan stream}``, e.g. ``{"_memcpy_stream":
+        "memcpy"}``) become the pool's emulated streams, so that TorchRec's helpers take their CUDA
+        branches (``wait_stream``, events, ``record_stream``) and the checker sees what a GPU run
+        would do."""
         if getattr(pool, "checker", None) is not None:
-            for name, attribute in attributes.items():
+            for attribute, name in attributes.items():
                 setattr(self, attribute, pool.stream(name))
         return pool
 

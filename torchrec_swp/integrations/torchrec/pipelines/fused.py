@@ -11,6 +11,7 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup
+from torchrec.distributed.types import Awaitable
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
@@ -18,7 +19,7 @@ from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddin
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
 
-__all__ = ["EvalPipelineFusedSparseDist", "TrainPipelineFusedSparseDist"]
+__all__ = ["EvalPipelineFusedSparseDist", "LookupOutput", "TrainPipelineFusedSparseDist"]
 
 _UPSTREAM_FUSED_INIT = inspect.signature(upstream.TrainPipelineFusedSparseDist.__init__)
 
@@ -31,6 +32,39 @@ def _emb_lookup_stream_option(args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     own = {k: v for k, v in kwargs.items() if k in params}
     bound = _UPSTREAM_FUSED_INIT.bind_partial(None, *args, **own)
     return bound.arguments.get("emb_lookup_stream", params["emb_lookup_stream"].default)
+
+
+class LookupOutput(Awaitable[Any]):
+    """The output of an embedding lookup started on ``stream``, waited for on that stream and
+    handed to the stream that waits for it (an event wait and ``record_stream``).
+
+    Why: upstream's in-sync forward waits for the output dist on the compute stream. That wait
+    reads the lookup's output, which the lookup stream allocated, and frees it (the KeyedTensor
+    is a new tensor, ``torch.cat`` of the shards' outputs); nothing records the compute stream on
+    that block, and the lookup stream's next allocation (the next batch's InputDistWait, which
+    does not wait for the compute stream) may be handed the block before the compute stream's
+    ``cat`` ran. The CPU stream checker found it (``make stream-check``, docs/gpu_check.md).
+    Here the wait and its ``cat`` run on the lookup stream, which allocated what they read; the
+    result is recorded on the consumer's stream, which waits for an event recorded after them.
+    Same ops, same values; the consumer waits for the lookup's output only, as before.
+    """
+
+    def __init__(self, inner: Awaitable[Any], stream: Any, stream_context: Callable[[Any], Any], device: torch.device) -> None:
+        super().__init__()
+        self._inner, self._stream, self._stream_context, self._device = inner, stream, stream_context, device
+
+    def _wait_impl(self) -> Any:
+        consumer = torch.get_device_module(self._device).current_stream()
+        with self._stream_context(self._stream):
+            out = self._inner.wait()
+            done = self._stream.record_event()
+        consumer.wait_event(done)
+        if isinstance(out, dict):
+            for jt in out.values():
+                jt.record_stream(consumer)
+        else:
+            out.record_stream(consumer)
+        return out
 
 
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineFusedSparseDist[In, Out]):
@@ -74,10 +108,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
 
     def _swp_streams(self) -> StreamPool:
         streams = {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream}
-        attributes = {"memcpy": "_memcpy_stream", "data_dist": "_data_dist_stream"}
         if self._swp_emb_lookup_stream == "new":
             streams["emb_lookup"] = self._emb_lookup_stream
-            attributes["emb_lookup"] = "_emb_lookup_stream"
+        lookup = {"data_dist": "data_dist", "new": "emb_lookup", "current": DEFAULT_STREAM}[self._swp_emb_lookup_stream]
+        attributes = {"_memcpy_stream": "memcpy", "_data_dist_stream": "data_dist", "_emb_lookup_stream": lookup}
         return self._swp_checked(stream_pool_for(self._device, streams), attributes)
 
     def start_embedding_lookup(self, batch: In | None, context: EmbeddingTrainPipelineContext) -> None:
@@ -86,7 +120,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
 
         The looked-up KJTs are recorded on the engine's compute stream (upstream: the current
         stream, which is the compute stream when upstream's progress() runs) where the device
-        has streams, and on none on CPU.
+        has streams, and on none on CPU. Where it has streams, each module's output request
+        becomes a ``LookupOutput``: the forward waits for it on the lookup stream (upstream
+        waits on the compute stream, see ``LookupOutput``).
         """
         if batch is None:
             return
@@ -101,6 +137,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
                         target_stream=compute_stream,
                         stream_context=self._stream_context,  # type: ignore[arg-type]
                     )
+            if self._swp_engine.streams.has_streams and self._emb_lookup_stream is not None:
+                requests = context.embedding_a2a_requests
+                for name, request in requests.items():
+                    if isinstance(request, Awaitable):  # not an MC module's (embeddings, kjts) pair
+                        requests[name] = LookupOutput(request, self._emb_lookup_stream, self._stream_context, self._device)
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

@@ -50,7 +50,7 @@ class PrefetchTrainPipelineSparseDist(
             {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream, "prefetch": self._prefetch_stream},
         )
         return self._swp_checked(
-            pool, {"memcpy": "_memcpy_stream", "data_dist": "_data_dist_stream", "prefetch": "_prefetch_stream"}
+            pool, {"_memcpy_stream": "memcpy", "_data_dist_stream": "data_dist", "_prefetch_stream": "prefetch"}
         )
 
     def _prefetch(self, context: PrefetchTrainPipelineContext) -> None:

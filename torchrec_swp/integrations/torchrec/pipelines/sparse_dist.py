@@ -105,7 +105,7 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDri
 
     def _swp_streams(self) -> StreamPool:
         pool = stream_pool_for(self._device, {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream})
-        return self._swp_checked(pool, {"memcpy": "_memcpy_stream", "data_dist": "_data_dist_stream"})
+        return self._swp_checked(pool, {"_memcpy_stream": "memcpy", "_data_dist_stream": "data_dist"})
 
     def start_sparse_data_dist(self, batch: In | None, context: Any) -> None:
         super().start_sparse_data_dist(batch, context)

@@ -1,0 +1,82 @@
+"""Backward on the streams CUDA would run it on.
+
+On CUDA each backward op runs on the stream its forward op ran on, and the autograd engine
+syncs a node's stream with the streams that produced its input gradients; the ``backward()``
+call as a whole is ordered like one op on the calling thread's current stream. Without this the
+checker would see every backward op on the stream current at ``.backward()`` (a TBE's fused
+update reading on ``default`` what its forward allocated on ``data_dist``, say) and report uses
+that a CUDA run does not have.
+
+``NodeStreams`` (a TorchFunctionMode, pushed with the access mode for each task) tags the
+autograd node of every tensor made while a stream other than the default is current: the node
+gets a pre-hook that makes that stream wait for the calling thread's current stream and enters
+it, and a hook that leaves it and makes the current stream wait for it. Nodes made inside one
+Python-level torch call (the inner ops of a custom op, say) are not seen; only the node of its
+outputs is tagged, and the others run on the current stream. Custom ``autograd.Function``s'
+``apply`` is not a torch function: the installed checker's patch of it tags their nodes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from torchrec_swp.streamcheck.checker import StreamChecker
+    from torchrec_swp.streamcheck.streams import Stream
+
+_TAG = "swp_stream"
+
+
+class NodeStreams(TorchFunctionMode):
+    """Tags the autograd nodes made on a non-default stream with it (see the module docstring)."""
+
+    def __init__(self, checker: StreamChecker) -> None:
+        super().__init__()
+        self.checker = checker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.tag_outputs(out)
+        return out
+
+    def tag_outputs(self, out: Any) -> None:
+        """Tag the nodes of ``out`` (a tensor, or a tuple/list of them) with the current stream,
+        if that is not the default one. ``patches`` calls it for ``autograd.Function.apply``,
+        which torch function modes do not see."""
+        stream = self.checker.current_stream()
+        if stream is self.checker.default_stream:
+            return
+        if isinstance(out, torch.Tensor):
+            self._tag(out, stream)
+        elif isinstance(out, (tuple, list)):
+            for value in out:
+                if isinstance(value, torch.Tensor):
+                    self._tag(value, stream)
+
+    def _tag(self, tensor: torch.Tensor, stream: Stream) -> None:
+        node = tensor.grad_fn
+        if node is None:
+            return
+        metadata = node.metadata
+        if _TAG in metadata:
+            return
+        metadata[_TAG] = stream
+        checker = self.checker
+        checker.stats.backward_nodes += 1
+        ambient: list[Stream] = []
+
+        def enter(grad_outputs: Any) -> None:
+            current = checker.current_stream()
+            ambient.append(current)
+            stream.wait_stream(current)
+            checker.enter_stream(stream)
+
+        def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+            checker.leave_stream(stream)
+            (ambient.pop() if ambient else checker.current_stream()).wait_stream(stream)
+
+        node.register_prehook(enter)
+        node.register_hook(leave)
