@@ -1,17 +1,24 @@
 """``make stream-check``: the pipelines' real tasks under the CPU stream checker, then mutants.
 
 1. Every pipeline (ours, on 1 gloo rank in this process, the DLRM example's small model, 12
-   batches) runs in checked mode (``SWP_STREAM_CHECK=1``): emulated streams for the plan's
-   streams and for TorchRec's stream attributes, every aten op's storage accesses recorded per
-   task, batch, thread and stream. A pipeline is clean when the checker finds nothing.
-2. Mutants: for TrainPipelineSparseDist (default plan, and ``by_stream``), each compiled stream
-   wait and each event record is removed from the compiled program, one at a time, and each
-   call site of ``record_stream`` (in TorchRec's code or ours) is ignored, one at a time; a
-   mutant is caught when the checker then reports something. Prints ``caught N/M mutants`` and
-   each escaped one with what was removed.
+   batches; default plans, ``by_stream`` where the plan has several streams, H2D on an ``io``
+   thread, Staged with its stages' own streams) runs in checked mode (``SWP_STREAM_CHECK=1``):
+   emulated streams for the plan's streams and for TorchRec's stream attributes, every aten
+   op's storage accesses recorded per task, batch, thread and stream, host-memory H2D copies
+   made on the current stream, backward ops on their forward op's stream. A pipeline is clean
+   when the checker finds nothing; the ops seen per stream are printed with it.
+2. Mutants, on SparseDist (default plan and ``by_stream``), Fused, SemiSync and Prefetch
+   (``MUTANT_STEPS`` batches each):
+   * plan mutants: the tasks' own ``wait_stream``/``wait_event`` are ignored, so that the
+     plan's compiled syncs alone order the streams (shown clean first), then each compiled
+     stream wait and event record is removed, one at a time;
+   * task mutants: each call site of ``wait_stream``, ``wait_event`` and ``record_stream`` in
+     the tasks' code (TorchRec's helpers and ours) is ignored, one at a time, plan intact.
+   A mutant is caught when the checker then reports something. Prints ``caught N/M mutants``
+   and each escaped one with what was removed and why nothing needed it.
 
 Exit status: 1 if a pipeline of part 1 is not clean or a part raised, 0 otherwise (escaped
-mutants are reported, with what they removed, but do not fail: a wait can be redundant).
+mutants are reported, with what they removed, but do not fail: a sync can be redundant).
 
     .venv/bin/python tools/stream_check.py [--pipelines A,B] [--no-mutants]
 """
@@ -31,17 +38,25 @@ os.environ["SWP_STREAM_CHECK"] = "1"
 
 PIPELINES = (
     ("TrainPipelineBase", None),
+    ("TrainPipelinePT2", None),
     ("TrainPipelineSparseDist", None),
     ("TrainPipelineSparseDist", "by_stream"),
     ("TrainPipelineSparseDist", "io"),
     ("TrainPipelineSparseDistLite", None),
+    ("TrainPipelineSparseDistLite", "by_stream"),
+    ("TrainPipelineSparseDistCompAutograd", None),
     ("TrainPipelineFusedSparseDist", None),
+    ("TrainPipelineFusedSparseDist", "by_stream"),
     ("TrainPipelineSemiSync", None),
+    ("TrainPipelineSemiSync", "by_stream"),
     ("PrefetchTrainPipelineSparseDist", None),
+    ("PrefetchTrainPipelineSparseDist", "by_stream"),
     ("EvalPipelineSparseDist", None),
     ("EvalPipelineFusedSparseDist", None),
+    ("EvalPipelineFusedSparseDist", "by_stream"),
     ("StagedTrainPipeline", None),
     ("TrainPipelinePEC", None),
+    ("TrainPipelinePEC", "by_stream"),
 )
 STEPS = 12
 
@@ -58,8 +73,9 @@ def _setup() -> Any:
     return process_checker()
 
 
-def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | None = None) -> int:
-    """Train ``STEPS`` batches with our ``name``; the number of steps run."""
+def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | None = None, steps: int = STEPS) -> int:
+    """Train ``steps`` batches with our ``name``; the number of steps run. ``mutate`` gets the
+    pipeline's engine before the first step."""
     from benchmarks.common import SIZES, batches
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
@@ -69,7 +85,7 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
     runner = make_runner(name, "ours", lambda: build_dlrm(0, 1, size), thread_map=tmap)
     if mutate is not None:
         mutate(runner.pipeline.engine)
-    data = batches(size, 0, STEPS, 0.0)
+    data = batches(size, 0, steps, 0.0)
     steps = 0
     try:
         while True:
@@ -94,80 +110,93 @@ def check_pipelines(checker: Any, wanted: list[tuple[str, str | None]]) -> bool:
             clean = False
             continue
         findings = checker.findings
-        print(f"{label}: {steps} steps, {'clean' if not findings else f'{len(findings)} finding(s)'}")
+        streams = ", ".join(f"{s} {n}" for s, n in sorted(checker.ops_by_stream.items()))
+        print(f"{label}: {steps} steps, {'clean' if not findings else f'{len(findings)} finding(s)'} (ops per stream: {streams})")
         for f in findings[:3]:
             print("    " + str(f).replace("\n", "\n    "))
         clean = clean and not findings
     return clean
 
 
-def _sync_instructions(engine: Any) -> list[tuple[int, str, int, str]]:
-    from torchrec_swp.compile import RecordEvent, WaitStream
+ENGINE_DIR = str(Path(__file__).resolve().parents[1] / "torchrec_swp" / "engine")
+MUTANT_RUNS = (
+    ("TrainPipelineSparseDist", None),
+    ("TrainPipelineSparseDist", "by_stream"),
+    ("TrainPipelineFusedSparseDist", None),
+    ("TrainPipelineSemiSync", None),
+    ("PrefetchTrainPipelineSparseDist", None),
+)
+MUTANT_STEPS = 6
+TASK_WAITS = ("wait_stream", "wait_event")
 
-    found = []
-    for k, inst in enumerate(engine._installed.values()):
-        for thread, prog in inst.programs.items():
-            found += [(k, thread, i, str(instr)) for i, instr in enumerate(prog) if isinstance(instr, (WaitStream, RecordEvent))]
-    return found
+
+def _short(site: str) -> str:
+    return site.split("site-packages/")[-1].split(str(Path(__file__).resolve().parents[1]) + "/")[-1]
 
 
-def _without(k: int, thread: str, index: int) -> Callable[[Any], None]:
+def _run(checker: Any, name: str, tmap: str | None, skip: Callable[[str, str], bool] | None, drop: tuple[int, str, int] | None = None) -> list[tuple[int, str, int, str]]:
+    """One checked run of STEPS//2 batches; the compiled device syncs of its engine."""
+    syncs: list[tuple[int, str, int, str]] = []
+
     def mutate(engine: Any) -> None:
-        inst = list(engine._installed.values())[k]
-        prog = inst.programs[thread]
-        inst.programs[thread] = prog[:index] + prog[index + 1 :]
+        syncs.extend(engine.device_syncs())
+        if drop is not None:
+            engine.drop_instruction(*drop)
 
-    return mutate
+    checker.clear()
+    checker.skip_sync = skip
+    try:
+        train(name, tmap, mutate=mutate, steps=MUTANT_STEPS)
+    finally:
+        checker.skip_sync = None
+    return syncs
 
 
 def mutants(checker: Any) -> tuple[int, int]:
-    """Run every mutant; (caught, total)."""
-    import torch
+    """Run every mutant; (caught, total). Two families per pipeline:
 
+    * plan mutants: with the tasks' own ``wait_stream``/``wait_event`` ignored (so the plan's
+      compiled syncs are all that orders the streams; first shown clean), each compiled stream
+      wait and event record removed, one at a time;
+    * task mutants: each call site of ``wait_stream``, ``wait_event`` and ``record_stream`` in
+      the tasks' code (TorchRec's helpers, ours) ignored, one at a time, the plan intact.
+    """
     caught = total = 0
-    for name, thread_map in (("TrainPipelineSparseDist", None), ("TrainPipelineSparseDist", "by_stream")):
-        syncs: list[tuple[int, str, int, str]] = []
-        train(name, thread_map, mutate=lambda e, out=syncs: out.extend(_sync_instructions(e)))
-        for k, thread, index, text in syncs:
-            checker.clear()
-            train(name, thread_map, mutate=_without(k, thread, index))
+    for name, tmap in MUTANT_RUNS:
+        label = f"{name} ({tmap or 'default plan'})"
+        sites: dict[tuple[str, str], set[str]] = {}
+
+        def note(kind: str, site: str) -> bool:
+            task = checker.current_task()
+            if not site.startswith(ENGINE_DIR):
+                sites.setdefault((kind, site), set()).add("-" if task is None else task.task)
+            return False
+
+        syncs = _run(checker, name, tmap, note)
+
+        def plan_only(kind: str, site: str) -> bool:
+            return kind in TASK_WAITS and not site.startswith(ENGINE_DIR)
+
+        _run(checker, name, tmap, plan_only)
+        if checker.findings:
+            print(f"{label}: NOT clean with the tasks' own waits ignored, so plan mutants are not meaningful:")
+            print("    " + str(checker.findings[0]).replace("\n", "\n    "))
+        else:
+            for k, thread, index, text in syncs:
+                _run(checker, name, tmap, plan_only, drop=(k, thread, index))
+                total += 1
+                if checker.findings:
+                    caught += 1
+                else:
+                    print(f"escaped: {label} plan without `{text}` (thread {thread}): no access needed it once the other compiled syncs ran")
+        for (kind, site), tasks in sorted(sites.items()):
+            _run(checker, name, tmap, lambda k, s, want=(kind, site): (k, s) == want)
             total += 1
             if checker.findings:
                 caught += 1
             else:
-                print(f"escaped: {name} ({thread_map or 'default plan'}) without `{text}` on thread {thread}: no access of the tasks needed it")
-    # record_stream call sites: find them in a clean run, then ignore one at a time
-    original = checker.record_stream
-    sites: dict[str, int] = {}
-
-    def counting(tensor: torch.Tensor, stream: Any) -> None:
-        frame = sys._getframe(2)  # patches.record_stream -> here; its caller is the call site
-        sites.setdefault(f"{frame.f_code.co_filename}:{frame.f_lineno}", 0)
-        original(tensor, stream)
-
-    checker.record_stream = counting
-    try:
-        train("TrainPipelineSparseDist", None)
-    finally:
-        checker.record_stream = original
-    for site in sites:
-        def skipping(tensor: torch.Tensor, stream: Any, site: str = site) -> None:
-            frame = sys._getframe(2)
-            if f"{frame.f_code.co_filename}:{frame.f_lineno}" != site:
-                original(tensor, stream)
-
-        checker.clear()
-        checker.record_stream = skipping
-        try:
-            train("TrainPipelineSparseDist", None)
-        finally:
-            checker.record_stream = original
-        total += 1
-        short = site.split("site-packages/")[-1].split("/work/main/")[-1]
-        if checker.findings:
-            caught += 1
-        else:
-            print(f"escaped: record_stream at {short} ignored: nothing used that memory on another stream before it was freed")
+                why = "the plan's compiled syncs order the same accesses" if kind in TASK_WAITS else "no other stream used that memory before its block could be reused"
+                print(f"escaped: {label} {kind} at {_short(site)} (in {', '.join(sorted(tasks))}) ignored: {why}")
     return caught, total
 
 

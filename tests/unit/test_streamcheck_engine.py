@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from torchrec_swp.compile import WaitStream
 from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.streamcheck import CheckedStreamPool, EarlyFree, StreamChecker, UnsyncedAccess
@@ -67,8 +66,7 @@ class Model:
 def run(plan: PipelinePlan, checker: StreamChecker, mutate: Any = None, record: bool = True) -> list[float]:
     engine = Engine(plan, Model(record).bindings(), streams=CheckedStreamPool(checker), timeout_s=10)
     if mutate is not None:
-        for inst in engine._installed.values():
-            mutate(inst)
+        mutate(engine)
     data = iter([torch.full((4,), float(k)) for k in range(N)])
     outs = []
     with torch.no_grad():
@@ -81,10 +79,11 @@ def run(plan: PipelinePlan, checker: StreamChecker, mutate: Any = None, record: 
     return outs
 
 
-def without_waits(inst: Any) -> None:
+def without_waits(engine: Engine) -> None:
     """The compiled programs with every stream wait removed (what a forgotten wait_stream is)."""
-    for key, prog in list(inst.programs.items()):
-        inst.programs[key] = tuple(i for i in prog if not isinstance(i, WaitStream))
+    waits = [(k, thread, i) for k, thread, i, text in engine.device_syncs() if text.startswith("stream ")]
+    for k, thread, i in reversed(waits):  # from the end: earlier positions stay valid
+        assert engine.drop_instruction(k, thread, i).startswith("stream ")
 
 
 @pytest.mark.parametrize("thread_map", ["main", "by_stream"])

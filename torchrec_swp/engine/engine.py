@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from torchrec_swp.compile import Alias, CompiledPlan, Run
+from torchrec_swp.compile import Alias, CompiledPlan, RecordEvent, Run, WaitStream
 from torchrec_swp.engine.batches import BatchBook, BatchLedger
 from torchrec_swp.engine.cuts import Cuts
 from torchrec_swp.engine.errors import EngineError
@@ -177,6 +177,24 @@ class Engine(Cuts):
         for inst in self._installed.values():
             self._bind(inst)
 
+    # ------------------------------------------------------------------ mutation testing
+    def device_syncs(self) -> list[tuple[int, str, int, str]]:
+        """Every stream wait and event record of the installed programs, as ``(plan index,
+        thread, position, text)``: what ``drop_instruction`` can remove (tools/stream_check.py)."""
+        found = []
+        for k, inst in enumerate(self._installed.values()):
+            for thread, prog in inst.programs.items():
+                found += [(k, thread, i, str(x)) for i, x in enumerate(prog) if isinstance(x, (WaitStream, RecordEvent))]
+        return found
+
+    def drop_instruction(self, plan_index: int, thread: str, position: int) -> str:
+        """Remove one instruction from an installed program, for mutation testing only (a
+        mutant engine: call it before the first step). Returns the instruction's text."""
+        inst = list(self._installed.values())[plan_index]
+        prog = inst.programs[thread]
+        inst.programs[thread] = prog[:position] + prog[position + 1 :]
+        return str(prog[position])
+
     # ------------------------------------------------------------------ state
     @property
     def compiled(self) -> CompiledPlan:
@@ -289,6 +307,8 @@ class Engine(Cuts):
 
     def _background(self, w: Walker) -> None:
         torch.set_grad_enabled(self._grad)
+        if self._checker is not None:
+            self._checker.cpu_acquire(("launch", self._uid, w.name))
         self._walk(w, None)
 
     def _await(self, d: int) -> str:
@@ -326,6 +346,10 @@ class Engine(Cuts):
                 if not self.failures:
                     self.failures.append(Failure(e, "-", d, MAIN_THREAD, self._main.P))
             result = outcome() or "failed"
+        if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
+            for w in self._tasked:
+                if w is not self._main:
+                    self._checker.cpu_acquire(("iter", self._uid, w.name, self._epoch_base + d + (w.top if w.ahead else top)))
         return result
 
     def _raise_failure(self) -> None:

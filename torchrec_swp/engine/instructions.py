@@ -113,6 +113,8 @@ class PlanInterpreter(Interpreter):
         return inst.programs.get(w.thread, ())
 
     def _iteration_done(self, w: Walker, P: int) -> None:
+        if self._checker is not None and w is not self._main:
+            self._checker.cpu_release(("iter", self._uid, w.name, self._epoch_base + P))
         for group, count in w.inst.tickets:
             w.bases[group] = w.bases.get(group, 0) + count
         if w is self._main:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import itertools
 import queue
 import sys
 import threading
@@ -55,6 +56,8 @@ from torchrec_swp.engine.turnstile import Turnstile
 
 DEFAULT_TIMEOUT_S = 600.0
 
+
+_INTERPRETER_IDS = itertools.count(1)
 
 class WalkState(enum.Enum):
     READY = "ready"  # positioned, not walking
@@ -153,6 +156,7 @@ class Interpreter(abc.ABC):
         self.streams: StreamPool = streams if streams is not None else NullStreamPool()
         # a checked pool (SWP_STREAM_CHECK, torchrec_swp.streamcheck) watches the tasks' tensor accesses
         self._checker = getattr(self.streams, "checker", None)
+        self._uid = next(_INTERPRETER_IDS)  # names this interpreter's hand-offs to the checker
         self.timeout_s = float(timeout_s)
         self.name = name
         self.board = Board()
@@ -200,6 +204,8 @@ class Interpreter(abc.ABC):
         except BaseException:  # noqa: BLE001 - every failure is recorded and re-raised by the caller
             self._fail(w)
         finally:
+            if self._checker is not None:  # what the walk did is ordered before who sees it resting
+                self._checker.cpu_release(("walk", self._uid, w.name))
             if len(self._walkers) > 1:
                 board.changed()
 
@@ -290,6 +296,8 @@ class Interpreter(abc.ABC):
 
     def _launch(self, w: Walker, job: Callable[[], None]) -> None:
         w.state = WalkState.RUNNING
+        if self._checker is not None:  # what the launcher did is ordered before the job
+            self._checker.cpu_release(("launch", self._uid, w.name))
         self._worker(w.name).inbox.put(job)
 
     def _wait_idle(self, walkers: list[Walker]) -> None:
@@ -303,6 +311,9 @@ class Interpreter(abc.ABC):
                     cause = self.failures[0].exc if self.failures else None
                     raise EngineTimeout(self._timeout_report()) from cause
                 self.board.cond.wait(remaining)
+        if self._checker is not None:
+            for w in walkers:
+                self._checker.cpu_acquire(("walk", self._uid, w.name))
 
     # -------------------------------------------------------------- failures
     def _first_failure(self) -> BaseException:

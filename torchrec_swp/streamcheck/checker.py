@@ -34,10 +34,12 @@ run in weakref callbacks): they are only collected.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -83,6 +85,8 @@ class StreamChecker:
         self.max_keys = max_keys
         self.max_pending = max_pending
         self.stats = CheckStats()
+        #: ops recorded per stream name (``clear()`` resets it): which streams the tasks used
+        self.ops_by_stream: dict[str, int] = {}
         self._lock = threading.RLock()
         self._local = threading.local()
         self._uids = itertools.count(1)
@@ -98,6 +102,10 @@ class StreamChecker:
         self._index: dict[tuple[str, ...], int] = {}
         self._dropped = 0
         self._patch: Any = None
+        #: Mutation testing: called as ``skip_sync(kind, site)`` for every ``wait_stream``,
+        #: ``wait_event`` and ``record_stream`` (kind), ``site`` the ``file:line`` that asked for it
+        #: (the first frame outside this package); True ignores that one. None: nothing skipped.
+        self.skip_sync: Callable[[str, str], bool] | None = None
         self.default_stream = self.stream(DEFAULT_STREAM)
 
     # ------------------------------------------------------------------ lifecycle
@@ -179,6 +187,10 @@ class StreamChecker:
             return None
         known = self._resolve_known(obj)
         return known if known is not None else self.adopt(obj)
+
+    def current_task(self) -> TaskLabel | None:
+        """The calling thread's task label (None outside tasks)."""
+        return self._thread().label
 
     def current_stream(self) -> Stream:
         """The calling thread's current stream."""
@@ -293,7 +305,13 @@ class StreamChecker:
             c[lane.id] = lane.seq
         return c
 
+    def _skipped(self, kind: str) -> bool:
+        skip = self.skip_sync
+        return skip is not None and skip(kind, call_site())
+
     def _wait_stream(self, stream: Stream, other: Any) -> None:
+        if self._skipped("wait_stream"):
+            return
         src = self.resolve(other)
         if src is None or src is stream:
             return
@@ -326,6 +344,8 @@ class StreamChecker:
         return None
 
     def _wait_event(self, stream: Any, event: Event) -> None:
+        if self._skipped("wait_event"):
+            return
         ts = self._thread()
         s = self.resolve(stream) if stream is not None else self.current_stream()
         assert s is not None
@@ -376,6 +396,8 @@ class StreamChecker:
         s = self.resolve(stream)
         if s is None:
             raise StreamCheckUsageError("record_stream needs a stream, got None")
+        if self._skipped("record_stream"):
+            return
         storage = tensor.untyped_storage()
         with self._lock:
             st = self._storages.get(storage._cdata) or self._track(storage, self.default_stream)
@@ -419,6 +441,7 @@ class StreamChecker:
         found: list[Finding] = []
         with self._lock:
             self.stats.ops += 1
+            self.ops_by_stream[stream.name] = self.ops_by_stream.get(stream.name, 0) + 1
             self.stats.touches += len(merged)
             for key, (storage, access, fresh, arg, shape) in merged.items():
                 st = self._storages.get(key)
@@ -533,10 +556,22 @@ class StreamChecker:
         """Forget the findings and the pending frees (the clocks and storages stay)."""
         with self._lock:
             self._pending.clear()
+            self.ops_by_stream = {}
             self._findings.clear()
             self._counts.clear()
             self._index.clear()
             self._dropped = 0
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside this package (who asked for a sync)."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 class _StreamContext:
