@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torchrec_swp.engine.streams import process_checker
+from torchrec_swp.streamcheck import stream_check_requested
+
 __all__ = ["RankError", "run_on_ranks"]
 
 # --------------------------------------------------------------------------------------------
@@ -114,6 +117,10 @@ def _rank_main(
         torch.set_num_threads(1)
         torch.manual_seed(0)
         random.seed(0)
+        if stream_check_requested():
+            # installed before any test code patches torch (upstream_cpu_patch restores what it
+            # found on exit, which would drop a checker installed inside it)
+            process_checker()
         payload = pickle.dumps(fn(rank, world_size, *args))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))

@@ -9,13 +9,16 @@
    when the checker finds nothing; the ops seen per stream are printed with it.
 2. Mutants, on SparseDist (default plan and ``by_stream``), Fused, SemiSync and Prefetch
    (``MUTANT_STEPS`` batches each):
-   * plan mutants: the tasks' own ``wait_stream``/``wait_event`` are ignored, so that the
-     plan's compiled syncs alone order the streams (shown clean first), then each compiled
-     stream wait and event record is removed, one at a time;
+   * plan mutants: TorchRec's own ``wait_stream``/``wait_event`` in the tasks are ignored, so
+     that the plan's compiled syncs (and our tasks' hand-offs) alone order the streams (shown
+     clean first), then each compiled stream wait and event record is removed, one at a time;
    * task mutants: each call site of ``wait_stream``, ``wait_event`` and ``record_stream`` in
      the tasks' code (TorchRec's helpers and ours) is ignored, one at a time, plan intact.
    A mutant is caught when the checker then reports something. Prints ``caught N/M mutants``
    and each escaped one with what was removed and why nothing needed it.
+
+3. Upstream TorchRec's pipelines under the same checker (``harness.upstream_streams``: their
+   stream attributes made emulated streams, their methods labelled as tasks); reported only.
 
 Exit status: 1 if a pipeline of part 1 is not clean or a part raised, 0 otherwise (escaped
 mutants are reported, with what they removed, but do not fail: a sync can be redundant).
@@ -85,7 +88,7 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
     runner = make_runner(name, "ours", lambda: build_dlrm(0, 1, size), thread_map=tmap)
     if mutate is not None:
         mutate(runner.pipeline.engine)
-    data = batches(size, 0, steps, 0.0)
+    data = iter(list(batches(size, 0, steps, 0.0)))  # made before: host memory, copied by H2D
     steps = 0
     try:
         while True:
@@ -96,6 +99,16 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
             steps += 1
     finally:
         runner.close()
+
+
+def report(checker: Any, label: str, steps: int) -> bool:
+    """Print one run's result (steps, findings, ops per stream, the first 3 findings); whether clean."""
+    findings = checker.findings
+    streams = ", ".join(f"{s} {n}" for s, n in sorted(checker.ops_by_stream.items()))
+    print(f"{label}: {steps} steps, {'clean' if not findings else f'{len(findings)} finding(s)'} (ops per stream: {streams})")
+    for f in findings[:3]:
+        print("    " + str(f).replace("\n", "\n    "))
+    return not findings
 
 
 def check_pipelines(checker: Any, wanted: list[tuple[str, str | None]]) -> bool:
@@ -109,15 +122,11 @@ def check_pipelines(checker: Any, wanted: list[tuple[str, str | None]]) -> bool:
             print(f"{label}: ERROR\n{traceback.format_exc()}")
             clean = False
             continue
-        findings = checker.findings
-        streams = ", ".join(f"{s} {n}" for s, n in sorted(checker.ops_by_stream.items()))
-        print(f"{label}: {steps} steps, {'clean' if not findings else f'{len(findings)} finding(s)'} (ops per stream: {streams})")
-        for f in findings[:3]:
-            print("    " + str(f).replace("\n", "\n    "))
-        clean = clean and not findings
+        clean = report(checker, label, steps) and clean
     return clean
 
 
+PACKAGE_DIR = str(Path(__file__).resolve().parents[1] / "torchrec_swp")
 ENGINE_DIR = str(Path(__file__).resolve().parents[1] / "torchrec_swp" / "engine")
 MUTANT_RUNS = (
     ("TrainPipelineSparseDist", None),
@@ -174,8 +183,8 @@ def mutants(checker: Any) -> tuple[int, int]:
 
         syncs = _run(checker, name, tmap, note)
 
-        def plan_only(kind: str, site: str) -> bool:
-            return kind in TASK_WAITS and not site.startswith(ENGINE_DIR)
+        def plan_only(kind: str, site: str) -> bool:  # TorchRec's own waits ignored; ours kept
+            return kind in TASK_WAITS and not site.startswith(PACKAGE_DIR)
 
         _run(checker, name, tmap, plan_only)
         if checker.findings:
@@ -188,22 +197,48 @@ def mutants(checker: Any) -> tuple[int, int]:
                 if checker.findings:
                     caught += 1
                 else:
-                    print(f"escaped: {label} plan without `{text}` (thread {thread}): no access needed it once the other compiled syncs ran")
+                    print(f"escaped: {label} plan without `{text}` (thread {thread}): no access needed it once the other compiled syncs (and our tasks' hand-offs) ran")
         for (kind, site), tasks in sorted(sites.items()):
+            host, waited = checker.stats.frees_after_host_sync, checker.stats.frees_after_wait
             _run(checker, name, tmap, lambda k, s, want=(kind, site): (k, s) == want)
             total += 1
             if checker.findings:
                 caught += 1
+                continue
+            if kind in TASK_WAITS:
+                why = "the plan's compiled syncs (or other task waits) order the same accesses"
             else:
-                why = "the plan's compiled syncs order the same accesses" if kind in TASK_WAITS else "no other stream used that memory before its block could be reused"
-                print(f"escaped: {label} {kind} at {_short(site)} (in {', '.join(sorted(tasks))}) ignored: {why}")
+                host, waited = checker.stats.frees_after_host_sync - host, checker.stats.frees_after_wait - waited
+                why = (
+                    f"every block whose use it covered was safe anyway: {host} freed after a host sync had "
+                    f"completed the uses, {waited} reused only after the allocation stream waited for them"
+                )
+            print(f"escaped: {label} {kind} at {_short(site)} (in {', '.join(sorted(tasks))}) ignored: {why}")
     return caught, total
+
+
+def check_upstream(checker: Any) -> None:
+    """Part 3: upstream TorchRec's pipelines under the same checker (their stream attributes made
+    emulated streams, their methods labelled as tasks: harness.upstream_streams). Reported only:
+    what upstream does is not ours to fail on."""
+    from harness.dlrm import PipelineUnavailable
+    from harness.upstream_streams import UPSTREAM_PIPELINES, train_upstream_checked
+
+    for name in UPSTREAM_PIPELINES:
+        checker.clear()
+        try:
+            steps = train_upstream_checked(name, checker, STEPS)
+        except PipelineUnavailable as e:
+            print(f"upstream {name}: not run here: {e}")
+            continue
+        report(checker, f"upstream {name}", steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=lambda s: [p for p in s.split(",") if p], default=None)
     parser.add_argument("--no-mutants", action="store_true")
+    parser.add_argument("--no-upstream", action="store_true", help="skip part 3, upstream's pipelines")
     args = parser.parse_args(argv)
     import logging
     import warnings
@@ -213,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     checker = _setup()
     wanted = [p for p in PIPELINES if args.pipelines is None or p[0] in args.pipelines]
     clean = check_pipelines(checker, wanted)
+    if not args.no_upstream:
+        check_upstream(checker)
     if not args.no_mutants:
         caught, total = mutants(checker)
         print(f"caught {caught}/{total} mutants")

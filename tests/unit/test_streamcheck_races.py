@@ -300,3 +300,31 @@ def test_backward_ops_run_on_their_forward_ops_stream(checker: StreamChecker) ->
     assert _Probe.seen == ["side"]
     assert checker.stats.backward_nodes >= 2
     checker.check()
+
+
+def test_only_host_reads_synchronise_the_host(checker: StreamChecker) -> None:
+    """``.item()`` waits for the stream; an ``_local_scalar_dense`` a CPU kernel runs inside
+    (CUDA kernels do not) is no synchronisation."""
+    x = produce(checker)
+    with checker.task("H2D", 0), torch.cpu.stream(checker.stream("memcpy")):
+        torch.ops.aten._local_scalar_dense.default(x.sum())  # as a CPU kernel's internals do
+    with checker.task("Forward", 0):
+        x.sum()
+    assert isinstance(only(checker), UnsyncedAccess)
+
+
+def test_skip_sync_ignores_the_chosen_call_sites(checker: StreamChecker) -> None:
+    sites: list[tuple[str, str]] = []
+
+    def skip(kind: str, site: str) -> bool:
+        sites.append((kind, site))
+        return kind == "wait_stream"
+
+    checker.skip_sync = skip
+    x = produce(checker)
+    with checker.task("Forward", 0):
+        torch.cpu.current_stream().wait_stream(checker.stream("memcpy"))  # skipped: the read is unordered
+        x.sum()
+    assert isinstance(only(checker), UnsyncedAccess)
+    ((kind, site),) = sites
+    assert kind == "wait_stream" and site.startswith(__file__.removesuffix("c") + ":")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
 
 WORLD = "world"
 
@@ -55,7 +55,19 @@ def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | 
     stage = plan.max_stage
     io = PipelineTask("ClearDataDistInputs", reads=("context",), doc="free input-dist inputs early")
     deps = [("ClearDataDistInputs", after)] if after is not None else []
-    return plan.with_task(io, TaskSchedule(stage, "data_dist"), after=after, deps=deps)
+    plan = plan.with_task(io, TaskSchedule(stage, "data_dist"), after=after, deps=deps)
+    if "InputDistWait" not in plan.schedule or "Forward" not in plan.schedule:
+        return plan
+    # With this option upstream finishes the input dist (dist_init) on the compute stream, in
+    # Forward, reading all-to-all outputs allocated on data_dist that it frees there with no
+    # record_stream. The next batch's InputDistWait allocates on data_dist: it waits for Forward
+    # (the CPU stream checker found the early free; docs/gpu_check.md).
+    # the Forward of the same internal iteration (one earlier if it fires after InputDistWait)
+    distance = plan.schedule["Forward"].stage - plan.schedule["InputDistWait"].stage
+    if plan.fire_order.index("Forward") > plan.fire_order.index("InputDistWait"):
+        distance += 1
+    inter = [*plan.inter_iter_deps, Dep("InputDistWait", "Forward", distance)]
+    return plan.replace(inter_iter_deps=inter)
 
 
 # ------------------------------------------------------------------------------- the tables

@@ -37,6 +37,7 @@ from torchrec_swp.engine.streams import (
     NullStreamPool,
     RecordingStreamPool,
     StreamPool,
+    device_has_streams,
     stream_pool_for,
 )
 from torchrec_swp.engine.tasks import Binding, Observer
@@ -63,5 +64,6 @@ __all__ = [
     "StreamPool",
     "TaskAborted",
     "Turnstile",
+    "device_has_streams",
     "stream_pool_for",
 ]

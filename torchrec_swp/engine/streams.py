@@ -138,6 +138,17 @@ class RecordingStreamPool:
         return None
 
 
+def device_has_streams(device: torch.device) -> bool:
+    """Whether work for ``device`` runs on streams: CUDA and MTIA, and the CPU in checked mode
+    (``SWP_STREAM_CHECK=1``), where the code paths that only run with streams (``record_stream``,
+    events) must run as on CUDA for the checker to see them."""
+    if device.type in STREAM_DEVICE_TYPES:
+        return True
+    from torchrec_swp.streamcheck import stream_check_requested
+
+    return device.type == "cpu" and stream_check_requested()
+
+
 def stream_pool_for(device: torch.device, streams: Mapping[str, Any] | None = None) -> StreamPool:
     """The pool for ``device``: CUDA/MTIA streams on those devices, null streams elsewhere; on the
     CPU with ``SWP_STREAM_CHECK=1``, emulated streams watched by the process's stream checker

@@ -12,7 +12,9 @@ autograd node of every tensor made while a stream other than the default is curr
 gets a pre-hook that makes that stream wait for the calling thread's current stream and enters
 it, and a hook that leaves it and makes the current stream wait for it. Nodes made inside one
 Python-level torch call (the inner ops of a custom op, say) are not seen; only the node of its
-outputs is tagged, and the others run on the current stream. Custom ``autograd.Function``s'
+outputs is tagged, and the others run on the current stream. The mode also marks the calls that
+read a device value on the host (``HOST_READS``: ``.item()``, ``.tolist()``, ...): only their
+``_local_scalar_dense`` synchronises the host with the stream. Custom ``autograd.Function``s'
 ``apply`` is not a torch function: the installed checker's patch of it tags their nodes.
 """
 
@@ -28,6 +30,11 @@ if TYPE_CHECKING:
     from torchrec_swp.streamcheck.streams import Stream
 
 _TAG = "swp_stream"
+_HOST_READ_NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+#: The calls that read a device value on the host (a blocking device-to-host copy on CUDA). Only
+#: inside one of them is an ``aten._local_scalar_dense`` a host synchronisation: the CPU kernels
+#: also call it internally (the CPU TBE backward does, 8 times a step), where CUDA's do not.
+HOST_READS = frozenset(getattr(c, n) for c in (torch._C.TensorBase, torch.Tensor) for n in _HOST_READ_NAMES)
 
 
 class NodeStreams(TorchFunctionMode):
@@ -38,6 +45,13 @@ class NodeStreams(TorchFunctionMode):
         self.checker = checker
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func in HOST_READS:
+            ts = self.checker.thread_state()
+            ts.host_reads += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                ts.host_reads -= 1
         out = func(*args, **(kwargs or {}))
         self.tag_outputs(out)
         return out
@@ -71,12 +85,12 @@ class NodeStreams(TorchFunctionMode):
         def enter(grad_outputs: Any) -> None:
             current = checker.current_stream()
             ambient.append(current)
-            stream.wait_stream(current)
+            checker.implicit_wait(stream, current)
             checker.enter_stream(stream)
 
         def leave(grad_inputs: Any, grad_outputs: Any) -> None:
             checker.leave_stream(stream)
-            (ambient.pop() if ambient else checker.current_stream()).wait_stream(stream)
+            checker.implicit_wait(ambient.pop() if ambient else checker.current_stream(), stream)
 
         node.register_prehook(enter)
         node.register_hook(leave)

@@ -240,6 +240,10 @@ class StreamChecker:
             ts = self._local.ts = ThreadState(next(self._uids), threading.current_thread().name, self)
             return ts
 
+    def thread_state(self) -> ThreadState:
+        """The calling thread's state (made on first use)."""
+        return self._thread()
+
     def thread_init(self, name: str | None = None) -> None:
         """Register the calling thread (optional; ``name`` replaces the thread's name in reports)."""
         ts = self._thread()
@@ -312,6 +316,11 @@ class StreamChecker:
     def _wait_stream(self, stream: Stream, other: Any) -> None:
         if self._skipped("wait_stream"):
             return
+        self.implicit_wait(stream, other)
+
+    def implicit_wait(self, stream: Stream, other: Any) -> None:
+        """``stream.wait_stream(other)`` made by the runtime itself (autograd's syncs between a
+        node's stream and its neighbours'), not by a call site: ``skip_sync`` never skips it."""
         src = self.resolve(other)
         if src is None or src is stream:
             return
@@ -470,7 +479,7 @@ class StreamChecker:
                     ):
                         found.append(UnsyncedAccess(w.access(), use.access()))
                     st.reads[lane.id] = use
-        if plan.host_sync:
+        if plan.host_sync and ts.host_reads:
             self._sync_stream(stream)
         for f in found:
             self._report(f, raising=True)
@@ -487,8 +496,16 @@ class StreamChecker:
         if not uses:
             return
         ts = self._thread()
+        before = uses
         uses = unknown_uses(uses, self._capture(ts, st.alloc))
         if not uses:
+            # safe at the free: completed as far as the host knows, or waited for by the stream
+            host = not unknown_uses(before, ts.done)
+            with self._lock:
+                if host:
+                    self.stats.frees_after_host_sync += 1
+                else:
+                    self.stats.frees_after_wait += 1
             return
         with self._lock:
             pending = self._pending.setdefault(st.alloc, [])
@@ -510,7 +527,10 @@ class StreamChecker:
             if not same_pool(p.nbytes, nbytes):
                 keep.append(p)
                 continue
-            for u in unknown_uses(p.uses, known):
+            late = unknown_uses(p.uses, known)
+            if not late:
+                self.stats.frees_after_wait += 1
+            for u in late:
                 found.append(EarlyFree(u.access(), stream.name, p.nbytes, p.freed_in, reused_by))
         if keep:
             self._pending[stream] = keep

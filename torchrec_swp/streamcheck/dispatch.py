@@ -35,7 +35,8 @@ NONE, READ, WRITE = 0, 1, 2
 _FACTORY = re.compile(r"(new_.*|.*_like)$")
 _ALLOC_ONLY = re.compile(r"(empty.*|new_empty.*)$")
 _FRESH_INPUT = ("lift_fresh",)
-# ops that make the host wait for the current stream on CUDA (a device-to-host copy of a scalar)
+# ops that make the host wait for the current stream on CUDA (a device-to-host copy of a scalar),
+# when a host read (autograd.HOST_READS: .item(), .tolist(), ...) asked for them
 _HOST_SYNC = ("_local_scalar_dense",)
 
 

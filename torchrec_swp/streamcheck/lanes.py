@@ -76,7 +76,7 @@ class ThreadState:
     """What one CPU thread knows: its host clock, per stream the work it knows enqueued, the work
     it knows completed, its lanes, its entered streams and its task label."""
 
-    __slots__ = ("depth", "done", "enq", "host", "label", "lanes", "mode", "name", "nodes", "stack", "uid")
+    __slots__ = ("depth", "done", "enq", "host", "host_reads", "label", "lanes", "mode", "name", "nodes", "stack", "uid")
 
     def __init__(self, uid: int, name: str, checker: StreamChecker) -> None:
         self.uid = uid
@@ -90,6 +90,7 @@ class ThreadState:
         self.mode = AccessMode(checker)
         self.nodes = NodeStreams(checker)
         self.depth = 0  # nesting of tasks (the mode is pushed at depth 0 -> 1)
+        self.host_reads = 0  # nesting of .item()/.tolist()/... calls (autograd.HOST_READS)
 
     def where(self) -> str:
         return f"outside tasks (thread {self.name})" if self.label is None else f"in {self.label}"
@@ -112,4 +113,8 @@ class CheckStats:
     unknown_acquires: int = 0
     keys_evicted: int = 0
     frees_pending: int = 0
+    # frees with uses on other streams found safe: by a host sync (``.item()``, synchronize) or by
+    # a wait of the allocation stream (at the free or before the next allocation there)
+    frees_after_host_sync: int = 0
+    frees_after_wait: int = 0
     backward_nodes: int = 0

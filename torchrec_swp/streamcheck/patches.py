@@ -71,10 +71,16 @@ class TorchPatch:
         def stream(stream: Any) -> Any:
             return checker.stream_context(stream)
 
-        def cuda_stream_context(stream: Any) -> Any:
-            if stream is not None and (checker.knows(stream) or not cuda_available):
+        # classes, not functions: torch (dynamo among others) checks isinstance(x, StreamContext)
+        class CpuStreamContext:
+            def __new__(cls, stream: Any) -> Any:
                 return checker.stream_context(stream)
-            return original_cuda_context(stream)
+
+        class CudaStreamContext(original_cuda_context):  # type: ignore[misc, valid-type]
+            def __new__(cls, stream: Any) -> Any:
+                if stream is not None and (checker.knows(stream) or not cuda_available):
+                    return checker.stream_context(stream)
+                return original_cuda_context(stream)
 
         def synchronize(device: Any = None) -> None:
             checker.synchronize()
@@ -87,17 +93,17 @@ class TorchPatch:
 
         self._set(torch.cpu, "current_stream", current_stream)
         self._set(torch.cpu, "stream", stream)
-        self._set(torch.cpu, "StreamContext", stream)
+        self._set(torch.cpu, "StreamContext", CpuStreamContext)
         self._set(torch.cpu, "Stream", Stream)
         self._set(torch.cpu, "Event", Event)
         self._set(torch.cpu, "synchronize", synchronize)
-        self._set(torch.cuda, "StreamContext", cuda_stream_context)
+        self._set(torch.cuda, "StreamContext", CudaStreamContext)
         self._set(torch.Tensor, "record_stream", record_stream)
         original_to = torch.Tensor.to
 
         def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = original_to(self, *args, **kwargs)
-            if out is self and self.is_cpu:
+            if out is self and self.is_cpu and not torch.compiler.is_compiling():
                 device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
                 if non_blocking and device is not None and torch.device(device).type == "cpu":
                     return checker.host_to_device(self)
@@ -108,7 +114,8 @@ class TorchPatch:
 
         def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
             out = original_apply(cls, *args, **kwargs)
-            checker.tag_backward(out)
+            if not torch.compiler.is_compiling():
+                checker.tag_backward(out)
             return out
 
         self._set(torch.autograd.Function, "apply", classmethod(apply))

@@ -67,7 +67,8 @@ class PlanDriven:
             streams=streams,
             timeout_s=timeout_s,
             name=f"swp-{type(self).__name__}",
-            device_type=getattr(getattr(self, "_device", None), "type", None),
+            # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
+            device_type=None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
         )
 
     def _swp_checked(self, pool: StreamPool, attributes: Mapping[str, str]) -> StreamPool:

@@ -34,7 +34,7 @@ class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], PlanDriven):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        streams = stream_pool_for(self._device, {"memcpy": self._memcpy_stream})
+        streams = self._swp_checked(stream_pool_for(self._device, {"memcpy": self._memcpy_stream}), {"_memcpy_stream": "memcpy"})
         self._swp_setup(plans.train_pipeline_base_plan(), plan, thread_map, engine_timeout_s, streams)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:

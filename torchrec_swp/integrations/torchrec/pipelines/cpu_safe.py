@@ -36,7 +36,7 @@ from torchrec.distributed.train_pipeline import utils as upstream_utils
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.types import CallArgs
 
-from torchrec_swp.engine import STREAM_DEVICE_TYPES as _STREAM_DEVICE_TYPES
+from torchrec_swp.engine import device_has_streams
 
 __all__ = ["InSyncEmbeddingForward", "prefetch_embeddings", "streamless_on_cpu"]
 
@@ -125,7 +125,7 @@ def prefetch_embeddings(
 
 def _has_streams(stream: Any) -> bool:
     device = getattr(stream, "device", None)
-    return device is not None and torch.device(device).type in _STREAM_DEVICE_TYPES
+    return device is not None and device_has_streams(torch.device(device))  # the CPU too in checked mode
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PECPipelinedFor
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import STREAM_DEVICE_TYPES
+from torchrec_swp.engine import device_has_streams
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
@@ -27,7 +27,7 @@ _UPSTREAM_INIT = inspect.signature(upstream.TrainPipelinePEC.__init__)
 
 def _device_stream(stream: Any) -> bool:
     device = getattr(stream, "device", None)
-    return device is not None and torch.device(device).type in STREAM_DEVICE_TYPES
+    return device is not None and device_has_streams(torch.device(device))
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelinePEC):
@@ -82,7 +82,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
 
     @property
     def _swp_has_streams(self) -> bool:
-        return self._device.type in STREAM_DEVICE_TYPES
+        return device_has_streams(self._device)
 
     # ------------------------------------------------- upstream helpers, CPU-safe
     @staticmethod

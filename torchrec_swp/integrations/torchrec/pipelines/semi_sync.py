@@ -15,7 +15,7 @@ from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import STREAM_DEVICE_TYPES
+from torchrec_swp.engine import device_has_streams
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PhasedPlan
 
@@ -116,7 +116,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     # ------------------------------------------------- upstream helpers, CPU-safe
     def _swp_current_stream(self) -> torch.Stream | None:
         """The compute stream, or None on a device without streams (nothing to record there)."""
-        if self._device.type in STREAM_DEVICE_TYPES:
+        if device_has_streams(self._device):  # the CPU too in checked mode
             return torch.get_device_module(self._device).current_stream()
         return None
 
@@ -232,5 +232,5 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     def _task_synchronize(self, b: int) -> None:
         # Upstream synchronizes the device before the next batch's lookup (the plan runs this
         # only when there is one). A device without streams runs everything in order already.
-        if self._device.type in STREAM_DEVICE_TYPES:
+        if device_has_streams(self._device):
             torch.get_device_module(self._device).synchronize()

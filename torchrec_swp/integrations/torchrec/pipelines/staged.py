@@ -15,7 +15,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, stream_pool_for
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, device_has_streams, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
 from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
@@ -115,7 +115,8 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], PlanDriven
             # upstream would take torch.cpu.current_stream(), which has no .device
             compute_stream = torch.Stream(device="cpu")
         super().__init__(pipeline_stages, debug_mode, compute_stream, on_flush_end)
-        self._swp_has_streams = device.type in STREAM_DEVICE_TYPES
+        self._swp_device_streams = device.type in STREAM_DEVICE_TYPES
+        self._swp_has_streams = device_has_streams(device)  # also the CPU in checked mode
         if not self._swp_has_streams:
             _streamless_sparse_data_dist(pipeline_stages)
         self._swp_stage_tasks = stage_task_names(pipeline_stages)
@@ -142,7 +143,7 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], PlanDriven
             # Every CPU stream object compares equal to every other (the CPU has one stream);
             # there, stages are told apart by object so that "by_stream" still separates them.
             name = next(
-                (n for n, s in streams.items() if s is stage.stream or (self._swp_has_streams and s == stage.stream)),
+                (n for n, s in streams.items() if s is stage.stream or (self._swp_device_streams and s == stage.stream)),
                 task,
             )
             streams.setdefault(name, stage.stream)
