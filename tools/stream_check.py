@@ -5,8 +5,9 @@
    thread, Staged with its stages' own streams) runs in checked mode (``SWP_STREAM_CHECK=1``):
    emulated streams for the plan's streams and for TorchRec's stream attributes, every aten
    op's storage accesses recorded per task, batch, thread and stream, host-memory H2D copies
-   made on the current stream, backward ops on their forward op's stream. A pipeline is clean
-   when the checker finds nothing; the ops seen per stream are printed with it.
+   made on the current stream, backward ops on their forward op's stream; then the Maglev
+   drop-ins (one stage, thread maps main/comm/send_recv: ``harness.upstream_streams``). A
+   pipeline is clean when the checker finds nothing; the ops seen per stream are printed with it.
 2. Mutants, on SparseDist (default plan and ``by_stream``), Fused, SemiSync and Prefetch
    (``MUTANT_STEPS`` batches each):
    * plan mutants: TorchRec's own ``wait_stream``/``wait_event`` in the tasks are ignored, so
@@ -123,6 +124,25 @@ def check_pipelines(checker: Any, wanted: list[tuple[str, str | None]]) -> bool:
             clean = False
             continue
         clean = report(checker, label, steps) and clean
+    return clean
+
+
+def check_maglev(checker: Any) -> bool:
+    """Our Maglev drop-ins (one stage in this process; harness.upstream_streams labels each action
+    as a task and carries the engine's signal/wait hand-offs), with each thread map."""
+    from harness.upstream_streams import MAGLEV_PIPELINES, train_maglev_checked
+
+    clean = True
+    for name in MAGLEV_PIPELINES:
+        for thread_map in ("main", "comm", "send_recv"):
+            checker.clear()
+            try:
+                steps = train_maglev_checked(name, checker, thread_map=thread_map)
+            except Exception:  # noqa: BLE001 - reported, the others still run
+                print(f"{name} ({thread_map}): ERROR\n{traceback.format_exc()}")
+                clean = False
+                continue
+            clean = report(checker, f"{name} ({thread_map})", steps) and clean
     return clean
 
 
@@ -248,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     checker = _setup()
     wanted = [p for p in PIPELINES if args.pipelines is None or p[0] in args.pipelines]
     clean = check_pipelines(checker, wanted)
+    if args.pipelines is None or any(p.startswith("Maglev") for p in args.pipelines):
+        clean = check_maglev(checker) and clean
     if not args.no_upstream:
         check_upstream(checker)
     if not args.no_mutants:

@@ -62,6 +62,7 @@ def test_an_unknown_upstream_pipeline_is_refused(checker: StreamChecker) -> None
 
 
 def test_a_maglev_drop_in_runs_checked(checker: StreamChecker) -> None:
+    pytest.importorskip("torchrec.distributed.maglev", reason="Maglev is new in TorchRec 1.9")
     from harness.upstream_streams import train_maglev_checked
 
     ops: dict[str, int] = {}
