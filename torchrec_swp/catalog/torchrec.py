@@ -58,6 +58,18 @@ def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | 
     return plan.with_task(io, TaskSchedule(stage, "data_dist"), after=after, deps=deps)
 
 
+def _without_optimizer_step(plan: PipelinePlan, *, after: str) -> PipelinePlan:
+    """``plan`` without OptimizerStep (and its dependencies): ZeroGrad follows ``after``, and the
+    next Forward follows ZeroGrad as before."""
+    schedule = {t: s for t, s in plan.schedule.items() if t != "OptimizerStep"}
+    kept = [d for d in plan.explicit_deps if "OptimizerStep" not in (d.consumer, d.producer)]
+    return plan.replace(
+        schedule=schedule,
+        intra_iter_deps=[d for d in kept if d.distance == 0] + [("ZeroGrad", after)],
+        inter_iter_deps=[d for d in kept if d.distance != 0],
+    )
+
+
 # ------------------------------------------------------------------------------- the tables
 BASE = """
 # UPSTREAM: the design table (tests/golden/design_tables) has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
@@ -535,6 +547,10 @@ def semi_sync_plan(
     """One phase of TrainPipelineSemiSync: ``"sync"`` (``SEMI_SYNC_SYNC_PHASE``) or
     ``"semi_sync"`` (``SEMI_SYNC``). Same tasks and stages but for Synchronize (sync) and
     GradSwap (semi-sync with ``stash_gradients``: swap the stashed gradients in before the step).
+    ``"semi_sync_start"``: the semi-sync step of batch ``start_batch`` with ``stash_gradients``,
+    which swaps in the (empty) stash and skips the optimizer step (upstream's
+    ``_mlp_optimizer_step``: not every optimizer steps on null gradients): no OptimizerStep, and
+    ZeroGrad follows GradSwap.
 
     UPSTREAM: ``execute_all_batches=False`` stops at the first missing batch; upstream's SemiSync
     copy never raises, so only its in-place copy stops, and otherwise the pipeline passes True.
@@ -543,15 +559,17 @@ def semi_sync_plan(
     match phase:
         case "sync":
             plan = _table(SEMI_SYNC_SYNC_PHASE)
-        case "semi_sync":
+        case "semi_sync" | "semi_sync_start":
             plan = _table(SEMI_SYNC)
-            if stash_gradients:
+            if stash_gradients or phase == "semi_sync_start":
                 swap = PipelineTask("GradSwap", doc="swap the stashed gradients in (stash_gradients)")
                 plan = plan.with_task(
                     swap, TaskSchedule(3), after="EmbBackward", deps=[("GradSwap", "EmbBackward"), ("OptimizerStep", "GradSwap")]
                 )
+            if phase == "semi_sync_start":
+                plan = _without_optimizer_step(plan, after="GradSwap").replace(name="TrainPipelineSemiSync_semi_sync_start")
         case _:
-            raise ValueError(f"phase must be 'sync' or 'semi_sync', got {phase!r}")
+            raise ValueError(f"phase must be 'sync', 'semi_sync' or 'semi_sync_start', got {phase!r}")
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs, after=None)
     return _stopping(plan, execute_all_batches)
 
@@ -560,13 +578,18 @@ def semi_sync_phases(
     *, start_batch: int, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False, stash_gradients: bool = False
 ) -> PhasedPlan:
     """TrainPipelineSemiSync: the sync phase for batches before ``start_batch``, then semi-sync
-    (upstream decides per progress() call from the index of the batch it forwards)."""
+    (upstream decides per progress() call from the index of the batch it forwards). With
+    ``stash_gradients`` batch ``start_batch`` itself has a phase of its own, ``semi_sync_start``,
+    without the optimizer step (upstream's ``_mlp_optimizer_step`` skips it there)."""
     options = {"execute_all_batches": execute_all_batches, "clear_data_dist_inputs": clear_data_dist_inputs}
     semi = semi_sync_plan(phase="semi_sync", stash_gradients=stash_gradients, **options)
-    if start_batch <= 0:
-        return PhasedPlan([(0, semi)], name="TrainPipelineSemiSync")
-    sync = semi_sync_plan(phase="sync", **options)
-    return PhasedPlan([(0, sync), (start_batch, semi)], name="TrainPipelineSemiSync")
+    phases = [] if start_batch <= 0 else [(0, semi_sync_plan(phase="sync", **options))]
+    if stash_gradients and start_batch >= 0:
+        phases.append((start_batch, semi_sync_plan(phase="semi_sync_start", **options)))
+        phases.append((start_batch + 1, semi))
+    else:
+        phases.append((max(start_batch, 0), semi))
+    return PhasedPlan(phases, name="TrainPipelineSemiSync")
 
 
 def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True) -> PipelinePlan:
