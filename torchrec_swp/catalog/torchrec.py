@@ -4,7 +4,7 @@ Each pipeline's plan is one table in the plan text form (``torchrec_swp.plan.tex
 fire order (the CPU submission order within an internal iteration) with stage, stream, thread,
 comm group, guard (``when``), reads and writes, then the explicit dependencies. A function per
 pipeline takes the constructor options that change the schedule and applies the option edits,
-each written once below (``_stopping``, ``_h2d_after_forward``, ``_clearing_data_dist_inputs``).
+each written once below (``_stopping``, ``_h2d_after_forward``, ``_h2d_on``, ``_clearing_data_dist_inputs``).
 
 Task names are those of the design tables kept in ``tests/golden/design_tables/``. Where such a table
 and upstream's real ``progress()`` disagree, the plan follows upstream and says so in a comment
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
 
 WORLD = "world"
 
@@ -45,6 +45,12 @@ def _stopping(plan: PipelinePlan, execute_all_batches: bool) -> PipelinePlan:
 def _h2d_after_forward(plan: PipelinePlan, enqueue_batch_after_forward: bool) -> PipelinePlan:
     """``enqueue_batch_after_forward``: the copy of batch i+2 fires after Forward(i)."""
     return plan.moved("H2D", after="Forward") if enqueue_batch_after_forward else plan
+
+
+def _h2d_on(plan: PipelinePlan, thread: str) -> PipelinePlan:
+    """``h2d_thread``: the thread group the H2D copy runs on (the pipelines give ``async_inplace_copy``'s
+    in-place copy a thread of its own, as upstream's background copy thread)."""
+    return plan if thread == plan.task("H2D").thread_group else plan.with_schedule("H2D", thread_group=thread)
 
 
 def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | None = "WaitBatch") -> PipelinePlan:
@@ -462,17 +468,18 @@ def sparse_dist_plan(
     enqueue_batch_after_forward: bool = False,
     execute_all_batches: bool = True,
     clear_data_dist_inputs: bool = False,
+    h2d_thread: str = MAIN_THREAD,
     name: str = "TrainPipelineSparseDist",
 ) -> PipelinePlan:
     """TrainPipelineSparseDist (``SPARSE_DIST``) with the options that change its schedule."""
-    plan = _h2d_after_forward(_table(SPARSE_DIST), enqueue_batch_after_forward)
+    plan = _h2d_after_forward(_h2d_on(_table(SPARSE_DIST), h2d_thread), enqueue_batch_after_forward)
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs)
     return _stopping(plan, execute_all_batches).replace(name=name)
 
 
-def sparse_dist_lite_plan() -> PipelinePlan:
+def sparse_dist_lite_plan(*, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
     """TrainPipelineSparseDistLite: two batches in flight; upstream forces the other options."""
-    return _table(SPARSE_DIST_LITE)
+    return _h2d_on(_table(SPARSE_DIST_LITE), h2d_thread)
 
 
 def fused_sparse_dist_plan(
@@ -592,9 +599,9 @@ def semi_sync_phases(
     return PhasedPlan(phases, name="TrainPipelineSemiSync")
 
 
-def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True) -> PipelinePlan:
+def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
     """PrefetchTrainPipelineSparseDist (``PREFETCH_SPARSE_DIST``)."""
-    return _stopping(_table(PREFETCH_SPARSE_DIST), execute_all_batches)
+    return _stopping(_h2d_on(_table(PREFETCH_SPARSE_DIST), h2d_thread), execute_all_batches)
 
 
 def eval_sparse_dist_plan(*, clear_data_dist_inputs: bool = False) -> PipelinePlan:
