@@ -104,9 +104,10 @@ dep ZeroGrad <- OptimizerStep @1
 """
 
 PT2 = """
-# No pipelining: every task on the default stream for the same batch.
+# No pipelining: every task on the default stream for the same batch. The compile step is a
+# phase of its own (pt2_phases), with a Compile task right before Forward.
 # UPSTREAM: the model is compiled in the 4th progress() call (_iter == compile_on_iter with
-# _iter counting from 0), not the 3rd as the design table says; that happens inside Forward.
+# _iter counting from 0), not the 3rd as the design table says; upstream does it inside forward.
 plan TrainPipelinePT2
 depth 1
 source LoadBatch
@@ -458,9 +459,28 @@ def train_pipeline_base_plan() -> PipelinePlan:
     return _table(BASE)
 
 
-def pt2_plan() -> PipelinePlan:
-    """TrainPipelinePT2: no pipelining; the model compiles inside Forward."""
-    return _table(PT2)
+def pt2_plan(*, compile_step: bool = False) -> PipelinePlan:
+    """TrainPipelinePT2's step (``PT2``); with ``compile_step`` the step that compiles the
+    model: a Compile task right before Forward (upstream compiles at the start of forward)."""
+    plan = _table(PT2)
+    if not compile_step:
+        return plan
+    compile_task = PipelineTask("Compile", doc="compile the model (compile_configs), with the pre/post-compile hooks")
+    plan = plan.with_task(compile_task, TaskSchedule(0), after="ZeroGrad", deps=[("Compile", "ZeroGrad"), ("Forward", "Compile")])
+    return plan.replace(name="TrainPipelinePT2_compile")
+
+
+def pt2_phases(*, compile_on_iter: int = 3) -> PhasedPlan:
+    """TrainPipelinePT2: the plain step, and the step of forward number ``compile_on_iter`` (from
+    0, over the pipeline's life) that compiles the model first: a phase of its own, on the
+    ``drawn`` clock (upstream's ``_iter`` counts forwards across epochs and reset()). A negative
+    ``compile_on_iter`` never compiles, as upstream's."""
+    plain = pt2_plan()
+    if compile_on_iter < 0:
+        return PhasedPlan([(0, plain)], name="TrainPipelinePT2", clock="drawn")
+    phases = [(0, plain)] if compile_on_iter > 0 else []
+    phases += [(compile_on_iter, pt2_plan(compile_step=True)), (compile_on_iter + 1, plain)]
+    return PhasedPlan(phases, name="TrainPipelinePT2", clock="drawn")
 
 
 def sparse_dist_plan(
@@ -672,7 +692,7 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
     (SemiSync: its two phases, start_batch 900 as upstream's default)."""
     return {
         "TrainPipelineBase": train_pipeline_base_plan(),
-        "TrainPipelinePT2": pt2_plan(),
+        "TrainPipelinePT2": pt2_phases(),
         "TrainPipelineSparseDist": sparse_dist_plan(),
         "TrainPipelineSparseDistLite": sparse_dist_lite_plan(),
         "TrainPipelineFusedSparseDist": fused_sparse_dist_plan(),
@@ -716,7 +736,7 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
     StagedTrainPipeline), naming it.
     """
     if isinstance(plan, PhasedPlan):
-        return PhasedPlan([(start, with_input_dist_group(p, group)) for start, p in plan.phases], name=plan.name)
+        return plan.each(lambda p: with_input_dist_group(p, group))
     tasks = [t for t in INPUT_DIST_TASKS if t in plan.schedule]
     if not tasks:
         raise ValueError(f"plan {plan.name} has no input dist task (none of {', '.join(INPUT_DIST_TASKS)})")
@@ -746,10 +766,7 @@ def with_parallel_loads(
     Raises ValueError when the plan's source is not H2D.
     """
     if isinstance(plan, PhasedPlan):
-        return PhasedPlan(
-            [(start, with_parallel_loads(p, loads, lookahead=lookahead, thread=thread)) for start, p in plan.phases],
-            name=plan.name,
-        )
+        return plan.each(lambda p: with_parallel_loads(p, loads, lookahead=lookahead, thread=thread))
     if plan.source != "H2D":
         raise ValueError(f"plan {plan.name}: with_parallel_loads splits a source named H2D, this plan's is {plan.source}")
     h2d = plan.task("H2D")
