@@ -1,4 +1,4 @@
-"""TorchRec 1.9's ``async_inplace_copy`` is mapped onto the plan's thread map, on every version.
+"""TorchRec 1.9's ``async_inplace_copy`` puts H2D on a thread of its own in the default plan, on every version.
 
 (Parity with upstream, option on and off, is in tests/dist/test_parity_foundation.py.)
 """
@@ -14,6 +14,7 @@ import torch
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 
 import torchrec_swp
+from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.integrations.torchrec.compat import installed
 
 pytestmark = pytest.mark.parity
@@ -40,7 +41,18 @@ def test_async_inplace_copy_moves_the_in_place_h2d_to_its_own_thread(cls: type) 
     # a user thread_map applies on top
     mine = build(cls, enable_inplace_copy_batch=True, async_inplace_copy=True, thread_map={"H2D": "io"})
     assert mine.plan.task("H2D").thread_group == "io"
-    for p in (on, mine):
+    # the choice is the default plan's, as the catalog builds it (print_schedule shows it) ...
+    h2d_thread = {"h2d_thread": "inplace_copy"}
+    expected = {
+        torchrec_swp.TrainPipelineSparseDist: lambda: plans.sparse_dist_plan(**h2d_thread),
+        torchrec_swp.TrainPipelineSparseDistLite: lambda: plans.sparse_dist_lite_plan(**h2d_thread),
+        torchrec_swp.PrefetchTrainPipelineSparseDist: lambda: plans.prefetch_sparse_dist_plan(**h2d_thread),
+    }[cls]()
+    assert on.plan == expected
+    # ... so a plan= of the user's keeps its own threads
+    theirs = build(cls, enable_inplace_copy_batch=True, async_inplace_copy=True, plan=expected.with_thread_map("main"))
+    assert theirs.plan.task("H2D").thread_group == "default"
+    for p in (on, mine, theirs):
         p.close()
 
 

@@ -364,7 +364,9 @@ def test_guards_and_previous_batch_reads(thread_map: Any) -> None:
     engine.close()
 
 
-def test_phases_take_turns_at_batch_numbers_across_epochs() -> None:
+def _tagging(phases: list[tuple[int, str]], data: list[Any], **options: Any) -> tuple[Engine, list[str]]:
+    """An engine over two-stage plans ``a`` and ``b`` taking turns at ``phases`` (start, name);
+    each batch appends its plan's name to the list returned. ``options``: the PhasedPlan's."""
     a = PipelinePlan(
         schedule={"Load": S(0), "Fwd": S(1), "Tag": S(1)},
         tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Fwd", reads=("x",), writes=("out",))],
@@ -372,11 +374,18 @@ def test_phases_take_turns_at_batch_numbers_across_epochs() -> None:
     )
     b = a.replace(schedule={"Load": S(0), "Fwd": S(1), "Other": S(1)}, name="b")
     seen: list[str] = []
-    data: list[Any] = [iter(range(3))]
+    phased = PhasedPlan([(start, {"a": a, "b": b}[name]) for start, name in phases], **options)
+    assert PhasedPlan.from_text(phased.to_text()) == phased
     engine = Engine(
-        PhasedPlan([(0, a), (2, b)]),
+        phased,
         {"Load": lambda n: next(data[0]), "Fwd": lambda n, x: x, "Tag": lambda n: seen.append("a"), "Other": lambda n: seen.append("b")},
     )
+    return engine, seen
+
+
+def test_phases_take_turns_at_batch_numbers_across_epochs() -> None:
+    data: list[Any] = [iter(range(3))]
+    engine, seen = _tagging([(0, "a"), (2, "b")], data)
     assert engine.run_to_end() == [0, 1, 2] and seen == ["a", "a", "b"]
     # batch numbers count source calls across epochs (3 batches + the call that found none):
     # the next epoch is all in phase b
@@ -386,6 +395,47 @@ def test_phases_take_turns_at_batch_numbers_across_epochs() -> None:
     engine.reset()  # reset() starts the batch numbers again
     data[0] = iter(range(1))
     assert engine.run_to_end() == [0] and seen[5:] == ["a"]
+
+
+def test_phases_on_the_drawn_clock_count_batches_drawn_over_the_engine_life() -> None:
+    # TrainPipelinePT2's compile step: its _iter counts forwards across epochs and reset(); the
+    # "drawn" clock counts batches drawn, not the calls that found none, and reset() keeps it
+    data: list[Any] = [iter(range(2))]
+    engine, seen = _tagging([(0, "a"), (3, "b"), (4, "a")], data, clock="drawn")
+    assert "clock drawn" in engine.phased.to_text()
+    assert engine.phased != PhasedPlan(engine.phased.phases)  # the index clock
+    assert engine.run_to_end() == [0, 1] and seen == ["a", "a"]
+    data[0] = iter(range(2))
+    engine.new_data()
+    # drawn 2 and 3 (the index clock would have numbered them 3 and 4)
+    assert engine.run_to_end() == [0, 1] and seen[2:] == ["a", "b"]
+    engine.reset()  # the drawn clock goes on
+    data[0] = iter(range(1))
+    assert engine.run_to_end() == [0] and seen[4:] == ["a"]
+
+
+@pytest.mark.parametrize("clock", ["index", "drawn"])
+def test_phases_of_a_one_stage_plan_switch_where_the_source_draws(clock: str) -> None:
+    # the batch a one-stage plan trains is drawn in the same iteration: choosing its phase must
+    # not wait for the draw (it did, until the engine timed out)
+    load, fwd = PipelineTask("Load", writes=("x",)), PipelineTask("Fwd", reads=("x",), writes=("out",))
+    a = PipelinePlan(
+        schedule={"Load": S(0), "Fwd": S(0), "Tag": S(0)},
+        tasks=[load, fwd, PipelineTask("Tag", reads=("x",))],
+        source="Load", output="out", name="a",
+    )
+    b = a.replace(
+        schedule={"Load": S(0), "Fwd": S(0), "Other": S(0)}, tasks=[load, fwd, PipelineTask("Other", reads=("x",))], name="b"
+    )
+    seen: list[str] = []
+    data = iter(range(4))
+    engine = Engine(
+        PhasedPlan([(0, a), (2, b), (3, a)], clock=clock),
+        {"Load": lambda n: next(data), "Fwd": lambda n, x: x, "Tag": lambda n, x: seen.append("a"),
+         "Other": lambda n, x: seen.append("b")},
+        timeout_s=10,
+    )
+    assert engine.run_to_end() == [0, 1, 2, 3] and seen == ["a", "a", "b", "a"]
 
 
 def test_one_thread_plans_enter_each_task_stream_on_a_device_with_streams() -> None:

@@ -22,10 +22,12 @@ ALL = plans.default_plans()
 VARIANTS = {
     "TrainPipelineSparseDist.enqueue_batch_after_forward": plans.sparse_dist_plan(enqueue_batch_after_forward=True),
     "TrainPipelineSparseDist.clear_data_dist_inputs": plans.sparse_dist_plan(clear_data_dist_inputs=True),
+    "TrainPipelineSparseDist.async_inplace_copy": plans.sparse_dist_plan(h2d_thread="inplace_copy"),
     "TrainPipelineFusedSparseDist.emb_lookup_stream_new.after_data_dist": plans.fused_sparse_dist_plan(
         emb_lookup_stream="new", embedding_lookup_after_data_dist=True
     ),
     "TrainPipelineSemiSync.sync_phase": plans.semi_sync_plan(phase="sync"),
+    "TrainPipelineSemiSync.stash_gradients": plans.semi_sync_phases(start_batch=900, stash_gradients=True),
     "EvalPipelineFusedSparseDist.enable_embedding_lookup_prefetch": plans.eval_fused_sparse_dist_plan(
         enable_embedding_lookup_prefetch=True
     ),
@@ -69,6 +71,30 @@ def test_semi_sync_table_shows_both_phases() -> None:
     assert "phase 1 (batches 10 and on): TrainPipelineSemiSync_semi_sync" in text
     sync, semi = text.split("phase 1")
     assert "Synchronize" in sync and "Synchronize" not in semi
+
+
+def test_semi_sync_table_shows_the_optimizer_skip_at_start_batch() -> None:
+    # upstream's _mlp_optimizer_step skips the step of batch start_batch with stash_gradients
+    text = plans.semi_sync_phases(start_batch=10, stash_gradients=True).format_schedule(5)
+    assert "phase 1 (batches 10 to 10): TrainPipelineSemiSync_semi_sync_start" in text
+    assert "phase 2 (batches 11 and on): TrainPipelineSemiSync_semi_sync" in text
+    sync, start, semi = text.split("\n\nphase ")
+    rows = lambda block: [ln.split()[1] for ln in block.splitlines()[3:]]  # noqa: E731
+    assert "OptimizerStep" in rows(sync) and "OptimizerStep" in rows(semi)
+    assert "OptimizerStep" not in rows(start) and "GradSwap" in rows(start)
+    assert rows(start).index("GradSwap") < rows(start).index("ZeroGrad")
+
+
+@pytest.mark.parametrize(
+    ("start_batch", "stash", "starts"),
+    [(10, False, [0, 10]), (0, True, [0, 1]), (-1, True, [0]), (0, False, [0]), (-3, False, [0])],
+)
+def test_semi_sync_phases_skip_the_step_only_where_upstream_does(start_batch: int, stash: bool, starts: list[int]) -> None:
+    # upstream: skip iff context.index == start_batch and stash_gradients (indices are >= 0)
+    phased = plans.semi_sync_phases(start_batch=start_batch, stash_gradients=stash)
+    assert [s for s, _ in phased.phases] == starts
+    skipped = [b for b in range(max(start_batch, 0) + 3) if "OptimizerStep" not in phased.plan_for(b).schedule]
+    assert skipped == ([start_batch] if stash and start_batch >= 0 else [])
 
 
 # ------------------------------------------- against the design tables (tests/golden/design_tables)

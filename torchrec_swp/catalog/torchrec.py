@@ -4,7 +4,7 @@ Each pipeline's plan is one table in the plan text form (``torchrec_swp.plan.tex
 fire order (the CPU submission order within an internal iteration) with stage, stream, thread,
 comm group, guard (``when``), reads and writes, then the explicit dependencies. A function per
 pipeline takes the constructor options that change the schedule and applies the option edits,
-each written once below (``_stopping``, ``_h2d_after_forward``, ``_clearing_data_dist_inputs``).
+each written once below (``_stopping``, ``_h2d_after_forward``, ``_h2d_on``, ``_clearing_data_dist_inputs``).
 
 Task names are those of the design tables kept in ``tests/golden/design_tables/``. Where such a table
 and upstream's real ``progress()`` disagree, the plan follows upstream and says so in a comment
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchrec_swp.plan import Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
 
 WORLD = "world"
 
@@ -45,6 +45,12 @@ def _stopping(plan: PipelinePlan, execute_all_batches: bool) -> PipelinePlan:
 def _h2d_after_forward(plan: PipelinePlan, enqueue_batch_after_forward: bool) -> PipelinePlan:
     """``enqueue_batch_after_forward``: the copy of batch i+2 fires after Forward(i)."""
     return plan.moved("H2D", after="Forward") if enqueue_batch_after_forward else plan
+
+
+def _h2d_on(plan: PipelinePlan, thread: str) -> PipelinePlan:
+    """``h2d_thread``: the thread group the H2D copy runs on (the pipelines give ``async_inplace_copy``'s
+    in-place copy a thread of its own, as upstream's background copy thread)."""
+    return plan if thread == plan.task("H2D").thread_group else plan.with_schedule("H2D", thread_group=thread)
 
 
 def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | None = "WaitBatch") -> PipelinePlan:
@@ -68,6 +74,18 @@ def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | 
         distance += 1
     inter = [*plan.inter_iter_deps, Dep("InputDistWait", "Forward", distance)]
     return plan.replace(inter_iter_deps=inter)
+
+
+def _without_optimizer_step(plan: PipelinePlan, *, after: str) -> PipelinePlan:
+    """``plan`` without OptimizerStep (and its dependencies): ZeroGrad follows ``after``, and the
+    next Forward follows ZeroGrad as before."""
+    schedule = {t: s for t, s in plan.schedule.items() if t != "OptimizerStep"}
+    kept = [d for d in plan.explicit_deps if "OptimizerStep" not in (d.consumer, d.producer)]
+    return plan.replace(
+        schedule=schedule,
+        intra_iter_deps=[d for d in kept if d.distance == 0] + [("ZeroGrad", after)],
+        inter_iter_deps=[d for d in kept if d.distance != 0],
+    )
 
 
 # ------------------------------------------------------------------------------- the tables
@@ -98,9 +116,10 @@ dep ZeroGrad <- OptimizerStep @1
 """
 
 PT2 = """
-# No pipelining: every task on the default stream for the same batch.
+# No pipelining: every task on the default stream for the same batch. The compile step is a
+# phase of its own (pt2_phases), with a Compile task right before Forward.
 # UPSTREAM: the model is compiled in the 4th progress() call (_iter == compile_on_iter with
-# _iter counting from 0), not the 3rd as the design table says; that happens inside Forward.
+# _iter counting from 0), not the 3rd as the design table says; upstream does it inside forward.
 plan TrainPipelinePT2
 depth 1
 source LoadBatch
@@ -454,9 +473,28 @@ def train_pipeline_base_plan() -> PipelinePlan:
     return _table(BASE)
 
 
-def pt2_plan() -> PipelinePlan:
-    """TrainPipelinePT2: no pipelining; the model compiles inside Forward."""
-    return _table(PT2)
+def pt2_plan(*, compile_step: bool = False) -> PipelinePlan:
+    """TrainPipelinePT2's step (``PT2``); with ``compile_step`` the step that compiles the
+    model: a Compile task right before Forward (upstream compiles at the start of forward)."""
+    plan = _table(PT2)
+    if not compile_step:
+        return plan
+    compile_task = PipelineTask("Compile", doc="compile the model (compile_configs), with the pre/post-compile hooks")
+    plan = plan.with_task(compile_task, TaskSchedule(0), after="ZeroGrad", deps=[("Compile", "ZeroGrad"), ("Forward", "Compile")])
+    return plan.replace(name="TrainPipelinePT2_compile")
+
+
+def pt2_phases(*, compile_on_iter: int = 3) -> PhasedPlan:
+    """TrainPipelinePT2: the plain step, and the step of forward number ``compile_on_iter`` (from
+    0, over the pipeline's life) that compiles the model first: a phase of its own, on the
+    ``drawn`` clock (upstream's ``_iter`` counts forwards across epochs and reset()). A negative
+    ``compile_on_iter`` never compiles, as upstream's."""
+    plain = pt2_plan()
+    if compile_on_iter < 0:
+        return PhasedPlan([(0, plain)], name="TrainPipelinePT2", clock="drawn")
+    phases = [(0, plain)] if compile_on_iter > 0 else []
+    phases += [(compile_on_iter, pt2_plan(compile_step=True)), (compile_on_iter + 1, plain)]
+    return PhasedPlan(phases, name="TrainPipelinePT2", clock="drawn")
 
 
 def sparse_dist_plan(
@@ -464,17 +502,18 @@ def sparse_dist_plan(
     enqueue_batch_after_forward: bool = False,
     execute_all_batches: bool = True,
     clear_data_dist_inputs: bool = False,
+    h2d_thread: str = MAIN_THREAD,
     name: str = "TrainPipelineSparseDist",
 ) -> PipelinePlan:
     """TrainPipelineSparseDist (``SPARSE_DIST``) with the options that change its schedule."""
-    plan = _h2d_after_forward(_table(SPARSE_DIST), enqueue_batch_after_forward)
+    plan = _h2d_after_forward(_h2d_on(_table(SPARSE_DIST), h2d_thread), enqueue_batch_after_forward)
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs)
     return _stopping(plan, execute_all_batches).replace(name=name)
 
 
-def sparse_dist_lite_plan() -> PipelinePlan:
+def sparse_dist_lite_plan(*, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
     """TrainPipelineSparseDistLite: two batches in flight; upstream forces the other options."""
-    return _table(SPARSE_DIST_LITE)
+    return _h2d_on(_table(SPARSE_DIST_LITE), h2d_thread)
 
 
 def fused_sparse_dist_plan(
@@ -549,6 +588,10 @@ def semi_sync_plan(
     """One phase of TrainPipelineSemiSync: ``"sync"`` (``SEMI_SYNC_SYNC_PHASE``) or
     ``"semi_sync"`` (``SEMI_SYNC``). Same tasks and stages but for Synchronize (sync) and
     GradSwap (semi-sync with ``stash_gradients``: swap the stashed gradients in before the step).
+    ``"semi_sync_start"``: the semi-sync step of batch ``start_batch`` with ``stash_gradients``,
+    which swaps in the (empty) stash and skips the optimizer step (upstream's
+    ``_mlp_optimizer_step``: not every optimizer steps on null gradients): no OptimizerStep, and
+    ZeroGrad follows GradSwap.
 
     UPSTREAM: ``execute_all_batches=False`` stops at the first missing batch; upstream's SemiSync
     copy never raises, so only its in-place copy stops, and otherwise the pipeline passes True.
@@ -557,15 +600,17 @@ def semi_sync_plan(
     match phase:
         case "sync":
             plan = _table(SEMI_SYNC_SYNC_PHASE)
-        case "semi_sync":
+        case "semi_sync" | "semi_sync_start":
             plan = _table(SEMI_SYNC)
-            if stash_gradients:
+            if stash_gradients or phase == "semi_sync_start":
                 swap = PipelineTask("GradSwap", doc="swap the stashed gradients in (stash_gradients)")
                 plan = plan.with_task(
                     swap, TaskSchedule(3), after="EmbBackward", deps=[("GradSwap", "EmbBackward"), ("OptimizerStep", "GradSwap")]
                 )
+            if phase == "semi_sync_start":
+                plan = _without_optimizer_step(plan, after="GradSwap").replace(name="TrainPipelineSemiSync_semi_sync_start")
         case _:
-            raise ValueError(f"phase must be 'sync' or 'semi_sync', got {phase!r}")
+            raise ValueError(f"phase must be 'sync', 'semi_sync' or 'semi_sync_start', got {phase!r}")
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs, after=None)
     return _stopping(plan, execute_all_batches)
 
@@ -574,18 +619,23 @@ def semi_sync_phases(
     *, start_batch: int, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False, stash_gradients: bool = False
 ) -> PhasedPlan:
     """TrainPipelineSemiSync: the sync phase for batches before ``start_batch``, then semi-sync
-    (upstream decides per progress() call from the index of the batch it forwards)."""
+    (upstream decides per progress() call from the index of the batch it forwards). With
+    ``stash_gradients`` batch ``start_batch`` itself has a phase of its own, ``semi_sync_start``,
+    without the optimizer step (upstream's ``_mlp_optimizer_step`` skips it there)."""
     options = {"execute_all_batches": execute_all_batches, "clear_data_dist_inputs": clear_data_dist_inputs}
     semi = semi_sync_plan(phase="semi_sync", stash_gradients=stash_gradients, **options)
-    if start_batch <= 0:
-        return PhasedPlan([(0, semi)], name="TrainPipelineSemiSync")
-    sync = semi_sync_plan(phase="sync", **options)
-    return PhasedPlan([(0, sync), (start_batch, semi)], name="TrainPipelineSemiSync")
+    phases = [] if start_batch <= 0 else [(0, semi_sync_plan(phase="sync", **options))]
+    if stash_gradients and start_batch >= 0:
+        phases.append((start_batch, semi_sync_plan(phase="semi_sync_start", **options)))
+        phases.append((start_batch + 1, semi))
+    else:
+        phases.append((max(start_batch, 0), semi))
+    return PhasedPlan(phases, name="TrainPipelineSemiSync")
 
 
-def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True) -> PipelinePlan:
+def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
     """PrefetchTrainPipelineSparseDist (``PREFETCH_SPARSE_DIST``)."""
-    return _stopping(_table(PREFETCH_SPARSE_DIST), execute_all_batches)
+    return _stopping(_h2d_on(_table(PREFETCH_SPARSE_DIST), h2d_thread), execute_all_batches)
 
 
 def eval_sparse_dist_plan(*, clear_data_dist_inputs: bool = False) -> PipelinePlan:
@@ -656,7 +706,7 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
     (SemiSync: its two phases, start_batch 900 as upstream's default)."""
     return {
         "TrainPipelineBase": train_pipeline_base_plan(),
-        "TrainPipelinePT2": pt2_plan(),
+        "TrainPipelinePT2": pt2_phases(),
         "TrainPipelineSparseDist": sparse_dist_plan(),
         "TrainPipelineSparseDistLite": sparse_dist_lite_plan(),
         "TrainPipelineFusedSparseDist": fused_sparse_dist_plan(),
@@ -700,7 +750,7 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
     StagedTrainPipeline), naming it.
     """
     if isinstance(plan, PhasedPlan):
-        return PhasedPlan([(start, with_input_dist_group(p, group)) for start, p in plan.phases], name=plan.name)
+        return plan.each(lambda p: with_input_dist_group(p, group))
     tasks = [t for t in INPUT_DIST_TASKS if t in plan.schedule]
     if not tasks:
         raise ValueError(f"plan {plan.name} has no input dist task (none of {', '.join(INPUT_DIST_TASKS)})")
@@ -730,10 +780,7 @@ def with_parallel_loads(
     Raises ValueError when the plan's source is not H2D.
     """
     if isinstance(plan, PhasedPlan):
-        return PhasedPlan(
-            [(start, with_parallel_loads(p, loads, lookahead=lookahead, thread=thread)) for start, p in plan.phases],
-            name=plan.name,
-        )
+        return plan.each(lambda p: with_parallel_loads(p, loads, lookahead=lookahead, thread=thread))
     if plan.source != "H2D":
         raise ValueError(f"plan {plan.name}: with_parallel_loads splits a source named H2D, this plan's is {plan.source}")
     h2d = plan.task("H2D")

@@ -76,14 +76,21 @@ class PlanInterpreter(Interpreter):
 
     # ------------------------------------------------------------ the program
     def _plan_at(self, P: int) -> PipelinePlan:
-        """The plan internal iteration ``P`` runs: its phase's, by the batch it trains."""
+        """The plan internal iteration ``P`` runs: its phase's, by the batch it trains (numbered
+        by the phases' clock: its source call, or its serial for ``clock="drawn"``)."""
         if len(self.phased.phases) == 1:
             return self.plan
         d = P - self._top
+        book = self.book
+        if self.phased.clock == "drawn":
+            return self.phased.plan_for(book.serial(max(d, 0)))
         if d < 0:
-            return self.phased.plan_for(self.book.number(0))
-        self._exists(d, P)
-        return self.phased.plan_for(self.book.number_of(d))
+            return self.phased.plan_for(book.number(0))
+        if self._source is None or self._stage[self._source] < self._top:
+            self._exists(d, P)  # drawn in an earlier iteration: wait for the number it got
+        # else the source draws batch d in this very iteration (a plan of one stage): its number
+        # is the next one
+        return self.phased.plan_for(book.number_of(d))
 
     def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
         book = self.book

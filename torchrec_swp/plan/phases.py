@@ -4,8 +4,11 @@ TrainPipelineSemiSync trains its first ``start_batch`` batches synchronously and
 semi-synchronously; here that is two plans and the batch number where the second takes over,
 as data. The engine picks, before each step, the phase of the batch that step delivers.
 
-Batch numbers count the source's calls since the engine was built or reset(), the call that
-finds the data exhausted included (as TorchRec's context index counts them), across epochs.
+The phases' clock says how batches are numbered. ``clock="index"`` (the default): the source's
+calls since the engine was built or reset(), the call that finds the data exhausted included (as
+TorchRec's context index counts them), across epochs. ``clock="drawn"``: the batches drawn over
+the pipeline's life, across epochs and reset(), the calls that find no batch left out (as
+TrainPipelinePT2's ``_iter`` counts its forwards).
 
 Plans of one PhasedPlan must agree on what the batches in flight hold, so the engine can
 switch between steps: same source, output and highest stage; every task in two phases has the
@@ -14,13 +17,16 @@ same stage and reads/writes; a task in only some phases writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
 from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import check_name
 from torchrec_swp.plan.text import is_phased_text, phased_args_from_text, phased_to_text
+
+#: How a PhasedPlan numbers batches (see the module docstring); the first is the default.
+CLOCKS = ("index", "drawn")
 
 
 def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
@@ -39,11 +45,14 @@ def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
 
 class PhasedPlan:
     """``phases``: ``(start, plan)`` pairs; ``plan`` runs for batch numbers from ``start`` up to the
-    next phase's start. The first start is 0. Immutable; validated when built."""
+    next phase's start. The first start is 0. ``clock``: how batches are numbered, one of
+    ``CLOCKS``. Immutable; validated when built."""
 
-    __slots__ = ("name", "phases")
+    __slots__ = ("name", "phases", "clock")
 
-    def __init__(self, phases: Sequence[tuple[int, PipelinePlan]], name: str | None = None) -> None:
+    def __init__(self, phases: Sequence[tuple[int, PipelinePlan]], name: str | None = None, clock: str = "index") -> None:
+        if clock not in CLOCKS:
+            raise PlanError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}", culprit="clock")
         phases = tuple((start, plan) for start, plan in phases)
         if not phases:
             raise PlanError("a phased plan needs at least one phase", culprit="phases")
@@ -64,6 +73,7 @@ class PhasedPlan:
                 )
         self.name = check_name(name if name is not None else phases[0][1].name, "plan")
         self.phases: tuple[tuple[int, PipelinePlan], ...] = phases
+        self.clock = clock
 
     def plan_for(self, batch_number: int) -> PipelinePlan:
         """The plan of the phase ``batch_number`` falls in."""
@@ -88,7 +98,11 @@ class PhasedPlan:
         return max(p.pipeline_depth for p in self.plans)
 
     def with_thread_map(self, thread_map: ThreadMap) -> PhasedPlan:
-        return PhasedPlan([(s, p.with_thread_map(thread_map)) for s, p in self.phases], name=self.name)
+        return self.each(lambda p: p.with_thread_map(thread_map))
+
+    def each(self, edit: Callable[[PipelinePlan], PipelinePlan]) -> PhasedPlan:
+        """A new PhasedPlan, same starts, name and clock, with ``edit`` applied to every phase's plan."""
+        return PhasedPlan([(s, edit(p)) for s, p in self.phases], name=self.name, clock=self.clock)
 
     # ------------------------------------------------------------- rendering
     def to_text(self) -> str:
@@ -96,8 +110,8 @@ class PhasedPlan:
 
     @classmethod
     def from_text(cls, text: str) -> PhasedPlan:
-        name, phases = phased_args_from_text(text)
-        return cls([(start, PipelinePlan(**args)) for start, args in phases], name=name)
+        name, clock, phases = phased_args_from_text(text)
+        return cls([(start, PipelinePlan(**args)) for start, args in phases], name=name, clock=clock)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -108,6 +122,8 @@ class PhasedPlan:
         for k, (start, plan) in enumerate(self.phases):
             end = self.phases[k + 1][0] if k + 1 < len(self.phases) else None
             span = f"batches {start} and on" if end is None else f"batches {start} to {end - 1}"
+            if self.clock == "drawn":
+                span += " drawn since the pipeline was built"
             blocks.append(f"phase {k} ({span}): {plan.name}\n" + format_schedule(plan, num_iterations, num_batches))
         return "\n\n".join(blocks)
 
@@ -117,13 +133,14 @@ class PhasedPlan:
 
     # --------------------------------------------------------------- identity
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PhasedPlan) and (self.name, self.phases) == (other.name, other.phases)
+        return isinstance(other, PhasedPlan) and (self.name, self.phases, self.clock) == (other.name, other.phases, other.clock)
 
     def __hash__(self) -> int:
-        return hash((self.name, self.phases))
+        return hash((self.name, self.phases, self.clock))
 
     def __repr__(self) -> str:
-        return f"PhasedPlan({self.name}, " + ", ".join(f"{s}: {p.name}" for s, p in self.phases) + ")"
+        clock = "" if self.clock == CLOCKS[0] else f", clock={self.clock}"
+        return f"PhasedPlan({self.name}, " + ", ".join(f"{s}: {p.name}" for s, p in self.phases) + clock + ")"
 
     def __str__(self) -> str:
         return self.to_text()

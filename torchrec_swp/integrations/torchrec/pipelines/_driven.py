@@ -42,9 +42,6 @@ class PlanDriven:
     ) -> None:
         if plan is None:
             chosen = default_plan
-            option_map = self._swp_option_thread_map()
-            if option_map and all(t in p.schedule for p in _plans(chosen) for t in option_map):
-                chosen = chosen.with_thread_map(option_map)
         elif isinstance(plan, (PipelinePlan, PhasedPlan)):
             chosen = plan
         elif isinstance(plan, (str, os.PathLike)):
@@ -81,11 +78,6 @@ class PlanDriven:
             for attribute, name in attributes.items():
                 setattr(self, attribute, pool.stream(name))
         return pool
-
-    def _swp_option_thread_map(self) -> dict[str, str]:
-        """Thread groups that constructor options give tasks of the default plan (applied
-        before the user's ``thread_map``); e.g. ``async_inplace_copy`` moves H2D."""
-        return {}
 
     # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
     _swp_task_functions: Callable[[], Mapping[str, Callable[..., Any]]]

@@ -34,13 +34,17 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
-    """TrainPipelinePT2 on the engine: one batch per call, no overlap; the model is compiled in
-    the Forward of call ``compile_configs.compile_on_iter + 1`` (the 4th by default).
+    """TrainPipelinePT2 on the engine: one batch per call, no overlap; the model is compiled right
+    before the Forward of batch ``compile_configs.compile_on_iter`` (from 0, over the pipeline's
+    life: the 4th by default).
 
     Same constructor as upstream's (which does not run TrainPipelineBase's), plus the keyword-only
-    engine options. The default plan is ``plans.pt2_plan()``. At the end of data the
-    dataloader's StopIteration ends the call; every later call asks the iterator again, as
-    upstream does, so a new iterator starts a new epoch.
+    engine options. The default plan is ``plans.pt2_phases(compile_on_iter=...)``: the compile
+    step is a phase of its own with a Compile task, so ``plan.print_schedule(n)`` shows it. A
+    ``plan=`` without a Compile task compiles inside Forward when upstream would
+    (``_iter == compile_on_iter``). At the end of data the dataloader's StopIteration ends the
+    call; every later call asks the iterator again, as upstream does, so a new iterator starts a
+    new epoch.
     """
 
 
@@ -53,7 +57,10 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._swp_setup(plans.pt2_plan(), plan, thread_map, engine_timeout_s, stream_pool_for(self._device))
+        default_plan = plans.pt2_phases(compile_on_iter=self._compile_configs.compile_on_iter)
+        self._swp_setup(default_plan, plan, thread_map, engine_timeout_s, stream_pool_for(self._device))
+        # a plan of the user's without the Compile step: compile where upstream does, in forward
+        self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         self._state = PipelineState.IDLE
@@ -72,6 +79,7 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
             "H2D": self._task_h2d,
             "InputTransform": self._task_input_transform,
             "ZeroGrad": self._task_zero_grad,
+            "Compile": self._task_compile,
             "Forward": self._task_forward,
             "Backward": self._task_backward,
             "OptimizerStep": self._task_optimizer_step,
@@ -97,10 +105,15 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
             with record_function("## zero_grad ##"):
                 self._optimizer.zero_grad()
 
+    def _task_compile(self, b: int) -> None:
+        with record_function("## forward ##"):  # upstream compiles inside its forward's range
+            self._state = PipelineState.CALL_FWD
+            self._compile_model()
+
     def _task_forward(self, b: int, model_input: Any) -> tuple[Any, Any]:
         with record_function("## forward ##"):
             self._state = PipelineState.CALL_FWD
-            if self._iter == self._compile_configs.compile_on_iter:
+            if self._swp_compile_in_forward and self._iter == self._compile_configs.compile_on_iter:
                 self._compile_model()
             losses, output = self._model(model_input)
             self._iter += 1

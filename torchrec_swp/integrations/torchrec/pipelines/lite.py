@@ -28,4 +28,4 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.sparse_dist_lite_plan()
+        return plans.sparse_dist_lite_plan(h2d_thread=self._swp_h2d_thread())

@@ -42,7 +42,9 @@ class PrefetchTrainPipelineSparseDist(
 
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.prefetch_sparse_dist_plan(execute_all_batches=self._execute_all_batches)
+        return plans.prefetch_sparse_dist_plan(
+            execute_all_batches=self._execute_all_batches, h2d_thread=self._swp_h2d_thread()
+        )
 
     def _swp_streams(self) -> StreamPool:
         pool = stream_pool_for(

@@ -91,9 +91,12 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     optimizer of batch i and a device synchronize() (the embeddings of i+1 see batch i's
     update); from ``start_batch`` on it is issued before Backward(i) (they see updates up to
     i-1), and with ``stash_gradients`` a GradSwap task swaps the stashed gradients in before the
-    optimizer step (upstream's ``_mlp_optimizer_step`` skips the step at ``start_batch`` itself).
-    A ``plan=`` may be a PipelinePlan (run throughout) or a PhasedPlan; ``thread_map`` applies
-    to every phase.
+    optimizer step. Upstream's ``_mlp_optimizer_step`` skips the step of batch ``start_batch``
+    itself with ``stash_gradients``; in the plan that batch has a phase of its own
+    (``semi_sync_start``) without OptimizerStep, so ``plan.print_schedule(n)`` shows the skip.
+    OptimizerStep still calls ``_mlp_optimizer_step``, which keeps upstream's check for a
+    ``plan=`` that runs it there. A ``plan=`` may be a PipelinePlan (run throughout) or a
+    PhasedPlan; ``thread_map`` applies to every phase.
 
     Runs on CPU as shipped, where upstream fails: its embedding lookup and forward call
     ``record_stream`` on CPU tensors, and its pipelined forward asks CUDA for a stream. Here the

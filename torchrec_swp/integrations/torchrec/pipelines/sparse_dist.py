@@ -17,7 +17,7 @@ from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
-from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, ThreadMap
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, ThreadMap
 
 __all__ = ["TrainPipelineSparseDist"]
 
@@ -38,9 +38,10 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDri
     ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``.
 
     ``async_inplace_copy`` (TorchRec 1.9's option; accepted here on 1.8 too, and by Lite and
-    Prefetch): with ``enable_inplace_copy_batch`` the H2D task runs on thread group
-    ``inplace_copy``, as upstream's background copy thread would, on every device (upstream
-    keeps it off on CPU). Same results either way.
+    Prefetch): with ``enable_inplace_copy_batch`` the default plan puts the H2D task on thread
+    group ``inplace_copy`` (the catalog's ``h2d_thread``), as upstream's background copy thread
+    would, on every device (upstream keeps it off on CPU); a ``plan=`` of the user's keeps its own
+    threads. Same results either way.
 
     ``input_dist_group`` (ours): ``True`` gives the sparse input dist a process group of its own,
     created here over the ranks of the default group with its backend (every rank must build
@@ -89,17 +90,17 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDri
         on every device as it is)."""
         super().__init__(*args, **kwargs)
 
-    def _swp_option_thread_map(self) -> dict[str, str]:
-        # As upstream's AsyncInplaceCopyMixin: the in-place copy (and only it) leaves the calling thread.
-        if self._swp_async_inplace_copy and self._enable_inplace_copy_batch:
-            return {"H2D": INPLACE_COPY_THREAD}
-        return {}
+    def _swp_h2d_thread(self) -> str:
+        """The thread group of H2D in the default plan (the catalog's ``h2d_thread``): as upstream's
+        AsyncInplaceCopyMixin, the in-place copy (and only it) leaves the calling thread."""
+        return INPLACE_COPY_THREAD if self._swp_async_inplace_copy and self._enable_inplace_copy_batch else MAIN_THREAD
 
     def _swp_default_plan(self) -> PipelinePlan:
         return plans.sparse_dist_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
+            h2d_thread=self._swp_h2d_thread(),
             name=type(self).__name__,
         )
 
