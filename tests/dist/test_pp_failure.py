@@ -61,7 +61,7 @@ def _compute_fails(rank: int, world_size: int, linger: bool) -> dict[str, Any]:
                 raise ValueError("injected failure in a forward on rank 1")
             forward(s, m)
 
-        ranks.engine._bound["F"] = failing
+        ranks.engine.rebind("F", failing)
     error = None
     start = time.monotonic()
     try:

@@ -359,3 +359,33 @@ def test_run_action_text() -> None:
     assert str(RunAction(str(Action(1, "RB", 3)), "RB", 1, 3)) == "run 1RB3"
     lowered: Any = lower_rank(maglev_1f1b(2, 2), 0)
     assert "run 0F0" in format_program(lowered) and not lowered.tickets
+
+
+def test_rebind_replaces_an_action_and_keeps_the_observer_timing_it() -> None:
+    program = maglev_1f1b(2, 2)
+    rec = Recorder()
+    engine = ProgramEngine(rec.bindings(), timeout_s=10)
+    timed: list[str] = []
+
+    class Observer:
+        def on_run(self, action: str, *args: Any) -> None:
+            timed.append(action)
+
+        def on_wait(self, *args: Any) -> None: ...
+
+        def on_iteration(self, *args: Any) -> None: ...
+
+    try:
+        engine.instrument(Observer())  # type: ignore[arg-type]
+        forwards: list[tuple[int, int | None]] = []
+        engine.rebind("F", lambda stage, mb: forwards.append((stage, mb)))
+        engine.run_program(lower_rank(program, 0))
+        assert forwards == [(0, 0), (0, 1)]
+        assert not any(a.startswith("0F") for a, _ in rec.ran)  # the old binding is gone
+        assert [a for a in timed if a.startswith("0F")] == ["0F0", "0F1"]
+        with pytest.raises(KeyError, match="no action kind 'X'"):
+            engine.rebind("X", print)
+        with pytest.raises(TypeError, match="not callable"):
+            engine.rebind("F", 3)  # type: ignore[arg-type]
+    finally:
+        engine.close()

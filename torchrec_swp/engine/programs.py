@@ -85,6 +85,21 @@ class ProgramEngine(Interpreter):
             dict(self._actions) if observer is None else {k: self._timed(k, fn) for k, fn in self._actions.items()}
         )
 
+    def rebind(self, kind: str, fn: ActionBinding) -> None:
+        """Bind ``fn`` to action kind ``kind`` in place of its function (fault injection, a
+        wrapper); an attached observer times it as before. Only between steps.
+
+        Raises:
+            KeyError: no action kind ``kind`` is bound.
+            TypeError: ``fn`` is not callable.
+        """
+        if kind not in self._actions:
+            raise KeyError(f"no action kind {kind!r} is bound; bound kinds: {', '.join(sorted(self._actions))}")
+        if not callable(fn):
+            raise TypeError(f"the function bound to action kind {kind!r} is not callable: {fn!r}")
+        self._actions[kind] = fn
+        self.instrument(self._observer)
+
     def reset(self) -> None:
         """Clear a failure: collectives may be issued again (after the caller has made sure every
         rank agrees on where the failed step left them); tickets are numbered from 0 again."""
