@@ -199,42 +199,6 @@ def _label_model_and_optimizer(
 
 
 @contextlib.contextmanager
-def _copying_to_device() -> Iterator[None]:
-    """While on: upstream's ``_to_device`` (and the Staged copy stage) copies on the CPU, as the
-    host-to-device copy does on CUDA: every ``Tensor.to`` inside it returns a new storage written
-    on the current (memcpy) stream. Without it ``.to(cpu)`` returns the loader's own tensors, and
-    the copy stream does nothing the checker could see."""
-    from torchrec.distributed.train_pipeline import train_pipelines as up
-
-    original = up._to_device
-
-    def to_device(batch: Any, device: torch.device, non_blocking: bool, data_copy_stream: Any = None) -> Any:
-        with _tensor_to_copies():
-            return original(batch, device, non_blocking, data_copy_stream)
-
-    up._to_device = to_device
-    try:
-        yield
-    finally:
-        up._to_device = original
-
-
-@contextlib.contextmanager
-def _tensor_to_copies() -> Iterator[None]:
-    original = torch.Tensor.to
-
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        kwargs["copy"] = True
-        return original(self, *args, **kwargs)
-
-    torch.Tensor.to = to  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        torch.Tensor.to = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
 def _cuda_events_emulated() -> Iterator[None]:
     """``torch.cuda.Event()`` is the installed checker's emulated event while CUDA is absent
     (TrainPipelinePEC makes two in its constructor; a CPU build refuses to)."""
@@ -247,7 +211,7 @@ def _cuda_events_emulated() -> Iterator[None]:
         torch.cuda.Event = original  # type: ignore[misc]
 
 
-def _build_upstream(name: str, checker: Any, copies: bool) -> Any:
+def _build_upstream(name: str, checker: Any) -> Any:
     """``harness.dlrm.Runner`` of upstream's ``name`` with emulated streams (no CPU patch)."""
     from benchmarks.common import SIZES
     from examples.dlrm.model import build_dlrm
@@ -260,8 +224,6 @@ def _build_upstream(name: str, checker: Any, copies: bool) -> Any:
 
     patch = contextlib.ExitStack()
     try:
-        if copies:
-            patch.enter_context(_copying_to_device())
         if name == "TrainPipelineSparseDistCompAutograd":
             # as harness.dlrm: compiled autograd needs DDP's Python reducer, and no full graph
             with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
@@ -273,7 +235,7 @@ def _build_upstream(name: str, checker: Any, copies: bool) -> Any:
             model.eval()
         cpu = torch.device("cpu")
         if name == "StagedTrainPipeline":
-            pipeline = _staged_checked(model, checker, copies)
+            pipeline = _staged_checked(model, checker)
         else:
             if name == "TrainPipelinePEC":
                 from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC as cls
@@ -291,7 +253,7 @@ def _build_upstream(name: str, checker: Any, copies: bool) -> Any:
         raise
 
 
-def _staged_checked(model: torch.nn.Module, checker: Any, copies: bool) -> Any:
+def _staged_checked(model: torch.nn.Module, checker: Any) -> Any:
     """Upstream's StagedTrainPipeline as ``harness.dlrm`` builds it (copy the batch, start its
     sparse data dist), every stage on its own emulated stream, the compute stream the default."""
     from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
@@ -300,8 +262,7 @@ def _staged_checked(model: torch.nn.Module, checker: Any, copies: bool) -> Any:
     sdd = SparseDataDistUtil(model, data_dist_stream=checker.stream("data_dist"))
 
     def copy(batch: Any) -> Any:
-        with _tensor_to_copies() if copies else contextlib.nullcontext():
-            return batch.to(torch.device("cpu"), non_blocking=True)
+        return batch.to(torch.device("cpu"), non_blocking=True)
 
     stages = [
         PipelineStage("data_copy", copy, checker.stream("data_copy")),
@@ -353,10 +314,10 @@ def train_upstream_checked(
     ``checker`` (installed, with the default process group of 1 rank initialised); the number of
     ``progress()`` calls that returned a batch. Findings land in ``checker``.
 
-    ``copies`` (default): the batches are made before the run (host memory, as a loader's) and
-    upstream's host-to-device copy makes new tensors on the copy stream (``_copying_to_device``);
-    False: as ``tools/stream_check.py`` runs ours, the loader runs inside the tasks and
-    ``.to(cpu)`` copies nothing.
+    ``copies`` (default): the batches are made before the run (host memory, as a loader's), so
+    the installed checker makes upstream's host-to-device copy new tensors on the copy stream
+    (``StreamChecker.host_to_device``); False: the loader runs inside the tasks, its tensors
+    count as device memory and ``.to(cpu)`` copies nothing.
 
     Raises ``harness.dlrm.PipelineUnavailable`` where upstream cannot run here, saying why.
     """
@@ -364,7 +325,7 @@ def train_upstream_checked(
 
     if not checker.installed:
         raise ValueError("train_upstream_checked needs an installed checker (checker.install())")
-    runner = _build_upstream(name, checker, copies)
+    runner = _build_upstream(name, checker)
     pipeline = runner.pipeline
     step = [0]
     if runner.info.kind == "staged":

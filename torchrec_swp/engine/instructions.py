@@ -333,7 +333,7 @@ class PlanInterpreter(Interpreter):
             self._observer.on_wait(producer, w.thread, self._epoch_base + P, start, time.perf_counter())
         if latches.get(key) is LatchState.STOPPED or (key not in latches and self._beyond_stop(q)):
             raise Stopped
-        if self._checker is not None and latches.get(key) is not LatchState.STOPPED and (key in latches or pb < book.returned):
+        if self._checker is not None and (key in latches or pb < book.returned):
             # what the producer's thread did is ordered before us: through its latch, or through
             # the batch's return (its latch already cleared), which came after every signal of it
             self._checker.cpu_acquire(("latch", self._epoch_base, producer, pb))

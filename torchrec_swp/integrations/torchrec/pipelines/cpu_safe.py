@@ -38,7 +38,7 @@ from torchrec.distributed.train_pipeline.types import CallArgs
 
 from torchrec_swp.engine import device_has_streams
 
-__all__ = ["InSyncEmbeddingForward", "prefetch_embeddings", "streamless_on_cpu"]
+__all__ = ["InSyncEmbeddingForward", "prefetch_embeddings", "stream_of_a_streamed_device", "streamless_on_cpu"]
 
 
 class InSyncEmbeddingForward(runtime_forwards.InSyncEmbeddingPipelinedForward):
@@ -123,7 +123,8 @@ def prefetch_embeddings(
         context.module_contexts_post_prefetch[name] = context.module_contexts.pop(name)
 
 
-def _has_streams(stream: Any) -> bool:
+def stream_of_a_streamed_device(stream: Any) -> bool:
+    """Whether ``stream`` belongs to a device whose work runs on streams (``device_has_streams``)."""
     device = getattr(stream, "device", None)
     return device is not None and device_has_streams(torch.device(device))  # the CPU too in checked mode
 
@@ -137,7 +138,7 @@ def streamless_on_cpu(forward_type: type[runtime_forwards.BaseForward]) -> type[
         return forward_type
 
     def __init__(self: Any, name: str, args: CallArgs, module: ShardedModule, context: Any, stream: Any = None) -> None:
-        device_stream = stream if stream is not None and _has_streams(stream) else None
+        device_stream = stream if stream is not None and stream_of_a_streamed_device(stream) else None
         forward_type.__init__(self, name, args, module, context, device_stream)
         if device_stream is None:
             self._device = torch.device("cpu")

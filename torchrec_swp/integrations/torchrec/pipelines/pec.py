@@ -16,18 +16,13 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
-from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import streamless_on_cpu
+from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainPipelinePEC"]
 
 _UPSTREAM_INIT = inspect.signature(upstream.TrainPipelinePEC.__init__)
-
-
-def _device_stream(stream: Any) -> bool:
-    device = getattr(stream, "device", None)
-    return device is not None and device_has_streams(torch.device(device))
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelinePEC):
@@ -87,12 +82,12 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
     # ------------------------------------------------- upstream helpers, CPU-safe
     @staticmethod
     def _record_stream_forward_ctx(ctx: Any, stream: Any) -> None:
-        if _device_stream(stream):
+        if stream_of_a_streamed_device(stream):
             upstream.TrainPipelinePEC._record_stream_forward_ctx(ctx, stream)
 
     @staticmethod
     def _record_stream_backward_ctx(ctx: Any, stream: Any) -> None:
-        if _device_stream(stream):
+        if stream_of_a_streamed_device(stream):
             upstream.TrainPipelinePEC._record_stream_backward_ctx(ctx, stream)
 
     def _compute_and_output_dist(self, context: PECTrainPipelineContext) -> None:
