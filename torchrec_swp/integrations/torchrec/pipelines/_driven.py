@@ -28,7 +28,10 @@ PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
 
 
 class PlanDriven:
-    """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine."""
+    """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
+
+    It comes before the upstream class among the bases (``class X(PlanDriven, upstream.X)``),
+    so that its ``progress()`` and ``reset()`` replace upstream's."""
 
     _swp_engine: Engine
 
@@ -86,12 +89,13 @@ class PlanDriven:
         """Names of the tasks a plan for this pipeline may use."""
         return tuple(self._swp_task_functions())
 
-    def _swp_step(self, dataloader_iter: Iterator[Any] | None) -> Any:
-        """``progress()``: the engine's step over ``dataloader_iter``, which reaches the plan's
-        source task as its ``data``. A new iterator, or the same one after StopIteration at the
-        end of the data (a new epoch of a DataLoader whose iterator object is reused, e.g. with
-        persistent workers), is new data: the upstream class's own end-of-data flag is cleared
-        and nothing in flight is lost (Engine.new_data)."""
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """The engine's step over ``dataloader_iter``, which reaches the plan's source task as
+        its ``data``. A new iterator, or the same one after StopIteration at the end of the data
+        (a new epoch of a DataLoader whose iterator object is reused, e.g. with persistent
+        workers), is new data: the upstream class's own end-of-data flag is cleared and nothing
+        in flight is lost (Engine.new_data)."""
+        self._swp_before_step()
         engine = self._swp_engine
         draws = engine.draws
         if dataloader_iter is not None and (
@@ -100,8 +104,18 @@ class PlanDriven:
             self._swp_on_new_data()
         return engine.step(dataloader_iter)
 
+    def _swp_before_step(self) -> None:
+        """What the upstream class's ``progress()`` does before its step besides the schedule
+        (its state flags; overridden where there is something)."""
+
     def _swp_on_new_data(self) -> None:
         """Clear the upstream class's own end-of-data flag (overridden where it has one)."""
+
+    def reset(self) -> None:
+        """The upstream class's ``reset()``, then the engine's: the batches in flight are
+        dropped (``untrained_batches()`` names them) and the next ``progress()`` refills."""
+        super().reset()  # type: ignore[misc]
+        self._swp_engine.reset()
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

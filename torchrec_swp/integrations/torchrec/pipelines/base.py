@@ -18,7 +18,7 @@ from torchrec_swp.plan import ThreadMap
 __all__ = ["TrainPipelineBase"]
 
 
-class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], PlanDriven):
+class TrainPipelineBase(PlanDriven, upstream.TrainPipelineBase[In, Out]):
     """TrainPipelineBase on the engine: LoadBatch(i+1), forward/backward(i), H2D(i+1), optimizer(i).
 
     The default plan is ``plans.train_pipeline_base_plan()``.
@@ -37,16 +37,11 @@ class TrainPipelineBase(upstream.TrainPipelineBase[In, Out], PlanDriven):
         streams = self._swp_checked(stream_pool_for(self._device, {"memcpy": self._memcpy_stream}), {"_memcpy_stream": "memcpy"})
         self._swp_setup(plans.train_pipeline_base_plan(), plan, thread_map, engine_timeout_s, streams)
 
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+    def _swp_before_step(self) -> None:
         self._connected = True
-        return self._swp_step(dataloader_iter)
 
     def _swp_on_new_data(self) -> None:
         self._data_iter_stopped = False
-
-    def reset(self) -> None:
-        super().reset()
-        self._swp_engine.reset()
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

@@ -33,7 +33,7 @@ __all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
+class TrainPipelinePT2(PlanDriven, upstream.TrainPipelinePT2[In, Out]):
     """TrainPipelinePT2 on the engine: one batch per call, no overlap; the model is compiled right
     before the Forward of batch ``compile_configs.compile_on_iter`` (from 0, over the pipeline's
     life: the 4th by default).
@@ -62,15 +62,10 @@ class TrainPipelinePT2(upstream.TrainPipelinePT2[In, Out], PlanDriven):
         # a plan of the user's without the Compile step: compile where upstream does, in forward
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        self._state = PipelineState.IDLE
+    def _swp_before_step(self) -> None:
         # After a StopIteration this is new data: the next call asks the iterator again, as
         # upstream does on every call.
-        return self._swp_step(dataloader_iter)
-
-    def reset(self) -> None:
-        super().reset()
-        self._swp_engine.reset()
+        self._state = PipelineState.IDLE
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

@@ -31,7 +31,7 @@ def _upstream_name(cls: type) -> str:
     return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("torchrec."))
 
 
-class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDriven):
+class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, Out]):
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
     The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
@@ -117,7 +117,7 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDri
             rebind_input_dists(self._pipelined_modules, group)
             self._swp_rebound_modules = self._pipelined_modules
 
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+    def _swp_before_step(self) -> None:
         self._state = PipelineState.IDLE
         # attach the model in case the user detached it and forgot to attach it (as upstream does)
         if not self._model_attached:
@@ -127,14 +127,9 @@ class TrainPipelineSparseDist(upstream.TrainPipelineSparseDist[In, Out], PlanDri
             # Batches the engine did not load: user code (or a test) put them where upstream's
             # progress() reads them. batches[0] is the one to train now, as upstream assumes.
             engine.adopt([{"batch": b, "context": c} for b, c in zip(self.batches, self.contexts)])
-        return self._swp_step(dataloader_iter)
 
     def _swp_on_new_data(self) -> None:
         self._dataloader_exhausted = False
-
-    def reset(self) -> None:
-        super().reset()
-        self._swp_engine.reset()
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

@@ -56,7 +56,7 @@ def stage_task_names(stages: Sequence[PipelineStage]) -> list[str]:
     return names
 
 
-class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], PlanDriven):
+class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]):
     """StagedTrainPipeline on the engine: stage k of the list works on batch i+N-k while the
     caller trains batch i on what ``progress()`` returned.
 
@@ -152,11 +152,18 @@ class StagedTrainPipeline(upstream.StagedTrainPipeline[In, StageOut], PlanDriven
 
     def progress(self, dataloader_iter: Iterator[In]) -> StageOut | None:
         out = self._swp_engine.step(dataloader_iter)
-        if out is None and self._flushing:
-            # everything in flight has drained: end the flush and refill within this call
+        while out is None and self._flushing:
+            # Everything in flight has drained: end the flush and refill within this call (upstream
+            # calls progress() again, as often). The refill is the plan's fill phase, run anew after the
+            # engine's reset: print_schedule shows it (the NAME.fill tasks).
             self.flush_end()
-            return self.progress(dataloader_iter)
+            out = self._swp_engine.step(dataloader_iter)
         return out
+
+    def reset(self) -> None:
+        """As upstream's: StagedTrainPipeline has no state to reset (TrainPipeline.reset does
+        nothing), so the batches in flight stay and the next ``progress()`` goes on with them."""
+        upstream.StagedTrainPipeline.reset(self)
 
     def flush_end(self) -> None:
         """Upstream's flush_end (stop flushing, refill next, ``on_flush_end()``); the batches
