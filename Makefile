@@ -60,12 +60,11 @@ test: $(STAMP) $(STAMP18)
 # Parity tests that `make test` runs under the CPU stream checker (SWP_STREAM_CHECK=1): bit-identical
 # to upstream and no unsynchronised access or early free in our tasks. Not in it: PEC (early frees of
 # the OL/NOL partitions that OverlapDist allocates on data_dist, as upstream's PEC has them), PT2 and
-# CompAutograd (dynamo traces the checker's modes: not bit-identical), Maglev (no side streams; its
-# engine takes no checked pool). See docs/gpu_check.md.
+# CompAutograd (dynamo traces the checker's modes: not bit-identical). See docs/gpu_check.md.
 CHECKED_PARITY := tests/dist/test_input_dist_group.py tests/dist/test_parity_foundation.py \
 	tests/dist/test_parity_fused_prefetch.py tests/dist/test_parity_semisync_eval_staged.py \
 	tests/dist/test_parity_lite_compiled.py::test_lite_equals_upstream_bit_for_bit \
-	tests/unit/test_async_inplace_copy.py tests/unit/test_user_filled_batches.py
+	tests/unit/test_async_inplace_copy.py tests/unit/test_user_filled_batches.py tests/dist/test_maglev_parity.py
 
 # What `make test` runs on TorchRec 1.8.0: the fast tests and the parity tests against upstream.
 test-1.8: $(STAMP18)

@@ -22,11 +22,11 @@ TrainPipelinePEC's constructor needs replacing (by an emulated event).
 ``train_maglev_checked(name, checker, steps)``: ``Maglev1F1B``, ``Maglev1F1BRecvAhead`` or
 ``MaglevPipelineBase`` (ours) on a one-stage TorchRec ``MaglevTestModel``, the only pipeline
 length one process can hold (a stage per rank; the default group of this process has one rank).
-The drop-ins' ``ProgramEngine`` gets no stream pool and labels no tasks, so
-``SWP_STREAM_CHECK=1`` alone checks nothing in them: here the pipeline's engine is replaced by
-one built on the same bindings with a ``CheckedStreamPool``, each action inside
-``checker.task(<action>, microbatch, thread)``, and the engine's ``signal``/``wait`` pairs
-publishing and acquiring the thread's clocks (what the plan engine's latches do).
+The drop-ins' ``ProgramEngine`` runs checked with ``SWP_STREAM_CHECK=1`` (the process's
+checker); here, to use the given checker, the pipeline's engine is replaced by one built on the
+same bindings with ``CheckedStreamPool(checker)``: each action runs inside
+``checker.task(<action>, microbatch, thread)`` and the engine's ``signal``/``wait`` pairs
+publish and acquire the thread's clocks, as the plan engine's latches do.
 
 ``maglev_rank_checked``: the same on each rank of a ``world_size``-stage run
 (``harness.ranks.run_on_ranks``), each rank with a checker of its own (a checker sees one
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -356,35 +355,14 @@ def train_upstream_checked(
 
 
 # ------------------------------------------------------------------------------ Maglev
-def _checked_program_engine(checker: Any) -> type:
-    """ProgramEngine whose ``signal``/``wait`` pairs carry the threads' clocks to the checker (the
-    CPU-side edge a latch is), as the plan engine's do."""
-    from torchrec_swp.engine import ProgramEngine
+def _counted(checker: Any, counts: dict[str, int], fn: Callable[[int, int | None], Any]) -> Callable[[int, int | None], Any]:
+    """``fn`` with the aten ops it runs counted per emulated stream."""
 
-    class CheckedProgramEngine(ProgramEngine):
-        def _signal(self, w: Any, P: int, instr: Any) -> None:
-            checker.cpu_release(("pp-latch", id(self), instr.task, P))
-            super()._signal(w, P, instr)
+    def run(stage: int, microbatch: int | None) -> Any:
+        with _StreamCounter(checker, counts):
+            return fn(stage, microbatch)
 
-        def _wait_task(self, w: Any, P: int, instr: Any) -> None:
-            super()._wait_task(w, P, instr)
-            checker.cpu_acquire(("pp-latch", id(self), instr.task, P - instr.lag))
-
-    return CheckedProgramEngine
-
-
-def _checked_bindings(
-    bindings: Mapping[str, Callable[[int, int | None], Any]], checker: Any, counts: dict[str, int] | None
-) -> dict[str, Callable[[int, int | None], Any]]:
-    def wrap(kind: str, fn: Callable[[int, int | None], Any]) -> Callable[[int, int | None], Any]:
-        def run(stage: int, microbatch: int | None) -> Any:
-            action = f"{stage}{kind}{'' if microbatch is None else microbatch}"
-            with _in_task(checker, counts, action, microbatch, threading.current_thread().name):
-                return fn(stage, microbatch)
-
-        return run
-
-    return {kind: wrap(kind, fn) for kind, fn in bindings.items()}
+    return run
 
 
 def train_maglev_checked(
@@ -404,6 +382,7 @@ def train_maglev_checked(
     import torch.distributed as dist
     from torchrec.distributed.maglev.stage import StageWrapper
 
+    from torchrec_swp.engine import ProgramEngine
     from torchrec_swp.integrations.torchrec import maglev
     from torchrec_swp.integrations.torchrec.maglev.cpu import ModelConfig, build_model, make_batches, on_cpu
     from torchrec_swp.streamcheck import CheckedStreamPool
@@ -421,13 +400,11 @@ def train_maglev_checked(
         pipeline = cls(stage, optimizer, thread_map=thread_map)
     else:
         pipeline = cls(stage, optimizer, num_microbatches, thread_map=thread_map)
-    old = pipeline.engine
-    pipeline.engine = _checked_program_engine(checker)(
-        _checked_bindings(pipeline.runtime.bindings(), checker, ops_per_stream),
-        streams=CheckedStreamPool(checker),
-        timeout_s=old.timeout_s,
-        name=old.name,
-    )
+    old = pipeline.engine  # checks nothing unless built in checked mode: one with this checker
+    bindings = pipeline.runtime.bindings()
+    if ops_per_stream is not None:
+        bindings = {kind: _counted(checker, ops_per_stream, fn) for kind, fn in bindings.items()}
+    pipeline.engine = ProgramEngine(bindings, streams=CheckedStreamPool(checker), timeout_s=old.timeout_s, name=old.name)
     old.close()
     take_inputs = stage.take_inputs
 

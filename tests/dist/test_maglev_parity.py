@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from harness.parity import check_streams
 from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
 
@@ -94,6 +95,7 @@ def train(impl: str, cls: str, *, stage_size: int = 1, ddp: bool = False, **opti
         returned.append(None if out is None else out.detach().clone())
     if impl != "upstream":
         pipeline.close()
+    check_streams()  # with SWP_STREAM_CHECK=1 (make test): no unsynchronised access in the actions
     return {
         "losses": losses,
         "grads": grads,

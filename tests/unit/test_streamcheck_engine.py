@@ -2,7 +2,8 @@
 
 The compiled waits and event records make a two-stream plan clean; remove one wait and the
 checker names both accesses (tasks, batches, streams, op, shape); the engine's cross-thread
-hand-offs (latches) order the threads' host work, so a plan on two threads is clean too.
+hand-offs (latches) order the threads' host work, so a plan on two threads is clean too; the
+same holds for the pipeline-parallel ``ProgramEngine``'s wait/signal pairs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from torchrec_swp.engine import Engine
+from torchrec_swp.compile import IterationProgram, RunAction, Signal, WaitTask
+from torchrec_swp.engine import Engine, ProgramEngine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.streamcheck import CheckedStreamPool, EarlyFree, StreamChecker, UnsyncedAccess
 
@@ -112,4 +114,41 @@ def test_a_missing_record_stream_is_caught_as_an_early_free() -> None:
     assert frees, checker.findings
     text = str(frees[0])
     for needed in ("Fwd", "memcpy", "default", "[4]"):
+        assert needed in text, text
+
+
+def run_program(program: IterationProgram, checker: StreamChecker) -> None:
+    """F writes a buffer on the main thread, SF reads it on the comm thread (a send would)."""
+    buf = torch.zeros(4)
+    bindings = {"F": lambda s, mb: buf.fill_(float(mb)), "SF": lambda s, mb: buf.sum()}
+    engine = ProgramEngine(bindings, streams=CheckedStreamPool(checker), timeout_s=10)
+    try:
+        for _ in range(2):
+            engine.run_program(program)
+    finally:
+        engine.close()
+
+
+def test_a_program_engines_wait_signal_pairs_order_its_threads() -> None:
+    ordered = IterationProgram(
+        (0,),
+        (
+            ("default", (RunAction("0F0", "F", 0, 0), Signal("0F0"))),
+            ("comm", (WaitTask("0F0"), RunAction("0SF0", "SF", 0, 0))),
+        ),
+    )
+    with StreamChecker() as checker:
+        run_program(ordered, checker)
+    assert checker.findings == []
+
+    unordered = IterationProgram(
+        (0,),
+        (("default", (RunAction("0F0", "F", 0, 0), Signal("0F0"))), ("comm", (RunAction("0SF0", "SF", 0, 0),))),
+    )
+    with StreamChecker() as checker:
+        run_program(unordered, checker)
+    races = [f for f in checker.findings if isinstance(f, UnsyncedAccess)]
+    assert races, checker.findings
+    text = str(races[0])
+    for needed in ("0F0", "0SF0", "[4]"):  # the actions are the checker's task labels
         assert needed in text, text

@@ -32,6 +32,11 @@ Device streams: every action runs on its thread's current stream. On CUDA that i
 without events: a collective or P2P call orders itself after the work already queued on the
 issuing thread's current stream, and the ``wait``/``signal`` pairs order the issuing. Actions on
 named side streams (and the events between them) are not supported yet.
+
+Checked mode (``streams`` a ``CheckedStreamPool``, e.g. ``stream_pool_for(cpu)`` with
+``SWP_STREAM_CHECK=1``): every action runs inside the checker's label ``checker.task(action,
+microbatch, thread)``, and each ``signal``/``wait`` pair publishes and acquires the thread's
+clocks (the CPU-side edge a latch is), as the plan engine's latches do.
 """
 
 from __future__ import annotations
@@ -138,7 +143,8 @@ class ProgramEngine(Interpreter):
                 self.failures.append(Failure(e, "-", -1, MAIN_THREAD, step))
         if self.failures:
             self.board.interrupt_all("an action failed")
-            self._wait_idle(walkers)
+        self._wait_idle(walkers)  # (in checked mode: what every thread did is ordered before the caller)
+        if self.failures:
             raise self._first_failure()
         for group, count in program.tickets:
             self._bases[group] = self._bases.get(group, 0) + count
@@ -165,13 +171,17 @@ class ProgramEngine(Interpreter):
         mb = -1 if instr.microbatch is None else instr.microbatch
         w.current = (instr.action, mb)
         if instr.ticket is None:
-            self._run_action(instr)
+            self._run_action(w, instr)
         else:
-            self._ticketed(w, instr.comm_group, instr.ticket, lambda: self._run_action(instr), instr.action, mb)
+            self._ticketed(w, instr.comm_group, instr.ticket, lambda: self._run_action(w, instr), instr.action, mb)
 
-    def _run_action(self, instr: RunAction) -> None:
+    def _run_action(self, w: Walker, instr: RunAction) -> None:
         try:
-            self._bound[instr.kind](instr.stage, instr.microbatch)
+            if self._checker is None:
+                self._bound[instr.kind](instr.stage, instr.microbatch)
+            else:
+                with self._checker.task(instr.action, instr.microbatch, w.name):
+                    self._bound[instr.kind](instr.stage, instr.microbatch)
         except StopIteration as e:  # would end a generator somewhere up the stack silently
             raise RuntimeError(f"action {instr.action} raised StopIteration") from e
 
@@ -179,10 +189,14 @@ class ProgramEngine(Interpreter):
         w.current = (str(instr), -1)
         start = time.perf_counter() if self._observer is not None else 0.0
         self.board.wait_latch((instr.task, P - instr.lag), f"action {instr.task}", self.timeout_s)
+        if self._checker is not None:
+            self._checker.cpu_acquire(("pp-latch", self._uid, instr.task, P - instr.lag))
         if self._observer is not None:
             self._observer.on_wait(instr.task, w.thread, P, start, time.perf_counter())
 
     def _signal(self, w: Walker, P: int, instr: Signal) -> None:
+        if self._checker is not None:
+            self._checker.cpu_release(("pp-latch", self._uid, instr.task, P))
         self.board.set_latch((instr.task, P))
 
     def _timed(self, kind: str, fn: ActionBinding) -> ActionBinding:

@@ -52,7 +52,7 @@ from torchrec.distributed.maglev import pipeline as upstream
 from torchrec.distributed.maglev.stage import StageWrapper
 
 from torchrec_swp.compile import IterationProgram
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine, stream_pool_for
 from torchrec_swp.integrations.torchrec.maglev.cpu import unwrap
 from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, RankRuntime, StageWrapperWire, all_reduce_grads
 from torchrec_swp.plan import MAIN_THREAD
@@ -165,8 +165,12 @@ class _EngineDriven:
         self.runtime = RankRuntime(
             [chunk], S, StageWrapperWire(stage), {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
         )
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.engine = ProgramEngine(
-            self.runtime.bindings(), timeout_s=engine_timeout_s, name=f"{program.name}-stage{me}"
+            self.runtime.bindings(),
+            streams=stream_pool_for(device),  # checked on the CPU with SWP_STREAM_CHECK=1
+            timeout_s=engine_timeout_s,
+            name=f"{program.name}-stage{me}",
         )
 
     def _run_step(self, dataloader_iter: Iterator[Any]) -> dict[int, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchrec_swp.compile import IterationProgram
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine
+from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine, stream_pool_for
 from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, P2PWire, RankRuntime
 from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.pp import Program, validate
@@ -79,6 +79,7 @@ class PipelineRank:
         if dist.get_world_size() != program.num_ranks:
             raise ValueError(f"program {program.name} has {program.num_ranks} ranks, the job {dist.get_world_size()}")
         validate(program)
+        device = device or torch.device("cpu")
         self.rank = dist.get_rank()
         self.program = program
         self.layers_per_stage = list(layers_per_stage)
@@ -109,7 +110,7 @@ class PipelineRank:
             program.rank_of,
             act_pg,  # type: ignore[arg-type]
             grad_pg,  # type: ignore[arg-type]
-            device=device or torch.device("cpu"),
+            device=device,
             timeout_s=engine_timeout_s,
         )
         self.runtime = RankRuntime(
@@ -124,7 +125,10 @@ class PipelineRank:
             threads = thread_map
         self.lowered: IterationProgram = lower_rank(program, self.rank, threads)
         self.engine = ProgramEngine(
-            self.runtime.bindings(), timeout_s=engine_timeout_s, name=f"{program.name}-rank{self.rank}"
+            self.runtime.bindings(),
+            streams=stream_pool_for(device),  # checked on the CPU with SWP_STREAM_CHECK=1
+            timeout_s=engine_timeout_s,
+            name=f"{program.name}-rank{self.rank}",
         )
         self.uses_sparse_split = any(a.kind is Kind.SPARSE for a in program.ranks[self.rank])
 
