@@ -21,8 +21,9 @@ in order (the iterations of a run in increasing order):
   as its own instructions are done - useful to see what the barrier is needed for.
 
 The replay is a max-plus evaluation: an instruction executes as soon as what it waits for has
-executed, at the latest of those times. If nothing can execute while instructions remain, the
-run deadlocks and ``SimDeadlock`` names every stuck thread.
+executed, at the latest of those times (``torchrec_swp.solve.replay.sweep``, as pp's simulator).
+If nothing can execute while instructions remain, the run deadlocks and ``SimDeadlock`` names
+every stuck thread.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torchrec_swp.sim.device import Submission, replay_streams
 from torchrec_swp.sim.durations import Durations, cpu_time, device_time
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
 from torchrec_swp.sim.result import Interval, IterationSpan, SimResult, Step, cpu_lane
+from torchrec_swp.solve.replay import sweep
 
 Phases = Sequence[tuple[int, IterationProgram]]
 
@@ -244,18 +246,21 @@ class Replay:
         for p, prog in segment:
             for thread, instrs in prog.threads:
                 self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
-        while any(lane.at < len(lane.todo) for lane in self.lanes.values()):
-            progressed = False
-            for thread, lane in self.lanes.items():
-                while lane.at < len(lane.todo):
-                    p, index, instr = lane.todo[lane.at]
-                    if self.blocker(p, instr) is not None:
-                        break
-                    self._execute(thread, lane, p, index, instr)
-                    lane.at += 1
-                    progressed = True
-            if not progressed:
-                raise self._deadlock()
+        sweep(tuple(self.lanes), self._advance)
+        if any(lane.at < len(lane.todo) for lane in self.lanes.values()):
+            raise self._deadlock()
+
+    def _advance(self, thread: str) -> bool:
+        """Execute the next instruction of ``thread`` if it has one that can execute now."""
+        lane = self.lanes[thread]
+        if lane.at >= len(lane.todo):
+            return False
+        p, index, instr = lane.todo[lane.at]
+        if self.blocker(p, instr) is not None:
+            return False
+        self._execute(thread, lane, p, index, instr)
+        lane.at += 1
+        return True
 
     # -------------------------------------------------------------- one step
     def blocker(self, p: int, instr: Instr | None) -> str | None:
