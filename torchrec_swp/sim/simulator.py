@@ -180,7 +180,7 @@ class Replay:
     """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes;
     ``result`` is the SimResult of what was executed. The multi-rank replay
     (``torchrec_swp.sim.ranks``) drives the same state with its own clock, through ``blocker``,
-    ``execute_sync``, ``finish_run`` and ``blocked``."""
+    ``admits``, ``ticket_sources``, ``execute_sync``, ``finish_run``, ``blocked`` and ``result``."""
 
     def __init__(
         self,
