@@ -35,6 +35,7 @@ from typing import Literal
 from torchrec_swp.pp.actions import COMPUTE, P2P, SENDS, WEIGHT_GRAD, Action, B, E, F, I, Kind, Program
 from torchrec_swp.pp.errors import PPDeadlock, PPError, Stuck
 from torchrec_swp.pp.grid import format_grid, format_ticks
+from torchrec_swp.solve.replay import peak_held, sweep
 
 Comm = Literal["async", "rendezvous"]
 
@@ -166,15 +167,9 @@ class _Replay:
     # ------------------------------------------------------------------ driver
     def run(self) -> ProgramSimResult:
         R = self.p.num_ranks
-        while True:
-            progress = False
-            for r in range(R):
-                while self.pc[r] < len(self.p.ranks[r]) and self._step(r) is None:
-                    progress = True
-            if all(self.pc[r] == len(self.p.ranks[r]) for r in range(R)):
-                break
-            if not progress:
-                raise self._deadlock()
+        sweep(range(R), lambda r: self.pc[r] < len(self.p.ranks[r]) and self._step(r) is None)
+        if any(self.pc[r] < len(self.p.ranks[r]) for r in range(R)):
+            raise self._deadlock()
         makespan = max(self.clock, default=0.0)
         busy = tuple(sum(self.d.of(s.action) for s in spans) for spans in self.spans)
         return ProgramSimResult(self.p, self.d, tuple(tuple(s) for s in self.spans), makespan, busy, self._peaks())
@@ -329,14 +324,7 @@ class _Replay:
             r = self.p.rank_of(key[0])
             events[r].append((t, 1))
             events[r].append((dead.get(key, float("inf")), -1))
-        peaks = []
-        for ev in events:
-            held = peak = 0
-            for _, delta in sorted(ev):
-                held += delta
-                peak = max(peak, held)
-            peaks.append(peak)
-        return tuple(peaks)
+        return tuple(peak_held(ev) for ev in events)
 
 
 def _producers(send: Action) -> list[Action]:

@@ -42,11 +42,10 @@ from typing import Any, Literal
 
 from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, Run
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
-from torchrec_swp.sim.device import replay_streams
-from torchrec_swp.sim.durations import Durations, cpu_time, device_time, optional_time
+from torchrec_swp.sim.durations import Durations, cpu_time, optional_time
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
-from torchrec_swp.sim.result import Interval, SimResult, Step, cpu_lane
-from torchrec_swp.sim.simulator import Replay, ReplayLane, iteration_spans, ticket_of, validate_programs
+from torchrec_swp.sim.result import SimResult, Step
+from torchrec_swp.sim.simulator import Replay, ReplayLane, check_num_batches, validate_programs
 
 Phases = Sequence[tuple[int, IterationProgram]]
 
@@ -135,8 +134,7 @@ def simulate_ranks(
     Raises SimDeadlock (stuck threads or an unmatched rendezvous), SimError (bad durations,
     ranks whose collectives differ, malformed programs).
     """
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-        raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
+    check_num_batches(num_batches)
     return simulate_rank_programs(
         [(r, r.compiled().iterations(num_batches)) for r in ranks],
         cores=cores,
@@ -177,25 +175,8 @@ def simulate_rank_programs(
         states.append(_RankState(k, rank, plan, phases, iteration_barrier))
     replay = _Multi(states, core_table, load_table)
     replay.run()
-    results = []
-    for s in states:
-        timeline = sorted(
-            [*s.cpu_intervals, *replay_streams(s.submissions)], key=lambda i: (i.start, i.lane, i.end)
-        )
-        results.append(
-            SimResult(
-                plan=s.plan,
-                phases=s.phases,
-                threads=s.threads,
-                timeline=tuple(timeline),
-                steps=tuple(s.steps),
-                iterations=iteration_spans(s.phases, s.steps, timeline),
-                iteration_barrier=iteration_barrier,
-                device_modelled=s.spec.device_durations is not None,
-            )
-        )
     return RanksResult(
-        ranks=tuple(results),
+        ranks=tuple(s.result(iteration_barrier) for s in states),
         machines=tuple(s.spec.machine for s in states),
         cores=core_table,
         rendezvous_wait=tuple(dict(s.rendezvous_wait) for s in states),
@@ -355,7 +336,7 @@ class _Multi:
                 for thread, lane in s.lanes.items():
                     while lane.job is None and lane.at < len(lane.todo):
                         p, index, instr = lane.todo[lane.at]
-                        if s._blocker(p, instr) is not None:
+                        if s.blocker(p, instr) is not None:
                             break
                         lane.at += 1
                         self._execute(s, thread, lane, p, index, instr)
@@ -372,10 +353,9 @@ class _Multi:
             case None:
                 self._start(_Job(s, thread, p, index, None, p, now, s.spec.overhead, "off", 0.0, now))
             case Run(task=task, stage=stage):
-                held = ticket_of(instr)
-                sources = [s.last_ticket[held[0]]] if held is not None and held[0] in s.last_ticket else []
+                sources = s.ticket_sources(instr)
                 b = p - stage
-                admitted = instr.when.admits(b, s.num_batches, p, s.plan.max_stage)
+                admitted = s.admits(instr, p)
                 cpu = cpu_time(s.spec.durations, task, b, where) if admitted else 0.0
                 off = optional_time(s.spec.off_cpu, task, b, where, "off-CPU") if admitted else 0.0
                 job = _Job(s, thread, p, index, instr, b, now, cpu, "off", off, now, sources=sources)
@@ -392,7 +372,7 @@ class _Multi:
                         )
                 self._start(job)
             case _:
-                s._execute_sync(thread, lane, p, index, instr, where)
+                s.execute_sync(thread, lane, p, index, instr, where)
 
     # ---------------------------------------------------------------- jobs
     def _start(self, job: _Job) -> None:
@@ -432,16 +412,8 @@ class _Multi:
         if job.instr is None:  # the overhead: time on the lane, no step
             lane.time = now
             return
-        instr = job.instr
-        step = s._record(job.thread, lane, job.p, job.index, instr, job.batch, job.start, now, job.sources)
-        s.cpu_intervals.append(Interval(cpu_lane(job.thread), instr.task, job.batch, job.p, job.start, now))
-        if (held := ticket_of(instr)) is not None:
-            s._release(held[0], job.p, step)
-        admitted = instr.when.admits(job.batch, s.num_batches, job.p, s.plan.max_stage)
         where = f"rank {s.number}, thread {job.thread!r}, internal iteration {job.p}"
-        d = device_time(s.spec.device_durations, instr.task, job.batch, where) if admitted else 0.0
-        if d > 0:
-            s._submit(step, "work", s.stream[instr.task], instr.task, job.batch, d)
+        s.finish_run(job.thread, lane, job.p, job.index, job.instr, job.start, now, job.sources, where)
 
     def _set_rates(self) -> None:
         """Processor sharing: re-anchor the CPU parts of every machine whose rate changed."""
@@ -482,7 +454,6 @@ class _Multi:
                         )
                     )
                 elif lane.at < len(lane.todo):
-                    p, index, instr = lane.todo[lane.at]
-                    blocked.append(Blocked(thread, p, index, str(instr), s._blocker(p, instr) or "", s.number))
+                    blocked.append(s.blocked(thread, lane, s.number))
         lines = ["deadlock across ranks: no thread of any rank can make progress", *(f"  {b}" for b in blocked)]
         return SimDeadlock("\n".join(lines), tuple(blocked))

@@ -21,8 +21,9 @@ in order (the iterations of a run in increasing order):
   as its own instructions are done - useful to see what the barrier is needed for.
 
 The replay is a max-plus evaluation: an instruction executes as soon as what it waits for has
-executed, at the latest of those times. If nothing can execute while instructions remain, the
-run deadlocks and ``SimDeadlock`` names every stuck thread.
+executed, at the latest of those times (``torchrec_swp.solve.replay.sweep``, as pp's simulator).
+If nothing can execute while instructions remain, the run deadlocks and ``SimDeadlock`` names
+every stuck thread.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torchrec_swp.sim.device import Submission, replay_streams
 from torchrec_swp.sim.durations import Durations, cpu_time, device_time
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
 from torchrec_swp.sim.result import Interval, IterationSpan, SimResult, Step, cpu_lane
+from torchrec_swp.solve.replay import sweep
 
 Phases = Sequence[tuple[int, IterationProgram]]
 
@@ -64,8 +66,7 @@ def simulate(
             compiled = CompiledPlan(plan_or_compiled, device_streams=device_durations is not None)
         case _:
             raise TypeError(f"simulate needs a PipelinePlan or a CompiledPlan, got {type(plan_or_compiled).__name__}")
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-        raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
+    check_num_batches(num_batches)
     return simulate_programs(
         compiled.plan,
         compiled.iterations(num_batches),
@@ -99,20 +100,12 @@ def simulate_programs(
             replay.barrier()
     else:
         replay.run(phases)
-    timeline = sorted(
-        [*replay.cpu_intervals, *replay_streams(replay.submissions)],
-        key=lambda i: (i.start, i.lane, i.end),
-    )
-    return SimResult(
-        plan=plan,
-        phases=phases,
-        threads=replay.threads,
-        timeline=tuple(timeline),
-        steps=tuple(replay.steps),
-        iterations=iteration_spans(phases, replay.steps, timeline),
-        iteration_barrier=iteration_barrier,
-        device_modelled=device_durations is not None,
-    )
+    return replay.result(iteration_barrier)
+
+
+def check_num_batches(num_batches: object) -> None:
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise SimError(f"num_batches must be an int >= 0, got {num_batches!r}")
 
 
 # ------------------------------------------------------------------ validation
@@ -176,7 +169,7 @@ class ReplayLane:
     at: int = 0
 
 
-def ticket_of(instr: Instr) -> tuple[str, int] | None:
+def ticket_of(instr: Instr | None) -> tuple[str, int] | None:
     """``(comm group, ticket)`` held by a ticketed run (validated: the group is declared)."""
     if isinstance(instr, Run) and instr.ticket is not None and instr.comm_group is not None:
         return instr.comm_group, instr.ticket
@@ -184,7 +177,10 @@ def ticket_of(instr: Instr) -> tuple[str, int] | None:
 
 
 class Replay:
-    """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes."""
+    """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes;
+    ``result`` is the SimResult of what was executed. The multi-rank replay
+    (``torchrec_swp.sim.ranks``) drives the same state with its own clock, through ``blocker``,
+    ``admits``, ``ticket_sources``, ``execute_sync``, ``finish_run``, ``blocked`` and ``result``."""
 
     def __init__(
         self,
@@ -220,6 +216,22 @@ class Replay:
         self.cpu_intervals: list[Interval] = []
         self.submissions: list[Submission] = []
 
+    def result(self, iteration_barrier: bool) -> SimResult:
+        """What was replayed: the CPU intervals and the device replay of the submissions."""
+        timeline = sorted(
+            [*self.cpu_intervals, *replay_streams(self.submissions)], key=lambda i: (i.start, i.lane, i.end)
+        )
+        return SimResult(
+            plan=self.plan,
+            phases=self.phases,
+            threads=self.threads,
+            timeline=tuple(timeline),
+            steps=tuple(self.steps),
+            iterations=iteration_spans(self.phases, self.steps, timeline),
+            iteration_barrier=iteration_barrier,
+            device_modelled=self.device_durations is not None,
+        )
+
     def barrier(self) -> None:
         time = max(lane.time for lane in self.lanes.values())
         clock = [max(c) for c in zip(*(lane.clock for lane in self.lanes.values()), strict=True)]
@@ -234,21 +246,24 @@ class Replay:
         for p, prog in segment:
             for thread, instrs in prog.threads:
                 self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
-        while any(lane.at < len(lane.todo) for lane in self.lanes.values()):
-            progressed = False
-            for thread, lane in self.lanes.items():
-                while lane.at < len(lane.todo):
-                    p, index, instr = lane.todo[lane.at]
-                    if self._blocker(p, instr) is not None:
-                        break
-                    self._execute(thread, lane, p, index, instr)
-                    lane.at += 1
-                    progressed = True
-            if not progressed:
-                raise self._deadlock()
+        sweep(tuple(self.lanes), self._advance)
+        if any(lane.at < len(lane.todo) for lane in self.lanes.values()):
+            raise self._deadlock()
+
+    def _advance(self, thread: str) -> bool:
+        """Execute the next instruction of ``thread`` if it has one that can execute now."""
+        lane = self.lanes[thread]
+        if lane.at >= len(lane.todo):
+            return False
+        p, index, instr = lane.todo[lane.at]
+        if self.blocker(p, instr) is not None:
+            return False
+        self._execute(thread, lane, p, index, instr)
+        lane.at += 1
+        return True
 
     # -------------------------------------------------------------- one step
-    def _blocker(self, p: int, instr: Instr) -> str | None:
+    def blocker(self, p: int, instr: Instr | None) -> str | None:
         """Why ``instr`` of iteration ``p`` cannot execute now, or None if it can."""
         if isinstance(instr, WaitTask):
             key = (p - instr.lag, instr.task)
@@ -265,27 +280,50 @@ class Replay:
                 return f"ticket {ticket} of comm group {group!r} is not next: {released} released so far"
         return None
 
+    def admits(self, run: Run, p: int) -> bool:
+        """Whether ``run`` of iteration ``p`` does its work (its ``when`` guard admits its batch)."""
+        return run.when.admits(p - run.stage, self.num_batches, p, self.plan.max_stage)
+
+    def ticket_sources(self, run: Run) -> list[Step]:
+        """The step ``run`` waits for through its ticket: the last release in its comm group."""
+        held = ticket_of(run)
+        return [self.last_ticket[held[0]]] if held is not None and held[0] in self.last_ticket else []
+
     def _execute(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr) -> None:
         where = f"thread {thread!r}, internal iteration {p}"
         match instr:
             case Run(task=task, stage=stage):
-                held = ticket_of(instr)
-                sources = [self.last_ticket[held[0]]] if held is not None and held[0] in self.last_ticket else []
-                b = p - stage
+                sources = self.ticket_sources(instr)
                 start = max([lane.time, *(s.end for s in sources)])
-                admitted = instr.when.admits(b, self.num_batches, p, self.plan.max_stage)
-                end = start + (cpu_time(self.durations, task, b, where) if admitted else 0.0)
-                step = self._record(thread, lane, p, index, instr, b, start, end, sources)
-                self.cpu_intervals.append(Interval(cpu_lane(thread), task, b, p, start, end))
-                if held is not None:
-                    self._release(held[0], p, step)
-                d = device_time(self.device_durations, task, b, where) if admitted else 0.0
-                if d > 0:
-                    self._submit(step, "work", self.stream[task], task, b, d)
+                cpu = cpu_time(self.durations, task, p - stage, where) if self.admits(instr, p) else 0.0
+                self.finish_run(thread, lane, p, index, instr, start, start + cpu, sources, where)
             case _:
-                self._execute_sync(thread, lane, p, index, instr, where)
+                self.execute_sync(thread, lane, p, index, instr, where)
 
-    def _execute_sync(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr, where: str) -> None:
+    def finish_run(
+        self,
+        thread: str,
+        lane: ReplayLane,
+        p: int,
+        index: int,
+        run: Run,
+        start: float,
+        end: float,
+        sources: list[Step],
+        where: str,
+    ) -> None:
+        """``run`` of iteration ``p`` ran on ``thread`` from ``start`` to ``end``: record its step
+        and CPU interval, release its ticket, submit its device work."""
+        b = p - run.stage
+        step = self._record(thread, lane, p, index, run, b, start, end, sources)
+        self.cpu_intervals.append(Interval(cpu_lane(thread), run.task, b, p, start, end))
+        if (held := ticket_of(run)) is not None:
+            self._release(held[0], p, step)
+        d = device_time(self.device_durations, run.task, b, where) if self.admits(run, p) else 0.0
+        if d > 0:
+            self._submit(step, "work", self.stream[run.task], run.task, b, d)
+
+    def execute_sync(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr, where: str) -> None:
         """Execute an instruction that is not a run (it takes no CPU time) when the lane is at it."""
         match instr:
             case WaitTask(task=task, lag=lag):
@@ -349,16 +387,20 @@ class Replay:
         )
 
     # -------------------------------------------------------------- deadlock
+    def blocked(self, thread: str, lane: ReplayLane, rank: int | None = None) -> Blocked:
+        """Why ``lane`` (of ``thread``, which has instructions left) is stuck at its next one."""
+        p, index, instr = lane.todo[lane.at]
+        return Blocked(thread, p, index, str(instr), self.blocker(p, instr) or "", rank)
+
     def _deadlock(self) -> SimDeadlock:
         blocked = []
         mark: tuple[str, int] | None = None
         for thread, lane in self.lanes.items():
             if lane.at >= len(lane.todo):
                 continue
-            p, index, instr = lane.todo[lane.at]
-            blocked.append(Blocked(thread, p, index, str(instr), self._blocker(p, instr) or ""))
+            blocked.append(self.blocked(thread, lane))
             if mark is None:
-                mark = (_blocked_task(lane), p)
+                mark = (_blocked_task(lane), lane.todo[lane.at][0])
         last = self.phases[-1][0] + 1
         num_batches = self.num_batches
         message = "\n".join(

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchrec_swp.solve.replay import peak_held
+
 
 class DagError(ValueError):
     """A malformed DAG or schedule; the message names the culprit."""
@@ -126,14 +128,7 @@ class DagSchedule:
             r = tasks[m.start].resource
             events[r].append((self.starts[m.start], m.amount))
             events[r].append((self.starts[m.end] + tasks[m.end].duration, -m.amount))
-        peaks = {}
-        for r, evs in events.items():
-            held = peak = 0
-            for _, amount in sorted(evs):
-                held += amount
-                peak = max(peak, held)
-            peaks[r] = peak
-        return peaks
+        return {r: peak_held(evs) for r, evs in events.items()}
 
     def check(self) -> None:
         """Raise DagError if an edge or a resource is violated."""
