@@ -42,7 +42,8 @@ run: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py
 
-# Side-by-side benchmarks with upstream (out/bench/, out/timeline/, out/pp/); about 30 minutes:
+# Side-by-side benchmarks with upstream (out/bench/, out/timeline/, out/pp/); about 40 minutes (the
+# scripts' times in docs/benchmarks.md added up):
 # pipelines vs upstream, overlap with peers, timelines, pipeline parallelism vs Maglev, the
 # simulator vs real 2-rank runs, and profile -> search -> run on the DLRM example.
 bench: $(STAMP)

@@ -1,7 +1,7 @@
 """Close the auto-scheduler's loop on the real DLRM example: profile -> search -> run.
 
-    python benchmarks/close_loop.py             # the example's DLRM, SparseDist, loader 10 ms (about 2 min)
-    python benchmarks/close_loop.py --quick     # small DLRM, fewer steps, a narrower search (about 1 min)
+    python benchmarks/close_loop.py             # the example's DLRM, SparseDist, loader 10 ms (about 1 min)
+    python benchmarks/close_loop.py --quick     # small DLRM, fewer steps, a narrower search (about 30 s)
     python benchmarks/close_loop.py --pipeline TrainPipelineBase --latency-ms 5
 
 1. **Profile.** 2 gloo ranks train the DLRM of ``examples/dlrm`` with our pipeline at its

@@ -1,7 +1,7 @@
 """The input dist on a process group of its own (``input_dist_group=``): does the next batch's
 input dist then overlap this batch's forward and backward, and what does the group cost?
 
-    python benchmarks/input_dist_group.py                       # small DLRM, 20 + 200 steps (about 1 min)
+    python benchmarks/input_dist_group.py                       # small DLRM, 20 + 200 steps (about 40 s)
     python benchmarks/input_dist_group.py --size medium --steps 100
 
 On 2 gloo ranks, TrainPipelineSparseDist trains its own copy of the same DLRM in each of these

@@ -1,8 +1,8 @@
 """What the engine is for: a data loader that waits on storage, overlapped with training - against
 the ways a user of upstream TorchRec would hide that wait.
 
-    python benchmarks/overlap.py                    # 2 ranks then 1 rank; latencies 5, 10, 20 ms (about 8 min)
-    python benchmarks/overlap.py --quick            # latencies 5 and 20 ms, fewer steps (about 3 min)
+    python benchmarks/overlap.py                    # 2 ranks then 1 rank; latencies 5, 10, 20 ms (24 min on 2026-11-24)
+    python benchmarks/overlap.py --quick            # latencies 5 and 20 ms, fewer steps (3 min before the memory pass)
     python benchmarks/overlap.py --ranks 1 --latencies-ms 10 --steps 300
 
 Each batch arrives ``latency`` ms after it is asked for (a sleep, like a read from storage). The

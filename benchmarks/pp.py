@@ -18,7 +18,7 @@ stage, plus the transfer latency of one activation (a gloo ping-pong), become th
 ``ActionDurations``; ``pp.simulate`` of the program then predicts the time of ``run_program``, compared
 with the measured one (the engine's step time in the same instrumented steps).
 
-    python benchmarks/pp.py                  # about 2 minutes; out/pp/pp.json and out/pp/pp.md
+    python benchmarks/pp.py                  # about a minute; out/pp/pp.json and out/pp/pp.md
     python benchmarks/pp.py --steps 60 --size medium
 """
 

@@ -1,7 +1,7 @@
 """Predicted vs measured step time of real 2-rank runs: the multi-rank simulator against the clock.
 
-    python benchmarks/sim_vs_real.py              # the 12 pipelines, default plan and io thread (about 6 min)
-    python benchmarks/sim_vs_real.py --quick      # the 9 that do not compile, fewer steps (about 1 min)
+    python benchmarks/sim_vs_real.py              # the 12 pipelines, default plan and io thread (3-5 min)
+    python benchmarks/sim_vs_real.py --quick      # the 10 that do not compile, fewer steps (about 45 s)
     python benchmarks/sim_vs_real.py --pipelines TrainPipelineSparseDist --steps 300
 
 For each pipeline, 2 gloo ranks train two copies of the small DLRM with our pipeline, one with
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "--pipelines",
         type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
         default=None,
-        help="comma-separated (default: all 11; with --quick the 9 that do not compile)",
+        help="comma-separated (default: all 12; with --quick the 10 that do not compile)",
     )
     parser.add_argument("--quick", action="store_true", help="60 steps after 10 warm-up, no compiled pipelines")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default: 200, --quick 60)")

@@ -1,5 +1,5 @@
-"""Smoke tests of the benchmarks behind issue 12 on real gloo ranks, with few steps: the overlap
-peers train exactly like upstream (TorchRec 1.9's async_inplace_copy is off on a CPU device as
+"""Smoke tests of the overlap and simulator benchmarks on real gloo ranks, with few steps: the
+overlap peers train exactly like upstream (TorchRec 1.9's async_inplace_copy is off on a CPU device as
 shipped, on when forced), and the multi-rank simulator, calibrated from both ranks' profiles,
 replays a real 2-rank run to within a loose tolerance (the tight numbers come from the full
 benchmark on a quiet machine)."""
