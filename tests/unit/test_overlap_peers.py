@@ -27,20 +27,20 @@ def test_the_prefetch_thread_yields_everything_in_order_and_ends() -> None:
 
 
 def test_the_prefetch_thread_loads_ahead_while_the_consumer_works() -> None:
-    three_queued = threading.Event()
+    three_queued, taken = threading.Event(), threading.Event()
 
-    def slow() -> object:
+    def loader() -> object:
         for k in range(6):
             if k == 3:  # the thread asks for a 4th item: items 0, 1 and 2 are in its queue
                 three_queued.set()
-            time.sleep(0.02)
+                assert taken.wait(5)  # the loader holds here until the consumer took them
             yield k
 
-    p = ThreadPrefetcher(slow(), depth=3)
-    assert three_queued.wait(5)  # the thread filled its queue meanwhile: three items wait, ready
-    start = time.perf_counter()
-    assert [next(p), next(p), next(p)] == [0, 1, 2]
-    assert time.perf_counter() - start < 0.015
+    p = ThreadPrefetcher(loader(), depth=3)
+    assert three_queued.wait(5)  # the thread filled its queue before the consumer asked for anything
+    assert [next(p), next(p), next(p)] == [0, 1, 2]  # all from the queue: the loader is held
+    taken.set()
+    assert list(p) == [3, 4, 5]
     p.close()
 
 
