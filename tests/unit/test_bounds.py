@@ -76,9 +76,28 @@ def test_device_streams_bound() -> None:
     assert report.binding.kind == "stream" and report.binding.what == "memcpy" and report.value == 12.0
     streams = {b.what: b.value for b in report.bounds if b.kind == "stream"}
     assert streams == {"memcpy": 12.0, "default": 10.0}
-    # latency with the device: Load's copy (1 + 12) then Forward's and Backward's device work
+    # latency counts the CPU calls only: a batch's device work may finish periods later
     latency = next(b for b in report.bounds if b.kind == "latency")
-    assert latency.value == pytest.approx((1 + 12 + 5 + 5) / 2)
+    assert latency.value == pytest.approx((1 + 6 + 3 + 4 + 2) / 2)
+
+
+
+def test_a_batchs_device_work_may_outlast_its_iterations() -> None:
+    # one stage: Load's copy (10 on memcpy) outlasts its iteration; Fwd's device work waits for it,
+    # while the CPU goes on. The period is the memcpy stream's load, below Load + copy + Fwd (12).
+    plan = PipelinePlan(
+        schedule={"Load": S(0, "memcpy"), "Fwd": S(0)},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Fwd", reads=("x",))],
+        source="Load",
+        name="copy_bound",
+    )
+    durations, device = {"Load": 1.0, "Fwd": 1.0}, {"Load": 10.0, "Fwd": 0.5}
+    period = steady_period(simulate(plan, durations, 20, device_durations=device))
+    assert period == pytest.approx(10.0)
+    report = plan_bounds(plan, durations, device)
+    assert report.binding.kind == "stream" and report.value == 10.0
+    latency = next(b for b in report.bounds if b.kind == "latency")
+    assert latency.value == 2.0  # the CPU calls only: Load then Fwd
 
 
 def test_search_bounds_by_hand() -> None:
@@ -92,13 +111,12 @@ def test_search_bounds_by_hand() -> None:
     assert report.value == 9.0
 
 
-def test_no_bound_exceeds_a_simulated_iteration_on_random_layouts() -> None:
-    rng = random.Random(7)
+@pytest.mark.parametrize("seed", [1, 4, 7])
+def test_no_bound_exceeds_a_simulated_iteration_on_random_layouts(seed: int) -> None:
+    rng = random.Random(seed)
     checked = 0
-    # Each distinct catalog plan once, PT2's compile step left out: it keeps the random layouts
-    # drawn here those of before it existed. KNOWN ISSUE: with other draws (e.g. Random(1), (3),
-    # (4)) a random one-stage layout of small_plan() gets a latency bound above its simulated
-    # iteration time (bounds vs simulator, to be looked into); seed 7's draws happen to avoid it.
+    # Each distinct catalog plan once, PT2's compile step left out (it runs once, not in the
+    # steady state), under three seeds' draws of durations and layouts.
     catalog = dict.fromkeys(p for entry in default_plans().values() for p in getattr(entry, "plans", (entry,)))
     for plan in [*(p for p in catalog if p.name != "TrainPipelinePT2_compile"), small_plan()]:
         durations = {t: rng.uniform(0.2, 5.0) for t in plan.fire_order}

@@ -11,8 +11,11 @@ valid for any schedule that runs every task once per iteration:
 * ``cycle``: a dependency cycle across iterations with total distance ``D`` fits in ``D``
   periods: the period is at least the cycle's duration over ``D`` (the maximum cycle ratio,
   found by Lawler's parametric search).
-* ``latency``: one batch's critical path (same-batch dependencies, CPU then device time) spans
-  at most as many periods as there are batches in flight.
+* ``latency``: one batch's critical path of CPU calls (same-batch dependencies) spans at most as
+  many periods as there are batches in flight (the iteration barrier holds the CPU calls of a
+  batch within its stages' iterations). Device time is not in it: nothing on the CPU waits for a
+  batch's device work, which may finish periods later (streams pipeline; the ``stream`` bound
+  covers their load).
 * ``iteration``: the engine's iteration barrier: dependencies whose producer runs in the same
   iteration (``lead == 0``) form a chain inside one iteration. For a plan, with its stages; for
   the search, the chain the anchors form (they all sit at the highest stage).
@@ -85,7 +88,7 @@ def plan_bounds(
     out.extend(_cycle_bound(plan, cpu))
     in_flight = plan.max_stage + 1
     out.append(
-        Bound("latency", f"one batch's critical path / {in_flight} in flight", _latency(plan, cpu, device) / in_flight)
+        Bound("latency", f"one batch's critical path / {in_flight} in flight", _latency(plan, cpu) / in_flight)
     )
     stage = {t: plan.task(t).stage for t in plan.fire_order}
     same = [
@@ -127,7 +130,7 @@ def search_bounds(problem: Problem) -> BoundReport:
         Bound(
             "latency",
             f"one batch's critical path / {problem.max_in_flight} in flight",
-            _latency(plan, cpu, device) / problem.max_in_flight,
+            _latency(plan, cpu) / problem.max_in_flight,
         )
     )
     forced = _forced_to_the_top(problem)
@@ -148,19 +151,17 @@ def _comm_bounds(plan: PipelinePlan, cpu: Mapping[str, float]) -> list[Bound]:
     return [Bound("comm", g, load) for g, load in groups.items()]
 
 
-def _latency(plan: PipelinePlan, cpu: Mapping[str, float], device: Mapping[str, float]) -> float:
-    """One batch's critical path through same-batch dependencies: a task's CPU call follows its
-    producers' calls, its device work follows its call and its producers' device work."""
+def _latency(plan: PipelinePlan, cpu: Mapping[str, float]) -> float:
+    """One batch's critical path of CPU calls through same-batch dependencies (a task's call
+    follows its producers' calls)."""
     before: dict[str, list[str]] = {t: [] for t in plan.fire_order}
     for d in plan.deps:
         if d.distance == 0:
             before[d.consumer].append(d.producer)
     cpu_end: dict[str, float] = {}
-    dev_end: dict[str, float] = {}
     for t in _topological(plan.fire_order, before):
         cpu_end[t] = max((cpu_end[p] for p in before[t]), default=0.0) + cpu[t]
-        dev_end[t] = max([cpu_end[t], *(dev_end[p] for p in before[t])]) + device.get(t, 0.0)
-    return max(max(cpu_end.values()), max(dev_end.values()))
+    return max(cpu_end.values())
 
 
 def _topological(tasks: Sequence[str], before: Mapping[str, list[str]]) -> list[str]:

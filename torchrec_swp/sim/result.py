@@ -4,11 +4,13 @@ Lanes: ``cpu:<thread group>`` for each CPU thread, ``stream:<stream>`` for each 
 that received work. A lane runs one thing at a time, so its intervals never overlap.
 
 Steady state: an internal iteration is *steady* when every stage of the plan is active in it
-(neither fill nor drain). ``steady_iteration_time`` is the median, over steady iterations
-``P``, of ``end(P) - end(P')`` where ``P'`` is the iteration before ``P`` in the run (the run
-starts at time 0) and ``end`` is the time the last CPU or device work of an iteration ended.
-With the iteration barrier and no device model this is exactly the time between two barriers;
-with a device model it is the throughput period, whichever of CPU and device is the bottleneck.
+(neither fill nor drain). ``steady_periods`` holds, per steady iteration ``P``,
+``end(P) - end(P')`` where ``P'`` is the iteration before ``P`` in the run (the run starts at
+time 0) and ``end`` is the time the last CPU or device work of an iteration ended;
+``median_iteration_time`` is their median. ``steady_iteration_time`` is a slope over the steady
+iterations: with the iteration barrier and no device model exactly the time between two
+barriers; with a device model the throughput period, whichever of CPU and device is the
+bottleneck.
 """
 
 from __future__ import annotations
@@ -111,12 +113,12 @@ class SimResult:
         """Time per steady iteration; None when the run is too short to have a steady iteration
         (``num_batches <= plan.max_stage``).
 
-        With two or more steady iterations: the larger of the CPU period and the overall period,
-        each the slope from the first to the last steady iteration, of the CPU end (which the
-        iteration barrier paces) and of the latest end of any CPU or device work so far. With a
-        device model, device work trails the CPU until the bottleneck stream's queue is full;
-        single periods vary meanwhile and their median can fall below the bottleneck, the slope
-        does not. Without a device model every steady iteration takes the same time. With one
+        With two or more steady iterations: the largest of the slopes, from the first to the
+        last steady iteration, of the CPU end (which the iteration barrier paces) and of each
+        stream's end (its latest work of those iterations or earlier). With a device model,
+        device work trails the CPU until the bottleneck stream's queue is full; single periods
+        vary meanwhile and their median can fall below the bottleneck, these slopes do not: a
+        stream's never falls below its load per iteration. Without a device model every steady iteration takes the same time. With one
         steady iteration: its own period.
         """
         steady = set(self.steady_iterations)
@@ -129,8 +131,19 @@ class SimResult:
             return spans[k].end - (spans[k - 1].end if k else 0.0)
         first, last = at[0], at[-1]
         cpu = spans[last].cpu_end - spans[first].cpu_end
-        overall = max(s.end for s in spans[: last + 1]) - max(s.end for s in spans[: first + 1])
-        return max(cpu, overall) / (last - first)
+        # each stream's own slope: a stream runs the iterations' work in order, so its end moves
+        # by at least its load per iteration (the slope of the latest end over all lanes can fall
+        # below that while the lane holding the latest end changes)
+        p_first, p_last = spans[first].iteration, spans[last].iteration
+        ends: dict[str, list[float]] = {}
+        for i in self.timeline:
+            if not i.lane.startswith("cpu:") and i.iteration <= p_last:
+                e = ends.setdefault(i.lane, [0.0, 0.0])
+                e[1] = max(e[1], i.end)
+                if i.iteration <= p_first:
+                    e[0] = max(e[0], i.end)
+        streams = max((e[1] - e[0] for e in ends.values()), default=0.0)
+        return max(cpu, streams) / (last - first)
 
     @property
     def steady_periods(self) -> tuple[float, ...]:
