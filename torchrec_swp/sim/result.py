@@ -118,8 +118,8 @@ class SimResult:
         stream's end (its latest work of those iterations or earlier). With a device model,
         device work trails the CPU until the bottleneck stream's queue is full; single periods
         vary meanwhile and their median can fall below the bottleneck, these slopes do not: a
-        stream's never falls below its load per iteration. Without a device model every steady iteration takes the same time. With one
-        steady iteration: its own period.
+        stream's never falls below its load per iteration. Without a device model every steady
+        iteration takes the same time. With one steady iteration: its own period.
         """
         steady = set(self.steady_iterations)
         spans = self.iterations

@@ -63,9 +63,7 @@ class TrainPipelinePT2(PlanDriven, upstream.TrainPipelinePT2[In, Out]):
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 
     def _swp_before_step(self) -> None:
-        # After a StopIteration this is new data: the next call asks the iterator again, as
-        # upstream does on every call.
-        self._state = PipelineState.IDLE
+        self._state = PipelineState.IDLE  # as upstream's progress() (a call after StopIteration asks the iterator again)
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
