@@ -16,9 +16,12 @@ in order (the iterations of a run in increasing order):
   signals T (an instance that never ran - its batch does not exist - does not hold anyone up).
 * ``signal T``, ``record T`` and ``stream S <- T@k`` take no CPU time; the last two submit
   markers to the device model (see ``torchrec_swp.sim.device``).
-* With ``iteration_barrier=True`` (the engine's behaviour) every thread finishes iteration
-  ``P`` before any starts ``P + 1``. Without it, a thread goes on to its next iteration as soon
-  as its own instructions are done - useful to see what the barrier is needed for.
+* With ``iteration_barrier=True`` every thread finishes iteration ``P`` before any starts
+  ``P + 1``: the engine's behaviour with ``lookahead`` 0 and one load, where ``step()`` for
+  batch ``d`` returns once every thread finished iteration ``d + top`` and no thread starts a
+  later one before the next call. Run-ahead (``lookahead`` > 0, parallel loads) is not
+  modelled. Without the barrier, a thread goes on to its next iteration as soon as its own
+  instructions are done - useful to see what the barrier is needed for.
 
 The replay is a max-plus evaluation: an instruction executes as soon as what it waits for has
 executed, at the latest of those times (``torchrec_swp.solve.replay.sweep``, as pp's simulator).
