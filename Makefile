@@ -59,13 +59,13 @@ test: $(STAMP) $(STAMP18)
 	$(VENV18)/bin/python -m pytest -m "parity or (not multiprocess and not slow)"
 
 # Parity tests that `make test` runs under the CPU stream checker (SWP_STREAM_CHECK=1): bit-identical
-# to upstream and no unsynchronised access or early free in our tasks. Not in it: PEC (early frees of
-# the OL/NOL partitions that OverlapDist allocates on data_dist, as upstream's PEC has them), PT2 and
+# to upstream and no unsynchronised access or early free in our tasks. Not in it: PT2 and
 # CompAutograd (dynamo traces the checker's modes: not bit-identical). See docs/gpu_check.md.
 CHECKED_PARITY := tests/dist/test_input_dist_group.py tests/dist/test_parity_foundation.py \
 	tests/dist/test_parity_fused_prefetch.py tests/dist/test_parity_semisync_eval_staged.py \
 	tests/dist/test_parity_lite_compiled.py::test_lite_equals_upstream_bit_for_bit \
-	tests/unit/test_async_inplace_copy.py tests/unit/test_user_filled_batches.py tests/dist/test_maglev_parity.py
+	tests/unit/test_async_inplace_copy.py tests/unit/test_user_filled_batches.py \
+	tests/dist/test_maglev_parity.py tests/dist/test_parity_pec.py
 
 # What `make test` runs on TorchRec 1.8.0: the fast tests and the parity tests against upstream.
 test-1.8: $(STAMP18)

@@ -439,6 +439,14 @@ dep Forward <- ZeroGrad
 dep Forward <- OlCompute
 dep Forward <- EmbLookup
 dep Forward <- NolCompute
+# Forward(N) merges with N's backward partition (upstream's PECPipelinedForward reads it) and
+# Backward(N) splits the gradient with its permutes: it comes after the task that made them on
+# data_dist, on the host and on the device - OverlapDist(N+1), or OverlapDistLast(N) for the last
+# batch (under a thread map that splits them, nothing else orders them)
+dep Forward <- OverlapDistLast
+dep Forward <- OverlapDist @-1
+# N's OL and NOL lookups share the TBE (its bounds-check warning buffer): NOL first, as upstream
+dep OlCompute <- NolCompute
 dep RecordBatch <- SetModuleContext
 dep NolGradApply <- Forward
 dep WaitOverlapDist <- Backward

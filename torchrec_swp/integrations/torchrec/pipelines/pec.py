@@ -18,7 +18,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
-from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
 
 __all__ = ["TrainPipelinePEC"]
 
@@ -90,6 +90,14 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         if stream_of_a_streamed_device(stream):
             upstream.TrainPipelinePEC._record_stream_backward_ctx(ctx, stream)
 
+    def _wait_pec_overlap_results(self, results: Any, default_stream: Any) -> Any:
+        """Upstream's, with the partitions recorded on the compute stream that consumes them.
+        Upstream's ``_pec_overlap_dist`` passes the stream current when it starts, the compute
+        stream in its ``progress()``; the plan runs OverlapDist inside the ``data_dist`` stream,
+        where that would record them on ``data_dist`` and free them under the compute stream's
+        lookups (the CPU stream checker found it)."""
+        return super()._wait_pec_overlap_results(results, self._swp_engine.streams.stream(DEFAULT_STREAM))
+
     def _compute_and_output_dist(self, context: PECTrainPipelineContext) -> None:
         """Upstream's: look up the non-PEC modules of ``context``'s batch. Without streams the
         same waits and lookups, minus the stream event and ``record_stream`` calls."""
@@ -147,6 +155,21 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         # the overlap of batch b with b-1 (None for the first batch of an epoch)
         with record_function("## pec_overlap_dist ##"):
             self._pec_overlap_dist(context, prev_context)
+        self._swp_record_pec_inputs(context)
+
+    def _swp_record_pec_inputs(self, context: PECTrainPipelineContext) -> None:
+        """Record on the compute stream what the PEC modules' input dist of ``context``'s batch
+        made on ``data_dist`` and the compute stream reads (the module contexts' sharding
+        tensors, the dist output that OverlapDist waited for): upstream records the non-PEC
+        modules' contexts only (``_compute_and_output_dist``), so their memory could be handed
+        out again on ``data_dist`` before the lookups that read it ran (the CPU stream checker
+        found it; upstream's PEC has the same gap). A no-op without streams."""
+        compute = self._swp_engine.streams.stream(DEFAULT_STREAM)
+        if not stream_of_a_streamed_device(compute):
+            return
+        for name in self._pec_modules:
+            self._pec_module_ctx(context, name).record_stream(compute)
+            context.pec_dist_inputs[name].record_stream(compute)
 
     def _task_overlap_dist_last(self, b: int, context: Any) -> None:
         # the last batch has no successor: its backward partition alone
