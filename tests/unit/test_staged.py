@@ -76,15 +76,22 @@ Scenario = Callable[[Any, list[Event]], list[Call]]
 
 
 def _calls(
-    pipeline: Any, log: list[Event], iterators: list[tuple[Iterator[Batch], int]], flush_at: int | None = None
+    pipeline: Any,
+    log: list[Event],
+    iterators: list[tuple[Iterator[Batch], int]],
+    flush_at: int | None = None,
+    reset_at: int | None = None,
 ) -> list[Call]:
-    """``num_calls`` progress() calls per (iterator, num_calls); set_flush(True) before call ``flush_at``.
-    (The log is only appended to: a worker thread may still log after a call returned.)"""
+    """``num_calls`` progress() calls per (iterator, num_calls); set_flush(True) before call
+    ``flush_at``, reset() before call ``reset_at``. (The log is only appended to: a worker thread
+    may still log after a call returned.)"""
     calls = []
     for it, num_calls in iterators:
         for _ in range(num_calls):
             if flush_at is not None and len(calls) == flush_at:
                 pipeline.set_flush(True)
+            if reset_at is not None and len(calls) == reset_at:
+                pipeline.reset()  # upstream's does nothing: the batches in flight go on
             start = len(log)
             out = pipeline.progress(it)
             calls.append(Call(log[start:], None if out is None else out.x.clone()))
@@ -98,6 +105,7 @@ SCENARIOS: dict[str, tuple[int, Scenario]] = {
     "no batch": (2, lambda p, log: _calls(p, log, [(data(0), 3)])),
     "flush": (3, lambda p, log: _calls(p, log, [(data(12), 16)], flush_at=3)),
     "flush at the end of data": (2, lambda p, log: _calls(p, log, [(data(4), 8)], flush_at=5)),
+    "reset mid-run": (3, lambda p, log: _calls(p, log, [(data(8), 11)], reset_at=4)),
     "new iterator after the end": (3, lambda p, log: _calls(p, log, [(data(3), 6), (data(4, start=5), 9)])),
 }
 
