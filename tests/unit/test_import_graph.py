@@ -128,3 +128,22 @@ def test_no_module_imports_another_modules_private_names() -> None:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchrec_swp"):
                 offenders += [f"{f.relative_to(ROOT)}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert offenders == []
+
+
+# The README's layout calls these rooms pure: no torch or torchrec at runtime, and imports only
+# from each other (OR-Tools on demand).
+PURE_ROOMS = ("plan", "catalog", "compile", "solve", "sim", "pp", "profiler", "autosched")
+
+
+def test_the_pure_rooms_import_neither_torch_nor_the_other_rooms() -> None:
+    pure = tuple(f"torchrec_swp.{room}" for room in PURE_ROOMS)
+    graph = import_graph()
+    offenders = []
+    for m, f in _modules().items():
+        if not m.startswith(pure):
+            continue
+        for name in _runtime_imports(ast.parse(f.read_text())):
+            if name.split(".")[0] in ("torch", "torchrec", "fbgemm_gpu"):
+                offenders.append(f"{m}: {name}")
+        offenders += [f"{m}: {t}" for t in graph[m] if not t.startswith(pure)]
+    assert sorted(set(offenders)) == []
