@@ -400,7 +400,7 @@ def train_maglev_checked(
         pipeline = cls(stage, optimizer, thread_map=thread_map)
     else:
         pipeline = cls(stage, optimizer, num_microbatches, thread_map=thread_map)
-    old = pipeline.engine  # checks nothing unless built in checked mode: one with this checker
+    old = pipeline.engine  # replaced by one on this checker (SWP_STREAM_CHECK=1 gives the process's)
     bindings = pipeline.runtime.bindings()
     if ops_per_stream is not None:
         bindings = {kind: _counted(checker, ops_per_stream, fn) for kind, fn in bindings.items()}
