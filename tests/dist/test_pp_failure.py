@@ -54,7 +54,7 @@ def _compute_fails(rank: int, world_size: int, linger: bool) -> dict[str, Any]:
         build_model(config), [2, 2], build("1F1B", 2, 4), thread_map="comm", engine_timeout_s=TIMEOUT_S
     )
     if rank == 1:
-        forward = ranks.runtime._forward
+        forward = ranks.runtime.bindings()["F"]
 
         def failing(s: int, m: int) -> None:
             if m == 2:
