@@ -2,13 +2,15 @@
 
 1. Every pipeline (ours, on 1 gloo rank in this process, the DLRM example's small model, 12
    batches; default plans, ``by_stream`` where the plan has several streams, H2D on an ``io``
-   thread, Staged with its stages' own streams) runs in checked mode (``SWP_STREAM_CHECK=1``):
+   thread, Staged with its stages' own streams; and TrainPipelinePEC on TorchRec's PEC test
+   model, ``PEC_MODEL_RUNS``) runs in checked mode (``SWP_STREAM_CHECK=1``):
    emulated streams for the plan's streams and for TorchRec's stream attributes, every aten
    op's storage accesses recorded per task, batch, thread and stream, host-memory H2D copies
    made on the current stream, backward ops on their forward op's stream; then the Maglev
    drop-ins (one stage, thread maps main/comm/send_recv: ``harness.upstream_streams``). A
    pipeline is clean when the checker finds nothing; the ops seen per stream are printed with it.
-2. Mutants, on SparseDist (default plan and ``by_stream``), Fused, SemiSync and Prefetch
+2. Mutants, on SparseDist (default plan and ``by_stream``), Fused, SemiSync, Prefetch and PEC
+   on its model (default plan and "spread": outcomes there vary with the threads' interleaving)
    (``MUTANT_STEPS`` batches each):
    * plan mutants: TorchRec's own ``wait_stream``/``wait_event`` in the tasks are ignored, so
      that the plan's compiled syncs (and our tasks' hand-offs) alone order the streams (shown
@@ -77,19 +79,37 @@ def _setup() -> Any:
     return process_checker()
 
 
+# TrainPipelinePEC on TorchRec's PEC test model (the DLRM example has no PEC module): its thread
+# maps, as the PEC parity test runs them ("spread": the overlap and NOL work on a thread ahead)
+PEC_MODEL = "TrainPipelinePEC[PEC model]"
+PEC_MODEL_RUNS = ((PEC_MODEL, None), (PEC_MODEL, "by_stream"), (PEC_MODEL, "spread"))
+THREAD_MAPS: dict[str, Any] = {
+    "io": {"H2D": "io"},
+    "spread": {"H2D": "io", "OverlapDist": "ahead", "NolCompute": "ahead", "DeferNolGrad": "ahead",
+               "OlGradApply": "grads", "NolGradApply": "grads"},
+}
+
+
 def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | None = None, steps: int = STEPS) -> int:
-    """Train ``steps`` batches with our ``name``; the number of steps run. ``mutate`` gets the
-    pipeline's engine before the first step."""
+    """Train ``steps`` batches with our ``name`` (``PEC_MODEL``: TrainPipelinePEC on the PEC test
+    model; the others on the DLRM example's small model); the number of steps run. ``mutate`` gets
+    the pipeline's engine before the first step."""
     from benchmarks.common import SIZES, batches
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
+    from harness.pec_model import build_pec_model
 
-    size = SIZES["small"]
-    tmap = {"H2D": "io"} if thread_map == "io" else thread_map
-    runner = make_runner(name, "ours", lambda: build_dlrm(0, 1, size), thread_map=tmap)
+    tmap = THREAD_MAPS.get(thread_map, thread_map) if thread_map is not None else None
+    if name == PEC_MODEL:
+        model, optimizer, pec_batches = build_pec_model(0, steps)
+        runner = make_runner("TrainPipelinePEC", "ours", lambda: (model, optimizer), thread_map=tmap)
+        data = iter(pec_batches)
+    else:
+        size = SIZES["small"]
+        runner = make_runner(name, "ours", lambda: build_dlrm(0, 1, size), thread_map=tmap)
+        data = iter(list(batches(size, 0, steps, 0.0)))  # made before: host memory, copied by H2D
     if mutate is not None:
         mutate(runner.pipeline.engine)
-    data = iter(list(batches(size, 0, steps, 0.0)))  # made before: host memory, copied by H2D
     steps = 0
     try:
         while True:
@@ -128,8 +148,8 @@ def check_pipelines(checker: Any, wanted: list[tuple[str, str | None]]) -> bool:
 
 
 def check_maglev(checker: Any) -> bool:
-    """Our Maglev drop-ins (one stage in this process; harness.upstream_streams labels each action
-    as a task and carries the engine's signal/wait hand-offs), with each thread map."""
+    """Our Maglev drop-ins (one stage in this process, on a ProgramEngine with this checker: each
+    action a task, each signal/wait pair a hand-off), with each thread map."""
     from harness.upstream_streams import MAGLEV_PIPELINES, train_maglev_checked
 
     clean = True
@@ -154,6 +174,8 @@ MUTANT_RUNS = (
     ("TrainPipelineFusedSparseDist", None),
     ("TrainPipelineSemiSync", None),
     ("PrefetchTrainPipelineSparseDist", None),
+    (PEC_MODEL, None),
+    (PEC_MODEL, "spread"),
 )
 MUTANT_STEPS = 6
 TASK_WAITS = ("wait_stream", "wait_event")
@@ -266,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     checker = _setup()
-    wanted = [p for p in PIPELINES if args.pipelines is None or p[0] in args.pipelines]
+    wanted = [p for p in PIPELINES + PEC_MODEL_RUNS if args.pipelines is None or p[0] in args.pipelines]
     clean = check_pipelines(checker, wanted)
     if args.pipelines is None or any(p.startswith("Maglev") for p in args.pipelines):
         clean = check_maglev(checker) and clean

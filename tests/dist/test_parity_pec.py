@@ -1,6 +1,6 @@
 """Our TrainPipelinePEC against upstream's (TorchRec 1.9), on 2 gloo ranks.
 
-The model is TorchRec's own PEC test model (``TestPECMixedEmbeddingSparseArch``: a data-parallel
+The model is TorchRec's own PEC test model (``harness.pec_model``: a data-parallel
 EmbeddingBagCollection table and two PEC EmbeddingCollection tables, row-wise), as in upstream's
 ``test_pec_train_pipeline.py``, here on CPU. Ours runs as shipped; upstream needs a test-only
 patch on CPU (``upstream_cpu_patch``, which includes CPU events): its constructor creates
@@ -13,15 +13,14 @@ split gradient accumulation changes the order of float additions).
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
+from harness.pec_model import build_pec_model
 from harness.parity import RunResult, assert_runs_equal, local_state, record_losses, train_pipeline_run
 from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
@@ -37,44 +36,7 @@ CPU = torch.device("cpu")
 
 
 def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[Any]]:
-    """The sharded PEC test model (same weights for equal seeds), its SGD, and this rank's batches."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.test_utils.test_model import ModelInput, TestPECMixedEmbeddingSparseArch
-    from torchrec.distributed.types import ShardingEnv
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tables: list[Any] = [
-        EmbeddingBagConfig(name="ebc_table_0", feature_names=["ebc_feature_0"], embedding_dim=8, num_embeddings=100),
-        *(
-            EmbeddingConfig(name=f"ec_table_{i}", feature_names=[f"ec_feature_{i}"], embedding_dim=8, num_embeddings=100)
-            for i in range(2)
-        ),
-    ]
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        data = [
-            ModelInput.generate(tables=tables, weighted_tables=[], batch_size=10, world_size=world, num_float_features=10)
-            for _ in range(STEPS)
-        ]
-        skeleton = TestPECMixedEmbeddingSparseArch(tables=tables, dense_device=CPU, sparse_device=torch.device("meta"))
-        sharders: list[Any] = [EmbeddingBagCollectionSharder(), PECEmbeddingCollectionSharder()]
-        plan = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu")).collective_plan(
-            skeleton, sharders, dist.group.WORLD
-        )
-        torch.manual_seed(seed + 1)
-        model = DistributedModelParallel(
-            module=copy.deepcopy(skeleton),
-            plan=plan,
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
-            sharders=sharders,
-            device=CPU,
-            init_data_parallel=True,
-        )
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), [d[1][rank] for d in data]
+    return build_pec_model(seed, STEPS)
 
 
 def _run(factory: Callable[[torch.nn.Module, torch.optim.Optimizer], Any], seed: int, patched: bool) -> RunResult:
