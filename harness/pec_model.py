@@ -13,6 +13,22 @@ import torch.distributed as dist
 
 CPU = torch.device("cpu")
 
+#: The thread maps TrainPipelinePEC is checked with ("spread": the overlap and the NOL work on a
+#: thread ahead, the gradient applications on another), by label.
+PEC_THREAD_MAPS: dict[str, Any] = {
+    "default": None,
+    "by_stream": "by_stream",
+    "io": {"H2D": "io"},
+    "spread": {
+        "H2D": "io",
+        "OverlapDist": "ahead",
+        "NolCompute": "ahead",
+        "DeferNolGrad": "ahead",
+        "OlGradApply": "grads",
+        "NolGradApply": "grads",
+    },
+}
+
 
 def build_pec_model(seed: int, num_batches: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[Any]]:
     """The sharded model (same weights for equal seeds), its SGD, and this rank's ``num_batches``

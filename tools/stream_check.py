@@ -42,6 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["SWP_STREAM_CHECK"] = "1"
 
+from harness.pec_model import PEC_THREAD_MAPS, build_pec_model  # noqa: E402 - needs the path above
+
 PIPELINES = (
     ("TrainPipelineBase", None),
     ("TrainPipelinePT2", None),
@@ -79,15 +81,11 @@ def _setup() -> Any:
     return process_checker()
 
 
-# TrainPipelinePEC on TorchRec's PEC test model (the DLRM example has no PEC module): its thread
-# maps, as the PEC parity test runs them ("spread": the overlap and NOL work on a thread ahead)
+# TrainPipelinePEC on TorchRec's PEC test model (the DLRM example has no PEC module), with thread
+# maps of the PEC parity test (harness.pec_model.PEC_THREAD_MAPS)
 PEC_MODEL = "TrainPipelinePEC[PEC model]"
 PEC_MODEL_RUNS = ((PEC_MODEL, None), (PEC_MODEL, "by_stream"), (PEC_MODEL, "spread"))
-THREAD_MAPS: dict[str, Any] = {
-    "io": {"H2D": "io"},
-    "spread": {"H2D": "io", "OverlapDist": "ahead", "NolCompute": "ahead", "DeferNolGrad": "ahead",
-               "OlGradApply": "grads", "NolGradApply": "grads"},
-}
+THREAD_MAPS: dict[str, Any] = {"io": {"H2D": "io"}, "spread": PEC_THREAD_MAPS["spread"]}
 
 
 def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | None = None, steps: int = STEPS) -> int:
@@ -97,7 +95,6 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
     from benchmarks.common import SIZES, batches
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
-    from harness.pec_model import build_pec_model
 
     tmap = THREAD_MAPS.get(thread_map, thread_map) if thread_map is not None else None
     if name == PEC_MODEL:

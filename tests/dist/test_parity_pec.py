@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
-from harness.pec_model import build_pec_model
+from harness.pec_model import PEC_THREAD_MAPS, build_pec_model
 from harness.parity import RunResult, assert_runs_equal, local_state, record_losses, train_pipeline_run
 from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
@@ -73,13 +73,7 @@ def _all(rank: int, world_size: int, seed: int) -> dict[str, Any]:
         "upstream": _run(lambda m, o: Upstream(m, o, CPU), seed, patched=True),
         "ours": {
             label: _run(lambda m, o, tm=tm: TrainPipelinePEC(m, o, CPU, thread_map=tm), seed, patched=False)
-            for label, tm in (
-                ("default", None),
-                ("by_stream", "by_stream"),
-                ("io", {"H2D": "io"}),
-                ("spread", {"H2D": "io", "OverlapDist": "ahead", "NolCompute": "ahead", "DeferNolGrad": "ahead",
-                            "OlGradApply": "grads", "NolGradApply": "grads"}),
-            )
+            for label, tm in PEC_THREAD_MAPS.items()
         },
     }
     from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection

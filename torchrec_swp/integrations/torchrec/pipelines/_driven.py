@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
+from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
 
 PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
 
@@ -81,6 +81,13 @@ class PlanDriven:
             for attribute, name in attributes.items():
                 setattr(self, attribute, pool.stream(name))
         return pool
+
+    def _swp_compute_stream(self) -> Any:
+        """The stream the plan's ``default`` tasks run on (the device's current stream when the
+        pipeline was built; an emulated one in checked mode; None without streams): where an
+        upstream helper means "the compute stream" but would take the current one, which is a
+        side stream when the plan runs it there."""
+        return self._swp_engine.streams.stream(DEFAULT_STREAM)
 
     # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
     _swp_task_functions: Callable[[], Mapping[str, Callable[..., Any]]]

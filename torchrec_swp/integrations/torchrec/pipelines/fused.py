@@ -127,7 +127,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
         if batch is None:
             return
         with record_function(f"## start_embedding_lookup {context.index} ##"):
-            compute_stream = self._swp_engine.streams.stream(DEFAULT_STREAM)
+            compute_stream = self._swp_compute_stream()
             with self._stream_context(self._emb_lookup_stream):  # type: ignore[arg-type]
                 for module in self._pipelined_modules:
                     _start_embedding_lookup(

@@ -18,7 +18,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
-from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
+from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainPipelinePEC"]
 
@@ -96,7 +96,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         stream in its ``progress()``; the plan runs OverlapDist inside the ``data_dist`` stream,
         where that would record them on ``data_dist`` and free them under the compute stream's
         lookups (the CPU stream checker found it)."""
-        return super()._wait_pec_overlap_results(results, self._swp_engine.streams.stream(DEFAULT_STREAM))
+        return super()._wait_pec_overlap_results(results, self._swp_compute_stream())
 
     def _compute_and_output_dist(self, context: PECTrainPipelineContext) -> None:
         """Upstream's: look up the non-PEC modules of ``context``'s batch. Without streams the
@@ -164,7 +164,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         modules' contexts only (``_compute_and_output_dist``), so their memory could be handed
         out again on ``data_dist`` before the lookups that read it ran (the CPU stream checker
         found it; upstream's PEC has the same gap). A no-op without streams."""
-        compute = self._swp_engine.streams.stream(DEFAULT_STREAM)
+        compute = self._swp_compute_stream()
         if not stream_of_a_streamed_device(compute):
             return
         for name in self._pec_modules:
