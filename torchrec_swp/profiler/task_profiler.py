@@ -29,7 +29,7 @@ from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
 from torchrec_swp.profiler.exposure import exposed_times
 from torchrec_swp.profiler.profile import Profile, ProfileError, TaskStats
 
-RawRun = tuple[str, int, str, int, float, float]  # task, batch, thread, iteration, start, end
+RawRun = tuple[str, int, str, int, float, float, float | None]  # task, batch, thread, iteration, start, end, cpu
 RawWait = tuple[str, str, int, float, float]  # producer, thread, iteration, start, end
 
 
@@ -71,8 +71,14 @@ class TaskProfiler:
         self._runs, self._waits, self._iterations = [], [], []
 
     # --------------------------------------------------------------- observer
-    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None:
-        self._runs.append((task, batch, thread, iteration, start, end))
+    #: the engine passes each run's thread CPU time (``cpu=``): what a task computed, apart from
+    #: what it waited (a loader sleeping on storage, a collective waiting for its peers)
+    wants_cpu = True
+
+    def on_run(
+        self, task: str, batch: int, thread: str, iteration: int, start: float, end: float, cpu: float | None = None
+    ) -> None:
+        self._runs.append((task, batch, thread, iteration, start, end, cpu))
 
     def on_wait(self, producer: str, thread: str, iteration: int, start: float, end: float) -> None:
         self._waits.append((producer, thread, iteration, start, end))
@@ -172,11 +178,11 @@ def _record(
 ) -> IterationRecord:
     """An IterationRecord from raw events. A task that failed and ran again when the engine
     resumed appears twice: its last run counts."""
-    last = {t: (t, b, th, p, s, e) for t, b, th, p, s, e in sorted(runs, key=lambda r: r[4])}
+    last = {r[0]: r for r in sorted(runs, key=lambda r: r[4])}
     return IterationRecord(
         iteration,
         start,
         end,
-        tuple(RunEvent(t, b, th, s, e) for t, b, th, p, s, e in sorted(last.values(), key=lambda r: r[4])),
+        tuple(RunEvent(t, b, th, s, e, c) for t, b, th, p, s, e, c in sorted(last.values(), key=lambda r: r[4])),
         tuple(WaitEvent(t, th, s, e) for t, th, p, s, e in waits),
     )
