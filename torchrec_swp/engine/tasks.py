@@ -126,19 +126,6 @@ def instrumented(
                 else:
                     observer.on_run(task, b, thread, iteration(b), start, end, cpu=thread_time() - cpu)
 
-    return timed_cpu
-
-    def timed(b: int) -> Any:
-        start = time.perf_counter()
-        try:
-            if labels:
-                with record_function(f"## {task} {b} ##"):
-                    return invoke(b)
-            return invoke(b)
-        finally:
-            if observer is not None:
-                observer.on_run(task, b, thread, iteration(b), start, time.perf_counter())
-
     return timed
 
 
