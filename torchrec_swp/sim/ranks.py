@@ -114,11 +114,11 @@ class RanksResult:
 
     def steady_returns(self, rank: int = 0) -> tuple[float, ...]:
         """The return times of rank ``rank``'s steady steps: past the fill and the run-ahead's
-        ramp, before the drain (the first ``depth + lookahead + loads`` steps and the last
-        ``depth`` are left out, keeping at least two)."""
+        ramp, before the drain and the run-ahead's end (the first and the last ``depth +
+        lookahead + loads`` steps are left out, keeping at least two)."""
         times = self.returns[rank] if self.returns else ()
         plan = self.ranks[rank].plan
-        head, tail = plan.pipeline_depth + plan.lookahead + plan.loads, plan.pipeline_depth
+        head = tail = plan.pipeline_depth + plan.lookahead + plan.loads
         if len(times) - head - tail >= 2:
             return times[head : len(times) - tail]
         return times[-2:] if len(times) >= 2 else ()
