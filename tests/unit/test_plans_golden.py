@@ -31,6 +31,13 @@ VARIANTS = {
     "EvalPipelineFusedSparseDist.enable_embedding_lookup_prefetch": plans.eval_fused_sparse_dist_plan(
         enable_embedding_lookup_prefetch=True
     ),
+    # the overlap options: H2D's draw split off onto 2 load lanes; Base's LoadBatch moved as it is
+    "TrainPipelineSparseDist.io.parallel_loads": plans.with_parallel_loads(
+        plans.sparse_dist_plan().with_thread_map("io"), 2
+    ),
+    "TrainPipelineBase.parallel_loads.lookahead_3": plans.with_parallel_loads(
+        plans.train_pipeline_base_plan(), 2, lookahead=3
+    ),
 }
 
 
