@@ -89,11 +89,11 @@ BAD: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
      "a dict {task: thread} or a callable"),
     ("loads on a source that cannot be split", lambda: staged(loads=2), ValueError,
      "StagedTrainPipeline(loads=2): plan StagedTrainPipeline: with_parallel_loads needs a source that only draws "
-     "(LoadBatch, Fetch) or H2D, to split the draw off; this plan's source is data_copy"),
+     "(Fetch, LoadBatch) or H2D, to split the draw off; this plan's source is data_copy"),
     ("a plan whose source does more than draw, with loads",
      lambda: staged(plan=catalog.staged_plan(["data_copy"]).with_loads(2)), PlanError,
      "StagedTrainPipeline: plan StagedTrainPipeline has 2 loads of its source data_copy, whose function does more than "
-     "draw from the data (its calls would overlap); only a source that only draws (LoadBatch, Fetch) may have loads"),
+     "draw from the data (its calls would overlap); only a source that only draws (Fetch, LoadBatch) may have loads"),
     ("an unknown keyword", lambda: staged(thread_mapp="io"), TypeError,
      "StagedTrainPipeline() got an unexpected keyword argument 'thread_mapp'"),
 ]

@@ -85,7 +85,7 @@ def test_a_source_that_cannot_be_split_is_named_in_one_line() -> None:
     with pytest.raises(ValueError) as info:
         with_parallel_loads(staged, 2)
     assert str(info.value) == (
-        "plan StagedTrainPipeline: with_parallel_loads needs a source that only draws (LoadBatch, Fetch) or H2D, "
+        "plan StagedTrainPipeline: with_parallel_loads needs a source that only draws (Fetch, LoadBatch) or H2D, "
         "to split the draw off; this plan's source is data_copy"
     )
 

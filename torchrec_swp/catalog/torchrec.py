@@ -770,10 +770,10 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
 # ------------------------------------------------------------- parallel loads
 #: The task ``with_parallel_loads`` adds: it draws the next item from the data (``next(data)``).
 FETCH = "Fetch"
-#: Source tasks that only draw the next item from the data (the drop-ins bind them to
-#: ``next(data)``: TrainPipelineBase's and TrainPipelinePT2's LoadBatch, and FETCH): several may
-#: run at once as they are, so ``with_parallel_loads`` only gives them their loads.
-DRAW_TASKS = ("LoadBatch", FETCH)
+#: Sources that only draw an item from the data (no copy, no pipeline bookkeeping): several of
+#: their calls may be in flight at once (``loads``). A source that does more (SparseDist's H2D
+#: enqueues the batch) is split first (``with_parallel_loads``).
+DRAW_TASKS = (FETCH, "LoadBatch")
 
 
 def with_parallel_loads(
@@ -784,7 +784,7 @@ def with_parallel_loads(
     ``lookahead`` (default ``loads``): how many batches the source may draw ahead of single-thread
     order, which gives the lanes batches to load. Every phase of a PhasedPlan is edited.
 
-    * A source that only draws (``DRAW_TASKS``: LoadBatch, Fetch) moves to ``thread`` as it is.
+    * A source that only draws (``DRAW_TASKS``: Fetch, LoadBatch) moves to ``thread`` as it is.
     * A source H2D is split in two: ``Fetch`` draws the item on the lanes, and H2D, where it
       was, copies the item it reads (``host``) into the pipeline (``enqueue_batch``).
 
