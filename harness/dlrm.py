@@ -53,6 +53,8 @@ class PipelineInfo:
     ``upstream_fails``: why upstream's class fails on CPU as shipped ("" when it runs).
     ``options``: constructor options passed to both implementations.
     ``compiles``: it compiles the model (the first steps take tens of seconds).
+    ``no_parallel_loads``: why our class cannot run a plan of ``with_parallel_loads`` although its
+    default plan's source is H2D ("" when it can, or when that source is another task).
     """
 
     name: str
@@ -60,6 +62,7 @@ class PipelineInfo:
     upstream_fails: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)
     compiles: bool = False
+    no_parallel_loads: str = ""
 
 
 _RECORD_STREAM = "record_stream on CPU tensors, and a CUDA fallback device in runtime_forwards"
@@ -78,7 +81,11 @@ INFO: dict[str, PipelineInfo] = {
             "PrefetchTrainPipelineSparseDist",
             upstream_fails="prefetch returns early without a data_dist stream (always so on CPU)",
         ),
-        PipelineInfo("EvalPipelineSparseDist", kind="eval"),
+        PipelineInfo(
+            "EvalPipelineSparseDist",
+            kind="eval",
+            no_parallel_loads="its H2D task draws the batch itself (it takes no item from a Fetch task)",
+        ),
         PipelineInfo("EvalPipelineFusedSparseDist", kind="eval", upstream_fails=_RECORD_STREAM),
         PipelineInfo("StagedTrainPipeline", kind="staged", upstream_fails="the CPU's default stream has no .device"),
         PipelineInfo("TrainPipelinePT2", compiles=True),
@@ -89,7 +96,11 @@ INFO: dict[str, PipelineInfo] = {
         ),
         # TorchRec 1.9. The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every
         # module takes PEC's non-PEC path, looked up at the start of the step like Fused's.
-        PipelineInfo("TrainPipelinePEC", upstream_fails="its constructor creates torch.cuda.Event()"),
+        PipelineInfo(
+            "TrainPipelinePEC",
+            upstream_fails="its constructor creates torch.cuda.Event()",
+            no_parallel_loads="it has no Fetch task",
+        ),
     )
 }
 
@@ -144,6 +155,14 @@ def upstream_unavailable(name: str, impl: Impl, device: torch.device, upstream_p
         f"upstream's {name} fails on CPU as shipped ({info.upstream_fails}); allow the test-only CPU patch "
         "(--upstream-cpu-patch) or use our pipeline"
     )
+
+
+def ours_takes(name: str, keyword: str) -> bool:
+    """Whether torchrec_swp's pipeline ``name`` takes the constructor keyword ``keyword`` (e.g.
+    ``input_dist_group``, which only the SparseDist family has); False for a name it does not export."""
+    if name not in _ours_exports():
+        return False
+    return any(keyword in _parameters(klass) for klass in _pipeline_class(name, "ours").__mro__)
 
 
 def unknown_options(name: str, impl: Impl, options: Mapping[str, Any]) -> str:
@@ -226,6 +245,7 @@ def make_runner(
     *,
     plan: Any = None,
     thread_map: Any = None,
+    edit_plan: Callable[[Any], Any] | None = None,
     options: Mapping[str, Any] | None = None,
     upstream_patch: bool = False,
     device: torch.device = CPU,
@@ -234,6 +254,8 @@ def make_runner(
     (``build()`` puts the model there).
 
     ``plan`` and ``thread_map`` (ours only) replace the default plan and thread map;
+    ``edit_plan`` (ours only) edits the plan before the thread map: the pipeline runs
+    ``edit_plan(plan)``, or ``edit_plan(its default plan)`` (see ``default_plan_of``);
     ``options`` add constructor options (on top of ``INFO[name].options``).
     ``upstream_patch`` allows upstream pipelines that need the test-only CPU patch (see the
     module docstring; on a CUDA device they run as shipped). Raises PipelineUnavailable when the
@@ -244,8 +266,10 @@ def make_runner(
     info = INFO[name]
     if impl not in ("upstream", "ours"):
         raise PipelineUnavailable(f"impl must be 'upstream' or 'ours', got {impl!r}")
-    if impl == "upstream" and (plan is not None or thread_map is not None):
-        raise PipelineUnavailable("a plan or a thread_map applies to our pipelines only (impl='ours')")
+    if impl == "upstream" and (plan is not None or thread_map is not None or edit_plan is not None):
+        raise PipelineUnavailable("a plan, a plan edit or a thread_map applies to our pipelines only (impl='ours')")
+    if edit_plan is not None and info.kind == "staged":
+        raise PipelineUnavailable("StagedTrainPipeline's plan follows its stages: it takes no plan edit")
     on_cpu = device.type == "cpu"
     if impl == "upstream" and info.upstream_fails and on_cpu and not upstream_patch:
         raise PipelineUnavailable(
@@ -253,7 +277,6 @@ def make_runner(
             "allow the test-only CPU patch (--upstream-cpu-patch) or use our pipeline"
         )
     cls = _pipeline_class(name, impl)
-    engine_options = {k: v for k, v in (("plan", plan), ("thread_map", thread_map)) if v is not None}
     kwargs = {**info.options, **(options or {})}
     patch = contextlib.ExitStack()
     try:
@@ -271,6 +294,13 @@ def make_runner(
             model, optimizer = build()
         if info.kind == "eval":
             model.eval()
+        if edit_plan is not None:
+            if kwargs.get("input_dist_group") is True:  # one new group, for the default plan's pipeline too
+                from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group
+
+                kwargs["input_dist_group"] = new_input_dist_group(where=f"{name}(input_dist_group=True)")
+            plan = edit_plan(plan if plan is not None else default_plan_of(cls, model, optimizer, device, kwargs))
+        engine_options = {k: v for k, v in (("plan", plan), ("thread_map", thread_map)) if v is not None}
         if info.kind == "staged":
             if kwargs:
                 raise PipelineUnavailable(f"StagedTrainPipeline takes no options here, got {sorted(kwargs)}")
@@ -281,6 +311,21 @@ def make_runner(
         patch.close()
         raise
     return Runner(info, impl, pipeline, model, optimizer, patch)
+
+
+def default_plan_of(
+    cls: type, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, kwargs: Mapping[str, Any]
+) -> Any:
+    """The default plan of our pipeline class ``cls`` built with these arguments (it depends on
+    them: SemiSync's ``start_batch``, ``input_dist_group``'s comm group, ...), read from a pipeline
+    built for it and closed at once: building one draws no batch, changes nothing in the model and
+    issues no collective (``input_dist_group=True`` would create a process group: pass the group
+    itself, as ``make_runner`` does)."""
+    probe = cls(model, optimizer, device, **kwargs)
+    try:
+        return probe.plan
+    finally:
+        probe.close()
 
 
 def _staged(
