@@ -53,8 +53,6 @@ class PipelineInfo:
     ``upstream_fails``: why upstream's class fails on CPU as shipped ("" when it runs).
     ``options``: constructor options passed to both implementations.
     ``compiles``: it compiles the model (the first steps take tens of seconds).
-    ``no_parallel_loads``: why our class cannot run a plan of ``with_parallel_loads`` although its
-    default plan's source is H2D ("" when it can, or when that source is another task).
     """
 
     name: str
@@ -62,7 +60,6 @@ class PipelineInfo:
     upstream_fails: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)
     compiles: bool = False
-    no_parallel_loads: str = ""
 
 
 _RECORD_STREAM = "record_stream on CPU tensors, and a CUDA fallback device in runtime_forwards"
@@ -81,11 +78,7 @@ INFO: dict[str, PipelineInfo] = {
             "PrefetchTrainPipelineSparseDist",
             upstream_fails="prefetch returns early without a data_dist stream (always so on CPU)",
         ),
-        PipelineInfo(
-            "EvalPipelineSparseDist",
-            kind="eval",
-            no_parallel_loads="its H2D task draws the batch itself (it takes no item from a Fetch task)",
-        ),
+        PipelineInfo("EvalPipelineSparseDist", kind="eval"),
         PipelineInfo("EvalPipelineFusedSparseDist", kind="eval", upstream_fails=_RECORD_STREAM),
         PipelineInfo("StagedTrainPipeline", kind="staged", upstream_fails="the CPU's default stream has no .device"),
         PipelineInfo("TrainPipelinePT2", compiles=True),
@@ -96,11 +89,7 @@ INFO: dict[str, PipelineInfo] = {
         ),
         # TorchRec 1.9. The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every
         # module takes PEC's non-PEC path, looked up at the start of the step like Fused's.
-        PipelineInfo(
-            "TrainPipelinePEC",
-            upstream_fails="its constructor creates torch.cuda.Event()",
-            no_parallel_loads="it has no Fetch task",
-        ),
+        PipelineInfo("TrainPipelinePEC", upstream_fails="its constructor creates torch.cuda.Event()"),
     )
 }
 

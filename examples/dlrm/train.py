@@ -26,7 +26,7 @@ batch and copying it to the device) on their own thread, so the loader's waiting
 training. ``--profile-out FILE`` (ours) profiles every task and writes rank 0's profile, the
 input of ``python -m torchrec_swp.autosched --profile FILE --out PLAN``. ``--loads N`` (ours, with
 ``--data-source map``) splits the plan's batch load in two, ``N`` fetches at once on thread group
-``load`` and the copy where it was (``torchrec_swp.catalog.torchrec.with_parallel_loads``);
+``load`` and the copy where it was (``torchrec_swp.plans.with_parallel_loads``, the pipelines' ``loads=``);
 ``--lookahead K`` lets the source draw ``K`` batches ahead (with ``--loads N``, default ``N``);
 the thread map applies after the split and must leave ``Fetch`` a thread group of its own (one
 that puts it with H2D or on the calling thread is refused). ``--input-dist-group`` gives the
@@ -91,7 +91,8 @@ from harness.dlrm import (
     unknown_options,
     upstream_unavailable,
 )
-from torchrec_swp.catalog.torchrec import default_plans, with_parallel_loads
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.plans import default_plans
 from torchrec_swp.data import MapSource
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
 
@@ -360,14 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_thread_map(args: argparse.Namespace) -> None:
-    """The thread map names tasks of the plan that will run (the given one, else the default,
-    with ``--loads``' edit)."""
+    """The thread map names tasks of the plan that will run (the given one, else the default)."""
     if args.thread_map_value is None:
         return
     plan = args.plan_value if args.plan_value is not None else default_plans().get(args.pipeline)
     if plan is not None and args.pipeline != "StagedTrainPipeline":
-        edit = plan_edit(args.loads, args.lookahead)
-        (plan if edit is None else edit(plan)).with_thread_map(args.thread_map_value)  # PlanError naming the culprit
+        plan.with_thread_map(args.thread_map_value)  # PlanError naming the culprit
 
 
 def _check_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -376,8 +375,7 @@ def _check_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--loads must be >= 1")
     if args.lookahead is not None and args.lookahead < 0:
         parser.error("--lookahead must be >= 0")
-    edit = plan_edit(args.loads, args.lookahead)
-    if edit is None or args.impl == "upstream":
+    if (args.loads == 1 and args.lookahead is None) or args.impl == "upstream":
         return
     if args.loads > 1 and args.data_source == "dataloader":
         parser.error(
@@ -388,28 +386,20 @@ def _check_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if info.kind == "staged":
         flags = [f for f, v in (("--loads", args.loads > 1), ("--lookahead", args.lookahead is not None)) if v]
         parser.error(f"{' and '.join(flags)}: StagedTrainPipeline's plan follows its stages (edit it with --plan)")
-    if args.loads > 1 and info.no_parallel_loads:
-        parser.error(f"--loads {args.loads}: our {args.pipeline} cannot load in parallel yet: {info.no_parallel_loads}")
     plan = args.plan_value if args.plan_value is not None else default_plans()[args.pipeline]
+    options = EngineOptions(thread_map=args.thread_map_value, **engine_keywords(args))
     try:
-        edit(plan)
+        options.plan_for(plan, args.pipeline)  # the library's own path: the same checks, the same errors
     except (ValueError, PlanError) as e:
-        parser.error(f"--loads {args.loads}: {e}")
+        parser.error(str(e))
 
 
-def plan_edit(loads: int, lookahead: int | None) -> Callable[[Plan], Plan] | None:
-    """``--loads`` and ``--lookahead`` as an edit of the plan (None: nothing to edit): ``loads`` > 1
-    splits its source (``with_parallel_loads(plan, loads, lookahead=lookahead)``), else
-    ``lookahead`` alone is set on every phase."""
-    if loads > 1:
-        return lambda plan: with_parallel_loads(plan, loads, lookahead=lookahead)
-    if lookahead is None:
-        return None
-
-    def ahead(plan: Plan) -> Plan:
-        return plan.each(ahead) if isinstance(plan, PhasedPlan) else plan.replace(lookahead=lookahead)
-
-    return ahead
+def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """``--loads`` and ``--lookahead`` as our pipelines' constructor keywords (``loads=``,
+    ``lookahead=``; EngineOptions); none for upstream's."""
+    if args.impl == "upstream":
+        return {}
+    return {"loads": args.loads, **({} if args.lookahead is None else {"lookahead": args.lookahead})}
 
 
 def _check_long_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -617,10 +607,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ),
         plan=args.plan_value,
         thread_map=args.thread_map_value,
-        # --loads/--lookahead: an edit of the plan until the pipelines take loads=/lookahead= themselves;
-        # then these two lines become options={**options, "loads": ..., "lookahead": ...}
-        edit_plan=plan_edit(args.loads, args.lookahead),
-        options={**args.options, **({"input_dist_group": True} if args.input_dist_group else {})},
+        options={**args.options, **engine_keywords(args), **({"input_dist_group": True} if args.input_dist_group else {})},
         upstream_patch=args.upstream_cpu_patch,
         device=device,
     )
