@@ -55,7 +55,7 @@ def _is_1_9() -> bool:
         return True
 
 
-__all__ = ["__version__", "plans", *_PLAN_NAMES, *_available(), *(_MAGLEV if _is_1_9() else ())]
+__all__ = ["__version__", "plans", "Autotune", *_PLAN_NAMES, *_available(), *(_MAGLEV if _is_1_9() else ())]
 
 
 def __dir__() -> list[str]:
@@ -68,6 +68,10 @@ def __getattr__(name: str) -> Any:
         from torchrec_swp import plan
 
         return getattr(plan, name)
+    if name == "Autotune":  # the options of a pipeline that tunes itself (autotune=Autotune(...))
+        from torchrec_swp.autotune import Autotune
+
+        return Autotune
     if name == "plans":
         import torchrec_swp.plans
 

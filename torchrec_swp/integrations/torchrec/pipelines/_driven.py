@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError
-from torchrec_swp.plans import DRAW_TASKS
+from torchrec_swp.plans import DRAW_TASKS, with_lookahead, with_parallel_loads
 
 
 class PlanDriven:
@@ -68,6 +69,9 @@ class PlanDriven:
                     f"({', '.join(DRAW_TASKS)}) may have loads{fix}",
                     culprit=str(p.source),
                 )
+        tuning = options.tuning
+        if tuning is not None:
+            chosen = start_for_tuning(chosen)
         functions = self._swp_task_functions()
         tasks = list(dict.fromkeys(t for p in _plans(chosen) for t in p.fire_order))
         unknown = [t for t in tasks if t not in functions]
@@ -85,6 +89,18 @@ class PlanDriven:
             # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
             device_type=None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
         )
+        self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
+
+    def _swp_autotune_hooks(self) -> Hooks:
+        """What the tuner may change beyond the plan (overridden where the input dist can get a
+        process group of its own)."""
+        return Hooks()
+
+    @property
+    def autotune_decision(self) -> Decision | None:
+        """What the tuner decided (None before it decided, or without ``autotune``): the plan, why,
+        predicted and measured step times."""
+        return None if self._swp_tuner is None else self._swp_tuner.decision
 
     def _swp_checked(self, pool: StreamPool, attributes: Mapping[str, str]) -> StreamPool:
         """In checked mode (``SWP_STREAM_CHECK``, a pool with emulated streams on the CPU), the
@@ -124,6 +140,8 @@ class PlanDriven:
             engine.end_reported or (draws is not None and dataloader_iter is not draws.iterator)
         ):
             self._swp_on_new_data()
+        if self._swp_tuner is not None:
+            self._swp_tuner.before_step()
         return engine.step(dataloader_iter)
 
     def _swp_before_step(self) -> None:
@@ -158,6 +176,8 @@ class PlanDriven:
             "loader": engine_state.pop("loader"),
             "engine": engine_state,
             "pipeline": self._swp_state_dict(),
+            # the tuner's decision: a resume with autotune applies it instead of tuning again
+            "autotune": None if self._swp_tuner is None else self._swp_tuner.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -173,6 +193,8 @@ class PlanDriven:
         if hasattr(self, "_next_index"):  # TorchRec's context index counts the same source calls
             self._next_index = int(state["engine"]["batch_number"])
         self._swp_load_state_dict(state["pipeline"])
+        if self._swp_tuner is not None and state.get("autotune"):
+            self._swp_tuner.load_state_dict(state["autotune"])
 
     def _swp_state_dict(self) -> dict[str, Any]:
         """What the class itself must carry over a cut (overridden where there is something)."""
@@ -209,3 +231,14 @@ class PlanDriven:
 
 def _plans(plan: PipelinePlan | PhasedPlan) -> tuple[PipelinePlan, ...]:
     return plan.plans if isinstance(plan, PhasedPlan) else (plan,)
+
+
+def start_for_tuning(plan: PipelinePlan | PhasedPlan) -> PipelinePlan | PhasedPlan:
+    """The plan a self-tuning pipeline starts from: ``plan`` without lookahead (the tuner then
+    switches where every thread stands at the same batch boundary), its draw split off where it
+    splits (H2D's draw as a Fetch task on H2D's own thread: the same calls in the same order, and a
+    profile that tells loading from copying, which the parallel loads the tuner may choose need)."""
+    first = _plans(plan)[0]
+    if first.source == "H2D" and first.loads == 1:
+        plan = with_parallel_loads(plan, 1, lookahead=0, thread=first.task("H2D").thread_group)
+    return with_lookahead(plan, 0)

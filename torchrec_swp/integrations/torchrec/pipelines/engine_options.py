@@ -14,7 +14,10 @@ them into the plan the engine runs, in this order:
 4. ``lookahead``: ``plans.with_lookahead(plan, lookahead)``, batches the source may draw beyond
    the plan's depth (None: the plan's own; after ``loads > 1``, ``loads``).
 
-``engine_timeout_s`` bounds every blocking wait of the engine. A new option is a field here (with
+``engine_timeout_s`` bounds every blocking wait of the engine. ``autotune`` (``True`` or
+``torchrec_swp.Autotune(...)``): the pipeline tunes itself while it trains
+(``torchrec_swp.autotune``), starting from the plan above run without lookahead and with its draw
+split off where it splits. A new option is a field here (with
 its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits the plan, a step in
 ``plan_for``.
 """
@@ -26,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
+from torchrec_swp.autotune import Autotune
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
 from torchrec_swp.plans import with_lookahead, with_parallel_loads
@@ -41,6 +45,7 @@ class EngineKeywords(TypedDict, total=False):
     loads: int
     lookahead: int | None
     engine_timeout_s: float
+    autotune: bool | Autotune
 
 
 def _check_number(name: str, value: object, kind: type | tuple[type, ...], low: float, *, above: bool = False) -> None:
@@ -63,6 +68,7 @@ class EngineOptions:
     loads: int = 1
     lookahead: int | None = None
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
+    autotune: bool | Autotune = False
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, (PipelinePlan, PhasedPlan, str, os.PathLike)):
@@ -78,6 +84,13 @@ class EngineOptions:
         if self.lookahead is not None:
             _check_number("lookahead", self.lookahead, int, 0)
         _check_number("engine_timeout_s", self.engine_timeout_s, (int, float), 0, above=True)
+        if not isinstance(self.autotune, (bool, Autotune)):
+            raise TypeError(f"autotune must be a bool or torchrec_swp.Autotune(...), got {type(self.autotune).__name__}")
+
+    @property
+    def tuning(self) -> Autotune | None:
+        """The tuner's options (None: no tuning)."""
+        return Autotune.of(self.autotune, "autotune")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
+from torchrec_swp.autotune import Hooks
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
@@ -112,6 +113,22 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
         group = self._swp_input_dist_group
         if group is not None and batch is not None and self._swp_rebound_modules is not self._pipelined_modules:
             rebind_input_dists(self._pipelined_modules, group)
+            self._swp_rebound_modules = self._pipelined_modules
+
+    def _swp_autotune_hooks(self) -> Hooks:
+        """The tuner may give the input dist a process group of its own (where there is a world of
+        more than one rank and the pipeline was not built with one)."""
+        if self._swp_input_dist_group is not None or not (dist.is_initialized() and dist.get_world_size() > 1):
+            return Hooks()
+        return Hooks(own_group=plans.INPUT_DIST_TASKS, enable=self._swp_own_input_dist_group)
+
+    def _swp_own_input_dist_group(self) -> None:
+        """The input dist's own process group, made now (a collective: every rank at the same
+        batch boundary), its input dists moved to it (or after the first input dist, when TorchRec
+        makes them)."""
+        self._swp_input_dist_group = new_input_dist_group(where=f"{type(self).__name__}(autotune)")
+        if self._pipelined_modules:
+            rebind_input_dists(self._pipelined_modules, self._swp_input_dist_group)
             self._swp_rebound_modules = self._pipelined_modules
 
     def _swp_before_step(self) -> None:

@@ -1,0 +1,17 @@
+"""A pipeline that tunes itself while it trains: ``autotune=True`` (or ``autotune=Autotune(...)``)
+on any plan-driven pipeline.
+
+How one tuning goes (``tuner.py``): the starting plan warms up, then a ``TaskProfiler`` measures
+``steps`` steps; at the next ``progress()`` call every rank's profile reaches rank 0
+(``ranks.py``), which calibrates the multi-rank simulator and searches the changes that keep the
+numerics (``torchrec_swp.autosched.overlap``), and every rank switches to the plan found at that
+batch boundary (``Engine.switch_plan``), or keeps its plan when nothing is predicted to win by
+more than the noise. The decision and its reasons go to ``Autotune.report``; the measured step
+with the new plan follows ``verify`` steps later. ``pipeline.autotune_decision`` holds it, and
+``state_dict()`` carries it so that a resume applies it without tuning again.
+"""
+
+from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.tuner import Decision, Hooks, Tuner
+
+__all__ = ["Autotune", "Decision", "Hooks", "Tuner"]

@@ -1,0 +1,78 @@
+"""``Autotune``: how a pipeline tunes itself (``autotune=Autotune(...)``, or ``autotune=True`` for
+these defaults)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torchrec_swp.autosched.inputs import DEFAULT_WAKE_S
+
+LOG = logging.getLogger("torchrec_swp.autotune")
+
+
+def log_info(line: str) -> None:
+    """The default report: one INFO line on logger ``torchrec_swp.autotune``."""
+    LOG.info(line)
+
+
+@dataclass(frozen=True)
+class Autotune:
+    """What a self-tuning pipeline does, in steps of ``progress()``:
+
+    * ``warmup`` steps on the starting plan, not measured (first calls, caches, thread start);
+    * ``steps`` steps profiled (every task's time and CPU, every call's cost);
+    * then, in the next call, every rank's profile goes to rank 0, which searches
+      (``torchrec_swp.autosched.overlap``: threads, lookahead, parallel loads, the input dist's
+      comm group; nothing that changes a batch's numerics) and tells every rank the plan;
+      each switches to it at that batch boundary, nothing lost or repeated;
+    * ``verify`` steps later, the measured step is reported beside the prediction.
+
+    The starting plan is kept when no plan is predicted to be faster by more than ``noise``
+    (a share: identical schedules move by up to 11% between runs on a shared 2-core machine,
+    a single decision within 5% is noise). ``memory_cap_bytes``: at most this much held by the
+    batches in flight (each measured when the profile ends). ``max_threads``,
+    ``max_in_flight``, ``lookahead`` and ``loads``: the search's limits and choices (loads only
+    where the data splits its draws, ``torchrec_swp.data.MapSource``). ``wake_s``: a blocked
+    thread's wake-up latency on this machine; ``gil``: the share of CPU work holding the GIL
+    (None: not modelled). ``report``: where the decision's lines go (default: logger
+    ``torchrec_swp.autotune``, INFO, on rank 0).
+    """
+
+    warmup: int = 10
+    steps: int = 40
+    verify: int = 20
+    noise: float = 0.05
+    memory_cap_bytes: float | None = None
+    max_threads: int = 4
+    max_in_flight: int = 6
+    lookahead: tuple[int, ...] = (0, 1, 2, 3)
+    loads: tuple[int, ...] = (1, 2, 3)
+    wake_s: float = DEFAULT_WAKE_S
+    gil: float | None = None
+    report: Callable[[str], None] = log_info
+
+    def __post_init__(self) -> None:
+        for name, low in (("warmup", 0), ("steps", 2), ("verify", 1), ("max_threads", 1), ("max_in_flight", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                what = " (too few steps to profile)" if name == "steps" else ""
+                raise ValueError(f"Autotune: {name} must be an int >= {low}{what}, got {v!r}")
+        if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not 0 <= self.noise < 1:
+            raise ValueError(f"Autotune: noise must be a share in [0, 1), got {self.noise!r}")
+        if self.memory_cap_bytes is not None and not (isinstance(self.memory_cap_bytes, (int, float)) and self.memory_cap_bytes > 0):
+            raise ValueError(f"Autotune: memory_cap_bytes must be a number > 0 or None, got {self.memory_cap_bytes!r}")
+        if not callable(self.report):
+            raise ValueError(f"Autotune: report must be callable, got {self.report!r}")
+
+    @classmethod
+    def of(cls, value: bool | Autotune | None, owner: str) -> Autotune | None:
+        """The options of ``autotune=value`` (``True``: the defaults; False/None: no tuning)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"{owner}: autotune must be a bool or torchrec_swp.Autotune(...), got {type(value).__name__}")

@@ -1,0 +1,52 @@
+"""The ranks agree: every rank's profile to rank 0, rank 0's decision to every rank.
+
+Both are collectives of ``torch.distributed`` on the default process group (object collectives:
+pickled dicts), issued by the calling thread inside a ``progress()`` call, at the same call on
+every rank, while no thread of the engine issues a collective (the tuner switches plans only
+where every thread stands at the same batch boundary, with no lookahead). Without an initialised
+world, or in a world of one, they return the rank's own values.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)``: ``(0, 1)`` without an initialised world."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def machine() -> tuple[str, int]:
+    """This process's host name and the cores it may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return socket.gethostname(), cores
+
+
+def gather_to_all(value: Any) -> list[Any]:
+    """Every rank's ``value``, by rank (on every rank)."""
+    rank, size = world()
+    if size == 1:
+        return [value]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value``, on every rank."""
+    rank, size = world()
+    if size == 1:
+        return value
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

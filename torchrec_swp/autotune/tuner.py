@@ -1,0 +1,284 @@
+"""The tuner of one pipeline: warm up, profile, decide with every rank, switch, verify.
+
+A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call begin
+(``before_step``). Its life, in calls (``Autotune`` has the counts):
+
+1. **warm-up**: the starting plan runs, nothing measured;
+2. **profiling**: a ``TaskProfiler`` rides along the engine's observer (any observer already
+   attached keeps receiving everything); each call's period (from one call's start to the
+   next's: the step as the caller lives it) is kept;
+3. **decision**, at the start of the next call: this rank's profile (with its rank, machine, the
+   data's split draws and one batch's size) goes to rank 0, which searches
+   (``autosched.overlap``) and sends every rank the plan, or the reason to keep the starting one;
+   every rank then switches its engine (``Engine.switch_plan``) before the call walks on, so the
+   new plan runs from that call's batch on: nothing lost, nothing repeated, the same numerics;
+   a plan giving the input dist its own comm group first gets its process group (the pipeline's
+   ``enable`` hook, a collective every rank makes at the same call);
+4. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
+   reported beside the prediction.
+
+The starting plan must not run ahead (lookahead 0): then, between two calls, every thread stands
+at the same batch boundary and the switch needs no drain. ``state_dict()`` carries the decision,
+so a resumed pipeline applies it at once instead of tuning again.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+from torchrec_swp.autosched.inputs import from_profiles
+from torchrec_swp.autosched.overlap import Space, apply_candidate, search_overlap
+from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.ranks import from_rank0, gather_to_all, machine, world
+from torchrec_swp.autotune.sizes import batch_bytes
+from torchrec_swp.autotune.tee import Tee
+from torchrec_swp.catalog.torchrec import DRAW_TASKS
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
+
+
+class TunedEngine(Protocol):
+    """What the tuner needs of the engine (``torchrec_swp.engine.Engine``)."""
+
+    plan: PipelinePlan
+    phased: PhasedPlan
+
+    @property
+    def observer(self) -> Any: ...
+
+    @property
+    def slots(self) -> Mapping[int, Mapping[str, Any]]: ...
+
+    @property
+    def draws(self) -> Any: ...
+
+    def instrument(self, observer: Any = None, *, labels: bool = False) -> None: ...
+
+    def in_flight(self) -> list[int]: ...
+
+    def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> None: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the ranks decided: ``plan`` the found plan's text (of the profiled phase; None: keep
+    the starting plan), whether it gives the input dist its own comm group, the predicted step of
+    it and of the starting plan, the starting plan's measured step, the lines saying why, and
+    (once verified) the measured step with the chosen plan."""
+
+    plan: str | None
+    own_group: bool = False
+    predicted_s: float | None = None
+    baseline_s: float | None = None
+    measured_start_s: float | None = None
+    why: tuple[str, ...] = ()
+    measured_s: float | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.plan is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Decision:
+        return cls(**{**data, "why": tuple(data.get("why", ()))})
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the pipeline lets the tuner change beyond the plan: the tasks that may move to a comm
+    group of their own, and ``enable()`` giving them their process group (a collective)."""
+
+    own_group: tuple[str, ...] = ()
+    enable: Callable[[], None] | None = None
+
+
+class Tuner:
+    """One pipeline's tuner (module docstring)."""
+
+    def __init__(self, options: Autotune, engine: TunedEngine, hooks: Hooks, owner: str) -> None:
+        self.options = options
+        self.engine = engine
+        self.hooks = hooks
+        self.owner = owner
+        self.calls = 0
+        self.phase = "warmup"
+        self.decision: Decision | None = None
+        self._profiler: TaskProfiler | None = None
+        self._previous: Any = None  # the observer attached before the tuner's
+        self._last_start: float | None = None
+        self._periods: list[float] = []
+        self._settle = 0
+
+    # ------------------------------------------------------------------ the calls
+    def before_step(self) -> None:
+        """A ``progress()`` call begins (before the engine steps)."""
+        now = time.perf_counter()
+        if self._last_start is not None and self.phase in ("profiling", "verifying"):
+            self._periods.append(now - self._last_start)
+        self._last_start = now
+        self.calls += 1
+        o = self.options
+        if self.phase == "warmup" and self.calls > o.warmup:
+            self._attach()
+            self.phase = "profiling"
+        elif self.phase == "profiling" and self.calls > o.warmup + o.steps:
+            self._detach()
+            self._decide()
+            self._last_start = time.perf_counter()  # the decision's own time is not a step
+        elif self.phase == "verifying" and len(self._periods) >= self._settle + o.verify:
+            self._verified()
+
+    # ------------------------------------------------------------------ profiling
+    def _attach(self) -> None:
+        self._profiler = TaskProfiler(warmup=0)
+        self._previous = self.engine.observer
+        self.engine.instrument(self._profiler if self._previous is None else Tee(self._previous, self._profiler))
+
+    def _detach(self) -> None:
+        if self._previous is None:
+            self.engine.instrument()
+        else:
+            self.engine.instrument(self._previous)
+
+    def _profile(self) -> Profile:
+        assert self._profiler is not None
+        rank, size = world()
+        host, cores = machine()
+        draws = self.engine.draws
+        newest = max(self.engine.in_flight(), default=None)
+        size_of = batch_bytes(self.engine.slots.get(newest, {})) if newest is not None else 0
+        return self._profiler.profile(self.engine.plan).with_where(
+            rank=rank,
+            world_size=size,
+            host=host,
+            cores=cores,
+            split_draws=bool(draws is not None and draws.splits),
+            batch_bytes=float(size_of),
+        )
+
+    # ------------------------------------------------------------------ the decision
+    def _decide(self) -> None:
+        measured = statistics.fmean(self._periods) if self._periods else None
+        self._periods = []
+        try:
+            mine: dict[str, Any] | None = self._profile().to_json()
+            trouble = ""
+        except ProfileError as e:
+            mine, trouble = None, f"rank {world()[0]}: {e}"
+        profiles = gather_to_all({"profile": mine, "trouble": trouble})
+        decision = None
+        if world()[0] == 0:
+            decision = self._search(profiles, measured).to_dict()
+        self.decision = Decision.from_dict(from_rank0(decision))
+        if self.decision.switched:
+            self._apply(self.decision)
+            self.phase = "verifying"
+            self._settle = self.engine.plan.pipeline_depth + self.engine.plan.lookahead + self.engine.plan.loads
+        else:
+            self.phase = "done"
+        for line in self._lines():
+            self._report(line)
+
+    def _search(self, gathered: list[dict[str, Any]], measured: float | None) -> Decision:
+        """Rank 0: every rank's profile -> the decision (the starting plan kept, with the reason,
+        when anything is amiss or nothing wins by more than the noise)."""
+        o = self.options
+        trouble = [g["trouble"] for g in gathered if g["trouble"]]
+        if trouble:
+            return Decision(None, measured_start_s=measured, why=(f"keeps the plan: cannot profile ({trouble[0]})",))
+        try:
+            profiles = [Profile.from_json(g["profile"]) for g in gathered]
+            inputs = from_profiles(profiles, wake=o.wake_s, gil=o.gil)
+            profiled = profiles[0].plan
+            loads = o.loads if profiled.source in DRAW_TASKS and inputs.split_draws else (1,)
+            space = Space(
+                lookahead=o.lookahead,
+                loads=loads,
+                own_group=self.hooks.own_group if self.hooks.enable is not None else (),
+                max_threads=o.max_threads,
+                max_in_flight=o.max_in_flight,
+                batch_bytes=inputs.batch_bytes,
+                memory_cap_bytes=o.memory_cap_bytes,
+                split_draws=inputs.split_draws,
+            )
+            result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
+        except (PlanError, ProfileError, ValueError) as e:
+            return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",))
+        why = tuple(result.why())
+        if result.speedup < 1 + o.noise:
+            return Decision(
+                None,
+                predicted_s=result.predicted,
+                baseline_s=result.baseline,
+                measured_start_s=measured,
+                why=(*why, f"keeps the plan: the best change is predicted x{result.speedup:.2f}, within the noise ({100 * o.noise:.0f}%)"),
+            )
+        return Decision(
+            result.plan.to_text(),
+            own_group=result.best.candidate.own_group,
+            predicted_s=result.predicted,
+            baseline_s=result.baseline,
+            measured_start_s=measured,
+            why=why,
+        )
+
+    def _apply(self, decision: Decision) -> None:
+        """Switch the engine to the decided plan (every phase edited alike)."""
+        assert decision.plan is not None
+        found = PipelinePlan.from_text(decision.plan)
+        if decision.own_group and self.hooks.enable is not None:
+            self.hooks.enable()
+        self.engine.switch_plan(apply_candidate(self.engine.phased if len(self.engine.phased.phases) > 1 else self.engine.plan, found))
+
+    def _verified(self) -> None:
+        assert self.decision is not None
+        periods = self._periods[self._settle :]
+        self.decision = replace(self.decision, measured_s=statistics.fmean(periods))
+        self.phase = "done"
+        d = self.decision
+        assert d.measured_s is not None and d.predicted_s is not None
+        self._report(
+            f"autotune {self.owner}: measured {1e3 * d.measured_s:.2f} ms per step over {len(periods)} steps with the chosen "
+            f"plan (predicted {1e3 * d.predicted_s:.2f} ms, {100 * (d.predicted_s / d.measured_s - 1):+.0f}%)"
+        )
+
+    # ------------------------------------------------------------------ reports
+    def _lines(self) -> list[str]:
+        d = self.decision
+        assert d is not None
+        head = f"autotune {self.owner}: profiled {self.options.steps} steps"
+        if d.measured_start_s is not None:
+            head += f" ({1e3 * d.measured_start_s:.2f} ms per step measured)"
+        if d.switched:
+            found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]
+            head += (
+                f"; switches to threads {list(found.thread_groups)}, lookahead {found.lookahead}, loads {found.loads}"
+                + (", the input dist in its own comm group" if d.own_group else "")
+            )
+        return [head, *(f"autotune {self.owner}: {line}" for line in d.why)]
+
+    def _report(self, line: str) -> None:
+        if world()[0] == 0:
+            self.options.report(line)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The decision (None while still tuning: a resume then tunes again)."""
+        return {"decision": None if self.decision is None else self.decision.to_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Apply a saved decision at once (before the first step): no tuning again."""
+        saved = state.get("decision")
+        if saved is None:
+            return
+        self.decision = Decision.from_dict(saved)
+        if self.decision.switched:
+            self._apply(self.decision)
+        self.phase = "done"
