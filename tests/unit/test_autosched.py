@@ -227,29 +227,46 @@ def profile_of(workload: Workload) -> Profile:
     return Profile(plan, stats, 20, 2, total, total, 0.0)
 
 
-def test_cli_writes_a_plan_pipelines_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    workload = torchrec_workloads()[0]
-    profile_path, out = tmp_path / "run.profile.json", tmp_path / "best.plan"
-    profile_of(workload).save(str(profile_path))
-    code = main(
-        [
-            "--profile",
-            str(profile_path),
-            "--out",
-            str(out),
-            "--quiet",
-            "--beam-width",
-            "3",
-            "--passes",
-            "1",
-            "--exact",
-            "--time-limit",
-            "10",
-        ]
-    )
+def sleep_profile(**where: object) -> Profile:
+    """A profile of a real run: TrainPipelineSparseDist's plan on the engine, every task sleeping
+    its ``TORCHREC_MS`` / 4 (the source 6 ms: a loader waiting on storage)."""
+    from harness.sleep import SleepWorkload
+
+    plan = sparse_dist_plan()
+    durations = {t: TORCHREC_MS[t] / 4e3 for t in plan.fire_order} | {"H2D": 6e-3}
+    return SleepWorkload(plan, durations).profile(num_batches=24, warmup=2).with_where(**where)
+
+
+def test_cli_searches_the_overlap_from_every_ranks_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = []
+    for rank in range(2):
+        paths.append(tmp_path / f"rank{rank}.profile.json")
+        sleep_profile(rank=rank, world_size=2, host="h", cores=2).save(str(paths[-1]))
+    out = tmp_path / "best.plan"
+    assert main(["--profile", str(paths[0]), "--profile", str(paths[1]), "--out", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "profiles of rank(s) [0, 1] of 2" in text
+    assert "the starting plan is bound by" in text and "the change:" in text and "now bound by" in text
+    found, start = PipelinePlan.load(str(out)), sparse_dist_plan()
+    assert found.task("H2D").thread_group != "default"  # the loader's wait leaves the training thread
+    assert [found.task(t).stage for t in found.fire_order] == [start.task(t).stage for t in start.fire_order]
+    # one rank's file of two: refused, naming the missing rank, unless told to fill it in
+    assert main(["--profile", str(paths[0]), "--out", str(out), "--quiet"]) == 2
+    assert "missing rank(s) [1]" in capsys.readouterr().err
+    assert main(["--profile", str(paths[0]), "--out", str(out), "--quiet", "--fill-missing"]) == 0
+    assert "rank(s) [1] taken to cost what rank 0 costs" in capsys.readouterr().out
+
+
+def test_cli_reorders_on_request_and_refuses_old_or_missing_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, out = tmp_path / "run.profile.json", tmp_path / "best.plan"
+    sleep_profile().save(str(path))
+    code = main(["--profile", str(path), "--out", str(out), "--quiet", "--reorder", "--exact", "--time-limit", "10"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "binds" in text and "predicted iteration" in text and "efficiency" in text and "CP-SAT" in text
-    plan = PipelinePlan.load(str(out))
-    assert check_constraints(plan, Problem.from_profile(profile_of(workload))) == []
+    assert "reordered (beam search, barrier model)" in text and "CP-SAT" in text
+    assert "now bound by" in text or "no change is predicted to do better" in text
+    workload = torchrec_workloads()[0]
+    profile_of(workload).save(str(path))  # per-task statistics only: no measured iterations
+    assert main(["--profile", str(path), "--out", str(out), "--quiet"]) == 2
+    assert "has no measured iterations" in capsys.readouterr().err
     assert main(["--profile", str(tmp_path / "missing.json"), "--out", str(out), "--quiet"]) == 2

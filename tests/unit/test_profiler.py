@@ -141,7 +141,7 @@ def test_profile_file_round_trips_and_rejects_other_files(tmp_path: Path) -> Non
     profile.save(str(path))
     assert Profile.load(str(path)) == profile
     data = json.loads(path.read_text())
-    assert data["format"] == "torchrec_swp.profile/1" and PipelinePlan.from_text(data["plan"]) == plan
+    assert data["format"] == "torchrec_swp.profile/2" and PipelinePlan.from_text(data["plan"]) == plan
     assert [t["task"] for t in data["tasks"]] == list(plan.fire_order)
     assert profile.durations() == {s.task: s.median_s for s in profile.tasks}
     (tmp_path / "bad.json").write_text('{"format": "something else"}')

@@ -69,7 +69,7 @@ def test_a_slower_rank_delays_the_other_at_the_next_collective() -> None:
     plan = local_then_collective()
     r = simulate_ranks(
         [Rank(plan, {"Load": 1, "Local": 1, "Reduce": 2}), Rank(plan, {"Load": 1, "Local": 3, "Reduce": 2})], 2
-    )
+    , model="barrier")
     fast, slow = r.ranks
     assert runs(fast, "Reduce") == [(0, 2, 6), (1, 8, 12)]
     assert runs(slow, "Reduce") == [(0, 4, 6), (1, 10, 12)]
@@ -85,30 +85,30 @@ def test_threads_share_cores_by_processor_sharing() -> None:
     # A and B need 4 units of CPU each, on two threads of one rank.
     plan = two_threads()
     work = {"A": 4, "B": 4}
-    assert simulate_ranks([Rank(plan, work)], 1, cores=2).makespan == 4
-    one = simulate_ranks([Rank(plan, work)], 1, cores=1)
+    assert simulate_ranks([Rank(plan, work)], 1, cores=2, model="barrier").makespan == 4
+    one = simulate_ranks([Rank(plan, work)], 1, cores=1, model="barrier")
     assert runs(one.ranks[0], "A") == runs(one.ranks[0], "B") == [(0, 0, 8)]  # each at half speed
     assert one.contention == (8,)  # 4 + 4 beyond their work
     # one background thread on 2 cores: 3 runnable, each at 2/3: 4 / (2/3) = 6
-    assert simulate_ranks([Rank(plan, work)], 1, cores=2, background=1).makespan == 6
+    assert simulate_ranks([Rank(plan, work)], 1, cores=2, background=1, model="barrier").makespan == 6
     # B needs 2: both at 1/2 until B ends at 4, then A alone at full speed: 2 more, ends at 6
-    r = simulate_ranks([Rank(plan, {"A": 4, "B": 2})], 1, cores=1).ranks[0]
+    r = simulate_ranks([Rank(plan, {"A": 4, "B": 2})], 1, cores=1, model="barrier").ranks[0]
     assert runs(r, "B") == [(0, 0, 4)] and runs(r, "A") == [(0, 0, 6)]
 
 
 def test_two_ranks_on_one_machine_share_its_cores_and_separate_machines_do_not() -> None:
     plan = PipelinePlan(schedule={"A": S(0)}, name="one_task")
     ranks = [Rank(plan, {"A": 3}), Rank(plan, {"A": 3})]
-    assert simulate_ranks(ranks, 2, cores=1).makespan == 12  # 2 ranks x 2 batches x 3 on one core
+    assert simulate_ranks(ranks, 2, cores=1, model="barrier").makespan == 12  # 2 ranks x 2 batches x 3 on one core
     apart = [Rank(plan, {"A": 3}, machine=0), Rank(plan, {"A": 3}, machine=1)]
-    assert simulate_ranks(apart, 2, cores=1).makespan == 6
-    assert simulate_ranks(apart, 2, cores={0: 1, 1: 2}).makespan == 6
+    assert simulate_ranks(apart, 2, cores=1, model="barrier").makespan == 6
+    assert simulate_ranks(apart, 2, cores={0: 1, 1: 2}, model="barrier").makespan == 6
 
 
 def test_off_cpu_time_needs_no_core() -> None:
     # A sleeps 4 then computes 1; B computes 4; one core. A's sleep overlaps B entirely; A's CPU
     # part starts at 4, when B ends: A ends at 5.
-    r = simulate_ranks([Rank(two_threads(), {"A": 1, "B": 4}, off_cpu={"A": 4})], 1, cores=1).ranks[0]
+    r = simulate_ranks([Rank(two_threads(), {"A": 1, "B": 4}, off_cpu={"A": 4})], 1, cores=1, model="barrier").ranks[0]
     assert runs(r, "A") == [(0, 0, 5)] and runs(r, "B") == [(0, 0, 4)]
 
 
@@ -117,19 +117,19 @@ def test_overhead_runs_on_the_calling_thread_before_every_iteration() -> None:
     # simulator: it costs 1 too); 7 tasks per steady iteration plus 2 of overhead.
     plan = train_pipeline_base_plan()
     d = dict.fromkeys(plan.fire_order, 1.0)
-    base = simulate_ranks([Rank(plan, d)], 6).steady_iteration_time
-    with_overhead = simulate_ranks([Rank(plan, d, overhead=2.0)], 6)
+    base = simulate_ranks([Rank(plan, d)], 6, model="barrier").steady_iteration_time
+    with_overhead = simulate_ranks([Rank(plan, d, overhead=2.0)], 6, model="barrier")
     assert base == 7 and with_overhead.steady_iteration_time == 9
     assert with_overhead.median_iteration_time == 9
     # With the barrier the other threads wait for it: Load (6) on thread io starts after the
     # overhead (3), so a steady iteration takes 3 + max(Local + Reduce, Load) = 3 + 6.
     io = local_then_collective().with_thread_map({"Load": "io"})
     costs = {"Load": 6, "Local": 1, "Reduce": 1}
-    r = simulate_ranks([Rank(io, costs, overhead=3)], 5).ranks[0]
+    r = simulate_ranks([Rank(io, costs, overhead=3)], 5, model="barrier").ranks[0]
     assert r.steady_periods == (9, 9, 9, 9)
     assert runs(r, "Load")[1] == (1, 9 + 3, 9 + 3 + 6)  # P0: 3 + Load(0) 6 = 9; P1: overhead 9-12, Load(1) 12-18
     # without the barrier it only delays the calling thread's own instructions
-    free = simulate_ranks([Rank(io, costs, overhead=3)], 5, iteration_barrier=False).ranks[0]
+    free = simulate_ranks([Rank(io, costs, overhead=3)], 5, model="free").ranks[0]
     assert runs(free, "Load") == [(b, 6 * b, 6 * b + 6) for b in range(5)]
 
 
@@ -139,7 +139,7 @@ def test_ranks_issuing_different_collectives_are_an_error() -> None:
     ab = PipelinePlan(schedule=schedule, fire_order=["A", "B"], name="ab")
     ba = PipelinePlan(schedule=schedule, fire_order=["B", "A"], name="ba")
     with pytest.raises(SimError, match="collective 0 of comm group 'world' is A on rank 0 but B .* on rank 1"):
-        simulate_ranks([Rank(ab, {"A": 1, "B": 1}), Rank(ba, {"A": 1, "B": 1})], 1)
+        simulate_ranks([Rank(ab, {"A": 1, "B": 1}), Rank(ba, {"A": 1, "B": 1})], 1, model="barrier")
 
 
 def test_a_rendezvous_no_rank_joins_is_a_deadlock_naming_the_missing_rank() -> None:
@@ -151,7 +151,7 @@ def test_a_rendezvous_no_rank_joins_is_a_deadlock_naming_the_missing_rank() -> N
 
     compiled = CompiledPlan(plan)
     with pytest.raises(SimDeadlock) as info:
-        simulate_rank_programs([(Rank(plan, d), compiled.iterations(3)), (Rank(plan, d), compiled.iterations(2))])
+        simulate_rank_programs([(Rank(plan, d), compiled.iterations(3)), (Rank(plan, d), compiled.iterations(2))], model="barrier")
     (stuck,) = info.value.blocked
     assert stuck.rank == 0 and stuck.thread == "default"
     assert "collective 2 of comm group 'world' (Reduce, batch 2) waits for rank(s) [1], which never join it" in str(
@@ -162,7 +162,7 @@ def test_a_rendezvous_no_rank_joins_is_a_deadlock_naming_the_missing_rank() -> N
 def test_results_render_and_check_per_rank() -> None:
     plan = sparse_dist_plan().with_thread_map({"H2D": "io"})
     d = {t: 1.0 + k % 3 for k, t in enumerate(plan.fire_order)}
-    r = simulate_ranks([Rank(plan, d), Rank(plan, {**d, "Forward": 5.0})], 6, cores=2)
+    r = simulate_ranks([Rank(plan, d), Rank(plan, {**d, "Forward": 5.0})], 6, cores=2, model="barrier")
     for one in r.ranks:
         check_happens_before(one, plan)
     trace = r.to_chrome_trace(1000.0)
@@ -177,17 +177,17 @@ def test_results_render_and_check_per_rank() -> None:
 def test_bad_arguments() -> None:
     plan = two_threads()
     with pytest.raises(SimError, match="cores of machine 0 must be an int >= 1"):
-        simulate_ranks([Rank(plan, {"A": 1, "B": 1})], 1, cores=0)
+        simulate_ranks([Rank(plan, {"A": 1, "B": 1})], 1, cores=0, model="barrier")
     with pytest.raises(SimError, match="background of machine 0"):
-        simulate_ranks([Rank(plan, {"A": 1, "B": 1})], 1, background=-1)
+        simulate_ranks([Rank(plan, {"A": 1, "B": 1})], 1, background=-1, model="barrier")
     with pytest.raises(SimError, match="overhead of rank 0"):
-        simulate_ranks([Rank(plan, {"A": 1, "B": 1}, overhead=float("nan"))], 1)
+        simulate_ranks([Rank(plan, {"A": 1, "B": 1}, overhead=float("nan"))], 1, model="barrier")
     with pytest.raises(SimError, match="off-CPU duration of task A"):
-        simulate_ranks([Rank(plan, {"A": 1, "B": 1}, off_cpu={"A": -1})], 1)
+        simulate_ranks([Rank(plan, {"A": 1, "B": 1}, off_cpu={"A": -1})], 1, model="barrier")
     with pytest.raises(SimError, match="no CPU duration for task B"):
-        simulate_ranks([Rank(plan, {"A": 1})], 1)
+        simulate_ranks([Rank(plan, {"A": 1})], 1, model="barrier")
     with pytest.raises(SimError, match="at least one rank"):
-        simulate_ranks([], 1)
+        simulate_ranks([], 1, model="barrier")
 
 
 # -------------------------------------------------------------------- properties
@@ -220,7 +220,7 @@ def test_one_rank_with_enough_cores_is_the_old_simulator(name: str, thread_map: 
     for barrier in (True, False):
         old = simulate(plan, d, 7, iteration_barrier=barrier)
         for cores in (None, len(plan.thread_groups)):
-            new = simulate_ranks([Rank(plan, d)], 7, cores=cores, iteration_barrier=barrier).ranks[0]
+            new = simulate_ranks([Rank(plan, d)], 7, cores=cores, model="barrier" if barrier else "free").ranks[0]
             assert sorted(new.timeline, key=key) == sorted(old.timeline, key=key)
             assert new.iterations == old.iterations
             assert sorted(new.steps, key=lambda s: (s.thread, s.seq)) == sorted(
@@ -234,9 +234,9 @@ def test_rendezvous_and_contention_never_make_anything_faster(name: str, thread_
     rng = random.Random(100 + seed)
     costs = [random_durations(plan, rng) for _ in range(2)]
     alone = [simulate(plan, d, 6) for d in costs]
-    together = simulate_ranks([Rank(plan, d) for d in costs], 6)
+    together = simulate_ranks([Rank(plan, d) for d in costs], 6, model="barrier")
     for cores in (None, 1, 2, 3):
-        shared = simulate_ranks([Rank(plan, d) for d in costs], 6, cores=cores)
+        shared = simulate_ranks([Rank(plan, d) for d in costs], 6, cores=cores, model="barrier")
         for r in range(2):
             # every run ends no earlier than with a rendezvous and unlimited cores, which ends
             # no earlier than the rank alone
@@ -252,7 +252,7 @@ def test_rendezvous_and_contention_never_make_anything_faster(name: str, thread_
     # a rank that is slower everywhere sets the pace of both: every collective ends on both
     # ranks together, no earlier than on the slow rank alone
     slow = {t: v + 1 for t, v in costs[0].items()}
-    pair = simulate_ranks([Rank(plan, costs[0]), Rank(plan, slow)], 6)
+    pair = simulate_ranks([Rank(plan, costs[0]), Rank(plan, slow)], 6, model="barrier")
     slow_alone = {(i.task, i.batch): i.end for i in simulate(plan, slow, 6).timeline}
     ends = [{(i.task, i.batch): i.end for i in r.timeline} for r in pair.ranks]
     collectives = [
@@ -305,7 +305,7 @@ def test_calibration_takes_a_collectives_part_after_the_last_rank_arrived() -> N
     plan = local_then_collective()
     r = simulate_ranks(
         [Rank(plan, {"Load": 1, "Local": 1, "Reduce": 2}), Rank(plan, {"Load": 1, "Local": 3, "Reduce": 2})], 8
-    )
+    , model="barrier")
     cal = calibrate(plan, [records_of(x) for x in r.ranks], off_cpu={"Load": 0.25})
     assert cal.iterations == 7  # the steady iterations: Load, Local and Reduce ran
     fast, slow = cal.ranks
@@ -324,10 +324,10 @@ def test_calibrating_a_simulated_run_and_replaying_it_gives_it_back(thread_map: 
         {(t, b): float(rng.randint(1, 6)) for t in plan.fire_order for b in range(12)} for _ in range(2)
     ]
     ranks = [Rank(plan, lambda t, b, d=d: d[(t, b)]) for d in per_batch]
-    truth = simulate_ranks(ranks, 12)
+    truth = simulate_ranks(ranks, 12, model="barrier")
     # rank 1's clock is the same clock (one machine): its records line up with rank 0's
     cal = calibrate(plan, [records_of(x) for x in truth.ranks])
-    replay = simulate_ranks(cal.simulation_ranks("replay"), 12)
+    replay = simulate_ranks(cal.simulation_ranks("replay"), 12, model="barrier")
     for t, x in zip(truth.ranks, replay.ranks, strict=True):
         # Steady iteration P is replayed with measured iteration P's costs. The fill and drain
         # iterations cost other measured ones, so the ranks may enter the first steady iteration
@@ -341,12 +341,12 @@ def test_calibrating_a_simulated_run_and_replaying_it_gives_it_back(thread_map: 
 
 def test_calibration_with_cores_removes_the_contention_the_simulator_adds_back() -> None:
     plan = two_threads()
-    truth = simulate_ranks([Rank(plan, {"A": 4, "B": 2})], 5, cores=1)
+    truth = simulate_ranks([Rank(plan, {"A": 4, "B": 2})], 5, cores=1, model="barrier")
     cal = calibrate(plan, [records_of(truth.ranks[0])], cores=1)
     assert cal.ranks[0].medians()[0] == {"A": 4, "B": 2}  # measured 6 and 4, deflated
     uncorrected = calibrate(plan, [records_of(truth.ranks[0])])
     assert uncorrected.ranks[0].medians()[0] == {"A": 6, "B": 4}
-    again = simulate_ranks(cal.simulation_ranks("median"), 5, cores=1)
+    again = simulate_ranks(cal.simulation_ranks("median"), 5, cores=1, model="barrier")
     assert again.ranks[0].timeline == truth.ranks[0].timeline
 
 

@@ -770,6 +770,10 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
 # ------------------------------------------------------------- parallel loads
 #: The task ``with_parallel_loads`` adds: it draws the next item from the data (``next(data)``).
 FETCH = "Fetch"
+#: Sources that only draw an item from the data (no copy, no pipeline bookkeeping): several of
+#: their calls may be in flight at once (``loads``). A source that does more (SparseDist's H2D
+#: enqueues the batch) is split first (``with_parallel_loads``).
+DRAW_TASKS = (FETCH, "LoadBatch")
 
 
 def with_parallel_loads(

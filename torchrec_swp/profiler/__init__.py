@@ -12,7 +12,7 @@ Fixtures and measurements around it live outside the library, in ``harness/``: `
 
 from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
 from torchrec_swp.profiler.exposure import exposed_times
-from torchrec_swp.profiler.profile import Profile, ProfileError, TaskStats
+from torchrec_swp.profiler.profile import Profile, ProfileError, StepStats, TaskStats, Where
 from torchrec_swp.profiler.task_profiler import TaskProfiler
 
 __all__ = [
@@ -20,8 +20,10 @@ __all__ = [
     "Profile",
     "ProfileError",
     "RunEvent",
+    "StepStats",
     "TaskProfiler",
     "TaskStats",
     "WaitEvent",
+    "Where",
     "exposed_times",
 ]

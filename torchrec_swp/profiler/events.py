@@ -10,13 +10,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class RunEvent:
-    """``task`` worked on ``batch`` on ``thread`` from ``start`` to ``end``."""
+    """``task`` worked on ``batch`` on ``thread`` from ``start`` to ``end``; ``cpu``: the CPU
+    time its thread spent in it (None when not measured)."""
 
     task: str
     batch: int
     thread: str
     start: float
     end: float
+    cpu: float | None = None
 
     @property
     def duration(self) -> float:

@@ -3,29 +3,45 @@
 File format (``Profile.save`` / ``Profile.load``), readable and diffable::
 
     {
-      "format": "torchrec_swp.profile/1",
+      "format": "torchrec_swp.profile/2",
       "plan": "<the plan's text form>",
       "iterations": 40, "warmup": 2,
       "iteration_s": 0.0123, "iteration_mean_s": 0.0125, "unattributed_s": 0.0002,
       "tasks": [{"task": "H2D", "thread": "default", "stream": "memcpy", "stage": 0,
                  "count": 40, "median_s": 0.0021, "mean_s": 0.0022, "max_s": 0.003,
-                 "exposed_s": 0.0021}, ...]
+                 "exposed_s": 0.0021, "cpu_mean_s": 0.0009}, ...],
+      "steps": {"calls": 42, "call_mean_s": 0.013, "call_cpu_mean_s": 0.006,
+                "gap_mean_s": 0.0001, "gap_cpu_mean_s": 0.0001, "overhead_s": 0.0002},
+      "where": {"rank": 0, "world_size": 2, "host": "node-a", "cores": 2,
+                "split_draws": false, "batch_bytes": 1048576},
+      "records": [[iteration, start, end, [[task, batch, thread, start, end, cpu], ...],
+                   [[producer, thread, start, end], ...]], ...]
     }
 
 Times are seconds. ``exposed_s`` is the mean per measured iteration of the time the task was
 exposed (``torchrec_swp.profiler.exposure``); ``unattributed_s`` the mean per iteration of the
-time no task explains (engine overhead, thread wake-up latency).
+time no task explains (engine overhead, thread wake-up latency); ``cpu_mean_s`` the mean thread
+CPU time of the task (null when not measured). ``steps`` (null when the engine did not report
+its ``progress()`` calls): the calls' wall and CPU time, the caller's own time between calls, and
+``overhead_s``, the CPU the calling thread spends per step outside the tasks (the engine's and
+the caller's own work). ``where`` says which rank of how many, on which machine, and what the
+data allows (``split_draws``: the iterator splits a draw into claim and fetch, so parallel loads
+overlap; ``batch_bytes``: the size of one drawn batch). ``records``: the measured iterations as
+the engine ran them, from which every rank's profile calibrates the multi-rank simulator
+(``torchrec_swp.sim.calibrate``). Format 1 files (without the last four) still load.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
 
-FORMAT = "torchrec_swp.profile/1"
+FORMAT = "torchrec_swp.profile/2"
+FORMATS = ("torchrec_swp.profile/1", FORMAT)
 
 
 class ProfileError(ValueError):
@@ -46,6 +62,34 @@ class TaskStats:
     mean_s: float
     max_s: float
     exposed_s: float
+    cpu_mean_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """The engine's ``progress()`` calls over the measured steps (means, seconds): a call's wall
+    and CPU time, the caller's own time between calls (wall and CPU), and ``overhead_s``: the CPU
+    the calling thread spends per step outside the tasks."""
+
+    calls: int
+    call_mean_s: float
+    call_cpu_mean_s: float
+    gap_mean_s: float
+    gap_cpu_mean_s: float
+    overhead_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Where a profile was taken: the rank, the world's size, the machine (host name and its
+    cores) and what the data allowed (module docstring)."""
+
+    rank: int = 0
+    world_size: int = 1
+    host: str = ""
+    cores: int | None = None
+    split_draws: bool = False
+    batch_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +107,9 @@ class Profile:
     iteration_s: float
     iteration_mean_s: float
     unattributed_s: float
+    steps: StepStats | None = None
+    where: Where = Where()
+    records: tuple[IterationRecord, ...] = ()
 
     def __post_init__(self) -> None:
         names = [s.task for s in self.tasks]
@@ -84,6 +131,10 @@ class Profile:
         """Median duration (s) of every task: the cost model the auto-scheduler uses."""
         return {s.task: s.median_s for s in self.tasks}
 
+    def with_where(self, **changes: Any) -> Profile:
+        """This profile with fields of ``where`` changed (the caller knows the rank and the data)."""
+        return replace(self, where=replace(self.where, **changes))
+
     # ------------------------------------------------------------------ file
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,14 +146,27 @@ class Profile:
             "iteration_mean_s": self.iteration_mean_s,
             "unattributed_s": self.unattributed_s,
             "tasks": [asdict(s) for s in self.tasks],
+            "steps": None if self.steps is None else asdict(self.steps),
+            "where": asdict(self.where),
+            "records": [
+                [
+                    r.iteration,
+                    r.start,
+                    r.end,
+                    [[x.task, x.batch, x.thread, x.start, x.end, x.cpu] for x in r.runs],
+                    [[w.producer, w.thread, w.start, w.end] for w in r.waits],
+                ]
+                for r in self.records
+            ],
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in FORMATS:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ProfileError(f"not a torchrec_swp profile: format is {found!r}, expected {FORMAT!r}")
         try:
+            steps = data.get("steps")
             return cls(
                 plan=PipelinePlan.from_text(data["plan"]),
                 tasks=tuple(TaskStats(**t) for t in data["tasks"]),
@@ -111,8 +175,20 @@ class Profile:
                 iteration_s=float(data["iteration_s"]),
                 iteration_mean_s=float(data["iteration_mean_s"]),
                 unattributed_s=float(data["unattributed_s"]),
+                steps=None if steps is None else StepStats(**steps),
+                where=Where(**data.get("where", {})),
+                records=tuple(
+                    IterationRecord(
+                        int(it),
+                        float(start),
+                        float(end),
+                        tuple(RunEvent(*x) for x in runs),
+                        tuple(WaitEvent(*w) for w in waits),
+                    )
+                    for it, start, end, runs, waits in data.get("records", ())
+                ),
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"malformed profile: {e!r}") from None
 
     def save(self, path: str) -> None:

@@ -22,14 +22,15 @@ fill or last) are timed over every run recorded (count 0 and 0 s if none ran).
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any, Protocol
 
-from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
 from torchrec_swp.profiler.events import IterationRecord, RunEvent, WaitEvent
 from torchrec_swp.profiler.exposure import exposed_times
-from torchrec_swp.profiler.profile import Profile, ProfileError, TaskStats
+from torchrec_swp.profiler.profile import Profile, ProfileError, StepStats, TaskStats
 
-RawRun = tuple[str, int, str, int, float, float]  # task, batch, thread, iteration, start, end
+RawRun = tuple[str, int, str, int, float, float, float | None]  # task, batch, thread, iteration, start, end, cpu
 RawWait = tuple[str, str, int, float, float]  # producer, thread, iteration, start, end
 
 
@@ -52,6 +53,7 @@ class TaskProfiler:
         self._runs: list[RawRun] = []
         self._waits: list[RawWait] = []
         self._iterations: list[tuple[int, float, float]] = []
+        self._steps: list[tuple[float, float, float, float]] = []
 
     # -------------------------------------------------------------- attaching
     def attach(self, engine: Instrumentable) -> TaskProfiler:
@@ -68,11 +70,17 @@ class TaskProfiler:
 
     def clear(self) -> None:
         """Forget everything recorded so far."""
-        self._runs, self._waits, self._iterations = [], [], []
+        self._runs, self._waits, self._iterations, self._steps = [], [], [], []
 
     # --------------------------------------------------------------- observer
-    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None:
-        self._runs.append((task, batch, thread, iteration, start, end))
+    #: the engine passes each run's thread CPU time (``cpu=``): what a task computed, apart from
+    #: what it waited (a loader sleeping on storage, a collective waiting for its peers)
+    wants_cpu = True
+
+    def on_run(
+        self, task: str, batch: int, thread: str, iteration: int, start: float, end: float, cpu: float | None = None
+    ) -> None:
+        self._runs.append((task, batch, thread, iteration, start, end, cpu))
 
     def on_wait(self, producer: str, thread: str, iteration: int, start: float, end: float) -> None:
         self._waits.append((producer, thread, iteration, start, end))
@@ -80,6 +88,11 @@ class TaskProfiler:
     def on_iteration(self, iteration: int, start: float, end: float) -> None:
         # Events are turned into records only when asked for, to keep the calls cheap.
         self._iterations.append((iteration, start, end))
+
+    def on_step(self, start: float, end: float, cpu_start: float, cpu_end: float) -> None:
+        """One ``progress()`` call: its wall clock (``perf_counter``) and the calling thread's CPU
+        clock (``thread_time``) at its start and end."""
+        self._steps.append((start, end, cpu_start, cpu_end))
 
     # ---------------------------------------------------------------- results
     @property
@@ -152,6 +165,8 @@ class TaskProfiler:
             for t in plan.fire_order
         )
         times = [r.duration for r in measured]
+        cpu = {t: [r.cpu for rec in measured for r in rec.runs if r.task == t and r.cpu is not None] for t in plan.fire_order}
+        stats = tuple(replace(s, cpu_mean_s=statistics.fmean(cpu[s.task]) if cpu[s.task] else None) for s in stats)
         return Profile(
             plan=plan,
             tasks=stats,
@@ -160,6 +175,28 @@ class TaskProfiler:
             iteration_s=statistics.median(times),
             iteration_mean_s=statistics.fmean(times),
             unattributed_s=unattributed / n,
+            steps=self._step_stats(plan, measured),
+            records=tuple(measured),
+        )
+
+    def _step_stats(self, plan: PipelinePlan, measured: list[IterationRecord]) -> StepStats | None:
+        """The ``progress()`` calls after the first ``warmup`` (and their gaps), and the calling
+        thread's CPU outside its tasks per step: (call + gap CPU) - its tasks' CPU per iteration."""
+        steps = self._steps[self.warmup :]
+        if len(steps) < 2:
+            return None
+        gaps = [(b[0] - a[1], b[2] - a[3]) for a, b in zip(steps, steps[1:])]
+        call_cpu = statistics.fmean(e - s for _, _, s, e in steps)
+        gap_cpu = statistics.fmean(c for _, c in gaps)
+        main = {t for t in plan.fire_order if plan.task(t).thread_group == MAIN_THREAD}
+        tasks_cpu = [sum(r.cpu for r in rec.runs if r.task in main and r.cpu is not None) for rec in measured]
+        return StepStats(
+            calls=len(steps),
+            call_mean_s=statistics.fmean(e - s for s, e, _, _ in steps),
+            call_cpu_mean_s=call_cpu,
+            gap_mean_s=statistics.fmean(g for g, _ in gaps),
+            gap_cpu_mean_s=gap_cpu,
+            overhead_s=max(0.0, call_cpu + gap_cpu - statistics.fmean(tasks_cpu)),
         )
 
 
@@ -172,11 +209,11 @@ def _record(
 ) -> IterationRecord:
     """An IterationRecord from raw events. A task that failed and ran again when the engine
     resumed appears twice: its last run counts."""
-    last = {t: (t, b, th, p, s, e) for t, b, th, p, s, e in sorted(runs, key=lambda r: r[4])}
+    last = {r[0]: r for r in sorted(runs, key=lambda r: r[4])}
     return IterationRecord(
         iteration,
         start,
         end,
-        tuple(RunEvent(t, b, th, s, e) for t, b, th, p, s, e in sorted(last.values(), key=lambda r: r[4])),
+        tuple(RunEvent(t, b, th, s, e, c) for t, b, th, p, s, e, c in sorted(last.values(), key=lambda r: r[4])),
         tuple(WaitEvent(t, th, s, e) for t, th, p, s, e in waits),
     )

@@ -12,18 +12,24 @@ rank:
 * a **collective** (a task with a comm group; with two or more ranks): its own part is what it
   took after the last rank arrived, ``d = end - max over ranks of start`` (the simulator adds the
   rendezvous wait back); anything else: ``d = w``;
-* **off-CPU**: ``off_cpu[task]`` seconds of ``d`` (at most ``d``) that need no core - what the
-  caller knows, e.g. the loader's configured latency in the source task; the rest is CPU work;
-* **contention** (with ``cores``): the CPU part ran while the other runnable runs of every rank
-  on the machine (each from ``start + off`` to ``start + d``), plus ``background`` threads,
-  shared ``cores`` cores; its work is the integral of ``min(1, cores / runnable)`` over it, so
-  that ``simulate_ranks(..., cores=cores)`` stretches it back by as much.
+* a run whose thread CPU time was measured (``run.cpu``, a ``TaskProfiler`` records it): its CPU
+  work is that time (at most ``d``) and the rest of ``d`` is **off-CPU** (a loader sleeping on
+  storage, a collective's transfer): what the thread computed, whatever it shared its core with;
+* otherwise, **off-CPU**: ``off_cpu[task]`` seconds of ``d`` (at most ``d``) that need no core -
+  what the caller knows, e.g. the loader's configured latency in the source task; the rest is
+  CPU work, and its **contention** (with ``cores``) is taken out: the CPU part ran while the other
+  runnable runs of every rank on the machine (each from ``start + off`` to ``start + d``), plus
+  ``background`` threads, shared ``cores`` cores; its work is the integral of
+  ``min(1, cores / runnable)`` over it, so that ``simulate_ranks(..., cores=cores)`` stretches it
+  back by as much.
 
 Tasks that do not run in the steady state (``when`` first, fill, last) cost the median of
 their recorded runs (0 if none ran).
 
 ``RankCosts.rank(mode)`` gives a rank's ``sim.Rank``:
 
+* ``mode="mean"``: every part of every task costs its mean - the model of the mean step (the
+  throughput): the mean of a sum is the sum of the means, the median is not;
 * ``mode="median"``: every task costs its median (the ``Profile.durations()`` model);
 * ``mode="replay"``: the measured iterations in the order they ran, over and over: internal
   iteration ``P`` of the simulation costs what the ``(P - first) mod n``-th measured one cost
@@ -50,7 +56,8 @@ from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import SimError
 from torchrec_swp.sim.ranks import Rank
 
-Mode = Literal["median", "replay", "resample"]
+Mode = Literal["mean", "median", "replay", "resample"]
+MODES = ("mean", "median", "replay", "resample")
 
 
 class RunLike(Protocol):
@@ -59,6 +66,7 @@ class RunLike(Protocol):
     thread: str
     start: float
     end: float
+    # and, where measured, ``cpu``: the thread CPU time of the run (seconds)
 
 
 class IterationLike(Protocol):
@@ -86,6 +94,12 @@ class RankCosts:
         off = {t: statistics.median(s[t][1] for s in self.samples) for t in self.samples[0]}
         return {**cpu, **self.once}, off
 
+    def means(self) -> tuple[dict[str, float], dict[str, float]]:
+        """``(cpu, off)``: the mean of each part of every task."""
+        cpu = {t: statistics.fmean(s[t][0] for s in self.samples) for t in self.samples[0]}
+        off = {t: statistics.fmean(s[t][1] for s in self.samples) for t in self.samples[0]}
+        return {**cpu, **self.once}, off
+
     def measured(self) -> dict[str, float]:
         """The median of each task's calibrated duration (CPU + off-CPU, without rendezvous waits)."""
         return {t: statistics.median(sum(s[t]) for s in self.samples) for t in self.samples[0]}
@@ -94,8 +108,10 @@ class RankCosts:
         """``(cpu, off_cpu)`` duration tables for the simulator (module docstring)."""
         if mode == "median":
             return self.medians()
+        if mode == "mean":
+            return self.means()
         if mode not in ("replay", "resample"):
-            raise ValueError(f"mode must be 'median', 'replay' or 'resample', got {mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         stage = {t: s.stage for t, s in self.plan.schedule.items()}
         samples, once, n = self.samples, self.once, len(self.samples)
         first = self.iterations[0]
@@ -117,12 +133,30 @@ class RankCosts:
         return cpu, off
 
     def rank(
-        self, mode: Mode = "resample", *, seed: int = 0, plan: PipelinePlan | None = None, machine: int = 0
+        self,
+        mode: Mode = "resample",
+        *,
+        seed: int = 0,
+        plan: PipelinePlan | None = None,
+        machine: int = 0,
+        wake: float = 0.0,
+        split_draws: bool = False,
+        gil: float | None = None,
     ) -> Rank:
         """This rank for ``simulate_ranks``: its plan (or another ``plan`` with the same tasks,
-        e.g. one the auto-scheduler proposes) with the calibrated costs."""
+        e.g. one the auto-scheduler proposes) with the calibrated costs (and the engine model's
+        ``wake``, ``split_draws`` and ``gil``, see ``sim.Rank``)."""
         cpu, off = self.durations(mode, seed)
-        return Rank(plan or self.plan, cpu, off_cpu=off, overhead=self.overhead, machine=machine)
+        return Rank(
+            plan or self.plan,
+            cpu,
+            off_cpu=off,
+            overhead=self.overhead,
+            machine=machine,
+            wake=wake,
+            split_draws=split_draws,
+            gil=gil,
+        )
 
 
 @dataclass(frozen=True)
@@ -134,10 +168,27 @@ class Calibration:
     cores: int | None
 
     def simulation_ranks(
-        self, mode: Mode = "resample", *, seed: int = 0, plans: Sequence[PipelinePlan] | None = None
+        self,
+        mode: Mode = "resample",
+        *,
+        seed: int = 0,
+        plans: Sequence[PipelinePlan] | None = None,
+        machines: Sequence[int] | None = None,
+        **engine: Any,
     ) -> list[Rank]:
-        """A ``sim.Rank`` per rank (``plans``: other plans with the same tasks, one per rank)."""
-        return [c.rank(mode, seed=seed, plan=None if plans is None else plans[k]) for k, c in enumerate(self.ranks)]
+        """A ``sim.Rank`` per rank (``plans``: other plans with the same tasks, one per rank;
+        ``machines``: the machine of each rank, default all on machine 0; ``engine``: ``wake``,
+        ``split_draws``, ``gil`` for every rank)."""
+        return [
+            c.rank(
+                mode,
+                seed=seed,
+                plan=None if plans is None else plans[k],
+                machine=0 if machines is None else machines[k],
+                **engine,
+            )
+            for k, c in enumerate(self.ranks)
+        ]
 
 
 def _draw(seed: int, iteration: int, n: int) -> int:
@@ -189,18 +240,23 @@ def calibrate(
             f"no iteration complete on every rank after {warmup} warm-up: complete per rank "
             f"{[len(c) for c in complete]}; record more steps"
         )
-    # per rank, per iteration: task -> (start, own part d, off)
-    parts: list[list[dict[str, tuple[float, float, float]]]] = [[] for _ in range(n_ranks)]
+    # per rank, per iteration: task -> (start, own part d, off, measured CPU or None)
+    parts: list[list[dict[str, tuple[float, float, float, float | None]]]] = [[] for _ in range(n_ranks)]
     for it in common:
         for r in range(n_ranks):
-            row: dict[str, tuple[float, float, float]] = {}
+            row: dict[str, tuple[float, float, float, float | None]] = {}
             for task, run in complete[r][it].items():
                 if n_ranks > 1 and plan_list[r].task(task).comm_group is not None:
                     late = max(complete[q][it][task].start for q in range(n_ranks) if task in complete[q][it])
                     d = max(0.0, run.end - late)
                 else:
                     d = max(0.0, run.end - run.start)
-                row[task] = (run.start, d, min(d, off_table.get(task, 0.0)))
+                cpu = getattr(run, "cpu", None)
+                if cpu is not None:
+                    cpu = min(d, max(0.0, float(cpu)))
+                    row[task] = (run.start, d, d - cpu, cpu)
+                else:
+                    row[task] = (run.start, d, min(d, off_table.get(task, 0.0)), None)
             parts[r].append(row)
     work = _deflated(parts, cores, background)
     costs = tuple(
@@ -208,7 +264,7 @@ def calibrate(
             plan=plan_list[r],
             iterations=tuple(common),
             samples=tuple(
-                {t: (work[r][k][t], off) for t, (_, _, off) in row.items()} for k, row in enumerate(parts[r])
+                {t: (work[r][k][t], off) for t, (_, _, off, _) in row.items()} for k, row in enumerate(parts[r])
             ),
             once=once[r],
             overhead=0.0 if overhead is None else float(overhead[r]),
@@ -219,17 +275,21 @@ def calibrate(
 
 
 def _deflated(
-    parts: list[list[dict[str, tuple[float, float, float]]]], cores: int | None, background: float
+    parts: list[list[dict[str, tuple[float, float, float, float | None]]]], cores: int | None, background: float
 ) -> list[list[dict[str, float]]]:
-    """CPU work of every run: its CPU part's wall time, times the share of a core it had (the
-    integral of ``min(1, cores / runnable)``; all of it without ``cores``)."""
+    """CPU work of every run: its measured CPU time where there is one; else its CPU part's wall
+    time, times the share of a core it had (the integral of ``min(1, cores / runnable)``; all of
+    it without ``cores``). Runs with a measured CPU time count as runnable during it."""
     if cores is None:
-        return [[{t: d - off for t, (_, d, off) in row.items()} for row in rank] for rank in parts]
+        return [
+            [{t: d - off if cpu is None else cpu for t, (_, d, off, cpu) in row.items()} for row in rank]
+            for rank in parts
+        ]
     # every runnable interval of every rank, then a sweep computing each one's integral
     spans: list[tuple[float, float, int, int, str]] = []
     for r, rank in enumerate(parts):
         for k, row in enumerate(rank):
-            for t, (start, d, off) in row.items():
+            for t, (start, d, off, _) in row.items():
                 spans.append((start + off, start + d, r, k, t))
     edges = sorted({x for s in spans for x in (s[0], s[1])})
     counts = [0] * len(edges)
@@ -251,5 +311,6 @@ def _deflated(
         share[i] = share[i - 1] + (edges[i] - edges[i - 1]) * rate
     out: list[list[dict[str, float]]] = [[{} for _ in rank] for rank in parts]
     for a, b, r, k, t in spans:
-        out[r][k][t] = share[index[b]] - share[index[a]] if b > a else 0.0
+        cpu = parts[r][k][t][3]
+        out[r][k][t] = cpu if cpu is not None else share[index[b]] - share[index[a]] if b > a else 0.0
     return out

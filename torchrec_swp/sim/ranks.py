@@ -1,9 +1,19 @@
 """Several ranks at once: collectives as rendezvous across ranks, threads sharing CPU cores.
 
 ``simulate_ranks(ranks, num_batches, cores=...)`` replays one compiled program per rank (each
-with its own task durations) in one timeline. Within a rank everything is as in ``simulate``
-(threads, waits and signals, collective tickets, the iteration barrier, device streams). What
-it adds:
+with its own task durations) in one timeline. ``model`` says how a rank's threads walk their
+iterations:
+
+* ``"engine"`` (default): as ``torchrec_swp.engine`` walks them - no barrier, the caller's
+  ``step()`` calls, run-ahead within the source's credit (``lookahead``), parallel loads taking
+  turns, wake-up latencies (``torchrec_swp.sim.engine_model``); the step time is the time
+  between two returns of ``step()`` (``RanksResult.step_period``);
+* ``"barrier"``: every thread finishes internal iteration ``P`` before any starts ``P + 1``
+  (the engine before it ran ahead; still its steady state with lookahead 0 and one load);
+* ``"free"``: no barrier and no gate: each thread goes on as soon as its own program lets it.
+
+Within a rank everything else is as in ``simulate`` (threads, waits and signals, collective
+tickets, device streams). What it adds:
 
 * **A task instance has parts.** First its *off-CPU* time (``Rank.off_cpu``; wall time that
   needs no core: a loader sleeping on storage), then its *CPU work* (``Rank.durations``: seconds
@@ -16,12 +26,13 @@ it adds:
   rank has: the collective ends on every rank at ``max over ranks of (its start + its parts)``.
 * **Cores are shared.** The ranks of one machine (``Rank.machine``) share ``cores`` cores: at any
   moment the threads in a CPU part, plus ``background`` always-runnable threads of other
-  programs, share them by processor sharing - with ``n`` runnable each progresses at
-  ``min(1, cores / n)`` seconds of work per second. Threads that wait (for a task, a ticket,
-  the barrier, a rendezvous) or are off-CPU need no core. ``cores=None``: as many as needed.
+  programs, share them by processor sharing, each process's threads also sharing its GIL
+  (``Rank.gil``; ``torchrec_swp.sim.cores``). Threads that wait (for a task, a ticket, the
+  barrier, a rendezvous) or are off-CPU need no core. ``cores=None``: as many as needed.
 * **Per-iteration overhead.** ``Rank.overhead`` seconds of CPU work on the calling thread
-  before each internal iteration (the engine's and ``progress()``'s own work, the caller's code
-  between steps); with the iteration barrier the other threads start the iteration after it.
+  before each internal iteration (with the engine model: before each ``step()`` call; the
+  engine's and ``progress()``'s own work, the caller's code between steps); with the iteration
+  barrier the other threads start the iteration after it.
 
 With one rank, no off-CPU time, no overhead and enough cores this is ``simulate`` exactly
 (tested). Each rank's replay comes back as a ``SimResult`` (``RanksResult.ranks``), so its
@@ -42,12 +53,16 @@ from typing import Any, Literal
 
 from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, Run
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
+from torchrec_swp.sim.cores import fair_rates
 from torchrec_swp.sim.durations import Durations, cpu_time, optional_time
+from torchrec_swp.sim.engine_model import MOVES, Await, Call, Done, Gate, Move, Walkers
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
 from torchrec_swp.sim.result import SimResult, Step
 from torchrec_swp.sim.simulator import Replay, ReplayLane, check_num_batches, validate_programs
 
 Phases = Sequence[tuple[int, IterationProgram]]
+Model = Literal["engine", "barrier", "free"]
+MODELS = ("engine", "barrier", "free")
 
 # Two event times closer than this (relative to the clock) are the same instant.
 _EPS = 1e-12
@@ -56,7 +71,11 @@ _EPS = 1e-12
 @dataclass(frozen=True)
 class Rank:
     """One rank: its plan (compiled with device syncs iff ``device_durations`` is given) or
-    compiled plan, and its costs (module docstring). ``machine`` groups the ranks sharing cores."""
+    compiled plan, and its costs (module docstring). ``machine`` groups the ranks sharing cores.
+    For the engine model: ``wake``, the latency of a thread woken by another (off the CPU);
+    ``split_draws``, whether the data splits a draw in claim and fetch (parallel loads overlap
+    their fetches); ``gil``, the share of CPU work that holds the process's GIL (None: not
+    modelled)."""
 
     plan: PipelinePlan | CompiledPlan
     durations: Durations
@@ -64,6 +83,9 @@ class Rank:
     overhead: float = 0.0
     machine: int = 0
     device_durations: Durations | None = None
+    wake: float = 0.0
+    split_draws: bool = False
+    gil: float | None = None
 
     def compiled(self) -> CompiledPlan:
         match self.plan:
@@ -80,13 +102,51 @@ class RanksResult:
     """The replay of every rank. ``ranks[r]`` is rank ``r``'s SimResult; ``rendezvous_wait[r]``
     the total time each task of rank ``r`` waited for the other ranks in its collectives;
     ``contention[r]`` the total time CPU parts of rank ``r`` took beyond their work (waiting
-    for a core)."""
+    for a core); ``returns[r]``: with the engine model, when each ``step()`` of rank ``r``
+    returned (empty otherwise)."""
 
     ranks: tuple[SimResult, ...]
     machines: tuple[int, ...]
     cores: Mapping[int, int | None]
     rendezvous_wait: tuple[Mapping[str, float], ...]
     contention: tuple[float, ...]
+    returns: tuple[tuple[float, ...], ...] = ()
+
+    def steady_returns(self, rank: int = 0) -> tuple[float, ...]:
+        """The return times of rank ``rank``'s steady steps: past the fill and the run-ahead's
+        ramp, before the drain and the run-ahead's end (the first and the last ``depth +
+        lookahead + loads`` steps are left out, keeping at least two)."""
+        times = self.returns[rank] if self.returns else ()
+        plan = self.ranks[rank].plan
+        head = tail = plan.pipeline_depth + plan.lookahead + plan.loads
+        if len(times) - head - tail >= 2:
+            return times[head : len(times) - tail]
+        return times[-2:] if len(times) >= 2 else ()
+
+    @property
+    def step_period(self) -> float | None:
+        """The engine model's mean step time (the slowest rank's, over its steady steps: the
+        throughput); None for the other models or too short a run."""
+        slopes = []
+        for r in range(len(self.returns)):
+            t = self.steady_returns(r)
+            if len(t) < 2:
+                return None
+            slopes.append((t[-1] - t[0]) / (len(t) - 1))
+        return max(slopes) if slopes else None
+
+    @property
+    def median_step(self) -> float | None:
+        """The engine model's median step time over the steady steps (the slowest rank's)."""
+        medians = []
+        for r in range(len(self.returns)):
+            t = self.steady_returns(r)
+            if len(t) < 2:
+                return None
+            gaps = sorted(b - a for a, b in zip(t, t[1:]))
+            n = len(gaps)
+            medians.append(gaps[n // 2] if n % 2 else (gaps[n // 2 - 1] + gaps[n // 2]) / 2)
+        return max(medians) if medians else None
 
     @property
     def makespan(self) -> float:
@@ -126,7 +186,7 @@ def simulate_ranks(
     *,
     cores: int | Mapping[int, int] | None = None,
     background: float | Mapping[int, float] = 0.0,
-    iteration_barrier: bool = True,
+    model: Model = "engine",
 ) -> RanksResult:
     """Replay every rank over ``num_batches`` batches (fill, steady state, drain); see the module
     docstring. ``cores`` and ``background`` are per machine (a number applies to every machine).
@@ -139,7 +199,7 @@ def simulate_ranks(
         [(r, r.compiled().iterations(num_batches)) for r in ranks],
         cores=cores,
         background=background,
-        iteration_barrier=iteration_barrier,
+        model=model,
     )
 
 
@@ -148,11 +208,13 @@ def simulate_rank_programs(
     *,
     cores: int | Mapping[int, int] | None = None,
     background: float | Mapping[int, float] = 0.0,
-    iteration_barrier: bool = True,
+    model: Model = "engine",
 ) -> RanksResult:
     """``simulate_ranks`` for ``(rank, phases)`` pairs: hand-written or compiled programs."""
     if not ranks:
         raise SimError("simulate_ranks needs at least one rank")
+    if model not in MODELS:
+        raise SimError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     machines = sorted({r.machine for r, _ in ranks})
     core_table = {m: _per_machine(cores, m, "cores") for m in machines}
     load_table = {m: _per_machine(background, m, "background") for m in machines}
@@ -169,18 +231,26 @@ def simulate_rank_programs(
         plan = rank.compiled().plan
         phases = tuple(phases)
         validate_programs(plan, phases)
-        o = rank.overhead
-        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
-            raise SimError(f"overhead of rank {k} must be a finite number >= 0, got {o!r}")
-        states.append(_RankState(k, rank, plan, phases, iteration_barrier))
+        for name in ("overhead", "wake"):
+            o = getattr(rank, name)
+            if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
+                raise SimError(f"{name} of rank {k} must be a finite number >= 0, got {o!r}")
+        g = rank.gil
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1):
+            raise SimError(f"gil of rank {k} must be None or a number in (0, 1], got {g!r}")
+        if model == "engine":
+            states.append(_EngineRankState(k, rank, plan, phases))
+        else:
+            states.append(_RankState(k, rank, plan, phases, model == "barrier"))
     replay = _Multi(states, core_table, load_table)
     replay.run()
     return RanksResult(
-        ranks=tuple(s.result(iteration_barrier) for s in states),
+        ranks=tuple(s.result(model == "barrier") for s in states),
         machines=tuple(s.spec.machine for s in states),
         cores=core_table,
         rendezvous_wait=tuple(dict(s.rendezvous_wait) for s in states),
         contention=tuple(s.contention for s in states),
+        returns=tuple(s.returns() for s in states) if model == "engine" else (),
     )
 
 
@@ -196,9 +266,12 @@ def _per_machine(value: Any, machine: int, name: str) -> Any:
 @dataclass(slots=True)
 class _Lane(ReplayLane):
     """A thread of a rank (see ``simulator.ReplayLane``) and the job it is running, if any. Its
-    ``todo`` entries may hold ``None``: the per-iteration overhead."""
+    ``todo`` entries may hold ``None``: the per-iteration overhead (and, with the engine model,
+    the engine's moves). ``stalled``: its next instruction had to wait for another lane (it
+    resumes after the rank's wake-up latency)."""
 
     job: _Job | None = None
+    stalled: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -287,6 +360,92 @@ class _RankState(Replay):
     def segment_done(self) -> bool:
         return all(lane.at >= len(lane.todo) and lane.job is None for lane in self.lanes.values())
 
+    # what the engine model adds (nothing here)
+    def execute_at(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Any, where: str, now: float) -> None:
+        """Execute an instruction that is not a run at ``now``."""
+        self.execute_sync(thread, lane, p, index, instr, where)
+
+    def lane_blocker(self, thread: str, p: int, instr: Any) -> str | None:
+        """Why ``thread``'s next instruction (of iteration ``p``) cannot execute now, or None."""
+        return self.blocker(p, instr)
+
+    def started(self, run: Run, p: int) -> None:
+        """A run of iteration ``p`` started."""
+
+    def finished(self, run: Run, p: int) -> None:
+        """A run of iteration ``p`` ended."""
+
+    def returns(self) -> tuple[float, ...]:
+        return ()
+
+
+class _EngineRankState(_RankState):
+    """One rank replayed as the engine walks it (``torchrec_swp.sim.engine_model``): a lane per
+    walker, the caller's calls and the walkers' gates among their instructions."""
+
+    def __init__(
+        self, number: int, spec: Rank, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...]
+    ) -> None:
+        super().__init__(number, spec, plan, phases, barrier=False)
+        self.walkers = Walkers(plan, phases, spec)
+        self.threads = self.walkers.names
+        self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
+        self.call_clock: dict[int, list[int]] = {}  # batch d -> the caller's clock when step() asked for it
+        self.done_clock: dict[str, list[int]] = {}  # walker -> its clock when it last finished an iteration
+
+    def load_next_segment(self, now: float) -> None:
+        if self.segment >= 1:
+            self.done = True
+            return
+        self.segment = 1
+        for name, todo in self.walkers.todo(self.num_batches, self.spec.overhead > 0).items():
+            lane = self.lanes[name]
+            lane.todo, lane.at = todo, 0
+
+    def lane_blocker(self, thread: str, p: int, instr: Any) -> str | None:
+        why = self.walkers.blocker(thread, p, instr, self.num_batches)
+        if why is not None or isinstance(instr, MOVES):
+            return why
+        return self.blocker(p, instr)
+
+    def blocked(self, thread: str, lane: ReplayLane, rank: int | None = None) -> Blocked:
+        p, index, instr = lane.todo[lane.at]
+        return Blocked(thread, p, index, str(instr), self.lane_blocker(thread, p, instr) or "", rank)
+
+    def execute_at(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Any, where: str, now: float) -> None:
+        lane.time = max(lane.time, now)
+        if not isinstance(instr, MOVES):
+            self.execute_sync(thread, lane, p, index, instr, where)
+            return
+        self._merge(thread, lane, instr)
+        self.walkers.moved(thread, instr, lane.time)
+        if isinstance(instr, Call):
+            self.call_clock[instr.d] = list(lane.clock)
+        elif isinstance(instr, Done):
+            self.done_clock[thread] = list(lane.clock)
+
+    def _merge(self, thread: str, lane: ReplayLane, move: Move) -> None:
+        """A move that waited for another lane is ordered after what it waited for (vector clocks:
+        a gate after the call that opened it, the caller's wait after every walker's last iteration)."""
+        sources: list[list[int]] = []
+        match move:
+            case Gate(P=P):
+                d = P - self.walkers.top - self.walkers.walkers[thread].ahead
+                sources = [c for c in [self.call_clock.get(max(d, 0))] if c is not None]
+            case Await():
+                sources = list(self.done_clock.values())
+        for c in sources:
+            lane.clock = [max(a, b) for a, b in zip(lane.clock, c, strict=True)]
+
+    def started(self, run: Run, p: int) -> None:
+        self.walkers.started(run, p)
+
+    def finished(self, run: Run, p: int) -> None:
+        self.walkers.finished(run, p)
+
+    def returns(self) -> tuple[float, ...]:
+        return tuple(self.walkers.returns)
+
 
 # --------------------------------------------------------------------- replay
 class _Multi:
@@ -333,11 +492,19 @@ class _Multi:
                     changed = True
                 if s.done:
                     continue
+                wake = s.spec.wake if isinstance(s, _EngineRankState) else 0.0
                 for thread, lane in s.lanes.items():
                     while lane.job is None and lane.at < len(lane.todo):
                         p, index, instr = lane.todo[lane.at]
-                        if s.blocker(p, instr) is not None:
+                        if s.lane_blocker(thread, p, instr) is not None:
+                            lane.stalled = True
                             break
+                        if lane.stalled and wake > 0:  # woken by another thread: off the CPU a while
+                            lane.stalled = False
+                            self._start(_Job(s, thread, p, index, None, p, self.now, 0.0, "off", wake, self.now))
+                            changed = True
+                            break
+                        lane.stalled = False
                         lane.at += 1
                         self._execute(s, thread, lane, p, index, instr)
                         changed = True
@@ -353,6 +520,7 @@ class _Multi:
             case None:
                 self._start(_Job(s, thread, p, index, None, p, now, s.spec.overhead, "off", 0.0, now))
             case Run(task=task, stage=stage):
+                s.started(instr, p)
                 sources = s.ticket_sources(instr)
                 b = p - stage
                 admitted = s.admits(instr, p)
@@ -372,7 +540,7 @@ class _Multi:
                         )
                 self._start(job)
             case _:
-                s.execute_sync(thread, lane, p, index, instr, where)
+                s.execute_at(thread, lane, p, index, instr, where, now)
 
     # ---------------------------------------------------------------- jobs
     def _start(self, job: _Job) -> None:
@@ -409,23 +577,27 @@ class _Multi:
         if job.phase == "meet":
             task = job.instr.task if job.instr is not None else ""
             s.rendezvous_wait[task] = s.rendezvous_wait.get(task, 0.0) + (now - job.anchor)
-        if job.instr is None:  # the overhead: time on the lane, no step
+        if job.instr is None:  # the overhead or a wake-up: time on the lane, no step
             lane.time = now
             return
         where = f"rank {s.number}, thread {job.thread!r}, internal iteration {job.p}"
         s.finish_run(job.thread, lane, job.p, job.index, job.instr, job.start, now, job.sources, where)
+        s.finished(job.instr, job.p)
 
     def _set_rates(self) -> None:
-        """Processor sharing: re-anchor the CPU parts of every machine whose rate changed."""
+        """Processor sharing (``sim.cores.fair_rates``): re-anchor the CPU parts whose rate changed."""
         runnable: dict[int, list[_Job]] = {}
         for j in self.jobs:
             if j.phase == "cpu":
                 runnable.setdefault(j.rank.spec.machine, []).append(j)
         for machine, jobs in runnable.items():
-            cores = self.cores[machine]
-            n = len(jobs) + self.background[machine]
-            rate = 1.0 if cores is None or n <= cores else cores / n
+            per_rank: dict[int, int] = {}
             for j in jobs:
+                per_rank[j.rank.number] = per_rank.get(j.rank.number, 0) + 1
+            gil = {j.rank.number: j.rank.spec.gil for j in jobs}
+            rates = fair_rates(per_rank, self.cores[machine], self.background[machine], gil)
+            for j in jobs:
+                rate = rates[j.rank.number]
                 if j.rate != rate:
                     done = (self.now - j.anchor) * j.rate
                     j.left, j.anchor, j.rate = max(0.0, j.left - done), self.now, rate
