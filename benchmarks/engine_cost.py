@@ -261,6 +261,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[0].set_yscale("log")
     axes[0].set_ylabel("us per step (best)")
     axes[1].set_xscale("log")
+    axes[1].set_yscale("log")
     axes[1].set_ylabel("us per task (best)")
     for ax in axes:
         ax.set_xlabel("trivial tasks per iteration")
