@@ -157,7 +157,9 @@ def unknown_options(name: str, impl: Impl, options: Mapping[str, Any]) -> str:
         return ""
     taken = {p for klass in upstream_cls.__mro__ for p in _parameters(klass)}
     if impl == "ours":
-        taken |= {"plan", "thread_map", "engine_timeout_s", "input_dist_group", "streams"}
+        from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+
+        taken |= {*EngineOptions.names(), "input_dist_group", "streams"}
     unknown = sorted(set(options) - taken)
     if not unknown:
         return ""

@@ -1,7 +1,8 @@
 """torchrec_swp: TorchRec's training pipelines as declarative plans on one shared engine.
 
 ``torchrec_swp.plan``, ``.compile`` and ``.sim`` are pure Python; the plan names are importable
-from here (``from torchrec_swp import load_plan, PipelinePlan``). The pipeline classes (importable
+from here (``from torchrec_swp import load_plan, PipelinePlan``), and the edits of TorchRec's
+plans from ``torchrec_swp.plans`` (``from torchrec_swp import plans``). The pipeline classes (importable
 from here too) need torch and the supported TorchRec version, and are loaded on first use so that
 the pure layers import without them.
 """
@@ -54,7 +55,7 @@ def _is_1_9() -> bool:
         return True
 
 
-__all__ = ["__version__", *_PLAN_NAMES, *_available(), *(_MAGLEV if _is_1_9() else ())]
+__all__ = ["__version__", "plans", *_PLAN_NAMES, *_available(), *(_MAGLEV if _is_1_9() else ())]
 
 
 def __dir__() -> list[str]:
@@ -67,6 +68,10 @@ def __getattr__(name: str) -> Any:
         from torchrec_swp import plan
 
         return getattr(plan, name)
+    if name == "plans":
+        import torchrec_swp.plans
+
+        return torchrec_swp.plans
     if name in _PIPELINES:
         from torchrec_swp.integrations.torchrec import pipelines
 

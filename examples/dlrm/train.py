@@ -380,10 +380,8 @@ def _option(text: str) -> tuple[str, Any]:
 def thread_map_of(text: str | None) -> Any:
     """The ``thread_map`` argument for ``--thread-map``: a strategy, ``io``, ``TASK=THREAD,...``
     or a JSON object ``{task: thread}``."""
-    if text is None or text in ("main", "by_stream", "per_task"):
-        return text
-    if text == "io":
-        return lambda task: "io" if task.stage == 0 else task.thread_group
+    if text is None or text in THREAD_MAPS:
+        return text  # a strategy of the plan's (torchrec_swp.plan.threads), "io" included
     if text.lstrip().startswith("{"):
         try:
             mapping = json.loads(text)

@@ -2,7 +2,8 @@
 
 Same sharded model (fresh, same seed) and same data for every run: outputs, losses, final
 weights, batch counts and the call that raises StopIteration must be equal bit for bit, with
-the default plan and with thread maps that move tasks to other threads.
+the default plan, with thread maps that move tasks to other threads, and with the overlap
+options (``thread_map="io"``, ``loads=2``, ``lookahead=2``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ CASES: list[tuple[str, Factory, dict[str, Factory]]] = [
             "default": lambda m, o: torchrec_swp.TrainPipelineBase(m, o, CPU),
             "io_thread": lambda m, o: torchrec_swp.TrainPipelineBase(m, o, CPU, thread_map={"LoadBatch": "io", "H2D": "io"}),
             "per_task": lambda m, o: torchrec_swp.TrainPipelineBase(m, o, CPU, thread_map="per_task"),
+            # LoadBatch only draws: on 2 load threads as it is, drawing up to 2 batches ahead
+            "io_loads_lookahead": lambda m, o: torchrec_swp.TrainPipelineBase(
+                m, o, CPU, thread_map="io", loads=2, lookahead=2
+            ),
         },
     ),
     (
@@ -46,6 +51,10 @@ CASES: list[tuple[str, Factory, dict[str, Factory]]] = [
             "io_thread": lambda m, o: torchrec_swp.TrainPipelineSparseDist(m, o, CPU, thread_map={"H2D": "io"}),
             "by_stream": lambda m, o: torchrec_swp.TrainPipelineSparseDist(m, o, CPU, thread_map="by_stream"),
             "per_task": lambda m, o: torchrec_swp.TrainPipelineSparseDist(m, o, CPU, thread_map="per_task"),
+            # H2D's draw split off into Fetch on 2 load threads, H2D on the io thread, 2 batches ahead
+            "io_loads_lookahead": lambda m, o: torchrec_swp.TrainPipelineSparseDist(
+                m, o, CPU, thread_map="io", loads=2, lookahead=2
+            ),
         },
     ),
     (

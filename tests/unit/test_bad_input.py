@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from torchrec_swp.engine import Engine
+from torchrec_swp.catalog.torchrec import staged_plan
+from torchrec_swp.plans import with_parallel_loads
 from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
 
 S = TaskSchedule
@@ -82,6 +84,13 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ("pipeline plan file that does not exist", lambda t: base_pipeline(plan=str(t / "missing.plan")), FileNotFoundError, "missing.plan"),
     ("pipeline plan file with a bad line", lambda t: base_pipeline(plan=plan_file(t, "plan p\ndepth 1\ntask A stage=x\n")), PlanError, "line 3"),
     ("pipeline thread_map naming an unknown task", lambda t: base_pipeline(thread_map={"Fwd": "io"}), PlanError, "'Fwd'"),
+    ("pipeline thread_map of an unknown strategy", lambda t: base_pipeline(thread_map="by_threads"), PlanError, "'by_threads'"),
+    ("pipeline loads below 1", lambda t: base_pipeline(loads=0), ValueError, "loads must be an int >= 1, got 0"),
+    ("pipeline loads given as a bool", lambda t: base_pipeline(loads=True), TypeError, "got True"),
+    ("pipeline lookahead below 0", lambda t: base_pipeline(lookahead=-2), ValueError, "lookahead must be an int >= 0, got -2"),
+    ("pipeline lookahead given as a bool", lambda t: base_pipeline(lookahead=True), TypeError, "got True"),
+    ("loads on a source that cannot be split", lambda t: with_parallel_loads(staged_plan(["copy"]), 2), ValueError, "source is copy"),
+    ("loads on a source on the calling thread", lambda t: plan(loads=2), PlanError, "`plan.with_loads(2)`"),
 ]
 
 

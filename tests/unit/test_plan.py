@@ -252,11 +252,100 @@ def test_thread_map_errors() -> None:
         plan.with_thread_map(3)  # type: ignore[arg-type]
 
 
+def test_io_strategy_puts_the_stage_0_tasks_on_thread_io() -> None:
+    plan = three_stage(
+        schedule={"Fwd": S(2), "Dist": S(1, "data_dist", comm_group="world"), "H2D": S(0, "memcpy"), "Log": S(0)},
+        intra_iter_deps=[("Log", "H2D")],
+    ).with_thread_map({"Dist": "dist"})
+    io = plan.with_thread_map("io")
+    assert {t: io.task(t).thread_group for t in io.fire_order} == {"Fwd": "default", "Dist": "dist", "H2D": "io", "Log": "io"}
+    assert [s.stream for s in io.schedule.values()] == [s.stream for s in plan.schedule.values()]
+    # a source with loads keeps its own lanes; the other stage-0 tasks still move
+    loaded = plan.with_loads(2).with_thread_map("io")
+    assert loaded.source_lanes() == ("load", "load.1") and loaded.task("Log").thread_group == "io"
+    with pytest.raises(PlanError, match="unknown thread_map strategy 'IO'; use one of by_stream, per_task, main, io"):
+        plan.with_thread_map("IO")
+
+
+# ------------------------------------------------------------------ loads
+def test_with_loads_moves_a_source_that_is_not_alone_on_a_worker_thread() -> None:
+    plan = three_stage()
+    on_caller = plan.with_loads(2)
+    assert (on_caller.loads, on_caller.lookahead, on_caller.source_lanes()) == (2, 0, ("load", "load.1"))
+    assert on_caller.task("H2D").schedule == plan.task("H2D").schedule.replace(thread_group="load")
+    shared = plan.with_thread_map({"H2D": "io", "Dist": "io"}).with_loads(3, lookahead=1, thread="src")
+    assert (shared.source_lanes(), shared.lookahead, shared.task("Dist").thread_group) == (("src", "src.1", "src.2"), 1, "io")
+    alone = plan.with_thread_map({"H2D": "io"}).with_loads(2)
+    assert alone.source_lanes() == ("io", "io.1")
+    assert on_caller.with_loads(1).loads == 1 and on_caller.with_loads(1).task("H2D").thread_group == "load"
+    with pytest.raises(PlanError, match=r"with_loads\(2, thread='dist'\): .* 'dist' runs Dist; pass another thread="):
+        plan.with_thread_map({"Dist": "dist"}).with_loads(2, thread="dist")
+    with pytest.raises(PlanError, match="with_loads.*'default' is the calling thread"):
+        plan.with_loads(2, thread="default")
+    for bad in (0, True, 1.5):
+        with pytest.raises(PlanError, match=f"loads must be an int >= 1, got {bad!r}"):
+            plan.with_loads(bad)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="lookahead must be an int >= 0, got -1"):
+        plan.with_loads(2, lookahead=-1)
+
+
+HINT = re.compile(r"`(plan\.with_loads\([^`]*\))`")
+
+
+def loads_hint(plan: PipelinePlan, **changes: object) -> str:
+    """The code the error for ``plan.replace(**changes)`` says to run instead."""
+    with pytest.raises(PlanError) as info:
+        plan.replace(**changes)
+    (code,) = HINT.findall(str(info.value))
+    assert "\n" not in str(info.value)
+    return code
+
+
+@pytest.mark.parametrize(
+    "thread_map, changes",
+    [
+        ("main", {"loads": 2}),
+        ({"H2D": "io", "Dist": "io"}, {"loads": 2}),
+        ({"H2D": "io", "Fwd": "io"}, {"loads": 3, "lookahead": 2}),
+        ({"Dist": "load", "Fwd": "load_1"}, {"loads": 2}),  # "load" is taken: the hint names a free thread
+    ],
+)
+def test_every_loads_error_shows_code_that_builds_a_valid_plan(thread_map: object, changes: dict[str, int]) -> None:
+    plan = three_stage().with_thread_map(thread_map)  # type: ignore[arg-type]
+    code = loads_hint(plan, **changes)
+    fixed = eval(code, {"plan": plan})
+    assert isinstance(fixed, PipelinePlan)
+    assert (fixed.loads, fixed.lookahead) == (changes["loads"], changes.get("lookahead", 0))
+    others = {t: fixed.task(t).thread_group for t in fixed.fire_order if t != "H2D"}
+    assert others == {t: plan.task(t).thread_group for t in others}  # only the source moved
+    assert fixed.task("H2D").thread_group not in {*others.values(), "default"}
+
+
+# ------------------------------------------------------------------ table
+def test_the_table_header_shows_batches_in_flight_and_the_source_loads() -> None:
+    plan = three_stage()
+    assert plan.format_schedule(2).splitlines()[0] == "depth 3 + lookahead 0 = 3 batches in flight; loads 1: H2D on thread default"
+    ahead = plan.with_loads(2, lookahead=2)
+    assert ahead.format_schedule(2).splitlines()[0] == (
+        "depth 3 + lookahead 2 = 5 batches in flight; loads 2: H2D on threads load, load.1"
+    )
+    one = PipelinePlan(schedule={"A": S(0)}, name="one")
+    assert one.format_schedule(1).splitlines()[0] == "depth 1 + lookahead 0 = 1 batch in flight; no source task"
+    phased = PhasedPlan([(0, plan), (4, plan.replace(lookahead=1, name="later"))])
+    first, second = phased.format_schedule(2).split("\n\n")
+    assert first.splitlines()[1].startswith("depth 3 + lookahead 0 = 3 batches")
+    assert second.splitlines()[:2] == [
+        "phase 1 (batches 4 and on): later",
+        "depth 3 + lookahead 1 = 4 batches in flight; loads 1: H2D on thread default",
+    ]
+
+
 # ------------------------------------------------------------------ table
 def test_print_schedule_shows_fill_steady_and_drain_in_fire_order(capsys) -> None:  # type: ignore[no-untyped-def]
     plan = three_stage().with_thread_map({"H2D": "io"})
     plan.print_schedule(6, num_batches=3)
     assert capsys.readouterr().out == (
+        "depth 3 + lookahead 0 = 3 batches in flight; loads 1: H2D on thread io\n"
         "   #  Task               Stage  Thread   Stream        | P0    P1    P2    P3    P4    P5\n"
         "  --  -----------------  -----  -------  ------------  + ----- ----- ----- ----- ----- -----\n"
         "   0  Fwd                    2  default  default       |  --    --   i0    i1    i2     --\n"
@@ -264,7 +353,7 @@ def test_print_schedule_shows_fill_steady_and_drain_in_fire_order(capsys) -> Non
         "   2  H2D                    0  io       memcpy        | i0    i1    i2     --    --    --\n"
     )
     # the fire order is the table's row order: moving a task moves its row
-    assert three_stage().moved("H2D", before="Fwd").format_schedule(3).splitlines()[2].split()[1] == "H2D"
+    assert three_stage().moved("H2D", before="Fwd").format_schedule(3).splitlines()[3].split()[1] == "H2D"
 
 
 # ------------------------------------------------------------------ guards, previous batches, phases

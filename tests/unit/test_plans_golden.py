@@ -31,6 +31,13 @@ VARIANTS = {
     "EvalPipelineFusedSparseDist.enable_embedding_lookup_prefetch": plans.eval_fused_sparse_dist_plan(
         enable_embedding_lookup_prefetch=True
     ),
+    # the overlap options: H2D's draw split off onto 2 load lanes; Base's LoadBatch moved as it is
+    "TrainPipelineSparseDist.io.parallel_loads": plans.with_parallel_loads(
+        plans.sparse_dist_plan().with_thread_map("io"), 2
+    ),
+    "TrainPipelineBase.parallel_loads.lookahead_3": plans.with_parallel_loads(
+        plans.train_pipeline_base_plan(), 2, lookahead=3
+    ),
 }
 
 
@@ -60,7 +67,7 @@ def test_all_twelve_pipelines_have_a_plan() -> None:
 def test_tables_show_fire_order_so_options_that_reorder_differ() -> None:
     default = (GOLDEN / "plans" / "TrainPipelineSparseDist.txt").read_text()
     after_forward = (GOLDEN / "plans" / "TrainPipelineSparseDist.enqueue_batch_after_forward.txt").read_text()
-    table = lambda text: [ln.split()[1] for ln in text.split("\n\n")[0].splitlines()[2:]]  # noqa: E731
+    table = lambda text: [ln.split()[1] for ln in text.split("\n\n")[0].splitlines()[3:]]  # noqa: E731
     assert table(default).index("H2D") < table(default).index("Forward")
     assert table(after_forward).index("H2D") == table(after_forward).index("Forward") + 1
 
@@ -79,7 +86,7 @@ def test_semi_sync_table_shows_the_optimizer_skip_at_start_batch() -> None:
     assert "phase 1 (batches 10 to 10): TrainPipelineSemiSync_semi_sync_start" in text
     assert "phase 2 (batches 11 and on): TrainPipelineSemiSync_semi_sync" in text
     sync, start, semi = text.split("\n\nphase ")
-    rows = lambda block: [ln.split()[1] for ln in block.splitlines()[3:]]  # noqa: E731
+    rows = lambda block: [ln.split()[1] for ln in block.splitlines()[4:]]  # noqa: E731
     assert "OptimizerStep" in rows(sync) and "OptimizerStep" in rows(semi)
     assert "OptimizerStep" not in rows(start) and "GradSwap" in rows(start)
     assert rows(start).index("GradSwap") < rows(start).index("ZeroGrad")
@@ -133,7 +140,7 @@ def ours(plan: PipelinePlan, columns: int) -> list[tuple[str, str, str, str]]:
     ignored (the design tables have none), as (task, thread, stream, cells)."""
     unguarded = plan.replace(schedule={t: s.replace(when=When.ALWAYS) for t, s in plan.schedule.items()})
     rows = []
-    for line in unguarded.format_schedule(columns).splitlines()[2:]:
+    for line in unguarded.format_schedule(columns).splitlines()[3:]:
         _, task, _stage, thread, stream, *rest = line.split()
         rows.append((task, thread, stream, " ".join(rest)))
     return sorted(rows, key=lambda r: (-plan.task(r[0]).stage, plan.fire_index(r[0])))

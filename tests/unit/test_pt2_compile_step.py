@@ -88,7 +88,7 @@ def test_the_printed_schedule_shows_the_compile_step() -> None:
     assert "phase 1 (batches 3 to 3 drawn since the pipeline was built): TrainPipelinePT2_compile" in text
     plain, compiling, after = text.split("\n\nphase ")
     assert "Compile" not in plain and "Compile" not in after
-    rows = [line.split()[1] for line in compiling.splitlines()[3:]]
+    rows = [line.split()[1] for line in compiling.splitlines()[4:]]
     assert rows.index("Compile") + 1 == rows.index("Forward")
 
 

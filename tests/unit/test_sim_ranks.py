@@ -199,12 +199,6 @@ PLANS = {
 THREAD_MAPS: list[object] = ["main", "by_stream", "per_task", "io"]
 
 
-def mapped(plan: PipelinePlan, thread_map: object) -> PipelinePlan:
-    if thread_map == "io":
-        return plan.with_thread_map(lambda t: "io" if t.stage == 0 else t.thread_group)
-    return plan.with_thread_map(thread_map)  # type: ignore[arg-type]
-
-
 def random_durations(plan: PipelinePlan, rng: random.Random) -> dict[str, float]:
     # integers: every sum is exact, so timelines compare with ==
     return {t: float(rng.randint(0, 6)) for t in plan.fire_order}
@@ -215,7 +209,7 @@ CASES = [(name, tm, seed) for name in PLANS for tm in THREAD_MAPS for seed in ra
 
 @pytest.mark.parametrize("name,thread_map,seed", CASES)
 def test_one_rank_with_enough_cores_is_the_old_simulator(name: str, thread_map: object, seed: int) -> None:
-    plan = mapped(PLANS[name](), thread_map)
+    plan = PLANS[name]().with_thread_map(thread_map)  # type: ignore[arg-type]
     d = random_durations(plan, random.Random(seed))
     for barrier in (True, False):
         old = simulate(plan, d, 7, iteration_barrier=barrier)
@@ -230,7 +224,7 @@ def test_one_rank_with_enough_cores_is_the_old_simulator(name: str, thread_map: 
 
 @pytest.mark.parametrize("name,thread_map,seed", CASES)
 def test_rendezvous_and_contention_never_make_anything_faster(name: str, thread_map: object, seed: int) -> None:
-    plan = mapped(PLANS[name](), thread_map)
+    plan = PLANS[name]().with_thread_map(thread_map)  # type: ignore[arg-type]
     rng = random.Random(100 + seed)
     costs = [random_durations(plan, rng) for _ in range(2)]
     alone = [simulate(plan, d, 6) for d in costs]
@@ -318,7 +312,7 @@ def test_calibration_takes_a_collectives_part_after_the_last_rank_arrived() -> N
 
 @pytest.mark.parametrize("thread_map", ["main", "io", "per_task"])
 def test_calibrating_a_simulated_run_and_replaying_it_gives_it_back(thread_map: str) -> None:
-    plan = mapped(sparse_dist_plan(), thread_map)
+    plan = sparse_dist_plan().with_thread_map(thread_map)  # type: ignore[arg-type]
     rng = random.Random(7)
     per_batch = [
         {(t, b): float(rng.randint(1, 6)) for t in plan.fire_order for b in range(12)} for _ in range(2)

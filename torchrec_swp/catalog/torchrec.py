@@ -779,22 +779,33 @@ DRAW_TASKS = (FETCH, "LoadBatch")
 def with_parallel_loads(
     plan: PipelinePlan | PhasedPlan, loads: int = 2, *, lookahead: int | None = None, thread: str = "load"
 ) -> PipelinePlan | PhasedPlan:
-    """``plan`` with its source H2D split in two: ``Fetch`` draws the item from the data on
-    ``loads`` lanes of thread group ``thread`` (``loads`` items drawn at once, in batch order:
-    ``torchrec_swp.engine.source``), and H2D, where it was, copies the item it reads (``host``)
-    into the pipeline (``enqueue_batch``). ``lookahead`` (default ``loads``): how many batches
-    the source may draw ahead of single-thread order, which gives the lanes batches to load.
+    """``plan`` with its source drawing ``loads`` items at once, on lanes of thread group
+    ``thread`` (``thread``, ``thread.1``, ...; drawn in batch order: ``torchrec_swp.engine.source``).
+    ``lookahead`` (default ``loads``): how many batches the source may draw ahead of single-thread
+    order, which gives the lanes batches to load. Every phase of a PhasedPlan is edited.
+
+    * A source that only draws (``DRAW_TASKS``: Fetch, LoadBatch) moves to ``thread`` as it is.
+    * A source H2D is split in two: ``Fetch`` draws the item on the lanes, and H2D, where it
+      was, copies the item it reads (``host``) into the pipeline (``enqueue_batch``).
 
     Only the data's arrival changes: every other task, and the calls H2D makes, stay as they are,
     so results are bit-identical. One difference from upstream's bookkeeping: the draw that finds
     the end of data creates no TorchRec context (H2D does not run for it).
 
-    Raises ValueError when the plan's source is not H2D.
+    Raises ValueError naming the plan and its source when the source is neither (e.g. a
+    StagedTrainPipeline's first stage, which runs the user's code after the draw).
     """
     if isinstance(plan, PhasedPlan):
         return plan.each(lambda p: with_parallel_loads(p, loads, lookahead=lookahead, thread=thread))
+    ahead = loads if lookahead is None else lookahead
+    if plan.source in DRAW_TASKS:
+        moved = {**plan.schedule, plan.source: plan.schedule[plan.source].replace(thread_group=thread)}
+        return plan.replace(schedule=moved, loads=loads, lookahead=ahead)
     if plan.source != "H2D":
-        raise ValueError(f"plan {plan.name}: with_parallel_loads splits a source named H2D, this plan's is {plan.source}")
+        raise ValueError(
+            f"plan {plan.name}: with_parallel_loads needs a source that only draws ({', '.join(DRAW_TASKS)}) "
+            f"or H2D, to split the draw off; this plan's source is {plan.source}"
+        )
     h2d = plan.task("H2D")
     schedule = {FETCH: TaskSchedule(stage=h2d.stage, thread_group=thread), **plan.schedule}
     tasks = [PipelineTask(FETCH, writes=("host",))]
@@ -809,5 +820,5 @@ def with_parallel_loads(
         fire_order=fire_order,
         source=FETCH,
         loads=loads,
-        lookahead=loads if lookahead is None else lookahead,
+        lookahead=ahead,
     )

@@ -177,9 +177,35 @@ class PipelinePlan:
         group = self._schedule[self.source].thread_group
         return (group, *(f"{group}.{k}" for k in range(1, self.loads)))
 
-    def with_loads(self, loads: int, *, lookahead: int | None = None) -> PipelinePlan:
-        """A new plan whose source has ``loads`` calls in flight (and, if given, that lookahead)."""
-        return self.replace(loads=loads, **({} if lookahead is None else {"lookahead": lookahead}))
+    def with_loads(self, loads: int, *, lookahead: int | None = None, thread: str = "load") -> PipelinePlan:
+        """A new plan whose source has ``loads`` calls in flight (and, if given, that lookahead).
+
+        With ``loads > 1`` the source needs a thread group of its own, not the calling thread's:
+        a source on the calling thread, or sharing its thread with other tasks, moves to
+        ``thread`` (its lanes are then ``thread``, ``thread.1``, ...); a source already alone
+        on a worker thread stays there. Raises PlanError when ``thread`` runs other tasks.
+
+        The source's function then runs ``loads`` times at once (draws take turns, what it
+        does after the draw does not): for TorchRec's pipelines, whose H2D does more than draw,
+        ``torchrec_swp.plans.with_parallel_loads`` splits the draw off first.
+        """
+        changes: dict[str, object] = {"loads": loads, **({} if lookahead is None else {"lookahead": lookahead})}
+        src = self.source
+        if src is None or isinstance(loads, bool) or not isinstance(loads, int) or loads <= 1:
+            return self.replace(**changes)  # validation says what is wrong, if anything
+        group = self._schedule[src].thread_group
+        if group != MAIN_THREAD and all(s.thread_group != group for t, s in self._schedule.items() if t != src):
+            return self.replace(**changes)
+        others = [t for t, s in self._schedule.items() if t != src and s.thread_group == thread]
+        if others or check_name(thread, "thread") == MAIN_THREAD:
+            taken = "is the calling thread" if thread == MAIN_THREAD else f"runs {', '.join(others)}"
+            raise PlanError(
+                f"with_loads({loads}, thread={thread!r}): the source {src} needs a thread of its own, and "
+                f"{thread!r} {taken}; pass another thread= name",
+                culprit=thread,
+            )
+        changes["schedule"] = {**self._schedule, src: self._schedule[src].replace(thread_group=thread)}
+        return self.replace(**changes)
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -260,7 +286,8 @@ class PipelinePlan:
 
         ``"by_stream"``: one thread per stream (the default stream's tasks stay on the calling
         thread); ``"per_task"``: a thread per task; ``"main"``: everything on the calling thread;
-        a dict ``{task: thread}`` moves the named tasks and leaves the others where they are;
+        ``"io"``: the stage-0 tasks on thread ``io`` (a source with loads > 1 keeps its lanes); a dict
+        ``{task: thread}`` moves the named tasks and leaves the others where they are;
         a callable gets each ScheduledTask and returns its thread group.
         """
         groups = resolve_thread_map(self, thread_map)

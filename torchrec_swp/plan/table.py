@@ -1,6 +1,10 @@
 """print_schedule: the stage table (the format of tests/golden/design_tables/), rows in fire order.
 
-One row per task in fire order (``#`` is its position: the CPU submission order within an
+A header line first says how far the plan runs ahead: ``depth D + lookahead L = N batches in
+flight`` (the source draws batch ``b`` only once batch ``b - N`` has left the highest stage) and
+the source's loads with the threads they run on (``loads 2: Fetch on threads load, load.1``).
+
+Then one row per task in fire order (``#`` is its position: the CPU submission order within an
 iteration), with its stage, thread and stream, then one column per internal iteration showing
 the batch the task works on (``i3``) or ``--`` when it does not run: outside the stage mask,
 or for a batch its ``when`` excludes (``first``: batch 0 only; ``fill``: iterations before batch 0
@@ -28,13 +32,23 @@ def cell(plan: PipelinePlan, task: str, iteration: int, num_batches: int | None)
     return f"i{batch}"
 
 
+def header(plan: PipelinePlan) -> str:
+    """The table's first line: batches in flight (depth + lookahead) and the source's loads."""
+    depth, ahead = plan.pipeline_depth, plan.lookahead
+    line = f"depth {depth} + lookahead {ahead} = {depth + ahead} batch{'es' if depth + ahead > 1 else ''} in flight"
+    if plan.source is None:
+        return f"{line}; no source task"
+    lanes = plan.source_lanes()
+    return f"{line}; loads {plan.loads}: {plan.source} on thread{'s' if len(lanes) > 1 else ''} {', '.join(lanes)}"
+
+
 def format_schedule(
     plan: PipelinePlan,
     num_iterations: int,
     num_batches: int | None = None,
     mark: tuple[str, int] | None = None,
 ) -> str:
-    """The table for iterations ``0 .. num_iterations-1``.
+    """The header line, then the table for iterations ``0 .. num_iterations-1``.
 
     ``num_batches`` (M) shows drain: tasks whose batch is ``>= M`` print ``--``.
     ``mark=(task, iteration)`` puts ``*`` on one cell (used by error messages).
@@ -53,6 +67,7 @@ def format_schedule(
         return f"{num:>4}  {task:<{w_task}}  {stage:>5}  {thread:<{w_thread}}  {stream:<{w_stream}}  {guard}{sep} {body}"
 
     out = [
+        header(plan),
         line("#", "Task", "Stage", "Thread", "Stream", "When", "|", [f"P{p}" for p in cols]),
         line("--", "-" * w_task, "-" * 5, "-" * w_thread, "-" * w_stream, "-" * w_when, "+", ["-" * _CELL for _ in cols]),
     ]

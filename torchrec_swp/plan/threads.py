@@ -1,4 +1,12 @@
-"""thread_map strategies: which CPU thread submits each task (independent of its stream)."""
+"""thread_map strategies: which CPU thread submits each task (independent of its stream).
+
+* ``"by_stream"``: one thread per stream; the default stream's tasks stay on the calling thread.
+* ``"per_task"``: a thread per task.
+* ``"main"``: every task on the calling thread.
+* ``"io"``: the stage-0 tasks (drawing the batch and copying it to the device) on thread ``io``,
+  so that waiting for the data overlaps the training; the others stay where they are. A source
+  with ``loads > 1`` keeps its own thread group (its lanes run only the source).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,9 @@ from torchrec_swp.plan.task import DEFAULT_STREAM, MAIN_THREAD, check_name
 if TYPE_CHECKING:
     from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
 
-STRATEGIES = ("by_stream", "per_task", "main")
+STRATEGIES = ("by_stream", "per_task", "main", "io")
+#: The thread the ``"io"`` strategy puts the stage-0 tasks on.
+IO_THREAD = "io"
 
 
 def resolve_thread_map(plan: PipelinePlan, thread_map: ThreadMap) -> dict[str, str]:
@@ -29,6 +39,9 @@ def resolve_thread_map(plan: PipelinePlan, thread_map: ThreadMap) -> dict[str, s
                 return {t.name: t.name for t in tasks}
             case "main":
                 return {t.name: MAIN_THREAD for t in tasks}
+            case "io":
+                lanes = plan.source if plan.loads > 1 else None
+                return {t.name: IO_THREAD if t.stage == 0 and t.name != lanes else t.thread_group for t in tasks}
             case _:
                 raise PlanError(
                     f"unknown thread_map strategy {thread_map!r}; use one of {', '.join(STRATEGIES)}, "

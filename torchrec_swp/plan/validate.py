@@ -19,7 +19,8 @@ Rules (each violation raises PlanError naming the task or dependency):
    task works on a batch that was never loaded. The output (if any) has a writer.
 9. ``lookahead`` is an int >= 0 and ``loads`` an int >= 1; ``loads > 1`` needs a source that is
    the only task of its thread group, which is not the calling thread's (``default``): its
-   lanes run nothing else, and the caller must not wait behind a load.
+   lanes run nothing else, and the caller must not wait behind a load. The error shows the
+   ``plan.with_loads(...)`` call that builds such a plan.
 8. A task that runs only ``when`` batch ``b + 1`` exists (``has_next``) or does not (``last``)
    is above the source's stage (one stage above: after the source in fire order), so that the
    source was asked for ``b + 1`` before it runs.
@@ -104,19 +105,31 @@ def _check_loads(plan: PipelinePlan) -> None:
     if src is None:
         raise PlanError(f"loads {plan.loads} needs a source task", culprit="loads")
     group = plan._schedule[src].thread_group
-    if group == MAIN_THREAD:
-        raise PlanError(
-            f"loads {plan.loads}: the source {src} runs on the calling thread ({MAIN_THREAD!r}); put it on a thread "
-            f"group of its own, e.g. thread_map={{{src!r}: 'load'}}",
-            culprit=src,
-        )
     others = [t for t, s in plan._schedule.items() if t != src and s.thread_group == group]
-    if others:
-        raise PlanError(
-            f"loads {plan.loads}: the source {src} shares thread group {group!r} with {', '.join(others)}; "
-            "its lanes run only the source",
-            culprit=others[0],
-        )
+    if group != MAIN_THREAD and not others:
+        return
+    where = (
+        f"runs on the calling thread ({MAIN_THREAD!r})"
+        if group == MAIN_THREAD
+        else f"shares thread group {group!r} with {', '.join(others)}"
+    )
+    raise PlanError(
+        f"loads {plan.loads}: the source {src} {where}, but its lanes must run only the source: "
+        f"build it with `{_loads_hint(plan)}` on the plan with one load, which moves {src} to a thread of its own",
+        culprit=others[0] if others else src,
+    )
+
+
+def _loads_hint(plan: PipelinePlan) -> str:
+    """The call that gives ``plan``'s source ``plan.loads`` loads on a thread no other task uses
+    (``PipelinePlan.with_loads``), as code."""
+    used = {s.thread_group for t, s in plan._schedule.items() if t != plan.source}
+    thread, k = "load", 0
+    while thread in used:
+        k += 1
+        thread = f"load_{k}"
+    lookahead = f", lookahead={plan.lookahead}" if plan.lookahead else ""
+    return f"plan.with_loads({plan.loads}{lookahead}" + (f", thread={thread!r})" if thread != "load" else ")")
 
 
 def _check_fire_order(plan: PipelinePlan) -> None:

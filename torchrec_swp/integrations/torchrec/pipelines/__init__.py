@@ -1,14 +1,15 @@
 """Drop-in subclasses of TorchRec's pipelines whose ``progress()`` is the engine running a plan.
 
-Change one import line and training is identical; pass ``plan=`` or ``thread_map=`` to change
-the schedule without changing code::
+Change one import line and training is identical; pass the engine's options (``plan=``,
+``thread_map=``, ``loads=``, ``lookahead=``: ``engine_options.EngineOptions``, applied in that order)
+to change the schedule without changing code or numbers::
 
     from torchrec_swp import TrainPipelineSparseDist
     pipeline = TrainPipelineSparseDist(model, optimizer, device)
     pipeline.plan.print_schedule(5)
-    pipeline = TrainPipelineSparseDist(model, optimizer, device, thread_map={"H2D": "io"})
+    pipeline = TrainPipelineSparseDist(model, optimizer, device, thread_map="io", loads=2, lookahead=2)
 
-One module per upstream family; ``_driven`` holds what they share.
+One module per upstream family; ``_driven`` holds what they share, ``engine_options`` the options.
 """
 
 from torchrec_swp.integrations.torchrec.compat import installed

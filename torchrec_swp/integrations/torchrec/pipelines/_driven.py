@@ -1,13 +1,9 @@
 """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
 
 Every pipeline class keeps its upstream constructor (every argument passes through unchanged)
-and adds keyword-only engine options:
-
-* ``plan``: a PipelinePlan or PhasedPlan (or the path of a plan text file) replacing the
-  default plan; its tasks must be among the class's task functions (``available_tasks()``).
-* ``thread_map``: ``"by_stream"``, ``"per_task"``, ``"main"``, a dict ``{task: thread}`` or a
-  callable, applied on top of the plan.
-* ``engine_timeout_s``: bound on every blocking wait of the engine.
+and adds the engine's keyword-only options, defined once in ``engine_options.EngineOptions``:
+``plan=``, ``thread_map=``, ``loads=``, ``lookahead=``, ``engine_timeout_s=`` (see
+``PlanDriven`` for what each does and the order they apply in).
 
 Task functions call upstream's helpers through ``self`` (``enqueue_batch``,
 ``start_sparse_data_dist``, ``wait_sparse_data_dist``, ``_wait_for_batch``, ...), so user code
@@ -17,56 +13,75 @@ on from the engine, not from a position in ``self.batches``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
-from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
-
-PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plans import DRAW_TASKS
 
 
 class PlanDriven:
     """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
 
     It comes before the upstream class among the bases (``class X(PlanDriven, upstream.X)``),
-    so that its ``progress()`` and ``reset()`` replace upstream's."""
+    so that its ``progress()`` and ``reset()`` replace upstream's.
+
+    The engine's options (keyword-only, after upstream's arguments; ``EngineOptions``) make the
+    plan in this order:
+
+    1. ``plan=``: a PipelinePlan or PhasedPlan (or the path of a plan text file) replacing the
+       default plan; its tasks must be among the class's task functions (``available_tasks()``).
+    2. ``thread_map=``: ``"by_stream"``, ``"per_task"``, ``"main"``, ``"io"`` (the stage-0 tasks,
+       loading the batch and copying it to the device, on thread ``io``), a dict
+       ``{task: thread}`` or a callable; moves tasks to CPU threads, same results.
+    3. ``loads=`` (default 1): with ``loads > 1`` the plan becomes
+       ``plans.with_parallel_loads(plan, loads, lookahead=lookahead)``: the source's draws run
+       ``loads`` at once on threads ``load``, ``load.1``, ... (H2D's draw is split off into a
+       Fetch task; Base's and PT2's LoadBatch only draws and moves as it is). Draws still take
+       turns in batch order: over a plain iterator, whose ``next()`` does all the work, loads
+       train correctly but gain nothing; ``torchrec_swp.data.MapSource`` (a map-style dataset)
+       is what makes them overlap, each load fetching its item at once.
+    4. ``lookahead=`` (default None: the plan's own; 0 in the default plans, ``loads`` after
+       ``loads > 1``): ``plans.with_lookahead(plan, lookahead)``: the source may draw that many
+       batches beyond the plan's depth, also between ``progress()`` calls when it runs on a
+       thread of its own.
+
+    ``engine_timeout_s=`` bounds every blocking wait of the engine. The SparseDist family also
+    takes ``input_dist_group=`` (``TrainPipelineSparseDist``): the input dist on a process group
+    of its own, and the default plan with ``plans.with_input_dist_group``. ``plan.print_schedule(n)``
+    shows the result, loads and lookahead in its header line."""
 
     _swp_engine: Engine
 
-    def _swp_setup(
-        self,
-        default_plan: PipelinePlan | PhasedPlan,
-        plan: PlanLike | None,
-        thread_map: ThreadMap | None,
-        timeout_s: float,
-        streams: StreamPool,
-    ) -> None:
-        if plan is None:
-            chosen = default_plan
-        elif isinstance(plan, (PipelinePlan, PhasedPlan)):
-            chosen = plan
-        elif isinstance(plan, (str, os.PathLike)):
-            chosen = load_plan(os.fspath(plan))
-        else:
-            raise TypeError(f"plan must be a PipelinePlan, a PhasedPlan or a path to a plan file, got {type(plan).__name__}")
-        if thread_map is not None:
-            chosen = chosen.with_thread_map(thread_map)
+    def _swp_setup(self, default_plan: PipelinePlan | PhasedPlan, options: EngineOptions, streams: StreamPool) -> None:
+        owner = type(self).__name__
+        chosen = options.plan_for(default_plan, owner)
+        for p in _plans(chosen):
+            if p.loads > 1 and p.source not in DRAW_TASKS:
+                fix = f": pass the plan with one load and loads={p.loads}, which splits the draw off"
+                fix = fix if p.source == "H2D" else ""
+                raise PlanError(
+                    f"{owner}: plan {p.name} has {p.loads} loads of its source {p.source}, whose function does more "
+                    f"than draw from the data (its calls would overlap); only a source that only draws "
+                    f"({', '.join(DRAW_TASKS)}) may have loads{fix}",
+                    culprit=str(p.source),
+                )
         functions = self._swp_task_functions()
         tasks = list(dict.fromkeys(t for p in _plans(chosen) for t in p.fire_order))
         unknown = [t for t in tasks if t not in functions]
         if unknown:
             raise PlanError(
-                f"{type(self).__name__} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
+                f"{owner} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
                 culprit=unknown[0],
             )
         self._swp_engine = Engine(
             chosen,
             {t: functions[t] for t in tasks},
             streams=streams,
-            timeout_s=timeout_s,
-            name=f"swp-{type(self).__name__}",
+            timeout_s=options.engine_timeout_s,
+            name=f"swp-{owner}",
             # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
             device_type=None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
         )
@@ -190,8 +205,6 @@ class PlanDriven:
     def close(self) -> None:
         """Stop the engine's worker threads (they also stop when the pipeline is collected)."""
         self._swp_engine.close()
-
-
 
 
 def _plans(plan: PipelinePlan | PhasedPlan) -> tuple[PipelinePlan, ...]:

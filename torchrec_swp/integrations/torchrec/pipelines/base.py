@@ -11,9 +11,9 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
-from torchrec_swp.plan import ThreadMap
+from torchrec_swp.engine import stream_pool_for
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 
 __all__ = ["TrainPipelineBase"]
 
@@ -21,21 +21,16 @@ __all__ = ["TrainPipelineBase"]
 class TrainPipelineBase(PlanDriven, upstream.TrainPipelineBase[In, Out]):
     """TrainPipelineBase on the engine: LoadBatch(i+1), forward/backward(i), H2D(i+1), optimizer(i).
 
-    The default plan is ``plans.train_pipeline_base_plan()``.
+    Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``).
+    The default plan is ``plans.train_pipeline_base_plan()``; its source LoadBatch only draws, so
+    ``loads=`` moves it to the load threads as it is.
     """
 
-
-    def __init__(
-        self,
-        *args: Any,
-        plan: PlanLike | None = None,
-        thread_map: ThreadMap | None = None,
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
         streams = self._swp_checked(stream_pool_for(self._device, {"memcpy": self._memcpy_stream}), {"_memcpy_stream": "memcpy"})
-        self._swp_setup(plans.train_pipeline_base_plan(), plan, thread_map, engine_timeout_s, streams)
+        self._swp_setup(plans.train_pipeline_base_plan(), options, streams)
 
     def _swp_before_step(self) -> None:
         self._connected = True

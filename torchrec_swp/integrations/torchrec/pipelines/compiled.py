@@ -23,10 +23,11 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.train_pipeline.utils import _to_device
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, stream_pool_for
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
+from torchrec_swp.engine import stream_pool_for
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
-from torchrec_swp.plan import PipelinePlan, ThreadMap
+from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
 
@@ -38,27 +39,21 @@ class TrainPipelinePT2(PlanDriven, upstream.TrainPipelinePT2[In, Out]):
     before the Forward of batch ``compile_configs.compile_on_iter`` (from 0, over the pipeline's
     life: the 4th by default).
 
-    Same constructor as upstream's (which does not run TrainPipelineBase's), plus the keyword-only
-    engine options. The default plan is ``plans.pt2_phases(compile_on_iter=...)``: the compile
-    step is a phase of its own with a Compile task, so ``plan.print_schedule(n)`` shows it. A
+    Same constructor as upstream's (which does not run TrainPipelineBase's), plus the engine's
+    keyword-only options (``PlanDriven``; its source LoadBatch only draws, so ``loads=`` moves it
+    to the load threads as it is). The default plan is ``plans.pt2_phases(compile_on_iter=...)``:
+    the compile step is a phase of its own with a Compile task, so ``plan.print_schedule(n)`` shows it. A
     ``plan=`` without a Compile task compiles inside Forward when upstream would
     (``_iter == compile_on_iter``). At the end of data the dataloader's StopIteration ends the
     call; every later call asks the iterator again, as upstream does, so a new iterator starts a
     new epoch.
     """
 
-
-    def __init__(
-        self,
-        *args: Any,
-        plan: PlanLike | None = None,
-        thread_map: ThreadMap | None = None,
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
         default_plan = plans.pt2_phases(compile_on_iter=self._compile_configs.compile_on_iter)
-        self._swp_setup(default_plan, plan, thread_map, engine_timeout_s, stream_pool_for(self._device))
+        self._swp_setup(default_plan, options, stream_pool_for(self._device))
         # a plan of the user's without the Compile step: compile where upstream does, in forward
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 

@@ -23,12 +23,12 @@ logger = logging.getLogger(__name__)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):
     """EvalPipelineSparseDist on the engine: H2D(i+2) on a loader thread || InputDist(i+1) || forward(i).
 
-    Same constructor as upstream's, plus the keyword-only engine options of
-    TrainPipelineSparseDist (``plan``, ``thread_map``, ``engine_timeout_s``). The default plan
-    is ``plans.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is the
-    plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
-    memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can
-    move it like any other task.
+    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
+    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    default plan is ``plans.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is
+    the plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
+    memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can move it
+    like any other task.
 
     As upstream: ``progress()`` returns the second element of ``model(batch)`` (no backward,
     no optimizer, no ``no_grad``, no ``model.eval()``); the loader binds the first iterator
@@ -53,17 +53,21 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         self._swp_engine.forget_data()
 
     # ------------------------------------------------------------ task functions
-    def _task_h2d(self, b: int, data: Iterator[In]) -> tuple[Any, Any]:
-        # what upstream's DataLoadingThread does for one batch; the engine has entered the
-        # memcpy stream. StopIteration from the iterator is the end of data.
+    def _task_fetch(self, b: int, data: Iterator[In]) -> In:
+        # upstream's DataLoadingThread's draw: a batch whose loading error says it is retriable
+        # is skipped. StopIteration from the iterator is the end of data.
         while True:
             try:
-                batch = next(data)
-                break
+                return next(data)
             except Exception as e:  # StopIteration too: it is not retriable
                 if not _is_data_loading_retriable(e):
                     raise
                 logger.warning("%s: retriable exception in data loading (skipping batch): %r", type(self).__name__, e)
+
+    def _task_h2d(self, b: int, data: Iterator[In] | None = None, host: In | None = None) -> tuple[Any, Any]:
+        # what upstream's DataLoadingThread does for one batch (the draw is Fetch's with loads=);
+        # the engine has entered the memcpy stream.
+        batch = self._task_fetch(b, data) if data is not None else host
         batch = batch.to(self._device, non_blocking=True)
         context = self._create_context()
         self.batches.append(batch)

@@ -117,6 +117,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         return {
             "SetModuleContext": self._task_set_module_context,
             "H2D": base["H2D"],
+            plans.FETCH: base[plans.FETCH],  # loads=: the draw split off H2D (plans.with_parallel_loads)
             "OlCompute": self._task_ol_compute,
             "EmbLookup": self._task_emb_lookup,
             "OverlapDist": self._task_overlap_dist,

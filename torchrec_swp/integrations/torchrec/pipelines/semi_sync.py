@@ -83,7 +83,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
 
     Same constructor as upstream's SemiSync (``start_batch``, ``stash_gradients``, ...), plus
     the keyword-only engine options of TrainPipelineSparseDist (``plan``, ``thread_map``,
-    ``engine_timeout_s``).
+    ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``).
 
     The default plan is a PhasedPlan, ``plans.semi_sync_phases(start_batch=...)``: each
     ``progress()`` runs the phase of the batch it forwards, as upstream decides ``is_semi_sync``

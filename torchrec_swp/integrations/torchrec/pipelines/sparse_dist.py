@@ -13,11 +13,12 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, StreamPool, stream_pool_for
+from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
-from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, ThreadMap
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan
 
 __all__ = ["TrainPipelineSparseDist"]
 
@@ -34,8 +35,11 @@ def _upstream_name(cls: type) -> str:
 class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, Out]):
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
-    The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
-    ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``.
+    Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``: ``plan``,
+    ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``), which this class's subclasses
+    share. The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
+    ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``. With
+    ``loads=`` its source H2D is split: a Fetch task draws on the load threads, H2D copies.
 
     ``async_inplace_copy`` (TorchRec 1.9's option; accepted here on 1.8 too, and by Lite and
     Prefetch): with ``enable_inplace_copy_batch`` the default plan puts the H2D task on thread
@@ -55,15 +59,8 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
     ``integrations/torchrec/input_dist_group.py`` for what moves and its cost.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        plan: PlanLike | None = None,
-        thread_map: ThreadMap | None = None,
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        input_dist_group: bool | dist.ProcessGroup = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, input_dist_group: bool | dist.ProcessGroup = False, **kwargs: Any) -> None:
+        options = EngineOptions.take(kwargs, type(self).__name__)
         self._swp_input_dist_group: dist.ProcessGroup | None = None
         self._swp_rebound_modules: list[Any] | None = None  # the _pipelined_modules last rebound
         if input_dist_group is True:
@@ -83,7 +80,7 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
         default_plan: PipelinePlan | PhasedPlan = self._swp_default_plan()
         if self._swp_input_dist_group is not None:
             default_plan = plans.with_input_dist_group(default_plan)
-        self._swp_setup(default_plan, plan, thread_map, engine_timeout_s, self._swp_streams())
+        self._swp_setup(default_plan, options, self._swp_streams())
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
         """The upstream class's constructor (a subclass overrides it where upstream's cannot run

@@ -13,12 +13,14 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
+from typing_extensions import Unpack
 
 from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, STREAM_DEVICE_TYPES, device_has_streams, stream_pool_for
+from torchrec_swp.engine import STREAM_DEVICE_TYPES, device_has_streams, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, PlanLike
-from torchrec_swp.plan import DEFAULT_STREAM, ThreadMap
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineKeywords, EngineOptions
+from torchrec_swp.plan import DEFAULT_STREAM
 
 __all__ = ["StagedTrainPipeline"]
 
@@ -60,13 +62,13 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
     """StagedTrainPipeline on the engine: stage k of the list works on batch i+N-k while the
     caller trains batch i on what ``progress()`` returned.
 
-    Same constructor as upstream's, plus keyword-only engine options (``plan``, ``thread_map``,
-    ``engine_timeout_s``). The default plan is ``plans.staged_plan(names, streams)``: stage k
-    is a task at stage k (named after the stage, made an identifier), and Emit, at stage N,
-    hands out the batch that left the last stage, first in each call as upstream's
-    ``_advance()``; a stage with a ``fill_callback`` is followed by a task ``NAME.fill``
-    (``when=fill``) that calls it. Stages sharing a stream object share a stream name in the plan, so
-    ``thread_map="by_stream"`` gives each stream its own thread.
+    Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``;
+    ``loads=`` is refused: stage 0 runs the user's code after the draw). The default plan is
+    ``plans.staged_plan(names, streams)``: stage k is a task at stage k (named after the stage, made
+    an identifier), and Emit, at stage N, hands out the batch that left the last stage, first in
+    each call as upstream's ``_advance()``; a stage with a ``fill_callback`` is followed by a task
+    ``NAME.fill`` (``when=fill``) that calls it. Stages sharing a stream object share a stream name
+    in the plan, so ``thread_map="by_stream"`` gives each stream its own thread.
 
     Contract, as upstream's:
 
@@ -103,11 +105,12 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
         debug_mode: bool = False,
         compute_stream: torch.Stream | None = None,
         on_flush_end: Callable[[], None] | None = None,
-        *,
-        plan: PlanLike | None = None,
-        thread_map: ThreadMap | None = None,
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        **engine: Unpack[EngineKeywords],
     ) -> None:
+        rest: dict[str, Any] = dict(engine)
+        options = EngineOptions.take(rest, type(self).__name__)
+        if rest:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {next(iter(rest))!r}")
         if not pipeline_stages:
             raise ValueError("StagedTrainPipeline needs at least one PipelineStage in pipeline_stages")
         device = _stream_device(compute_stream if compute_stream is not None else pipeline_stages[0].stream)
@@ -125,9 +128,7 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
             plans.staged_plan(
                 self._swp_stage_tasks, stream_names, [s.fill_callback is not None for s in pipeline_stages]
             ),
-            plan,
-            thread_map,
-            engine_timeout_s,
+            options,
             stream_pool_for(device, streams),
         )
 
