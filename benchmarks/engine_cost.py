@@ -10,9 +10,9 @@ iteration later), plus ``Forward(b)`` after ``Optimizer(b-1)``: the first task o
 last one of the batch before. Fire order: stage 2's tasks, then stage 1's, then stage 0's (the
 oldest batch first, as upstream's ``progress()`` trains before it loads). Spread over ``t``
 threads: contiguous blocks of the fire order, ``t`` blocks as equal as may be, the first on the
-calling thread (it trains), the last (the loader) on its own: every block boundary the chain
-crosses is a cross-thread wait, in the same iteration within a stage or one iteration back across
-stages. Each task returns its batch number; the source never runs out.
+calling thread (it trains), the stage-0 tasks with the source in the last ones (they load): every
+block boundary the chain crosses is a cross-thread wait, in the same iteration within a stage or
+one iteration back across stages. Each task returns its batch number; the source never runs out.
 
 Per plan: ``warmup`` steps, then ``steps`` timed ``step()`` calls (fill excluded), ``repeats``
 times (each on a fresh engine); best and median microseconds per step, per task (step / n) and
