@@ -163,7 +163,8 @@ def _stop_workers(workers: dict[str, Worker]) -> None:
 
 class Interpreter(abc.ABC):
     """Walkers, workers, the board, turnstiles, failures and reports; subclasses say what the
-    programs are (``_program``) and what their work instructions do (``_run``)."""
+    programs are (``_program``, with their ops) and what their work instructions do (``_run``
+    behind the default op, or ops of their own)."""
 
     def __init__(self, *, streams: StreamPool | None, timeout_s: float, name: str) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
