@@ -1,19 +1,18 @@
-"""What ``sim_vs_real.py`` and ``close_loop.py`` share: profile our pipelines on every rank, and
-turn the profiles into a prediction of the multi-rank simulator.
+"""What ``sim_vs_real.py`` and ``close_loop.py`` share: profile our pipelines on every rank in
+blocks of consecutive steps, and turn the profiles into predictions of the multi-rank simulator.
 
-In each rank, ``profile_interleaved`` trains several of our pipelines interleaved call by call
-(the same machine load for all), with a ``TaskProfiler`` attached after the warm-up, and times
-each step (``progress()`` and, for StagedTrainPipeline, the caller's training after it). The
-parent gets every rank's ``ProfiledRun`` and calls ``calibration`` (``torchrec_swp.sim.calibrate``:
-each rank's task costs, collectives taken after the last rank arrived, the loader latency off
-the CPU, contention removed for ``cores`` cores) and ``predicted_step`` (``simulate_ranks``:
-rank 0's median simulated step).
+In each rank, ``profile_blocks`` runs several of our pipelines (each its own copy of the model,
+its own data) in rounds: every pipeline runs ``block`` consecutive steps, the order rotating each
+round, the first ``skip`` of each block untimed. Consecutive steps, not steps interleaved call
+by call: a plan that runs ahead works between its calls, and interleaving would hand it the
+other pipelines' steps for free. During a block's timed steps a fresh ``TaskProfiler`` records
+every task (with its thread CPU time) and every ``progress()`` call (the engine reports them); the
+period of each timed step, from one call's start to the next's, is what the caller lives.
 
-Per-iteration overhead of a rank (``overhead_s``, simulated as CPU work on the calling thread
-before each iteration): what the profile does not attribute to a task on the iteration's
-critical path (``exposed_times``: dispatch and wake-up latencies), plus the part of a
-``progress()`` call outside its internal iteration, plus the caller's own work after it
-(``Runner.finish``: StagedTrainPipeline's training). Medians over the measured steps.
+The parent gets every rank's ``ProfiledRun`` and calls ``calibration`` (``torchrec_swp.sim.calibrate``
+through ``autosched.inputs.from_profiles``: each rank's thread CPU and off-CPU time per task,
+collectives taken from the last rank's arrival on, the calling thread's overhead per step) and
+``predicted_step`` (``simulate_ranks`` with the engine model: the mean step of the slowest rank).
 """
 
 from __future__ import annotations
@@ -21,145 +20,118 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from torchrec_swp.autosched.inputs import DEFAULT_WAKE_S, Inputs, from_profiles
 from torchrec_swp.plan import PipelinePlan
-from torchrec_swp.sim import Calibration, calibrate, simulate, simulate_ranks
+from torchrec_swp.profiler import Profile
+from torchrec_swp.sim import simulate_ranks
 
 
 @dataclass
 class ProfiledRun:
-    """One pipeline on one rank: the plan it ran (text), the profiler's iteration records, the
-    time of each measured ``progress()`` call and of the caller's work after it (s), the losses,
-    ``Profile.durations()`` (the medians, the single-rank simulator's cost model) and the whole
-    profile (``Profile.to_json()``, what ``python -m torchrec_swp.autosched --profile`` reads)."""
+    """One pipeline on one rank: the plan it ran (text), each timed step's period (s), every
+    step's loss, and one ``Profile.to_json()`` per block (records, call costs, where it ran)."""
 
     label: str
-    plan: str
-    records: list[Any] = field(default_factory=list)
-    progress_s: list[float] = field(default_factory=list)
-    finish_s: list[float] = field(default_factory=list)
+    plan: str = ""
+    periods: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    medians: dict[str, float] = field(default_factory=dict)
-    profile: dict[str, Any] = field(default_factory=dict)  # Profile.to_json()
+    blocks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def step_s(self) -> list[float]:
-        return [p + f for p, f in zip(self.progress_s, self.finish_s, strict=True)]
+    def mean_step_s(self) -> float:
+        return statistics.fmean(self.periods)
 
-    @property
-    def median_step_s(self) -> float:
-        return statistics.median(self.step_s)
+    def profile(self) -> Profile:
+        """The blocks' profiles as one: every block's measured iterations, the mean call costs."""
+        profiles = [Profile.from_json(b) for b in self.blocks]
+        first = profiles[0]
+        steps = [p.steps for p in profiles if p.steps is not None]
+        merged_steps = None
+        if steps:
+            merged_steps = replace(
+                steps[0],
+                calls=sum(s.calls for s in steps),
+                overhead_s=statistics.fmean(s.overhead_s for s in steps),
+                call_mean_s=statistics.fmean(s.call_mean_s for s in steps),
+                call_cpu_mean_s=statistics.fmean(s.call_cpu_mean_s for s in steps),
+                gap_mean_s=statistics.fmean(s.gap_mean_s for s in steps),
+                gap_cpu_mean_s=statistics.fmean(s.gap_cpu_mean_s for s in steps),
+            )
+        return replace(first, records=tuple(r for p in profiles for r in p.records), steps=merged_steps)
 
 
-def profile_interleaved(
+def profile_blocks(
     labels: Sequence[str],
     runners: Sequence[Any],
     data: Sequence[Iterator[Any]],
     *,
     warmup: int,
-    steps: int,
+    rounds: int,
+    block: int,
+    skip: int,
+    where: Callable[[Any], dict[str, Any]],
     tick: Callable[[], None] | None = None,
 ) -> list[ProfiledRun]:
-    """In a rank: ``warmup`` then ``steps`` steps of every runner (``harness.dlrm.Runner``
-    of our pipelines), interleaved call by call, the order rotating every step; a TaskProfiler
-    on each during the measured steps. Returns a ProfiledRun per runner."""
+    """In a rank: ``warmup`` steps of every runner (``harness.dlrm.Runner`` of our pipelines)
+    interleaved call by call, then ``rounds`` rounds of a block of ``block`` consecutive steps per
+    runner (module docstring). ``where(runner)``: the profile's ``where`` fields (rank, machine,
+    what the data allows). Returns a ProfiledRun per runner."""
     from torchrec_swp.profiler import TaskProfiler
 
     n = len(runners)
+    out = [ProfiledRun(label) for label in labels]
     for step in range(warmup):
         for k in range(n):
-            runners[(step + k) % n].step(data[(step + k) % n])
+            i = (step + k) % n
+            out[i].losses.append(float(runners[i].step(data[i])[0]))
         if tick is not None:
             tick()
-    profilers = [TaskProfiler(warmup=0) for _ in runners]
-    out = [ProfiledRun(label, "") for label in labels]
-    for r, p in zip(runners, profilers, strict=True):
-        r.pipeline.engine.instrument(p)
-    try:
-        for step in range(steps):
-            for k in range(n):
-                i = (step + k) % n
-                t0 = time.perf_counter()
-                progressed = runners[i].pipeline.progress(data[i])
-                t1 = time.perf_counter()
-                output = runners[i].finish(progressed)
-                t2 = time.perf_counter()
-                out[i].progress_s.append(t1 - t0)
-                out[i].finish_s.append(t2 - t1)
-                out[i].losses.append(float(output[0]))
-            if tick is not None:
-                tick()
-    finally:
-        for r in runners:
+    for round_ in range(rounds):
+        for k in range(n):
+            i = (round_ + k) % n
+            r, run = runners[i], out[i]
+            profiler = TaskProfiler(warmup=0)
+            last = None
+            for step in range(block):
+                if step == skip:
+                    r.pipeline.engine.instrument(profiler)
+                start = time.perf_counter()
+                if step > skip and last is not None:
+                    run.periods.append(start - last)
+                last = start
+                run.losses.append(float(r.finish(r.pipeline.progress(data[i]))[0]))
+                if tick is not None:
+                    tick()
             r.pipeline.engine.instrument()
-    for run, r, p in zip(out, runners, profilers, strict=True):
-        plan = r.pipeline.engine.plan  # the plan of the measured steps (SemiSync's is phased: its second phase)
-        run.plan = plan.to_text()
-        run.records = list(p.records)
-        profile = p.profile(plan)
-        run.medians = profile.durations()
-        run.profile = profile.to_json()
+            plan = r.pipeline.engine.plan
+            run.plan = plan.to_text()
+            run.blocks.append(profiler.profile(plan).with_where(**where(r)).to_json())
     return out
 
 
-def overhead_s(run: ProfiledRun) -> float:
-    """The per-iteration overhead of a rank (module docstring)."""
-    from torchrec_swp.profiler import exposed_times
-
-    plan = PipelinePlan.from_text(run.plan)
-    steady = frozenset(t for t in plan.fire_order if plan.task(t).when.in_steady_state)
-    comm = {t: plan.task(t).comm_group for t in plan.fire_order}
-    complete = [r for r in run.records if r.ran() == steady and len(r.runs) == len(steady)]
-    if not complete:
-        return 0.0
-    unattributed = statistics.median(exposed_times(r, comm)[1] for r in complete)
-    outside = max(0.0, statistics.median(run.progress_s) - statistics.median(r.duration for r in complete))
-    return unattributed + outside + statistics.median(run.finish_s)
+def inputs_of(runs: Sequence[ProfiledRun], *, wake: float = DEFAULT_WAKE_S, gil: float | None = None) -> Inputs:
+    """Every rank's calibrated costs from its ProfiledRun of one pipeline (``runs[r]``: rank ``r``'s)."""
+    return from_profiles([r.profile() for r in runs], wake=wake, gil=gil)
 
 
-def calibration(
-    runs: Sequence[ProfiledRun], *, latency_s: float, cores: int | None, overhead: bool = True
-) -> Calibration:
-    """Every rank's costs from its ProfiledRun of one pipeline (``runs[r]``: rank ``r``'s). The
-    source task's first ``latency_s`` seconds are the loader waiting (off the CPU)."""
-    plans = [PipelinePlan.from_text(r.plan) for r in runs]
-    source = plans[0].source
-    return calibrate(
-        plans,
-        [r.records for r in runs],
-        off_cpu={source: latency_s} if source is not None and latency_s > 0 else None,
-        cores=cores,
-        overhead=[overhead_s(r) for r in runs] if overhead else None,
+def predicted_step(inputs: Inputs, *, mode: str = "mean", plan: PipelinePlan | None = None, batches: int | None = None) -> float:
+    """The engine model's mean step of the calibrated ranks (running ``plan`` if given, else what
+    they ran), over ``batches`` batches (default: replay as many as were measured, 40 for means)."""
+    cal = inputs.calibration
+    base = cal.ranks[0].plan
+    run = plan or base
+    n = batches or (cal.iterations + 2 * (run.pipeline_depth + run.lookahead + run.loads) if mode == "replay" else 40)
+    ranks = cal.simulation_ranks(  # type: ignore[arg-type]
+        mode,
+        plans=[run] * len(cal.ranks),
+        machines=inputs.machine.machines,
+        wake=inputs.machine.wake,
+        split_draws=inputs.split_draws,
+        gil=inputs.machine.gil,
     )
-
-
-def predicted_step(
-    cal: Calibration,
-    *,
-    mode: str = "replay",
-    cores: int | None,
-    plan: PipelinePlan | None = None,
-    batches: int | None = None,
-    seed: int = 0,
-) -> float:
-    """Rank 0's median simulated step of the calibrated ranks (running ``plan`` if given, else
-    what they ran): over ``batches`` batches (default: as many as were measured, 12 for medians)."""
-    depth = max(c.plan.max_stage for c in cal.ranks) + 1
-    n = batches or (12 if mode == "median" else cal.iterations + depth)
-    plans = None if plan is None else [plan] * len(cal.ranks)
-    ranks = cal.simulation_ranks(mode, seed=seed, plans=plans)  # type: ignore[arg-type]
-    result = simulate_ranks(ranks, n, cores=cores)
-    got = result.ranks[0].median_iteration_time
-    assert got is not None
-    return got
-
-
-def single_rank_step(run: ProfiledRun) -> float:
-    """What the single-rank simulator predicted before: ``simulate`` of rank 0's plan with its
-    ``Profile.durations()`` (medians), steady iteration time."""
-    plan = PipelinePlan.from_text(run.plan)
-    got = simulate(plan, run.medians, plan.max_stage + 4).steady_iteration_time
+    got = simulate_ranks(ranks, n, cores=inputs.machine.cores).step_period
     assert got is not None
     return got

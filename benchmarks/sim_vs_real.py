@@ -1,29 +1,33 @@
-"""Predicted vs measured step time of real 2-rank runs: the multi-rank simulator against the clock.
+"""Predicted vs measured step time of real runs: the multi-rank simulator's engine model against the clock.
 
-    python benchmarks/sim_vs_real.py              # the 12 pipelines, default plan and io thread (3-5 min)
-    python benchmarks/sim_vs_real.py --quick      # the 10 that do not compile, fewer steps (about 45 s)
-    python benchmarks/sim_vs_real.py --pipelines TrainPipelineSparseDist --steps 300
+    python benchmarks/sim_vs_real.py              # the 12 pipelines, 2 ranks then 1 rank (about 10 min)
+    python benchmarks/sim_vs_real.py --quick      # the 10 that do not compile, 2 ranks, fewer steps
+    python benchmarks/sim_vs_real.py --pipelines TrainPipelineSparseDist --ranks 1 --steps 150
 
-For each pipeline, 2 gloo ranks train two copies of the small DLRM with our pipeline, one with
-its default plan and one with the stage-0 tasks (loading and copying the next batch) on thread
-``io``, interleaved call by call, the loader waiting ``--latency-ms`` per batch. After the
-warm-up, a TaskProfiler on every rank records each task run; each step is timed.
+For each pipeline, on ``--ranks`` gloo ranks (2, then 1: with 2 ranks on 2 cores the ranks share
+the cores and wait for each other in every collective; 1 rank has both cores), the loader waiting
+``--latency-ms`` per batch, our pipeline trains its own copy of the small DLRM in each
+configuration:
 
-Then, per pipeline and plan, in the parent (``benchmarks/profiled.py``):
+* ``default``: the default plan, its draw split off into a Fetch task on the calling thread
+  where the pipeline has one (``plans.with_parallel_loads(plan, 1, lookahead=0, thread="default")``:
+  the same calls in the same order; what a self-tuning pipeline profiles);
+* ``io``: the stage-0 tasks (loading and copying the next batch) on thread ``io``;
+* ``io+ahead``: besides, ``lookahead 2``: the io thread runs up to two batches ahead;
+* ``2loads``: two parallel loads over a ``MapSource`` (lookahead 2), where the pipeline's draw splits.
 
-* **measured**: rank 0's median step (``progress()``, plus the caller's training for Staged);
-* **1 rank**: what the simulator predicted before: ``simulate`` of the plan with rank 0's
-  ``Profile.durations()`` (median per task), one rank's threads only;
-* **ranks, medians**: ``simulate_ranks`` of both ranks calibrated from both profiles
-  (collectives as rendezvous, the loader's latency off the CPU, 2 cores shared by both ranks,
-  the per-iteration overhead), every task at its median;
-* **ranks, replay**: the same, each simulated iteration costing what a measured iteration cost
-  (every task and both ranks from the same one), the median of the simulated steps: the model;
-* **from default**: for the io plan, ``simulate_ranks`` of the io plan with the costs
-  calibrated on the *default* plan's run - a prediction for a plan that was not profiled, what
-  the auto-scheduler relies on.
+Configurations run in blocks of consecutive steps (``benchmarks/profiled.py``), a TaskProfiler
+and the step periods recorded during each block's timed steps. Then, in the parent, per
+configuration:
 
-Errors are ``predicted / measured - 1``; misses over 10% are listed with what changed. Writes
+* **measured**: rank 0's mean step period (the throughput);
+* **replay**: the engine model calibrated from the run's own profiles (every rank's), each
+  simulated iteration costing what a measured one cost: the model of the run itself;
+* **mean**: the same with every task at its mean cost;
+* **from default**: the configuration's plan simulated with the costs calibrated on the
+  *default* run: a prediction for a plan that was not profiled, what the auto-tuner relies on.
+
+Errors are ``predicted / measured - 1``; misses over 10% are listed. Writes
 ``OUT/sim_vs_real.json`` and ``.md`` (default ``out/bench``), and every rank's profiles to
 ``OUT/sim_vs_real.raw.pkl`` (``--from-raw`` analyses them again without running).
 """
@@ -39,43 +43,93 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import SIZES, batches, rank_setup, size_arg
-from benchmarks.profiled import ProfiledRun, calibration, predicted_step, profile_interleaved, single_rank_step
+from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
 from benchmarks.report import run_meta, write_report
 from harness.dlrm import INFO, PIPELINES
 
-CORES = 2  # this machine
 QUICK_PIPELINES = [n for n in PIPELINES if not INFO[n].compiles]
+CONFIGS = ("default", "io", "io+ahead", "2loads")
+
+
+def configs_of(name: str) -> list[str]:
+    """The configurations pipeline ``name`` runs: parallel loads only where its draw splits."""
+    from torchrec_swp.plans import default_plans, splits_draw
+
+    plan = default_plans()[name]
+    first = plan.plans[0] if hasattr(plan, "plans") else plan
+    return [c for c in CONFIGS if c != "2loads" or (splits_draw(first) and INFO[name].kind != "staged")]
+
+
+def _runner(name: str, config: str, rank: int, world: int, size_name: str, total: int, latency_s: float) -> tuple[Any, Any]:
+    from benchmarks.peers import latency_dataset
+    from examples.dlrm.model import build_dlrm
+    from harness.dlrm import make_runner
+    from torchrec_swp import plans
+    from torchrec_swp.plans import splits_draw
+    from torchrec_swp.data import MapSource
+    from torchrec_swp.plan import MAIN_THREAD
+
+    size = SIZES[size_name]
+    build = lambda: build_dlrm(rank, world, size)  # noqa: E731
+    staged = INFO[name].kind == "staged"
+
+    def split(plan: Any) -> Any:
+        first = plan.plans[0] if hasattr(plan, "plans") else plan
+        return plans.with_parallel_loads(plan, 1, lookahead=0, thread=MAIN_THREAD) if splits_draw(first) else plan
+
+    options: dict[str, Any] = {}
+    if config == "io+ahead":
+        options["lookahead"] = 2
+    if config == "2loads":
+        options.update(loads=2, lookahead=2)
+    runner = make_runner(
+        name,
+        "ours",
+        build,
+        edit_plan=None if staged or config == "2loads" else split,
+        thread_map="io" if config in ("io", "io+ahead") else None,
+        options=options,
+    )
+    data = MapSource(latency_dataset(size, rank, total, latency_s)) if config == "2loads" else batches(size, rank, total, latency_s)
+    return runner, data
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, list[ProfiledRun]]:
     rank_setup()
     from tqdm import tqdm
 
-    from examples.dlrm.model import build_dlrm
-    from examples.dlrm.train import thread_map_of
-    from harness.dlrm import make_runner
+    from torchrec_swp.autotune.ranks import machine
 
-    size = SIZES[args.size[0]]
-    total = args.warmup + args.steps
-    bar = tqdm(total=total * len(args.pipelines), disable=rank != 0, unit="step", mininterval=1.0, file=sys.stdout)
+    host, cores = machine()
+    total = args.warmup + args.rounds * args.block + 8
+    steps = sum(len(configs_of(n)) for n in args.pipelines) * (args.warmup + args.rounds * args.block)
+    bar = tqdm(total=steps, disable=rank != 0, unit="step", mininterval=1.0, file=sys.stdout)
     out: dict[str, list[ProfiledRun]] = {}
     try:
         for name in args.pipelines:
-            bar.set_description(name)
-            runners = []
+            bar.set_description(f"{world_size} rank(s), {name}")
+            configs = configs_of(name)
+            runners, data = [], []
             try:
-                for tm in ("default", "io"):
-                    runners.append(
-                        make_runner(
-                            name,
-                            "ours",
-                            lambda: build_dlrm(rank, world_size, size),
-                            thread_map=None if tm == "default" else thread_map_of(tm),
-                        )
-                    )
-                data = [batches(size, rank, total + 4, args.latency_ms / 1000) for _ in runners]
-                out[name] = profile_interleaved(
-                    ["default", "io"], runners, data, warmup=args.warmup, steps=args.steps, tick=bar.update
+                for config in configs:
+                    r, d = _runner(name, config, rank, world_size, args.size[0], total, args.latency_ms / 1000)
+                    runners.append(r)
+                    data.append(d)
+
+                def where(r: Any) -> dict[str, Any]:
+                    draws = r.pipeline.engine.draws
+                    return dict(rank=rank, world_size=world_size, host=host, cores=cores, split_draws=bool(draws and draws.splits))
+
+                out[name] = profile_blocks(
+                    configs,
+                    runners,
+                    data,
+                    warmup=args.warmup,
+                    rounds=args.rounds,
+                    block=args.block,
+                    skip=args.skip,
+                    where=where,
+                    tick=bar.update,
                 )
             finally:
                 for r in runners:
@@ -89,37 +143,32 @@ def _error(predicted: float, measured: float) -> float:
     return predicted / measured - 1
 
 
-def analyse(per_rank: list[dict[str, list[ProfiledRun]]], latency_s: float) -> list[dict[str, Any]]:
+def analyse(per_rank: list[dict[str, list[ProfiledRun]]], world_size: int) -> list[dict[str, Any]]:
     """The table's rows from every rank's runs (module docstring)."""
     from torchrec_swp.plan import PipelinePlan
 
     rows = []
     for name in per_rank[0]:
-        runs = {label: [rank[name][k] for rank in per_rank] for k, label in enumerate(("default", "io"))}
-        cal = {label: calibration(r, latency_s=latency_s, cores=CORES) for label, r in runs.items()}
-        for label in ("default", "io"):
-            measured = runs[label][0].median_step_s
+        runs = {run.label: [rank[name][k] for rank in per_rank] for k, run in enumerate(per_rank[0][name])}
+        inputs = {label: inputs_of(r) for label, r in runs.items()}
+        for label, ranks_runs in runs.items():
+            measured = ranks_runs[0].mean_step_s
             row: dict[str, Any] = {
                 "pipeline": name,
-                "plan": label,
+                "ranks": world_size,
+                "config": label,
                 "measured_ms": 1e3 * measured,
-                "same_losses_as_default": runs[label][0].losses == runs["default"][0].losses,
-                "iterations_calibrated": cal[label].iterations,
-                "overhead_ms": [1e3 * c.overhead for c in cal[label].ranks],
+                "same_losses_as_default": ranks_runs[0].losses == runs["default"][0].losses,
+                "iterations_calibrated": inputs[label].calibration.iterations,
+                "overhead_ms": [1e3 * c.overhead for c in inputs[label].calibration.ranks],
             }
             predictions = {
-                "one_rank": single_rank_step(runs[label][0]),
-                "ranks_median": predicted_step(cal[label], mode="median", cores=CORES),
-                "ranks_replay": predicted_step(cal[label], mode="replay", cores=CORES),
+                "replay": predicted_step(inputs[label], mode="replay"),
+                "mean": predicted_step(inputs[label], mode="mean"),
             }
-            if label == "io":
-                predictions["from_default"] = predicted_step(
-                    cal["default"], mode="replay", cores=CORES, plan=PipelinePlan.from_text(runs["io"][0].plan)
-                )
-                # what changed between the two runs, to explain a miss of the prediction from default
-                before, after = cal["default"].ranks[0].measured(), cal["io"].ranks[0].measured()
-                row["rank0_task_ms_default_vs_io"] = {t: (1e3 * before[t], 1e3 * after[t]) for t in before}
-                row["overhead_ms_default"] = [1e3 * c.overhead for c in cal["default"].ranks]
+            if label != "default":
+                plan = PipelinePlan.from_text(ranks_runs[0].plan)
+                predictions["from_default"] = predicted_step(inputs["default"], mode="mean", plan=plan)
             for key, value in predictions.items():
                 row[f"{key}_ms"] = 1e3 * value
                 row[f"{key}_error"] = _error(value, measured)
@@ -136,28 +185,24 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         return f"**{text}**" if abs(err) > 0.10 else text
 
     lines = [
-        "# Predicted vs measured step time, 2 gloo ranks",
+        "# Predicted vs measured step time: the engine model against real runs",
         "",
         f"{meta['date']}; `{meta['command']}`",
         (
-            f"{meta['size']} DLRM, loader latency {meta['latency_ms']:g} ms, {meta['warmup']} warm-up + "
-            f"{meta['steps']} measured steps of both plans interleaved; predictions: ms (error vs measured), "
-            "misses over 10% in bold."
+            f"{meta['size']} DLRM, loader latency {meta['latency_ms']:g} ms, {meta['warmup']} warm-up steps, then "
+            f"{meta['rounds']} rounds of {meta['block']} consecutive steps per configuration ({meta['skip']} untimed); "
+            "mean step (ms), predictions: ms (error vs measured), misses over 10% in bold."
         ),
         "",
-        "| pipeline | plan | measured ms | 1 rank, medians (before) | ranks, medians | ranks, replay "
-        "| io from default's profile |",
+        "| ranks | pipeline | config | measured ms | replay | mean | from default's profile |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['pipeline']} | {r['plan']} | {r['measured_ms']:.2f} | {cell(r, 'one_rank')} "
-            f"| {cell(r, 'ranks_median')} | {cell(r, 'ranks_replay')} | {cell(r, 'from_default')} |"
+            f"| {r['ranks']} | {r['pipeline']} | {r['config']} | {r['measured_ms']:.2f} | {cell(r, 'replay')} "
+            f"| {cell(r, 'mean')} | {cell(r, 'from_default')} |"
         )
-    misses = [line for r in rows for line in _explain(r)]
-    if misses:
-        lines += ["", "Misses over 10% of the multi-rank predictions, and what changed:", "", *misses]
-    for key, title in (("one_rank", "1 rank"), ("ranks_replay", "ranks, replay"), ("from_default", "from default")):
+    for key, title in (("replay", "replay"), ("mean", "mean"), ("from_default", "from default")):
         errs = [abs(r[f"{key}_error"]) for r in rows if f"{key}_error" in r]
         if errs:
             within = sum(e <= 0.10 for e in errs)
@@ -165,34 +210,16 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"\n{title}: mean |error| {100 * sum(errs) / len(errs):.1f}%, worst {100 * max(errs):.1f}%, "
                 f"{within}/{len(errs)} within 10%."
             )
+    misses = [
+        f"- {r['ranks']} rank(s) {r['pipeline']} {r['config']}, {key}: {100 * r[f'{key}_error']:+.0f}% "
+        f"(overhead per step, ms per rank: {', '.join(f'{o:.2f}' for o in r['overhead_ms'])})"
+        for r in rows
+        for key in ("replay", "mean", "from_default")
+        if abs(r.get(f"{key}_error", 0.0)) > 0.10
+    ]
+    if misses:
+        lines += ["", "Misses over 10%:", "", *misses]
     return "\n".join(lines) + "\n"
-
-
-def _explain(r: dict[str, Any]) -> list[str]:
-    """A line per multi-rank prediction of ``r`` that misses by more than 10%, with the numbers
-    that explain it: the per-iteration overhead, and for the io plan predicted from the default
-    plan's profile, rank 0's tasks whose cost changed most between the two runs."""
-    out = []
-    where = f"{r['pipeline']} ({r['plan']})"
-    overhead = ", ".join(f"{ms:.2f}" for ms in r["overhead_ms"])
-    for key in ("ranks_median", "ranks_replay"):
-        if abs(r[f"{key}_error"]) > 0.10:
-            out.append(
-                f"- {where}, {key.replace('_', ', ')}: {100 * r[f'{key}_error']:+.0f}%; per-iteration overhead "
-                f"(ms, per rank) {overhead}"
-            )
-    if abs(r.get("from_default_error", 0.0)) > 0.10:
-        changes = sorted(
-            r["rank0_task_ms_default_vs_io"].items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])
-        )[:3]
-        out.append(
-            f"- {where}, from default: {100 * r['from_default_error']:+.0f}%; rank 0's costs, default run -> io run: "
-            + ", ".join(f"{t} {a:.2f} -> {b:.2f} ms" for t, (a, b) in changes)
-            + "; overhead (ms, per rank) "
-            + ", ".join(f"{ms:.2f}" for ms in r["overhead_ms_default"])
-            + f" -> {overhead}"
-        )
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,44 +230,47 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="comma-separated (default: all 12; with --quick the 10 that do not compile)",
     )
-    parser.add_argument("--quick", action="store_true", help="60 steps after 10 warm-up, no compiled pipelines")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps (default: 200, --quick 60)")
-    parser.add_argument("--warmup", type=int, default=None, help="dropped steps (default: 20, --quick 10)")
+    parser.add_argument("--quick", action="store_true", help="2 ranks only, 2 rounds of 40 steps, no compiled pipelines")
+    parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=None, help="(default: 2,1)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default: 3, --quick 2)")
+    parser.add_argument("--block", type=int, default=None, help="consecutive steps per block (default: 60, --quick 40)")
+    parser.add_argument("--skip", type=int, default=None, help="untimed steps per block (default: a third)")
+    parser.add_argument("--warmup", type=int, default=None, help="dropped steps, interleaved (default: 20, --quick 10)")
     parser.add_argument("--latency-ms", type=float, default=10.0, help="loader latency (default: %(default)s)")
     parser.add_argument("--size", type=size_arg, default=["small"], help="DLRM size (default: small)")
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
     parser.add_argument(
-        "--from-raw",
-        type=Path,
-        metavar="FILE",
-        help="analyse the profiles a run saved (OUT/sim_vs_real.raw.pkl) instead of running",
+        "--from-raw", type=Path, metavar="FILE", help="analyse the profiles a run saved (OUT/sim_vs_real.raw.pkl)"
     )
     args = parser.parse_args(argv)
-    args.steps = args.steps or (60 if args.quick else 200)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.block = args.block or (40 if args.quick else 60)
+    args.skip = args.skip if args.skip is not None else args.block // 3
     args.warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
+    args.ranks = args.ranks or ([2] if args.quick else [2, 1])
     args.pipelines = args.pipelines or (QUICK_PIPELINES if args.quick else list(PIPELINES))
     unknown = [p for p in args.pipelines if p not in INFO]
     if unknown:
         parser.error(f"unknown pipeline(s) {unknown}; choose among {', '.join(PIPELINES)}")
-    if args.steps < 4 or args.warmup < 4 or args.latency_ms < 0:
-        parser.error("--steps and --warmup must be >= 4, --latency-ms >= 0")
+    if args.block - args.skip < 4 or args.skip < 1 or args.warmup < 2 or args.latency_ms < 0 or args.rounds < 1:
+        parser.error("--block - --skip >= 4, --skip >= 1, --warmup >= 2, --rounds >= 1, --latency-ms >= 0")
     if len(args.size) != 1:
         parser.error("--size takes one size")
 
     if args.from_raw:
         with args.from_raw.open("rb") as f:
             saved = pickle.load(f)
-        per_rank, args.latency_ms = saved["per_rank"], saved["latency_ms"]
+        runs, args.latency_ms = saved["runs"], saved["latency_ms"]
     else:
         from harness.ranks import run_on_ranks
 
-        per_rank = run_on_ranks(_rank, args, timeout_s=3600.0)
+        runs = {w: run_on_ranks(_rank, args, world_size=w, timeout_s=3600.0) for w in args.ranks}
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "sim_vs_real.raw.pkl").open("wb") as f:
-            pickle.dump({"per_rank": per_rank, "latency_ms": args.latency_ms}, f)
-    rows = analyse(per_rank, args.latency_ms / 1000)
-    meta = run_meta("sim_vs_real.py", argv, args, "latency_ms", "steps", "warmup")
-    meta.update(size=args.size[0], cores=CORES)
+            pickle.dump({"runs": runs, "latency_ms": args.latency_ms}, f)
+    rows = [row for w, per_rank in runs.items() for row in analyse(per_rank, w)]
+    meta = run_meta("sim_vs_real.py", argv, args, "latency_ms", "warmup", "rounds", "block", "skip")
+    meta.update(size=args.size[0])
     write_report(args.out, "sim_vs_real", {"meta": meta, "rows": rows}, _markdown(rows, meta))
 
 

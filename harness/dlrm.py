@@ -146,6 +146,14 @@ def upstream_unavailable(name: str, impl: Impl, device: torch.device, upstream_p
     )
 
 
+def ours_takes(name: str, keyword: str) -> bool:
+    """Whether torchrec_swp's pipeline ``name`` takes the constructor keyword ``keyword`` (e.g.
+    ``input_dist_group``, which only the SparseDist family has); False for a name it does not export."""
+    if name not in _ours_exports():
+        return False
+    return any(keyword in _parameters(klass) for klass in _pipeline_class(name, "ours").__mro__)
+
+
 def unknown_options(name: str, impl: Impl, options: Mapping[str, Any]) -> str:
     """A message naming the ``options`` that ``name``'s constructor does not take (its upstream
     class's parameters, and for ours the engine's keyword options), or "" (checked before launch)."""
@@ -226,6 +234,7 @@ def make_runner(
     *,
     plan: Any = None,
     thread_map: Any = None,
+    edit_plan: Callable[[Any], Any] | None = None,
     options: Mapping[str, Any] | None = None,
     upstream_patch: bool = False,
     device: torch.device = CPU,
@@ -234,6 +243,8 @@ def make_runner(
     (``build()`` puts the model there).
 
     ``plan`` and ``thread_map`` (ours only) replace the default plan and thread map;
+    ``edit_plan`` (ours only) edits the plan before the thread map: the pipeline runs
+    ``edit_plan(plan)``, or ``edit_plan(its default plan)`` (see ``default_plan_of``);
     ``options`` add constructor options (on top of ``INFO[name].options``).
     ``upstream_patch`` allows upstream pipelines that need the test-only CPU patch (see the
     module docstring; on a CUDA device they run as shipped). Raises PipelineUnavailable when the
@@ -244,8 +255,10 @@ def make_runner(
     info = INFO[name]
     if impl not in ("upstream", "ours"):
         raise PipelineUnavailable(f"impl must be 'upstream' or 'ours', got {impl!r}")
-    if impl == "upstream" and (plan is not None or thread_map is not None):
-        raise PipelineUnavailable("a plan or a thread_map applies to our pipelines only (impl='ours')")
+    if impl == "upstream" and (plan is not None or thread_map is not None or edit_plan is not None):
+        raise PipelineUnavailable("a plan, a plan edit or a thread_map applies to our pipelines only (impl='ours')")
+    if edit_plan is not None and info.kind == "staged":
+        raise PipelineUnavailable("StagedTrainPipeline's plan follows its stages: it takes no plan edit")
     on_cpu = device.type == "cpu"
     if impl == "upstream" and info.upstream_fails and on_cpu and not upstream_patch:
         raise PipelineUnavailable(
@@ -253,7 +266,6 @@ def make_runner(
             "allow the test-only CPU patch (--upstream-cpu-patch) or use our pipeline"
         )
     cls = _pipeline_class(name, impl)
-    engine_options = {k: v for k, v in (("plan", plan), ("thread_map", thread_map)) if v is not None}
     kwargs = {**info.options, **(options or {})}
     patch = contextlib.ExitStack()
     try:
@@ -271,6 +283,13 @@ def make_runner(
             model, optimizer = build()
         if info.kind == "eval":
             model.eval()
+        if edit_plan is not None:
+            if kwargs.get("input_dist_group") is True:  # one new group, for the default plan's pipeline too
+                from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group
+
+                kwargs["input_dist_group"] = new_input_dist_group(where=f"{name}(input_dist_group=True)")
+            plan = edit_plan(plan if plan is not None else default_plan_of(cls, model, optimizer, device, kwargs))
+        engine_options = {k: v for k, v in (("plan", plan), ("thread_map", thread_map)) if v is not None}
         if info.kind == "staged":
             if kwargs:
                 raise PipelineUnavailable(f"StagedTrainPipeline takes no options here, got {sorted(kwargs)}")
@@ -281,6 +300,21 @@ def make_runner(
         patch.close()
         raise
     return Runner(info, impl, pipeline, model, optimizer, patch)
+
+
+def default_plan_of(
+    cls: type, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, kwargs: Mapping[str, Any]
+) -> Any:
+    """The default plan of our pipeline class ``cls`` built with these arguments (it depends on
+    them: SemiSync's ``start_batch``, ``input_dist_group``'s comm group, ...), read from a pipeline
+    built for it and closed at once: building one draws no batch, changes nothing in the model and
+    issues no collective (``input_dist_group=True`` would create a process group: pass the group
+    itself, as ``make_runner`` does)."""
+    probe = cls(model, optimizer, device, **kwargs)
+    try:
+        return probe.plan
+    finally:
+        probe.close()
 
 
 def _staged(

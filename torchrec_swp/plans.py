@@ -23,6 +23,7 @@ from torchrec_swp.catalog.torchrec import (
     FETCH,
     INPUT_DIST_TASKS,
     default_plans,
+    splits_draw,
     with_input_dist_group,
     with_parallel_loads,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "FETCH",
     "INPUT_DIST_TASKS",
     "default_plans",
+    "splits_draw",
     "with_input_dist_group",
     "with_lookahead",
     "with_parallel_loads",

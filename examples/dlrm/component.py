@@ -2,6 +2,7 @@
 
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 100 --thread_map io
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
+    .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --data_source map --loads 4 --loader_latency_ms 20
 
 The named parameters are the common ones; anything after ``--`` goes to train.py unchanged (see
 ``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j {nnodes}x{nproc}`` and the
@@ -15,6 +16,7 @@ from the repository root. ``max_retries`` is both the scheduler's retry count an
 
 import shlex
 import sys
+from typing import Optional  # torchx reads the annotations as written: `int | None` is not one it takes
 
 from torchx import specs
 from torchx.components.dist import ddp
@@ -33,7 +35,11 @@ def dlrm(
     pipeline: str = "TrainPipelineSparseDist",
     impl: str = "ours",
     steps: int = 100,  # = train.STEPS
-    thread_map: str = "main",
+    thread_map: str = "",
+    data_source: str = "dataloader",
+    loads: int = 1,
+    lookahead: Optional[int] = None,  # noqa: UP045 - see the import
+    input_dist_group: bool = False,
     loader_latency_ms: float = 0.0,
     json: str = "",
     cpu: int = 2,
@@ -50,7 +56,11 @@ def dlrm(
         pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase
         impl: ours (torchrec_swp) or upstream (TorchRec)
         steps: batches per rank
-        thread_map: ours: main, by_stream, per_task, io, or a JSON object {task: thread}
+        thread_map: ours: main, by_stream, per_task, io, or a JSON object {task: thread} ("": the plan's own)
+        data_source: dataloader (torchdata's StatefulDataLoader) or map (torchrec_swp's MapSource)
+        loads: ours, with data_source map: batches loaded at once, on the pipeline's threads
+        lookahead: ours: batches the source may draw ahead of the pipeline's depth (default: loads when loads > 1)
+        input_dist_group: ours, the SparseDist family: a process group of its own for the sparse input dist
         loader_latency_ms: the loader waits this long per batch (storage latency)
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
@@ -65,9 +75,17 @@ def dlrm(
         str(steps),
         "--loader-latency-ms",
         str(loader_latency_ms),
+        "--data-source",
+        data_source,
     ]
-    if impl == "ours":
+    if thread_map:
         args += ["--thread-map", thread_map]
+    if loads != 1:
+        args += ["--loads", str(loads)]
+    if lookahead is not None:
+        args += ["--lookahead", str(lookahead)]
+    if input_dist_group:
+        args += ["--input-dist-group"]
     if json:
         args += ["--json", json]
     env = {"OMP_NUM_THREADS": "1", "PET_MAX_RESTARTS": str(max_retries)}

@@ -10,7 +10,11 @@ what TorchRec's DLRM and every train pipeline take.
 * ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``): one example
   per line, tab-separated: label, 13 integer features, 26 categorical features in hex; any field
   may be empty. Dense values become ``log(1 + max(x, 0))``, hex ids ``int(x, 16) % num_embeddings``,
-  an empty categorical field no id.
+  an empty categorical field no id. Read in order (iterating), or batch by batch in any order
+  (``batch(k)``, after one pass over the files that notes where each of this rank's batches
+  starts), with the same batches either way.
+* ``write_sample_tsv``: a small file in Criteo's format with random values, to try
+  ``--criteo-tsv`` without the download (the tests write theirs with it).
 * ``with_latency``: wraps an iterable so that each batch arrives ``latency_s`` late, like a
   loader waiting on storage (the wait sleeps, releasing the GIL).
 
@@ -23,10 +27,13 @@ batch more would wait forever in a collective).
 from __future__ import annotations
 
 import math
+import random
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -128,10 +135,25 @@ class SyntheticCriteo:
         return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 
 
+class LinePosition(NamedTuple):
+    """Where reading resumes in a list of files: file ``file`` at ``offset`` (its ``tell()``),
+    ``line`` lines of that file before it (for ``path:line`` in error messages)."""
+
+    file: int
+    offset: int
+    line: int
+
+
 class CriteoTsv:
     """Batches read from Criteo TSV files (see the module docstring), this rank's share.
 
     ``max_batches`` stops after that many batches of this rank (None: the whole files).
+
+    Iterating reads the files once, in order. ``batch(k)`` reads batch ``k`` alone (any thread,
+    any order): the first ``batch()`` or ``len()`` reads the files once to note where each of this
+    rank's batches starts (one position per batch, kept in memory), up to the last complete round
+    or ``max_batches``; ``batch(k)`` then reads from there. Both give the same batches, and the
+    same error for a bad line.
     """
 
     def __init__(
@@ -163,6 +185,55 @@ class CriteoTsv:
         self.rank = rank
         self.world_size = world_size
         self.max_batches = max_batches
+        self._starts: list[LinePosition] | None = None
+        self._starts_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """This rank's batches: one per complete round, at most ``max_batches``."""
+        return len(self._batch_starts())
+
+    def batch(self, k: int) -> Batch:
+        """Batch ``k`` of this rank: the ``k``-th item of iterating (IndexError past the last)."""
+        starts = self._batch_starts()
+        if not 0 <= k < len(starts):
+            raise IndexError(f"batch {k} of {len(starts)} in {', '.join(map(str, self.paths))} (rank {self.rank})")
+        lines = self._lines(starts[k])
+        try:
+            return self._parse(list(islice(lines, self.batch_size)))
+        finally:
+            lines.close()
+
+    def _batch_starts(self) -> list[LinePosition]:
+        """Where each of this rank's batches starts (read once, on first use)."""
+        with self._starts_lock:
+            if self._starts is None:
+                self._starts = self._scan()
+            return self._starts
+
+    def _scan(self) -> list[LinePosition]:
+        """One pass over the files, as ``__iter__`` reads them: the position before the first line of
+        this rank's share of each round (empty lines before it are skipped when reading), for the
+        complete rounds only, at most ``max_batches``."""
+        round_lines = self.batch_size * self.world_size
+        first = self.rank * self.batch_size  # this rank's first line in a round
+        wanted = self.max_batches
+        starts: list[LinePosition] = []
+        seen = 0  # non-empty lines read so far
+        for index, path in enumerate(self.paths):
+            with path.open(encoding="utf-8") as f:
+                number = 0
+                while True:
+                    if seen == len(starts) * round_lines + first and (wanted is None or len(starts) < wanted):
+                        starts.append(LinePosition(index, f.tell(), number))
+                    line = f.readline()  # not `for line in f`: that disables tell()
+                    if not line:
+                        break
+                    number += 1
+                    if line.strip():
+                        seen += 1
+                        if wanted is not None and seen == wanted * round_lines:
+                            return starts
+        return starts[: seen // round_lines]
 
     def __iter__(self) -> Iterator[Batch]:
         round_lines = self.batch_size * self.world_size
@@ -179,11 +250,16 @@ class CriteoTsv:
             produced += 1
             chunk = []
 
-    def _lines(self) -> Iterator[tuple[str, str]]:
-        """Every non-empty line, with where it is (``path:line``) for error messages."""
-        for path in self.paths:
+    def _lines(self, start: LinePosition = LinePosition(0, 0, 0)) -> Iterator[tuple[str, str]]:
+        """Every non-empty line from ``start`` on, with where it is (``path:line``) for error messages."""
+        for index in range(start.file, len(self.paths)):
+            path = self.paths[index]
             with path.open(encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
+                first = 1
+                if index == start.file:
+                    f.seek(start.offset)
+                    first = start.line + 1
+                for number, line in enumerate(f, first):
                     if line.strip():
                         yield line, f"{path}:{number}"
 
@@ -218,6 +294,18 @@ class CriteoTsv:
             ),
             labels=torch.tensor(labels, dtype=torch.long),
         )
+
+
+def write_sample_tsv(path: str | Path, lines: int, seed: int = 0) -> None:
+    """Write ``lines`` random examples in Criteo's TSV format to ``path``: labels 0/1, counts from -2
+    to 500, 8-digit hex ids, about one field in ten empty."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(lines):
+        dense = [str(rng.randint(-2, 500)) if rng.random() > 0.1 else "" for _ in range(NUM_DENSE)]
+        sparse = [f"{rng.getrandbits(32):08x}" if rng.random() > 0.1 else "" for _ in range(NUM_SPARSE)]
+        rows.append("\t".join([str(rng.randint(0, 1)), *dense, *sparse]))
+    Path(path).write_text("\n".join(rows) + "\n")
 
 
 def with_latency(batches: Iterable[T], latency_s: float) -> Iterator[T]:

@@ -3,7 +3,8 @@
     .venv/bin/python examples/dlrm/launch.py [--nnodes N] [--nproc-per-node K] [--retries R]
                                              [--rdzv-port P] [train.py arguments]
 
-1. Checks the arguments, the plan file, the thread map and the checkpoint directory with
+1. Checks the arguments (the data source, ``--loads`` and ``--input-dist-group`` against the
+   pipeline too), the plan file, the thread map and the checkpoint directory with
    ``train.py --check --world-size N*K`` (the parser the ranks use): a mistake ends here, with one
    line, before any process starts.
 2. Runs, with this interpreter's bin first on PATH (torchx's ``dist.ddp`` runs ``torchrun`` from PATH)::

@@ -1,4 +1,6 @@
-"""The example's data loader: torchdata's StatefulDataLoader over this rank's batches.
+"""The example's data loaders: torchdata's StatefulDataLoader over this rank's batches
+(``--data-source dataloader``, the default), or torchrec_swp's ``MapSource`` over them
+(``--data-source map``).
 
 A StatefulDataLoader's iterator has ``state_dict()``: where the data is, which a checkpoint records
 (through the pipeline's ``state_dict()``, at the first batch not yet trained) and a resume gives back
@@ -7,14 +9,23 @@ with ``loader.load_state_dict(...)``. Each item of the datasets below is a whole
 batching of its own; with ``num_workers`` > 0, worker processes make the batches ahead of the
 training, and the loader's state still counts only the batches it handed out.
 
-* ``SyntheticBatches``: map-style, item ``k`` is ``SyntheticCriteo(...).batch(k)``: the batches
-  the example trained on before it had a loader, in the same order. Any number of workers.
+* ``MapBatches``: map-style, item ``k`` is batch ``k`` of ``SyntheticCriteo`` or ``CriteoTsv``
+  (``batch(k)``). ``SyntheticBatches``, its synthetic case, is what the DataLoader reads: the
+  batches the example trained on before it had a loader, in the same order. Any number of workers.
 * ``TsvBatches``: iterable over Criteo TSV files (``CriteoTsv``); a resume re-reads the files and
   drops the batches already handed out (StatefulDataLoader's fast-forward). No workers: each would
   read every file.
 
 Both wait ``latency_s`` before each batch, like a loader waiting on storage (in a worker when
 there are workers, so the wait overlaps the training).
+
+With ``--data-source map`` the pipeline gets a ``torchrec_swp.data.MapSource`` over a
+``MapBatches`` instead of a loader's iterator. Its draws split into ``claim()`` (the next index,
+in batch order) and ``fetch(k)`` (``MapBatches[k]``: the wait and the reading), so that a plan
+with ``loads`` > 1 runs several fetches at once on the engine's threads, their waits overlapping,
+while the batches keep their order: the DataLoader's batches, in the same order. Its
+``state_dict()`` is the next index, which the pipeline's cut records as it records the
+DataLoader's position.
 """
 
 from __future__ import annotations
@@ -30,24 +41,38 @@ from torchrec.datasets.utils import Batch
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo
 
 
-class SyntheticBatches(Dataset[Batch]):
-    """Map-style: item ``k`` is batch ``k`` of ``synthetic``, ``latency_s`` late."""
+class MapBatches(Dataset[Batch]):
+    """Map-style: item ``k`` is ``batches.batch(k)``, ``latency_s`` late (the wait sleeps, releasing
+    the GIL, so that loads on several threads wait at once); pinned when ``pin_memory`` (for a
+    CUDA device: the pipelines copy batches there)."""
 
-    def __init__(self, synthetic: SyntheticCriteo, latency_s: float = 0.0) -> None:
+    def __init__(
+        self, batches: SyntheticCriteo | CriteoTsv, latency_s: float = 0.0, *, pin_memory: bool = False
+    ) -> None:
         if latency_s < 0:
             raise ValueError(f"latency must be >= 0, got {latency_s}")
-        self.synthetic = synthetic
+        self.batches = batches
         self.latency_s = latency_s
+        self.pin_memory = pin_memory
 
     def __len__(self) -> int:
-        return len(self.synthetic)
+        return len(self.batches)
 
     def __getitem__(self, k: int) -> Batch:
-        if not 0 <= k < len(self.synthetic):
-            raise IndexError(f"batch {k} of {len(self.synthetic)}")
+        if not 0 <= k < len(self.batches):
+            raise IndexError(f"batch {k} of {len(self.batches)}")
         if self.latency_s:
             time.sleep(self.latency_s)
-        return self.synthetic.batch(k)
+        batch = self.batches.batch(k)
+        return batch.pin_memory() if self.pin_memory else batch
+
+
+class SyntheticBatches(MapBatches):
+    """``MapBatches`` over synthetic data: what the StatefulDataLoader reads (the DataLoader pins
+    the batches itself)."""
+
+    def __init__(self, synthetic: SyntheticCriteo, latency_s: float = 0.0) -> None:
+        super().__init__(synthetic, latency_s)
 
 
 class TsvBatches(IterableDataset[Batch]):

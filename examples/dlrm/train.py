@@ -12,16 +12,28 @@ active: ``source .venv/bin/activate``; torchx's ``dist.ddp`` runs ``torchrun`` f
 thread map without training.
 
 Data: Criteo-like synthetic batches made on the fly (13 dense, ``--num-sparse`` sparse features),
-or real Criteo TSV files with ``--criteo-tsv FILE ...``, handed out by torchdata's
-StatefulDataLoader (``--num-workers`` worker processes, 0: in the training process; see
-``loader.py``); ``--loader-latency-ms`` makes the loader wait that long per batch, like storage
-would. Pipeline: ``--pipeline NAME`` (any of the 12; TrainPipelinePEC needs TorchRec 1.9), ``--impl ours|upstream``, ``--plan FILE``
-(a plan text file replacing the default plan) and
+or real Criteo TSV files with ``--criteo-tsv FILE ...``, handed out (``--data-source``, see
+``loader.py``) by torchdata's StatefulDataLoader (``dataloader``, the default: ``--num-workers``
+worker processes, 0: in the training process) or by ``torchrec_swp.data.MapSource`` over a
+map-style dataset (``map``: the same batches in the same order, loaded on the pipeline's own
+threads, ``--loads N`` at once); ``--loader-latency-ms`` makes each batch wait that long, like
+storage would (with ``map``, inside each load, so parallel loads wait at once).
+Pipeline: ``--pipeline NAME`` (any of the 12; TrainPipelinePEC needs TorchRec 1.9), ``--impl ours|upstream``,
+``--plan FILE`` (a plan text file replacing the default plan) and
 ``--thread-map`` (ours only: ``main``, ``by_stream``, ``per_task``, ``io``, or ``TASK=THREAD,...``
 such as ``H2D=io``, or a JSON object). ``--thread-map io`` puts the stage-0 tasks (loading the
 batch and copying it to the device) on their own thread, so the loader's waiting overlaps the
 training. ``--profile-out FILE`` (ours) profiles every task and writes rank 0's profile, the
-input of ``python -m torchrec_swp.autosched --profile FILE --out PLAN``.
+input of ``python -m torchrec_swp.autosched --profile FILE --out PLAN``. ``--loads N`` (ours, with
+``--data-source map``) splits the plan's batch load in two, ``N`` fetches at once on thread group
+``load`` and the copy where it was (``torchrec_swp.plans.with_parallel_loads``, the pipelines' ``loads=``);
+``--lookahead K`` lets the source draw ``K`` batches ahead (with ``--loads N``, default ``N``);
+the thread map applies after the split and must leave ``Fetch`` a thread group of its own (one
+that puts it with H2D or on the calling thread is refused). ``--input-dist-group`` gives the
+sparse input dist a process group of its own (the SparseDist family's ``input_dist_group=True``;
+with the input dist tasks on a thread of their own, e.g. ``--thread-map by_stream`` or
+``InitPipelinedModules=dist,InputDistStart=dist,InputDistWait=dist``, it overlaps the forward and
+backward collectives).
 
 Devices: ``--device auto|cpu|cuda`` (auto: CUDA when torch sees a GPU). On CUDA each process
 takes the GPU of its ``LOCAL_RANK``, the ranks talk over NCCL and the pipelines get the CUDA
@@ -30,7 +42,7 @@ device, so their plans run on real streams; on the CPU, gloo.
 Long jobs: ``--checkpoint-dir DIR`` saves checkpoints through torch.distributed.checkpoint every
 ``--checkpoint-every N`` steps and at the end (model with its sharded tables, dense and fused
 optimizer state, the pipeline's state with the loader's position; written atomically, see
-``checkpoint.py``); ``--resume`` continues from the latest one (or starts at step 0 when there is
+``checkpoint.py``; either data source, any ``--loads``); ``--resume`` continues from the latest one (or starts at step 0 when there is
 none yet, so a restarted job runs the same command). ``--stop-after N`` ends the run after step N
 (after its checkpoint), as a job's time limit would. ``--kill-rank-at RANK:STEP`` is a fault
 drill: that rank kills itself with SIGKILL after that step, on the launcher's first attempt only.
@@ -54,7 +66,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -62,25 +74,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
 from examples.dlrm import checkpoint
 from examples.dlrm.checkpoint import CheckpointError, TrainState
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo
-from examples.dlrm.loader import SyntheticBatches, TsvBatches, make_loader, shutdown_workers
+from examples.dlrm.loader import MapBatches, SyntheticBatches, TsvBatches, make_loader, shutdown_workers
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
 from harness.dlrm import (
     INFO,
     PIPELINES,
     PipelineUnavailable,
     make_runner,
+    ours_takes,
     unknown_options,
     upstream_unavailable,
 )
-from torchrec_swp.catalog.torchrec import default_plans
-from torchrec_swp.plan import PlanError, load_plan
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.plans import default_plans
+from torchrec_swp.data import MapSource
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
 
 THREAD_MAPS = ("main", "by_stream", "per_task", "io")
+DATA_SOURCES = ("dataloader", "map")
+Plan = PipelinePlan | PhasedPlan
 #: Batches per rank, the same for ``make run``, this script and the torchx component.
 STEPS = 100
 
@@ -107,6 +125,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--thread-map",
         metavar="MAP",
         help=f"ours: {', '.join(THREAD_MAPS)}, or TASK=THREAD[,TASK=THREAD...] (e.g. H2D=io), or a JSON object",
+    )
+    pipe.add_argument(
+        "--loads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ours, with --data-source map: load N batches at once on the engine's threads (the plan's H2D split "
+        "into Fetch on N lanes of thread group 'load', and H2D) (default: %(default)s)",
+    )
+    pipe.add_argument(
+        "--lookahead",
+        type=int,
+        metavar="K",
+        help="ours: the source may draw K batches ahead of the pipeline's depth (default: N with --loads N > 1, "
+        "else the plan's)",
+    )
+    pipe.add_argument(
+        "--input-dist-group",
+        action="store_true",
+        help="ours, the SparseDist family: a process group of its own for the sparse input dist "
+        "(input_dist_group=True); put the input dist tasks on a thread of their own (e.g. --thread-map by_stream) "
+        "for it to overlap",
     )
     pipe.add_argument(
         "--option",
@@ -150,10 +190,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="read real Criteo TSV files instead of synthetic data",
     )
     model.add_argument(
+        "--data-source",
+        choices=DATA_SOURCES,
+        default="dataloader",
+        help="dataloader: torchdata's StatefulDataLoader (--num-workers processes); map: torchrec_swp.data.MapSource "
+        "over a map-style dataset, the same batches loaded on the pipeline's threads (--loads) (default: %(default)s)",
+    )
+    model.add_argument(
         "--loader-latency-ms",
         type=float,
         default=0.0,
-        help="the loader waits this long for each batch (default: %(default)s)",
+        help="each batch waits this long, like storage (with map: inside each load) (default: %(default)s)",
     )
     model.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     model.add_argument(
@@ -258,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--world-size must be >= 1")
     if args.num_workers and args.criteo_tsv:
         parser.error("--num-workers: Criteo TSV files are read without workers (each would read every file)")
+    if args.num_workers and args.data_source == "map":
+        parser.error("--num-workers: --data-source map loads on the pipeline's threads (--loads), not in processes")
     missing = [str(f) for f in args.criteo_tsv or [] if not Path(f).is_file()]
     if missing:
         parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
@@ -284,14 +333,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = unknown_options(args.pipeline, args.impl, args.options)
     if unknown:
         parser.error(unknown)
-    if args.impl == "upstream" and (args.plan or args.thread_map or args.profile_out):
-        parser.error("--plan, --thread-map and --profile-out apply to our pipelines only (--impl ours)")
+    ours_only = {
+        "--plan": args.plan,
+        "--thread-map": args.thread_map,
+        "--profile-out": args.profile_out,
+        "--loads": args.loads != 1,
+        "--lookahead": args.lookahead is not None,
+        "--input-dist-group": args.input_dist_group,
+    }
+    given = [flag for flag, value in ours_only.items() if value]
+    if args.impl == "upstream" and given:
+        parser.error(f"{', '.join(given)}: for our pipelines only (--impl ours)")
     if args.plan and not args.plan.is_file():
         parser.error(f"--plan: no such file: {args.plan}")
     try:
         args.plan_value = load_plan(str(args.plan)) if args.plan else None
     except PlanError as e:
         parser.error(f"--plan {args.plan}: {e}")
+    _check_loads(parser, args)
+    if args.input_dist_group and not ours_takes(args.pipeline, "input_dist_group"):
+        parser.error(f"--input-dist-group: our {args.pipeline} takes no input_dist_group (the SparseDist family does)")
     try:
         _check_thread_map(args)
     except PlanError as e:
@@ -305,7 +366,40 @@ def _check_thread_map(args: argparse.Namespace) -> None:
         return
     plan = args.plan_value if args.plan_value is not None else default_plans().get(args.pipeline)
     if plan is not None and args.pipeline != "StagedTrainPipeline":
-        plan.with_thread_map(args.thread_map_value)  # PlanError naming an unknown task or strategy
+        plan.with_thread_map(args.thread_map_value)  # PlanError naming the culprit
+
+
+def _check_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--loads`` and ``--lookahead`` fit the data source and the plan that will run."""
+    if args.loads < 1:
+        parser.error("--loads must be >= 1")
+    if args.lookahead is not None and args.lookahead < 0:
+        parser.error("--lookahead must be >= 0")
+    if (args.loads == 1 and args.lookahead is None) or args.impl == "upstream":
+        return
+    if args.loads > 1 and args.data_source == "dataloader":
+        parser.error(
+            f"--loads {args.loads}: a StatefulDataLoader's iterator loads a whole batch per draw, so parallel "
+            "loads gain nothing; use --data-source map"
+        )
+    info = INFO[args.pipeline]
+    if info.kind == "staged":
+        flags = [f for f, v in (("--loads", args.loads > 1), ("--lookahead", args.lookahead is not None)) if v]
+        parser.error(f"{' and '.join(flags)}: StagedTrainPipeline's plan follows its stages (edit it with --plan)")
+    plan = args.plan_value if args.plan_value is not None else default_plans()[args.pipeline]
+    options = EngineOptions(thread_map=args.thread_map_value, **engine_keywords(args))
+    try:
+        options.plan_for(plan, args.pipeline)  # the library's own path: the same checks, the same errors
+    except (ValueError, PlanError) as e:
+        parser.error(str(e))
+
+
+def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """``--loads`` and ``--lookahead`` as our pipelines' constructor keywords (``loads=``,
+    ``lookahead=``; EngineOptions); none for upstream's."""
+    if args.impl == "upstream":
+        return {}
+    return {"loads": args.loads, **({} if args.lookahead is None else {"lookahead": args.lookahead})}
 
 
 def _check_long_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -399,13 +493,11 @@ def thread_map_of(text: str | None) -> Any:
     return mapping
 
 
-def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticBatches | TsvBatches:
-    """This rank's batches, for the StatefulDataLoader: Criteo TSV files or synthetic data, with
-    the loader latency."""
+def batches_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticCriteo | CriteoTsv:
+    """This rank's batches: Criteo TSV files or synthetic data."""
     size: DlrmSize = args.size
-    latency_s = args.loader_latency_ms / 1000
     if args.criteo_tsv:
-        tsv = CriteoTsv(
+        return CriteoTsv(
             args.criteo_tsv,
             batch_size=size.batch_size,
             num_embeddings=size.num_embeddings,
@@ -414,8 +506,7 @@ def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> Synthet
             world_size=world_size,
             max_batches=args.steps,
         )
-        return TsvBatches(tsv, latency_s)
-    synthetic = SyntheticCriteo(
+    return SyntheticCriteo(
         batch_size=size.batch_size,
         num_batches=args.steps,
         num_embeddings=size.num_embeddings,
@@ -423,7 +514,26 @@ def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> Synthet
         rank=rank,
         seed=1000 + args.seed,
     )
-    return SyntheticBatches(synthetic, latency_s)
+
+
+def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticBatches | TsvBatches:
+    """This rank's batches, for the StatefulDataLoader, with the loader latency."""
+    batches, latency_s = batches_for(args, rank, world_size), args.loader_latency_ms / 1000
+    if isinstance(batches, CriteoTsv):
+        return TsvBatches(batches, latency_s)
+    return SyntheticBatches(batches, latency_s)
+
+
+def data_source_for(
+    args: argparse.Namespace, rank: int, world_size: int, device: torch.device
+) -> StatefulDataLoader | MapSource:
+    """What ``--data-source`` names, over this rank's batches: a StatefulDataLoader (``iter()`` gives
+    the iterator for ``progress()``) or a MapSource (its own iterator). Both have
+    ``load_state_dict()`` for the position a checkpoint recorded."""
+    if args.data_source == "map":
+        latency_s = args.loader_latency_ms / 1000
+        return MapSource(MapBatches(batches_for(args, rank, world_size), latency_s, pin_memory=device.type == "cuda"))
+    return make_loader(dataset_for(args, rank, world_size), num_workers=args.num_workers, device=device)
 
 
 def fingerprint(args: argparse.Namespace, world_size: int | None) -> dict[str, Any]:
@@ -450,6 +560,7 @@ def fingerprint(args: argparse.Namespace, world_size: int | None) -> dict[str, A
         "batch_size": size.batch_size,
         "seed": args.seed,
         "num_workers": args.num_workers,
+        "loader": args.data_source,  # the position's format: a StatefulDataLoader's state, or MapSource's index
     }
     found["pipeline"] = f"{args.impl} {args.pipeline}"
     return found
@@ -496,12 +607,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ),
         plan=args.plan_value,
         thread_map=args.thread_map_value,
-        options=args.options,
+        options={**args.options, **engine_keywords(args), **({"input_dist_group": True} if args.input_dist_group else {})},
         upstream_patch=args.upstream_cpu_patch,
         device=device,
     )
     state = TrainState(runner.model, runner.optimizer)
-    loader = make_loader(dataset_for(args, rank, world_size), num_workers=args.num_workers, device=device)
+    loader = data_source_for(args, rank, world_size, device)
     start_step = 0
     if resume_from is not None:
         step_dir, meta = resume_from
@@ -513,7 +624,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         print(
             f"{args.impl} {args.pipeline} ({kind}) on {world_size} ranks ({_topology(world_size)}; "
-            f"{dist.get_backend()}, {device.type}), {args.steps} steps, {size.describe()}",
+            f"{dist.get_backend()}, {device.type}), {args.steps} steps, {size.describe()}{_data_note(args)}",
             flush=True,
         )
         if args.checkpoint_dir:
@@ -619,7 +730,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "device": device.type,
         "size": size.describe(),
         "data": "criteo-tsv" if args.criteo_tsv else "synthetic",
+        "data_source": args.data_source,
         "num_workers": args.num_workers,
+        "loads": args.loads,
+        "lookahead": args.lookahead,
+        "input_dist_group": args.input_dist_group,
         "loader_latency_ms": args.loader_latency_ms,
         "start_step": start_step,
         "steps": len(step_s),
@@ -637,6 +752,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
         "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
     }
+
+
+def _data_note(args: argparse.Namespace) -> str:
+    """What the header line says about the data source: nothing for the default one."""
+    if args.data_source == "dataloader":
+        return ""
+    return f", data: MapSource ({args.loads} load{'s' if args.loads != 1 else ''} at once)"
 
 
 def _checkpoint_due(args: argparse.Namespace, trained: int) -> bool:

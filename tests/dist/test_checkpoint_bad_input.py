@@ -10,9 +10,9 @@ is needed here), and interrupts two saves on purpose:
 
 Both leave ``latest`` on the previous complete checkpoint; the next save removes their leftovers.
 Then, in this process, ``train.py --check`` (what ``make run`` runs before starting any process)
-meets: another world size, sharding plan or model; a torn file, a missing file, a missing
-MANIFEST, a ``latest`` naming nothing; checkpoints without ``--resume``; a directory that cannot be
-written. Each ends with one ``train.py: error:`` line naming the problem, and the checkpoint
+meets: another world size, sharding plan, model or data source; a torn file, a missing file, a
+missing MANIFEST, a ``latest`` naming nothing; checkpoints without ``--resume``; a directory that
+cannot be written. Each ends with one ``train.py: error:`` line naming the problem, and the checkpoint
 directory is byte for byte what it was. Two of them also go through ``launch.py`` (nothing starts),
 and the ranks' own check (``check_on_ranks``, for jobs launched without it) gives every rank the
 same error.
@@ -208,6 +208,12 @@ BAD_INPUT = {
         "from another model: model.embedding_dim is 8 in the checkpoint, 16 in this run",
     ),
     "optimizer": (["--optimizer", "sgd"], None, 'from another optimizer: optimizer is "adagrad" in the checkpoint'),
+    # the position saved is a StatefulDataLoader's state; the map source's is an index
+    "data source": (
+        ["--data-source", "map"],
+        None,
+        'from another data: data.loader is "dataloader" in the checkpoint, "map" in this run',
+    ),
     "torn file": ([], "truncate __1_0.distcp", "step-000008 is torn: __1_0.distcp has 1000 bytes, its manifest says"),
     "missing file": ([], "delete __0_0.distcp", "step-000008 is partial: __0_0.distcp is missing"),
     "no manifest": ([], "delete MANIFEST", "step-000008 is incomplete: it has no MANIFEST"),

@@ -1,9 +1,13 @@
-"""``make run`` on 2 nodes x 2 processes through torchx, and the device checks before any launch.
+"""``make run`` on 2 nodes x 2 processes through torchx, and the checks before any launch.
 
 ``launch.py --nnodes 2 --nproc-per-node 2`` runs ``torchx run -s local_cwd dist.ddp -j 2x2``: two
 torchrun agents (the "nodes", here both on this machine) meet through the c10d rendezvous on the
 first node's port, as they do across machines, and start 2 gloo ranks each. Rank 0's first line
 says how many ranks there are, as nodes x processes; the 4 ranks train the DLRM example.
+
+A CUDA device that is not there, and parallel loads asked of the StatefulDataLoader, stop
+``make run`` before torchx starts; a bad line of a Criteo TSV file, met by a parallel load of the
+map source inside one rank, ends it with one line naming the file and line.
 """
 
 from __future__ import annotations
@@ -86,3 +90,31 @@ def test_launch_options_are_checked_first() -> None:
 
     assert main(["--nnodes", "0"]) == 2
     assert main(["--retries", "-1"]) == 2
+
+
+@pytest.mark.slow
+def test_parallel_loads_from_the_dataloader_stop_before_anything_starts() -> None:
+    done = _launch(["--loads", "2", *SMALL], timeout_s=60)
+    assert done.returncode == 2 and "$ torchx" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: --loads 2: a StatefulDataLoader's iterator loads a whole batch"), last
+    assert last.endswith("use --data-source map"), last
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_bad_criteo_line_read_by_parallel_loads_ends_make_run_with_one_line(tmp_path: Path) -> None:
+    from examples.dlrm.data import write_sample_tsv
+
+    data = tmp_path / "day_0.tsv"
+    write_sample_tsv(data, lines=2 * 16 * 3)  # 3 rounds of 2 ranks x 16 lines
+    lines = data.read_text().splitlines(keepends=True)
+    lines[84] = "1\t2\t3\n"  # line 85: rank 1's share of the last round (lines 81-96)
+    data.write_text("".join(lines))
+    done = _launch([*SMALL, "--criteo-tsv", str(data), "--data-source", "map", "--loads", "2"])
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"make run failed: error: rank 1: ValueError: {data}:85: 3 tab-separated fields; a Criteo TSV line has "
+        "40 (label, 13 integers, 26 hex ids)"
+    ), last

@@ -3,27 +3,35 @@
 * ``dist.ddp`` with the script (the README's command): ours and upstream's TrainPipelineSparseDist
   on the same synthetic data end with the same losses (the summaries of rank 0 are equal), ours
   loading in the training process, upstream through 2 StatefulDataLoader workers (the same batches);
-* the example's own component (``examples/dlrm/component.py:dlrm``) with the loader on its own
-  thread, reading a small Criteo TSV file written by the test.
+* the example's own component (``examples/dlrm/component.py:dlrm``) reading a small Criteo TSV file
+  written by the test, with the loader on its own thread, and again through the map source
+  (``--data_source map``, 2 loads at once): the same losses and weights.
 
 torchx runs ``torchrun`` found on PATH: the venv's bin (this interpreter's) goes first.
-The Criteo reader itself is also tested in-process (single process, fast).
+The Criteo reader, in order and by index, the map source and the checks of the data source's
+arguments are also tested in-process (single process, fast).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torchrec.datasets.utils import Batch
 
-from examples.dlrm.data import NUM_DENSE, NUM_SPARSE, CriteoTsv
+from examples.dlrm.data import CriteoTsv, SyntheticCriteo, write_sample_tsv
+from examples.dlrm.loader import MapBatches, SyntheticBatches, make_loader
+from torchrec_swp.data import MapSource
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -70,43 +78,30 @@ def test_dist_ddp_runs_ours_and_upstream_with_equal_losses(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_component_with_loader_thread_on_criteo_tsv(tmp_path: Path) -> None:
+def test_component_reads_criteo_tsv_through_the_dataloader_and_the_map_source(tmp_path: Path) -> None:
     data = tmp_path / "day_0.tsv"
-    _write_criteo(data, lines=2 * 32 * STEPS + 5)  # the 5 extra lines make an incomplete round
-    summary = _torchx(
-        [
-            "examples/dlrm/component.py:dlrm",
-            "--steps",
-            str(STEPS + 10),  # more than the file holds: the data ends first
-            "--thread_map",
-            "io",
-            "--loader_latency_ms",
-            "2",
-            "--",
-            *SMALL,
-            "--criteo-tsv",
-            str(data),
-        ],
-        tmp_path,
-    )
+    write_sample_tsv(data, lines=2 * 32 * STEPS + 5)  # the 5 extra lines make an incomplete round
+    component = [
+        "examples/dlrm/component.py:dlrm",
+        "--steps",
+        str(STEPS + 10),  # more than the file holds: the data ends first
+        "--loader_latency_ms",
+        "2",
+    ]
+    train_args = ["--", *SMALL, "--criteo-tsv", str(data)]
+    summary = _torchx([*component, "--thread_map", "io", *train_args], tmp_path)
     assert summary["data"] == "criteo-tsv" and summary["thread_map"] == "io"
     assert summary["steps"] == STEPS, summary
+    mapped = _torchx([*component, "--data_source", "map", "--loads", "2", *train_args], tmp_path)
+    assert (mapped["data_source"], mapped["loads"], mapped["steps"]) == ("map", 2, STEPS), mapped
+    assert mapped["losses"] == summary["losses"]
+    assert mapped["weights_sha256"] == summary["weights_sha256"]
 
 
 # ----------------------------------------------------------------------------- in-process
-def _write_criteo(path: Path, lines: int, seed: int = 0) -> None:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(lines):
-        dense = [str(rng.randint(-2, 500)) if rng.random() > 0.1 else "" for _ in range(NUM_DENSE)]
-        sparse = [f"{rng.getrandbits(32):08x}" if rng.random() > 0.1 else "" for _ in range(NUM_SPARSE)]
-        rows.append("\t".join([str(rng.randint(0, 1)), *dense, *sparse]))
-    path.write_text("\n".join(rows) + "\n")
-
-
 def test_criteo_tsv_reader_shares_rounds_between_ranks(tmp_path: Path) -> None:
     path = tmp_path / "day_0.tsv"
-    _write_criteo(path, lines=4 * 10 + 7)
+    write_sample_tsv(path, lines=4 * 10 + 7)
     per_rank = [list(CriteoTsv([path], batch_size=4, num_embeddings=100, rank=r, world_size=2)) for r in range(2)]
     assert [len(b) for b in per_rank] == [5, 5]  # 47 lines: 5 rounds of 2 x 4, the last 7 dropped
     fields = path.read_text().splitlines()[4].split("\t")  # rank 1's first example
@@ -120,9 +115,142 @@ def test_criteo_tsv_reader_shares_rounds_between_ranks(tmp_path: Path) -> None:
         assert first.values()[0].item() == int(fields[14], 16) % 100
 
 
-def test_criteo_tsv_reader_names_a_bad_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read", ["in order", "by index"])
+def test_criteo_tsv_reader_names_a_bad_line(tmp_path: Path, read: str) -> None:
     path = tmp_path / "bad.tsv"
-    _write_criteo(path, lines=3)
-    path.write_text(path.read_text() + "1\t2\t3\n")
-    with pytest.raises(ValueError, match=r"bad.tsv:4: 3 tab-separated fields"):
-        list(CriteoTsv([path], batch_size=4, num_embeddings=100))
+    write_sample_tsv(path, lines=7)
+    path.write_text(path.read_text() + "1\t2\t3\n")  # line 8: the last of batch 1
+    tsv = CriteoTsv([path], batch_size=4, num_embeddings=100)
+    with pytest.raises(ValueError, match=r"bad.tsv:8: 3 tab-separated fields"):
+        list(tsv) if read == "in order" else tsv.batch(1)
+    assert len(tsv) == 2 and tsv.batch(0).labels.numel() == 4  # the good batch still reads by index
+
+
+def _assert_same_batch(got: Batch, want: Batch) -> None:
+    assert torch.equal(got.dense_features, want.dense_features)
+    assert torch.equal(got.labels, want.labels)
+    assert got.sparse_features.keys() == want.sparse_features.keys()
+    assert torch.equal(got.sparse_features.values(), want.sparse_features.values())
+    assert torch.equal(got.sparse_features.lengths(), want.sparse_features.lengths())
+
+
+@pytest.mark.parametrize("max_batches", [None, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_criteo_tsv_batches_by_index_are_the_batches_read_in_order(
+    tmp_path: Path, world_size: int, max_batches: int | None
+) -> None:
+    first, second = tmp_path / "day_0.tsv", tmp_path / "day_1.tsv"
+    write_sample_tsv(first, lines=23, seed=1)  # rounds of 4 x world_size straddle the two files
+    write_sample_tsv(second, lines=30, seed=2)
+    lines = first.read_text().splitlines(keepends=True)
+    crlf = [line.replace("\n", "\r\n") for line in lines[5:9]]
+    first.write_text("".join([*lines[:5], "\n", "  \n", *crlf, *lines[9:], "\n"]))  # blank lines, CRLF ends
+    for rank in range(world_size):
+        tsv = CriteoTsv(
+            [first, second], batch_size=4, num_embeddings=100, rank=rank, world_size=world_size, max_batches=max_batches
+        )
+        in_order = list(tsv)
+        assert len(in_order) == (53 // (4 * world_size) if max_batches is None else max_batches)
+        assert len(tsv) == len(in_order)
+        for k in reversed(range(len(tsv))):  # by index, in any order
+            _assert_same_batch(tsv.batch(k), in_order[k])
+        with pytest.raises(IndexError, match=f"batch {len(tsv)} of {len(tsv)}"):
+            tsv.batch(len(tsv))
+
+
+def test_map_source_hands_out_the_dataloaders_batches_and_resumes_at_its_position() -> None:
+    synthetic = SyntheticCriteo(batch_size=8, num_batches=6, num_embeddings=50, num_sparse=3, seed=7)
+    from_loader = list(make_loader(SyntheticBatches(synthetic)))
+    source = MapSource(MapBatches(synthetic))
+    head = [next(source) for _ in range(2)]
+    resumed = MapSource(MapBatches(synthetic))
+    resumed.load_state_dict(source.state_dict())
+    got = head + list(resumed)
+    assert len(got) == len(from_loader) == 6
+    for batch, want in zip(got, from_loader):
+        _assert_same_batch(batch, want)
+
+
+def test_map_batches_wait_inside_each_load_so_that_parallel_loads_wait_at_once() -> None:
+    synthetic = SyntheticCriteo(batch_size=4, num_batches=4, num_embeddings=50, num_sparse=2)
+    dataset = MapBatches(synthetic, latency_s=0.25)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=dataset.__getitem__, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.perf_counter() - start < 0.75  # 1 s one after the other; a sleeping load holds no GIL
+
+
+BAD_ARGUMENTS = {
+    # name: (train.py arguments, the error line's message)
+    "loads with the dataloader": (
+        ["--loads", "2"],
+        "--loads 2: a StatefulDataLoader's iterator loads a whole batch per draw, so parallel loads gain nothing; "
+        "use --data-source map",
+    ),
+    "no loads": (["--loads", "0"], "--loads must be >= 1"),
+    "negative lookahead": (["--lookahead", "-1"], "--lookahead must be >= 0"),
+    "workers with the map source": (
+        ["--data-source", "map", "--num-workers", "2"],
+        "--num-workers: --data-source map loads on the pipeline's threads (--loads), not in processes",
+    ),
+    "unknown data source": (["--data-source", "mmap"], "argument --data-source: invalid choice: 'mmap'"),
+    "lookahead of Staged": (
+        ["--lookahead", "2", "--pipeline", "StagedTrainPipeline"],
+        "--lookahead: StagedTrainPipeline's plan follows its stages (edit it with --plan)",
+    ),
+    "input dist group of Base": (
+        ["--input-dist-group", "--pipeline", "TrainPipelineBase"],
+        "--input-dist-group: our TrainPipelineBase takes no input_dist_group (the SparseDist family does)",
+    ),
+    "our flags for upstream": (
+        ["--impl", "upstream", "--loads", "2", "--input-dist-group"],
+        "--loads, --input-dist-group: for our pipelines only (--impl ours)",
+    ),
+    "a thread map naming no task of the plan with loads": (
+        ["--data-source", "map", "--loads", "2", "--thread-map", "Fetch2=io"],
+        "thread_map names unknown task 'Fetch2'",
+    ),
+}
+
+
+def _check(argv: list[str]) -> tuple[int, str]:
+    """``train.py --check ARGV`` in this process: its exit code and what it printed to stderr."""
+    from examples.dlrm import train
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = train.main(["--check", *argv])
+        except SystemExit as e:  # argparse's parser.error
+            code = int(e.code or 0)
+    return code, stderr.getvalue()
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_data_source_arguments_are_refused_with_one_line(case: str) -> None:
+    argv, message = BAD_ARGUMENTS[case]
+    code, err = _check(argv)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert ": error: " in last and message in last.partition(": error: ")[2], last
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--data-source", "map", "--loads", "3", "--lookahead", "5", "--pipeline", "TrainPipelineSemiSync"],
+        ["--data-source", "map", "--loads", "2", "--thread-map", "InputDistStart=dist"],
+        # a source that only draws (LoadBatch) moves to the load lanes as it is; Eval's draw splits off
+        ["--data-source", "map", "--loads", "2", "--pipeline", "TrainPipelineBase"],
+        ["--data-source", "map", "--loads", "2", "--pipeline", "EvalPipelineSparseDist"],
+        ["--data-source", "map", "--loads", "2", "--pipeline", "TrainPipelinePEC"],
+        ["--data-source", "map", "--criteo-tsv", __file__],  # a file that exists; not read by --check
+        ["--lookahead", "2", "--thread-map", "H2D=io"],
+        ["--input-dist-group", "--pipeline", "TrainPipelineFusedSparseDist", "--thread-map", "by_stream"],
+    ],
+)
+def test_good_data_source_arguments_pass_the_check(argv: list[str]) -> None:
+    assert _check(argv) == (0, "")

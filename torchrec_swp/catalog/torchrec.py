@@ -776,6 +776,12 @@ FETCH = "Fetch"
 DRAW_TASKS = (FETCH, "LoadBatch")
 
 
+def splits_draw(plan: PipelinePlan) -> bool:
+    """Whether ``with_parallel_loads`` can give ``plan`` several loads: its source only draws
+    (``DRAW_TASKS``) or is H2D, whose draw it splits off."""
+    return plan.source in DRAW_TASKS or plan.source == "H2D"
+
+
 def with_parallel_loads(
     plan: PipelinePlan | PhasedPlan, loads: int = 2, *, lookahead: int | None = None, thread: str = "load"
 ) -> PipelinePlan | PhasedPlan:
