@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import traceback
 from typing import Any
 
 import pytest
@@ -285,6 +286,35 @@ def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> Non
     engine.new_data()
     assert engine.run_to_end() == [0, 1, 2]
     assert (recorder.runs, recorder.waits, recorder.iterations) == before
+    engine.close()
+
+
+@pytest.mark.parametrize("thread_map", ["main", "per_task"])
+@pytest.mark.parametrize("instrumented", [False, True], ids=["bare", "observed"])
+def test_a_failing_tasks_traceback_ends_in_its_own_function(thread_map: str, instrumented: bool) -> None:
+    """Between the walk and the task's function: the instruction's op and the task's call,
+    named after the task; no wrapper (stream, profiler label, timing) has a frame of its own."""
+    toy = Toy(4)
+    bindings = toy.bindings()
+    dist = bindings["Dist"]
+
+    def broken_dist(b: int, **kw: Any) -> Any:
+        if b == 1:
+            raise ValueError("boom")
+        return dist(b, **kw)
+
+    bindings["Dist"] = broken_dist
+    engine = Engine(toy_plan().with_thread_map(thread_map), bindings, streams=RecordingStreamPool(), timeout_s=10)
+    if instrumented:
+        engine.instrument(Recorder(), labels=True)
+    with pytest.raises(ValueError, match="boom") as info:
+        engine.run_to_end()
+    names = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    walk = len(names) - 1 - names[::-1].index("_walk")
+    # on one thread a plain call; spread over threads Dist holds a collective ticket
+    between = ["run"] if thread_map == "main" else ["run", "_ticketed"]
+    assert names[walk + 1 :] == [*between, "<task Dist>", "broken_dist"], names
+    assert info.value.swp_task == "Dist"  # type: ignore[attr-defined]
     engine.close()
 
 

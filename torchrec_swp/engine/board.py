@@ -1,11 +1,19 @@
 """The board: the one place threads of an engine wait on each other.
 
-One condition variable guards every piece of shared progress - task instances finished
-(latches), batches drawn, credit, tickets, threads' positions - and every change notifies it.
-A wait is a predicate re-checked on each change, bounded by the engine's timeout and broken
-by an interrupt (``Interrupted``: the waiting thread parks where it is). With a handful of
-threads and a few dozen changes per iteration one condition costs less than it would save, and
-an interrupt reaches every waiter at once.
+One lock guards every piece of shared progress - task instances finished (latches), batches
+drawn, credit, tickets, threads' positions - and every change notifies the board. A wait is a
+predicate, bounded by the engine's timeout and broken by an interrupt (``Interrupted``: the
+waiting thread parks where it is). A change wakes only the waiters whose predicate now holds:
+the thread that made the change checks them, under the lock, so that a hand-off from one
+thread to another wakes that other thread and no one else (with eight threads, waking them all
+on every change cost more than the work). A waiter with no predicate (``sleep(remaining)``)
+wakes on every change; an interrupt wakes every waiter.
+
+Topics spare the checks a change cannot concern: a waiter may name the one kind of change its
+predicate depends on beyond the general ones (a latch's key; ``ITERATION``: threads' finished
+iterations), and a change of that kind alone checks only the waiters of its topic. Every other
+change checks every waiter. So a topic is a promise: nothing else that changes only with a
+topic's notification is read by any predicate outside that topic.
 
 A wait whose predicate already holds takes no lock: a thread that never waits (a plan on one
 thread) never touches the board.
@@ -20,6 +28,9 @@ from collections.abc import Callable, Hashable
 
 from torchrec_swp.engine.errors import EngineTimeout, Interrupted, Stopped
 
+#: The topic of a change to a thread's finished iterations (``Walker.done_through``).
+ITERATION = "iteration"
+
 
 class LatchState(enum.Enum):
     """What became of one task instance others wait on."""
@@ -30,56 +41,84 @@ class LatchState(enum.Enum):
 
 class Board:
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
         self.latches: dict[Hashable, LatchState] = {}
         self.interrupt: str | None = None
-        self.blocked: set[int] = set()  # threads waiting on the condition right now
+        self.blocked: set[int] = set()  # threads waiting on the board right now
+        # sleeping threads: the lock each blocks on (held while it sleeps), what it waits for, its topic
+        self._sleepers: list[tuple[threading.Lock, Callable[[], bool] | None, Hashable]] = []
 
-    def sleep(self, remaining: float) -> None:
-        """Wait on the condition (held) for a change, at most ``remaining`` seconds, counted
-        among the blocked threads meanwhile."""
+    def sleep(self, remaining: float, ready: Callable[[], bool] | None = None, topic: Hashable = None) -> None:
+        """With the lock held: release it until a change for which ``ready()`` holds (any change
+        when None, or an interrupt) or for ``remaining`` seconds; counted among the blocked
+        threads meanwhile. The caller checks again what it waits for."""
         me = threading.get_ident()
+        waiter = threading.Lock()
+        waiter.acquire()
+        sleeper = (waiter, ready, topic)
+        self._sleepers.append(sleeper)
         self.blocked.add(me)
+        self.lock.release()
         try:
-            self.cond.wait(remaining)
+            waiter.acquire(True, remaining)
         finally:
+            self.lock.acquire()
             self.blocked.discard(me)
+            if sleeper in self._sleepers:  # timed out: nobody woke it
+                self._sleepers.remove(sleeper)
 
-    def changed(self) -> None:
-        """Wake every waiter: something they may wait for changed."""
-        with self.cond:
-            self.cond.notify_all()
+    def notify(self, topic: Hashable = None) -> None:
+        """With the lock held: something changed (only what concerns ``topic``'s waiters, if
+        given); wake the waiters it may concern."""
+        if not self._sleepers:
+            return
+        everyone = self.interrupt is not None
+        asleep = []
+        for sleeper in self._sleepers:
+            waiter, ready, their = sleeper
+            if everyone or ((topic is None or their == topic) and (ready is None or _holds(ready))):
+                waiter.release()
+            else:
+                asleep.append(sleeper)
+        self._sleepers = asleep
 
-    def wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float) -> None:
+    def changed(self, topic: Hashable = None) -> None:
+        """Something waiters may wait for changed (outside the lock): wake those it concerns."""
+        with self.lock:
+            self.notify(topic)
+
+    def wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float, topic: Hashable = None) -> None:
         """Return once ``ready()`` holds. Raises Interrupted when the board is interrupted
-        first, EngineTimeout (saying ``what()`` it waited for) after ``timeout_s``."""
+        first, EngineTimeout (saying ``what()`` it waited for) after ``timeout_s``. ``topic``:
+        the one kind of change, beyond the general ones, ``ready()`` depends on."""
         if ready():
             return
         deadline = time.monotonic() + timeout_s
-        with self.cond:
+        with self.lock:
             while not ready():
                 if self.interrupt is not None:
                     raise Interrupted(self.interrupt)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EngineTimeout(f"waited {timeout_s:.1f}s for {what()}")
-                self.sleep(remaining)
+                self.sleep(remaining, ready, topic)
 
     # ----------------------------------------------------------------- latches
     def set_latch(self, key: Hashable, state: LatchState = LatchState.DONE) -> None:
-        with self.cond:
+        """Instance ``key`` is done (or stopped): only its waiters (topic ``key``) are told."""
+        with self.lock:
             self.latches[key] = state
-            self.cond.notify_all()
+            self.notify(key)
 
     def wait_latch(self, key: Hashable, what: str, timeout_s: float) -> None:
         """Wait for instance ``key``; Stopped if it stopped (the end of data under a stop)."""
         latches = self.latches
-        self.wait(lambda: key in latches, lambda: f"{what} to finish", timeout_s)
+        self.wait(lambda: key in latches, lambda: f"{what} to finish", timeout_s, topic=key)
         if latches[key] is LatchState.STOPPED:
             raise Stopped
 
     def clear_latches(self, keep: Callable[[Hashable], bool] | None = None) -> None:
-        with self.cond:
+        with self.lock:
             if keep is None:
                 self.latches.clear()
             else:
@@ -89,11 +128,20 @@ class Board:
     # --------------------------------------------------------------- interrupt
     def interrupt_all(self, reason: str) -> None:
         """Every wait, now and until ``resume()``, raises Interrupted."""
-        with self.cond:
+        with self.lock:
             if self.interrupt is None:
                 self.interrupt = reason
-            self.cond.notify_all()
+            self.notify()
 
     def resume(self) -> None:
-        with self.cond:
+        with self.lock:
             self.interrupt = None
+
+
+def _holds(ready: Callable[[], bool]) -> bool:
+    """``ready()`` checked for a waiter by the thread that changed something: an error there
+    is the waiter's to meet, so it wakes to meet it."""
+    try:
+        return bool(ready())
+    except Exception:  # noqa: BLE001 - the waiter raises it when it checks again
+        return True

@@ -39,7 +39,7 @@ class Cuts(Epochs):
 
         deadline = time.monotonic() + self.timeout_s
         while True:  # threads do not announce that they block: look every millisecond
-            with board.cond:
+            with board.lock:
                 if quiet() or self.failures:
                     return
             if time.monotonic() > deadline:
@@ -70,7 +70,7 @@ class Cuts(Epochs):
                 "cannot be saved and they would be lost on resume; use an iterator that has one, e.g. of "
                 "torchdata's StatefulDataLoader"
             )
-        with self.board.cond:
+        with self.board.lock:
             position = draws.positions.get(c)
             if position is None:  # c not drawn yet: the iterator is where c will be drawn from
                 position = draws.iterator.state_dict()  # type: ignore[attr-defined]

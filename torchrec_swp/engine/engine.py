@@ -34,19 +34,21 @@ a rank that failed issues no more collectives of a comm group spread over thread
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 
-from torchrec_swp.compile import Alias, CompiledPlan, RecordEvent, Run, WaitStream
+from torchrec_swp.compile import Alias, CompiledPlan, RecordEvent, Run, Signal, WaitStream
 from torchrec_swp.engine.batches import BatchBook, BatchLedger
+from torchrec_swp.engine.board import ITERATION
 from torchrec_swp.engine.cuts import Cuts
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.instructions import InstalledPlan, check_limits, in_stream
+from torchrec_swp.engine.instructions import InstalledPlan, check_limits
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Walker, WalkState
 from torchrec_swp.engine.source import Draws
 from torchrec_swp.engine.streams import StreamPool
-from torchrec_swp.engine.tasks import Binding, Observer, instrumented, make_alias, make_invoker
+from torchrec_swp.engine.tasks import Binding, Observer, make_alias, make_invoker, task_context, task_timer
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plan.task import parse_read
 
@@ -113,6 +115,10 @@ class Engine(Cuts):
         self._epoch_base = 0  # observers count iterations on over epochs: this epoch's iteration 0
         self._failure_raised = False
         self._installed = {id(p): self._install(p) for p in phased.plans}
+        # the tasks whose latches and events batches leave behind (in any phase's programs)
+        programs = [i for inst in self._installed.values() for instrs in inst.programs.values() for i in instrs]
+        self._signalled = tuple(dict.fromkeys(i.task for i in programs if isinstance(i, Signal)))
+        self._recorded = tuple(dict.fromkeys(i.task for i in programs if isinstance(i, RecordEvent)))
         self._make_walkers()
         self.reset()
 
@@ -126,20 +132,22 @@ class Engine(Cuts):
 
     def _bind(self, inst: InstalledPlan) -> None:
         """The (instrumented) calls of ``inst``'s tasks, entering each task's stream where the
-        device has streams."""
+        device has streams; then its programs' ops, which hold them."""
         plan, slots = inst.plan, self._slots
         observer, labels = self._observer, self._labels
+        streams = self.streams
         for task in plan.fire_order:
             t = plan.task(task)
             extra = self._data_argument if task == plan.source else None
-            invoke = make_invoker(t.io, self._bindings[task], slots, extra)
-            if self.streams.has_streams and t.stream != DEFAULT_STREAM:
-                invoke = in_stream(invoke, self.streams, t.stream)
+            stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
             iteration = lambda b, s=t.stage: self._epoch_base + b + s
-            inst.invokers[task] = instrumented(task, invoke, t.thread_group, iteration, observer, labels)
-            if self.device_type in t.io.noop_on:
-                alias = make_alias(tuple(zip(t.io.writes, t.io.reads)), slots)
-                inst.aliases[task] = instrumented(task, alias, t.thread_group, iteration, observer, labels)
+            timed = task_timer(task, t.thread_group, iteration, observer)
+            around = task_context(task, labels, stream)
+            inst.invokers[task] = make_invoker(t.io, self._bindings[task], slots, extra, around, timed)
+            if self.device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
+                pairs = tuple(zip(t.io.writes, t.io.reads))
+                inst.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
+        self._compile(inst)
 
     def _make_walkers(self) -> None:
         threads: dict[str, int] = {MAIN_THREAD: -1}  # thread -> highest stage of its tasks
@@ -193,6 +201,7 @@ class Engine(Cuts):
         inst = list(self._installed.values())[plan_index]
         prog = inst.programs[thread]
         inst.programs[thread] = prog[:position] + prog[position + 1 :]
+        self._compile(inst)
         return str(prog[position])
 
     # ------------------------------------------------------------------ state
@@ -275,7 +284,8 @@ class Engine(Cuts):
                 book.requested = d + 1
                 if self._threaded:
                     self.board.changed()
-            self._start_workers()
+            if self._threaded:
+                self._start_workers()
             if main.state is not WalkState.FINISHED:
                 self._walk(main, d + self._top)
             outcome = self._await(d)
@@ -315,42 +325,46 @@ class Engine(Cuts):
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
         iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
         batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
-        book, board = self.book, self.board
-        walkers = list(self._walkers.values())
-        # with no lookahead the call does what it does on one thread: all of iteration d + top
-        top = self._top
-
-        def outcome() -> str | None:
-            if self.failures:
-                return "failed"
-            # a thread that may run ahead is done with d after its own part; the others (with
-            # lookahead 0, every thread) finish iteration d + top, collectives included
-            if d in book.loaded and all(w.done_through >= d + (w.top if w.ahead else top) for w in self._tasked):
-                return "done"
-            m = book.num_batches
-            if m is not None and d >= m and not book.stopped:
-                return "drained"
-            resting = all(w.state is not WalkState.RUNNING for w in walkers)
-            if book.stopped and resting:
-                return "stopped"
-            if resting:  # nobody can make batch d: a bug of the engine's, not a wait
-                self.failures.append(Failure(EngineError(f"no thread can go on:\n{self._timeout_report()}"), "-", d, MAIN_THREAD, self._main.P))
-                return "failed"
-            return None
-
-        result = outcome()
+        result = self._outcome(d)
         if result is None:
             try:
-                board.wait(lambda: outcome() is not None, lambda: f"batch {d} to be trained", self.timeout_s)
+                ready = lambda: self._outcome(d) is not None
+                self.board.wait(ready, lambda: f"batch {d} to be trained", self.timeout_s, ITERATION)
             except BaseException as e:  # noqa: BLE001 - a timeout here is a failure like any other
                 if not self.failures:
                     self.failures.append(Failure(e, "-", d, MAIN_THREAD, self._main.P))
-            result = outcome() or "failed"
+            result = self._outcome(d) or "failed"
         if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
+            top = self._top
             for w in self._tasked:
                 if w is not self._main:
                     self._checker.cpu_acquire(("iter", self._uid, w.name, self._epoch_base + d + (w.top if w.ahead else top)))
         return result
+
+    def _outcome(self, d: int) -> str | None:
+        """``_await``'s answer for batch ``d`` now (None: not yet)."""
+        if self.failures:
+            return "failed"
+        book = self.book
+        if d in book.loaded:
+            # a thread that may run ahead is done with d after its own part; the others (with
+            # lookahead 0, every thread) finish iteration d + top, collectives included
+            top = self._top
+            for w in self._tasked:
+                if w.done_through < d + (w.top if w.ahead else top):
+                    break
+            else:
+                return "done"
+        m = book.num_batches
+        if m is not None and d >= m and not book.stopped:
+            return "drained"
+        resting = all(w.state is not WalkState.RUNNING for w in self._walkers.values())
+        if book.stopped and resting:
+            return "stopped"
+        if resting:  # nobody can make batch d: a bug of the engine's, not a wait
+            self.failures.append(Failure(EngineError(f"no thread can go on:\n{self._timeout_report()}"), "-", d, MAIN_THREAD, self._main.P))
+            return "failed"
+        return None
 
     def _raise_failure(self) -> None:
         if self._threaded:
@@ -360,21 +374,31 @@ class Engine(Cuts):
         raise self._first_failure()
 
     def _retire(self, d: int) -> Any:
+        """Return batch ``d``'s output and forget what only it needed: its latches, its slot and
+        events once no later batch reads them, its data position."""
+        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+            return self._forget(d)
+        with self.board.lock:
+            output = self._forget(d)
+            self.board.notify()
+        return output
+
+    def _forget(self, d: int) -> Any:
         book, inst = self.book, self._installed[id(self.plan)]
-        with self.board.cond:
-            slot = book.slots[d]
-            output = slot.get(inst.plan.output) if inst.plan.output is not None else None
-            book.returned = d + 1
-            book.loaded.discard(d)
-            book.numbers.pop(d, None)
-            self.ledger.trained += 1
-            book.slots.pop(d - self._keep_slots, None)
-            for key in [k for k in book.events if k[1] <= d - self._keep_events]:
-                del book.events[key]
-            latches = self.board.latches
-            for key in [k for k in latches if k[1] <= d]:  # type: ignore[index]
-                del latches[key]
-            if self._draws is not None:
-                self._draws.forget(d + 1)
-            self.board.cond.notify_all()
+        output = book.slots[d].get(inst.plan.output) if inst.plan.output is not None else None
+        book.returned = d + 1
+        book.loaded.discard(d)
+        book.numbers.pop(d, None)
+        self.ledger.trained += 1
+        book.slots.pop(d - self._keep_slots, None)
+        # batches leave one by one, in order: each pop removes what every earlier one left
+        if book.events:
+            for task in self._recorded:
+                book.events.pop((task, d - self._keep_events), None)
+        latches = self.board.latches
+        if latches:
+            for task in self._signalled:
+                latches.pop((task, d), None)
+        if self._draws is not None:
+            self._draws.forget(d + 1)
         return output

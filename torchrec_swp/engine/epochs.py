@@ -57,7 +57,7 @@ class Epochs(PlanInterpreter):
         """
         book = self.book
         if book.stopped:
-            with self.board.cond:
+            with self.board.lock:
                 book.stopped = False
                 book.num_batches = None
                 book.renumbered += 1

@@ -17,32 +17,37 @@
 
 Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and by the
 end of the epoch before its iteration (the thread finishes).
+
+Each instruction of an installed plan's programs is compiled once into an op (``_compile``,
+again whenever the task calls or the programs change): a closure holding what the instruction
+needs (its task's call, stage, guard, ticket), so that a task instance on one thread is its op
+and its task's call, with a lambda built only when something must be waited for.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, Signal, WaitStream, WaitTask
 from torchrec_swp.engine.batches import BatchBook, BatchLedger
-from torchrec_swp.engine.board import LatchState
+from torchrec_swp.engine.board import ITERATION, LatchState
 from torchrec_swp.engine.errors import Stopped, describe
-from torchrec_swp.engine.interpreter import Failure, Interpreter, Walker, WalkState
-from torchrec_swp.engine.streams import StreamPool
+from torchrec_swp.engine.interpreter import Failure, Interpreter, Op, Walk, Walker, WalkState
 from torchrec_swp.engine.tasks import Invoker
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, When
+from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError, When
 from torchrec_swp.plan.table import format_schedule
 
 
 @dataclass
 class InstalledPlan:
     """One plan, ready to run: its compiled steady-state program per thread, tickets per
-    iteration, and its tasks' calls."""
+    iteration, its tasks' calls, and per thread the program with each instruction's op
+    (``PlanInterpreter._compile``: made again whenever the programs or the calls change)."""
 
     plan: PipelinePlan
     compiled: CompiledPlan
@@ -50,6 +55,10 @@ class InstalledPlan:
     tickets: tuple[tuple[str, int], ...]
     invokers: dict[str, Invoker]
     aliases: dict[str, Invoker]
+    walks: dict[str, Walk] = field(default_factory=dict)
+
+
+_NOTHING: Walk = ((), ())  # a thread with no part in a plan
 
 
 class PlanInterpreter(Interpreter):
@@ -70,7 +79,6 @@ class PlanInterpreter(Interpreter):
     _pulls: int
     _epoch_base: int
     _checker: Any  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
-    _epoch_base: int
     _iteration_start: float
     _grad: bool
 
@@ -92,7 +100,7 @@ class PlanInterpreter(Interpreter):
         # is the next one
         return self.phased.plan_for(book.number_of(d))
 
-    def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
+    def _program(self, w: Walker, P: int) -> Walk | None:
         book = self.book
         m = book.num_batches
         if m is not None:
@@ -117,7 +125,7 @@ class PlanInterpreter(Interpreter):
                 self._iteration_start = time.perf_counter()
         inst = self._installed[id(plan)]
         w.inst = inst
-        return inst.programs.get(w.thread, ())
+        return inst.walks.get(w.thread, _NOTHING)
 
     def _iteration_done(self, w: Walker, P: int) -> None:
         if self._checker is not None and w is not self._main:
@@ -127,56 +135,102 @@ class PlanInterpreter(Interpreter):
         if w is self._main:
             if self._observer is not None:
                 self._observer.on_iteration(self._epoch_base + P, self._iteration_start, time.perf_counter())
-        elif self._threaded:
-            self.board.changed()
+        elif self._threaded:  # only the caller's wait for a batch reads how far threads got
+            self.board.changed(ITERATION)
 
     # ------------------------------------------------------------ instructions
-    def _run(self, w: Walker, P: int, instr: Instr) -> None:
-        self._stop_check(P)
-        if isinstance(instr, Alias):
-            b = P - instr.stage
-            w.current = (instr.task, b)
-            if self._exists(b, P):
-                w.inst.aliases[instr.task](b)
-            return
-        assert isinstance(instr, Run)
-        b = P - instr.stage
-        task = instr.task
-        w.current = (task, b)
-        if instr.source:
-            self._run_source(w, P, b, instr)
-            return
-        if not self._exists(b, P) or (instr.when is not When.ALWAYS and not self._admits(instr.when, b, P)):
-            if instr.ticket is not None:
-                self._skip_ticket(w, instr.comm_group, instr.ticket)
-            return
-        if instr.stage == self._top and w is not self._main:
-            self._requested(b, P)
-        if w is not self._main and torch.is_grad_enabled() != self._grad:
-            torch.set_grad_enabled(self._grad)
-        invoke = w.inst.invokers[task]
-        if instr.ticket is None:
-            self._call(w, task, invoke, b)
-        else:
-            run = lambda: self._call(w, task, invoke, b)
-            self._ticketed(w, instr.comm_group, instr.ticket, run, task, b, lambda: self._stop_check(P))
+    def _compile(self, inst: InstalledPlan) -> None:
+        """Every thread's program of ``inst`` with its ops: each instruction becomes one call
+        that knows its task, stage, guard and task call, so that a task instance on a thread of
+        its own is two calls (its op, its task call) before the bound function."""
+        inst.walks = {
+            thread: (instrs, tuple(self._plan_op(inst, thread, i) for i in instrs)) for thread, instrs in inst.programs.items()
+        }
 
-    def _call(self, w: Walker, task: str, invoke: Invoker, b: int) -> None:
-        try:
-            if self._checker is None:  # the common case, one call less per task
-                invoke(b)
-            else:
-                self._in_task(w, task, b, invoke)
-        except StopIteration as e:  # would end a generator up the stack silently
-            raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
+    def _plan_op(self, inst: InstalledPlan, thread: str, instr: Instr) -> Op:
+        match instr:
+            case Run(source=False):
+                return self._run_op(instr, inst.invokers[instr.task], main=thread == MAIN_THREAD)
+            case Run():
+                return self._source_op(instr)
+            case Alias():
+                return self._alias_op(instr, inst.aliases[instr.task])
+            case WaitTask():
+                return self._wait_op(instr)
+            case Signal():
+                return self._signal_op(instr)
+            case _:  # device syncs, and what no op knows (rejected when executed)
+                return self._op(instr)
+
+    def _run_op(self, instr: Run, invoke: Invoker, main: bool) -> Op:
+        """``run T``: nothing if batch ``b`` does not exist or the guard says no (its ticket
+        skipped); a training step on a worker waits for the ``step()`` that asks for it; then
+        the call (holding its ticket; in checked mode inside the checker's label)."""
+        task, stage, when, ticket, group = instr.task, instr.stage, instr.when, instr.ticket, instr.comm_group
+        guarded = when is not When.ALWAYS
+        trains = not main and stage == self._top
+        checked = self._checker is not None
+        plain = ticket is None and not checked
+
+        def run(w: Walker, P: int) -> None:
+            book = self.book
+            if book.stopped:
+                self._stop_check(P)
+            b = P - stage
+            w.current = (task, b)
+            if not (b in book.loaded or self._exists(b, P)) or (guarded and not self._admits(when, b, P)):
+                if ticket is not None:
+                    self._skip_ticket(w, group, ticket)
+                return
+            if not main:
+                if trains:
+                    self._requested(b, P)
+                if torch.is_grad_enabled() != self._grad:
+                    torch.set_grad_enabled(self._grad)
+            try:
+                if plain:
+                    invoke(b)
+                elif checked:
+                    self._ticketed(w, group, ticket, task, b, self._in_task, w, task, b, invoke)
+                else:
+                    self._ticketed(w, group, ticket, task, b, invoke, b)
+            except StopIteration as e:  # would end a generator up the stack silently
+                raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
+
+        return run
 
     def _in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None:
-        """``invoke(b)``; in checked mode inside the checker's label of this task."""
-        if self._checker is None:
+        """``invoke(b)`` in checked mode: inside the checker's label of this task, so that every
+        tensor operation inside is recorded as this task's, on this thread."""
+        with self._checker.task(task, b, w.name):
             invoke(b)
-        else:  # checked mode: every op inside is recorded as this task's, on this thread
-            with self._checker.task(task, b, w.name):
-                invoke(b)
+
+    def _ticket_check(self, w: Walker) -> Callable[[], None]:
+        P = w.P
+        return lambda: self._stop_check(P)
+
+    def _source_op(self, instr: Run) -> Op:
+        task, stage = instr.task, instr.stage
+
+        def draw(w: Walker, P: int) -> None:
+            self._stop_check(P)
+            b = P - stage
+            w.current = (task, b)
+            self._run_source(w, P, b, instr)
+
+        return draw
+
+    def _alias_op(self, instr: Alias, alias: Invoker) -> Op:
+        task, stage = instr.task, instr.stage
+
+        def run_alias(w: Walker, P: int) -> None:
+            self._stop_check(P)
+            b = P - stage
+            w.current = (task, b)
+            if self._exists(b, P):
+                alias(b)
+
+        return run_alias
 
     def _exists(self, b: int, P: int) -> bool:
         """Whether batch ``b`` exists, waiting (at internal iteration ``P``) until the source has
@@ -198,6 +252,8 @@ class PlanInterpreter(Interpreter):
     def _requested(self, b: int, P: int) -> None:
         """The training step of batch ``b`` waits for the ``step()`` call that asks for it."""
         book = self.book
+        if b < book.requested and not book.stopped:  # asked for already: nothing to wait for
+            return
         self._wait(P, lambda: b < book.requested, lambda: f"step() to be called for batch {b}")
 
     def _beyond_stop(self, P: int) -> bool:
@@ -216,9 +272,10 @@ class PlanInterpreter(Interpreter):
         if self._beyond_stop(P):
             raise Stopped
 
-    def _wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str]) -> None:
-        """Wait, at internal iteration ``P``, until ``ready()``; park if the plan stops before ``P``."""
-        self.board.wait(lambda: ready() or self._beyond_stop(P), what, self.timeout_s)
+    def _wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str], topic: Hashable = None) -> None:
+        """Wait, at internal iteration ``P``, until ``ready()``; park if the plan stops before ``P``
+        (``topic``: see ``torchrec_swp.engine.board``)."""
+        self.board.wait(lambda: ready() or self._beyond_stop(P), what, self.timeout_s, topic)
         self._stop_check(P)
 
     def _run_source(self, w: Walker, P: int, b: int, instr: Run) -> None:
@@ -249,11 +306,10 @@ class PlanInterpreter(Interpreter):
         if draws is not None:
             draws.drawing(b)
         try:
-            if instr.ticket is None:
-                self._in_task(w, instr.task, b, invoke)
+            if self._checker is not None:
+                self._ticketed(w, instr.comm_group, instr.ticket, instr.task, b, self._in_task, w, instr.task, b, invoke)
             else:
-                draw = lambda: self._in_task(w, instr.task, b, invoke)  # noqa: E731
-                self._ticketed(w, instr.comm_group, instr.ticket, draw, instr.task, b, lambda: self._stop_check(P))
+                self._ticketed(w, instr.comm_group, instr.ticket, instr.task, b, invoke, b)
         except StopIteration:
             book.slots.pop(b, None)
             self._found_end(b, plan)
@@ -264,12 +320,19 @@ class PlanInterpreter(Interpreter):
         finally:
             if draws is not None:
                 draws.drawing(None)
-        with board.cond:
-            book.loaded.add(b)
-            book.numbers[b] = book.number(b)
-            self.ledger.drawn += 1
-            self._pulls = max(self._pulls, book.numbers[b] + 1)
-            board.cond.notify_all()
+        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+            self._drawn(b)
+            return
+        with board.lock:
+            self._drawn(b)
+            board.notify()
+
+    def _drawn(self, b: int) -> None:
+        book = self.book
+        book.loaded.add(b)
+        book.numbers[b] = book.number(b)
+        self.ledger.drawn += 1
+        self._pulls = max(self._pulls, book.numbers[b] + 1)
 
     def _credit(self, b: int, plan: PipelinePlan) -> bool:
         """Whether the source may draw batch ``b``: at most ``pipeline_depth + lookahead`` batches
@@ -280,14 +343,14 @@ class PlanInterpreter(Interpreter):
 
     def _found_end(self, b: int, plan: PipelinePlan) -> None:
         book, board = self.book, self.board
-        with board.cond:
+        with board.lock:
             if book.num_batches is None or b < book.num_batches:
                 book.num_batches = b
             self._pulls = max(self._pulls, book.number(b) + 1)
             if plan.on_exhausted == "stop":
                 book.stopped = True
                 board.latches[(plan.source, b)] = LatchState.STOPPED
-            board.cond.notify_all()
+            board.notify()
         if plan.on_exhausted == "stop":
             raise Stopped
 
@@ -306,48 +369,71 @@ class PlanInterpreter(Interpreter):
 
     def _turn_taken(self, b: int, ended: bool) -> None:
         if not ended:
-            with self.board.cond:
+            with self.board.lock:
                 self.book.next_claim = max(self.book.next_claim, b + 1)
-                self.board.cond.notify_all()
+                self.board.notify()
 
-    def _wait_task(self, w: Walker, P: int, instr: WaitTask) -> None:
-        producer, q = instr.task, P - instr.lag
-        pb = q - self._stage[producer]
-        if q < w.start or pb < 0:
-            return
+    def _wait_op(self, instr: WaitTask) -> Op:
+        """``wait T@P-k``: T's instance of iteration ``q = P - k`` (batch ``q - stage(T)``), unless
+        it does not exist, an earlier wait of this thread covered it, or it is ready already."""
+        producer, lag = instr.task, instr.lag
+        back = lag + self._stage[producer]  # its batch: P - back
         lanes = self._lanes > 1 and producer == self._source
-        if not lanes and w.waited.get(producer, -1) >= q:
-            return  # instances of one thread finish in order: an earlier wait covered it
-        book = self.book
-        if book.num_batches is not None and pb >= book.num_batches and not book.stopped:
-            return  # no such batch
-        w.current = (str(instr), pb)
-        key: Hashable = (producer, pb)
+        what = str(instr)
         latches = self.board.latches
-        self._stop_check(P)
-        start = time.perf_counter() if self._observer is not None else 0.0
-        self._wait(
-            P, lambda: key in latches or pb < book.returned or self._beyond_stop(q), lambda: f"task {producer} (batch {pb}) to finish"
-        )
-        if self._observer is not None:
-            self._observer.on_wait(producer, w.thread, self._epoch_base + P, start, time.perf_counter())
-        if latches.get(key) is LatchState.STOPPED or (key not in latches and self._beyond_stop(q)):
-            raise Stopped
-        if self._checker is not None and (key in latches or pb < book.returned):
-            # what the producer's thread did is ordered before us: through its latch, or through
-            # the batch's return (its latch already cleared), which came after every signal of it
-            self._checker.cpu_acquire(("latch", self._epoch_base, producer, pb))
-        if not lanes:
-            w.waited[producer] = q
 
-    def _signal(self, w: Walker, P: int, instr: Signal) -> None:
-        self._stop_check(P)
-        b = P - self._stage[instr.task]
-        if b < 0 or (self._lanes > 1 and instr.task == self._source and b % self._lanes != w.lane):
-            return
-        if self._checker is not None:
-            self._checker.cpu_release(("latch", self._epoch_base, instr.task, b))
-        self.board.set_latch((instr.task, b))
+        def wait(w: Walker, P: int) -> None:
+            q, pb = P - lag, P - back
+            if q < w.start or pb < 0:
+                return
+            if not lanes and w.waited.get(producer, -1) >= q:
+                return  # instances of one thread finish in order: an earlier wait covered it
+            book = self.book
+            if book.num_batches is not None and pb >= book.num_batches and not book.stopped:
+                return  # no such batch
+            w.current = (what, pb)
+            key: Hashable = (producer, pb)
+            self._stop_check(P)
+            start = time.perf_counter() if self._observer is not None else 0.0
+            if key in latches or pb < book.returned:  # done already: no wait
+                self._stop_check(P)
+            else:
+                self._wait(
+                    P,
+                    lambda: key in latches or pb < book.returned or self._beyond_stop(q),
+                    lambda: f"task {producer} (batch {pb}) to finish",
+                    key,
+                )
+            if self._observer is not None:
+                self._observer.on_wait(producer, w.thread, self._epoch_base + P, start, time.perf_counter())
+            if latches.get(key) is LatchState.STOPPED or (key not in latches and self._beyond_stop(q)):
+                raise Stopped
+            if self._checker is not None and (key in latches or pb < book.returned):
+                # what the producer's thread did is ordered before us: through its latch, or through
+                # the batch's return (its latch already cleared), which came after every signal of it
+                self._checker.cpu_acquire(("latch", self._epoch_base, producer, pb))
+            if not lanes:
+                w.waited[producer] = q
+
+        return wait
+
+    def _signal_op(self, instr: Signal) -> Op:
+        """``signal T``: T's instance of this iteration is done (a lane signals its own batches)."""
+        task, stage = instr.task, self._stage[instr.task]
+        lanes = self._lanes if self._lanes > 1 and task == self._source else 0
+        board = self.board
+
+        def signal(w: Walker, P: int) -> None:
+            if self.book.stopped:
+                self._stop_check(P)
+            b = P - stage
+            if b < 0 or (lanes and b % lanes != w.lane):
+                return
+            if self._checker is not None:
+                self._checker.cpu_release(("latch", self._epoch_base, task, b))
+            board.set_latch((task, b))
+
+        return signal
 
     def _device_sync(self, w: Walker, P: int, instr: WaitStream | RecordEvent) -> None:
         self._stop_check(P)
@@ -396,13 +482,3 @@ def check_limits(plan: PipelinePlan, max_threads: int, max_in_flight: int) -> No
         )
     if plan.source is None:
         raise PlanError(f"plan {plan.name} has no source task: the engine needs one to pull batches", culprit="source")
-
-
-def in_stream(invoke: Invoker, streams: StreamPool, stream: str) -> Invoker:
-    context = streams.context
-
-    def in_stream(b: int) -> Any:
-        with context(stream):
-            return invoke(b)
-
-    return in_stream

@@ -21,7 +21,10 @@ caller re-raises it, of its own type, with a note naming task, batch, thread and
 
 What a ``run`` instruction does is the subclass's: ``Engine`` runs plan tasks
 (``torchrec_swp.engine.engine``), ``ProgramEngine`` pipeline-parallel actions
-(``torchrec_swp.engine.programs``).
+(``torchrec_swp.engine.programs``). A walker executes each instruction by its op, ``op(walker,
+P)``, made once per program (``_program`` hands out both): by default a dispatch through
+``_execute``; the plan engine compiles its instructions into ops that know their task, stage
+and call, so that the loop below costs a call per instruction and nothing per iteration.
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ class WalkState(enum.Enum):
     FINISHED = "finished"  # walked every iteration of the epoch (or of the step)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Walker:
     """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
     source with several loads: ``load.1``); ``top``: the highest stage of its tasks (it is done
     with batch ``d`` once it finished iteration ``d + top``); ``ahead``: how many iterations it
     may run beyond the current ``step()`` call's (the plan's lookahead; 0 for a thread that issues
-    collectives: those are issued only while ``step()`` runs)."""
+    collectives: those are issued only while ``step()`` runs). ``prog``: the instructions of
+    iteration ``P`` while it walks them, ``i`` the one it executes (or parked at)."""
 
     thread: str
     name: str
@@ -85,15 +89,20 @@ class Walker:
     done_through: int = -1
     state: WalkState = WalkState.READY
     parked_by: str = ""
-    at: Instr | None = None  # the instruction it executes or parked at
+    prog: tuple[Instr, ...] = ()
     current: tuple[str, int] = ("-", 0)  # (task or instruction, batch) it works on
     bases: dict[str, int] = field(default_factory=dict)  # comm group -> first ticket of iteration P
     waited: dict[str, int] = field(default_factory=dict)  # producer -> latest iteration waited for
     inst: Any = None  # what the engine runs in iteration P (its plan, for a plan engine)
 
+    @property
+    def at(self) -> Instr | None:
+        """The instruction it executes or parked at (None between iterations)."""
+        return self.prog[self.i] if self.i < len(self.prog) else None
+
     def place(self, start: int, bases: dict[str, int]) -> None:
         self.P, self.i, self.start, self.done_through = start, 0, start, start - 1
-        self.state, self.parked_by, self.at, self.current = WalkState.READY, "", None, ("-", 0)
+        self.state, self.parked_by, self.prog, self.current = WalkState.READY, "", (), ("-", 0)
         self.bases, self.waited = dict(bases), {}
 
     def position(self) -> str:
@@ -109,6 +118,12 @@ class Walker:
                 return f"at {self.at} (internal iteration {self.P})"
             case _:
                 return f"not started (internal iteration {self.P})"
+
+
+#: How an instruction of a thread's program is executed: ``op(walker, P)`` at internal iteration ``P``.
+Op = Callable[[Walker, int], None]
+#: One iteration of one thread, ready to walk: its instructions and, position by position, their ops.
+Walk = tuple[tuple[Instr, ...], tuple[Op, ...]]
 
 
 @dataclass
@@ -148,7 +163,8 @@ def _stop_workers(workers: dict[str, Worker]) -> None:
 
 class Interpreter(abc.ABC):
     """Walkers, workers, the board, turnstiles, failures and reports; subclasses say what the
-    programs are (``_program``) and what their work instructions do (``_run``)."""
+    programs are (``_program``, with their ops) and what their work instructions do (``_run``
+    behind the default op, or ops of their own)."""
 
     def __init__(self, *, streams: StreamPool | None, timeout_s: float, name: str) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -182,17 +198,17 @@ class Interpreter(abc.ABC):
         try:
             while until is None or w.P <= until:
                 P = w.P
-                instrs = self._program(w, P)
-                if instrs is None:
+                walk = self._program(w, P)
+                if walk is None:
                     w.state = WalkState.FINISHED
                     break
-                while w.i < len(instrs):
+                w.prog, ops = walk
+                for i in range(w.i, len(ops)):
+                    w.i = i  # parked here, it executes this instruction again when resumed
                     if board.interrupt is not None:
                         raise Interrupted(board.interrupt)
-                    instr = w.at = instrs[w.i]
-                    self._execute(w, P, instr)
-                    w.i += 1
-                w.i, w.P, w.at = 0, P + 1, None
+                    ops[i](w, P)
+                w.i, w.P, w.prog = 0, P + 1, ()
                 w.done_through = P
                 self._iteration_done(w, P)
             else:
@@ -216,7 +232,7 @@ class Interpreter(abc.ABC):
         exc = sys.exc_info()[1]
         assert exc is not None
         task, batch = w.current
-        with self.board.cond:
+        with self.board.lock:
             secondary = isinstance(exc, (TaskAborted, CollectiveAborted)) and self.failures
             if not secondary:
                 self.failures.append(Failure(exc, task, batch, w.name, w.P))
@@ -238,6 +254,19 @@ class Interpreter(abc.ABC):
                 self._device_sync(w, P, instr)
             case _:
                 raise EngineError(f"unknown instruction {instr!r}")
+
+    def _op(self, instr: Instr) -> Op:
+        """The call that executes ``instr``: through ``_execute``'s dispatch (subclasses compile
+        the instructions they run often into calls of their own)."""
+        execute = self._execute
+
+        def op(w: Walker, P: int) -> None:
+            execute(w, P, instr)
+
+        return op
+
+    def _ops(self, instrs: tuple[Instr, ...]) -> tuple[Op, ...]:
+        return tuple(self._op(i) for i in instrs)
 
     # ---------------------------------------------------------------- views
     @property
@@ -263,26 +292,27 @@ class Interpreter(abc.ABC):
         return t
 
     def _ticketed(
-        self,
-        w: Walker,
-        group: str | None,
-        ticket: int,
-        run: Callable[[], None],
-        task: str,
-        b: int,
-        check: Callable[[], None] | None = None,
+        self, w: Walker, group: str | None, ticket: int | None, task: str, b: int, run: Callable[..., Any], *args: Any
     ) -> None:
-        """Run ``run`` holding ticket ``ticket`` of this iteration of ``group`` (``check``: see
-        ``Turnstile.acquire``)."""
+        """``run(*args)``, holding ticket ``ticket`` of this iteration of ``group`` if it has one
+        (a turn not granted at once is waited for, under ``_ticket_check``)."""
+        if ticket is None:
+            run(*args)
+            return
         turnstile = self.turnstile(group or "")
         number = w.bases.get(group or "", 0) + ticket
-        turnstile.acquire(number, self.timeout_s, check)
+        if not turnstile.take(number):
+            turnstile.acquire(number, self.timeout_s, self._ticket_check(w))
         try:
-            run()
+            run(*args)
         except BaseException:
             turnstile.fail(f"{describe(task, b, w.name, w.P)} failed")
             raise
         turnstile.release(number)
+
+    def _ticket_check(self, w: Walker) -> Callable[[], None] | None:
+        """What a thread waiting for its turn checks before each wait (see ``Turnstile.acquire``)."""
+        return None
 
     def _skip_ticket(self, w: Walker, group: str | None, ticket: int) -> None:
         self.turnstile(group or "").skip(w.bases.get(group or "", 0) + ticket)
@@ -304,13 +334,17 @@ class Interpreter(abc.ABC):
         """Wait until none of ``walkers`` is walking (interrupts do not end this wait); an
         EngineTimeout with the report if one does not stop in time (stuck inside a task)."""
         deadline = time.monotonic() + self.timeout_s
-        with self.board.cond:
-            while any(w.state is WalkState.RUNNING for w in walkers):
+
+        def idle() -> bool:
+            return all(w.state is not WalkState.RUNNING for w in walkers)
+
+        with self.board.lock:
+            while not idle():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     cause = self.failures[0].exc if self.failures else None
                     raise EngineTimeout(self._timeout_report()) from cause
-                self.board.cond.wait(remaining)
+                self.board.sleep(remaining, idle)
         if self._checker is not None:
             for w in walkers:
                 self._checker.cpu_acquire(("walk", self._uid, w.name))
@@ -340,8 +374,9 @@ class Interpreter(abc.ABC):
 
     # ------------------------------------------------------ what subclasses do
     @abc.abstractmethod
-    def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
-        """Walker ``w``'s instructions of internal iteration ``P`` (None: it has walked out)."""
+    def _program(self, w: Walker, P: int) -> Walk | None:
+        """Walker ``w``'s instructions of internal iteration ``P`` and their ops (None: it has
+        walked out)."""
 
     def _run(self, w: Walker, P: int, instr: Run | RunAction | Alias) -> None:
         raise EngineError(f"{type(self).__name__} cannot run `{instr}`")

@@ -50,7 +50,7 @@ import torch
 
 from torchrec_swp.compile import Instr, IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Interpreter, Walker, WalkState
+from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Interpreter, Op, Walk, Walker, WalkState
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.plan import MAIN_THREAD
@@ -75,7 +75,8 @@ class ProgramEngine(Interpreter):
                 raise TypeError(f"the function bound to action kind {kind!r} is not callable: {fn!r}")
         self._actions = dict(actions)
         self._bound: dict[str, ActionBinding] = dict(actions)
-        self._checked: dict[int, IterationProgram] = {}
+        # id -> (program, its ops per thread): checked once, compiled once
+        self._checked: dict[int, tuple[IterationProgram, dict[str, tuple[Op, ...]]]] = {}
         self._program_now: IterationProgram | None = None
         self._bases: dict[str, int] = {}  # comm group -> first ticket of the next step
         #: programs run so far (the step number in reports and notes)
@@ -161,9 +162,11 @@ class ProgramEngine(Interpreter):
         with torch.set_grad_enabled(grad):
             self._walk(w, step)
 
-    def _program(self, w: Walker, P: int) -> tuple[Instr, ...] | None:
-        assert self._program_now is not None
-        return self._program_now.instructions(w.thread)
+    def _program(self, w: Walker, P: int) -> Walk | None:
+        program = self._program_now
+        assert program is not None
+        instrs = program.instructions(w.thread)
+        return instrs, self._checked[id(program)][1].get(w.thread, ())
 
     def _run(self, w: Walker, P: int, instr: Instr) -> None:
         if not isinstance(instr, RunAction):
@@ -173,7 +176,7 @@ class ProgramEngine(Interpreter):
         if instr.ticket is None:
             self._run_action(w, instr)
         else:
-            self._ticketed(w, instr.comm_group, instr.ticket, lambda: self._run_action(w, instr), instr.action, mb)
+            self._ticketed(w, instr.comm_group, instr.ticket, instr.action, mb, self._run_action, w, instr)
 
     def _run_action(self, w: Walker, instr: RunAction) -> None:
         try:
@@ -225,7 +228,7 @@ class ProgramEngine(Interpreter):
     def _check(self, program: IterationProgram) -> None:
         """The checks of the module docstring (once per program object)."""
         cached = self._checked.get(id(program))
-        if cached is program:
+        if cached is not None and cached[0] is program:
             return
         if not isinstance(program, IterationProgram):
             raise TypeError(f"run_program takes an IterationProgram, got {type(program).__name__}")
@@ -272,7 +275,7 @@ class ProgramEngine(Interpreter):
                     f"comm group {group!r}: tickets {sorted(numbers)} but the program declares "
                     f"{declared.get(group, 0)} (they must be numbered 0..n-1)"
                 )
-        self._checked[id(program)] = program
+        self._checked[id(program)] = (program, {thread: self._ops(instrs) for thread, instrs in program.threads})
 
     # --------------------------------------------------------------- reports
     def _describe(self, f: Failure) -> str:

@@ -12,8 +12,9 @@ given an iterator; it raises StopIteration at the end of data.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -46,87 +47,164 @@ class Observer(Protocol):
     def on_iteration(self, iteration: int, start: float, end: float) -> None: ...
 
 
-def make_invoker(io: PipelineTask, fn: Binding, slots: Slots, extra: Callable[[int], dict[str, Any]] | None = None) -> Invoker:
+def make_invoker(
+    io: PipelineTask,
+    fn: Binding,
+    slots: Slots,
+    extra: Callable[[int], dict[str, Any]] | None = None,
+    around: Around | None = None,
+    timed: TaskTimer | None = None,
+) -> Invoker:
     """``invoke(b)``: call ``fn`` with batch ``b``'s reads and store what it returns as ``b``'s writes.
-    ``extra(b)`` gives keyword arguments of its own (the source's ``data``)."""
-    task, writes = io.name, io.writes
-    reads = [(read_argument(r), *parse_read(r)) for r in io.reads]  # (keyword, data name, batches back)
-    same_batch = all(k == 0 for _, _, k in reads)
+    ``extra(b)`` gives keyword arguments of its own (the source's ``data``); ``around(b)`` is a
+    context manager the reads and the call run in (``task_context``); ``timed`` times each
+    instance for an observer (``task_timer``).
 
-    def call(b: int) -> Any:
-        if not reads:
-            return fn(b) if extra is None else fn(b, **extra(b))
+    One frame between the engine and ``fn``, named ``<task T>`` in tracebacks."""
+    task, writes = io.name, io.writes
+    arguments = _arguments(io, slots, extra)
+    count, first = len(writes), writes[0] if writes else ""
+
+    def invoke(b: int) -> None:
+        mark = timed.start() if timed is not None else None
         try:
-            if same_batch:
-                slot = slots[b]
-                args = {arg: slot[data] for arg, data, _ in reads}
+            if around is None:
+                values = fn(b) if arguments is None else fn(b, **arguments(b))
             else:
-                args = {arg: slots[b][data] if k == 0 else previous(slots, b - k, data) for arg, data, k in reads}
+                with around(b):
+                    values = fn(b) if arguments is None else fn(b, **arguments(b))
+            if count == 1:
+                slots[b][first] = values
+            elif count:
+                _store(task, writes, slots[b], values)
+        finally:
+            if timed is not None:
+                timed.stop(b, mark)
+
+    return _named(invoke, task)
+
+
+def _arguments(io: PipelineTask, slots: Slots, extra: Callable[[int], dict[str, Any]] | None) -> Callable[[int], dict[str, Any]] | None:
+    """``arguments(b)``: the keyword arguments of ``io``'s call for batch ``b`` (None: it takes none)."""
+    task = io.name
+    reads = tuple((read_argument(r), *parse_read(r)) for r in io.reads)  # (keyword, data name, batches back)
+    if not reads:
+        return extra
+    if len(reads) == 1 and reads[0][2] == 0 and extra is None:  # the common case, without a loop
+        ((arg, data, _),) = reads
+
+        def one(b: int) -> dict[str, Any]:
+            try:
+                return {arg: slots[b][data]}
+            except KeyError as e:
+                raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+
+        return one
+
+    def many(b: int) -> dict[str, Any]:
+        args = {}
+        try:
+            for arg, data, k in reads:
+                args[arg] = slots[b][data] if k == 0 else previous(slots, b - k, data)
         except KeyError as e:
             raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
         if extra is not None:
             args.update(extra(b))
-        return fn(b, **args)
+        return args
 
-    if not writes:
-        return call
-    if len(writes) == 1:
-        (w,) = writes
-
-        def invoke_one(b: int) -> None:
-            slots[b][w] = call(b)
-
-        return invoke_one
-
-    def invoke_many(b: int) -> None:
-        values = call(b)
-        if not isinstance(values, tuple) or len(values) != len(writes):
-            raise EngineError(f"task {task} must return a tuple of {len(writes)} values for {writes}, got {values!r}")
-        slot = slots[b]
-        for k, v in zip(writes, values):
-            slot[k] = v
-
-    return invoke_many
+    return many
 
 
-def make_alias(pairs: tuple[tuple[str, str], ...], slots: Slots) -> Invoker:
+def _store(task: str, writes: tuple[str, ...], slot: dict[str, Any], values: Any) -> None:
+    if not isinstance(values, tuple) or len(values) != len(writes):
+        raise EngineError(f"task {task} must return a tuple of {len(writes)} values for {writes}, got {values!r}")
+    for k, v in zip(writes, values):
+        slot[k] = v
+
+
+def _named(invoke: Invoker, task: str) -> Invoker:
+    """``invoke`` with its frame named ``<task T>``: a traceback through it says which task it is."""
+    name = f"<task {task}>"
+    code = invoke.__code__
+    invoke.__code__ = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
+    invoke.__name__ = invoke.__qualname__ = name
+    return invoke
+
+
+def make_alias(pairs: tuple[tuple[str, str], ...], slots: Slots, around: Around | None = None, timed: TaskTimer | None = None) -> Invoker:
     """The call-free stand-in of a task that is a no-op on this device: ``write = read``."""
 
     def alias(b: int) -> None:
-        slot = slots[b]
-        for write, read in pairs:
-            slot[write] = slot[read]
+        mark = timed.start() if timed is not None else None
+        try:
+            if around is None:
+                _copy(pairs, slots[b])
+            else:
+                with around(b):
+                    _copy(pairs, slots[b])
+        finally:
+            if timed is not None:
+                timed.stop(b, mark)
 
     return alias
 
 
-def instrumented(
-    task: str, invoke: Invoker, thread: str, iteration: Callable[[int], int], observer: Observer | None, labels: bool
-) -> Invoker:
-    """``invoke`` timed for ``observer`` (``iteration(b)`` gives the instance's iteration) and,
-    with ``labels``, inside ``record_function("## task b ##")`` for profiler traces."""
-    if observer is None and not labels:
-        return invoke
+def _copy(pairs: tuple[tuple[str, str], ...], slot: dict[str, Any]) -> None:
+    for write, read in pairs:
+        slot[write] = slot[read]
+
+
+#: ``around(b)``: the context manager a task instance for batch ``b`` runs in.
+Around = Callable[[int], contextlib.AbstractContextManager[Any]]
+
+
+def task_context(task: str, labels: bool, stream: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Around | None:
+    """What a task's calls run in: ``stream()`` (its device stream), inside
+    ``record_function("## task b ##")`` with ``labels`` (for profiler traces); None for nothing."""
+    if not labels:
+        return None if stream is None else lambda b: stream()
     record_function = torch.profiler.record_function
-    thread_time = time.thread_time if observer is not None and getattr(observer, "wants_cpu", False) else None
+    if stream is None:
+        return lambda b: record_function(f"## {task} {b} ##")
 
-    def timed(b: int) -> Any:
+    @contextlib.contextmanager
+    def labelled_in_stream(b: int) -> Iterator[None]:
+        with record_function(f"## {task} {b} ##"), stream():
+            yield
+
+    return labelled_in_stream
+
+
+def task_timer(task: str, thread: str, iteration: Callable[[int], int], observer: Observer | None) -> TaskTimer | None:
+    """The timer of ``task``'s calls for ``observer`` (``iteration(b)``: the instance's iteration);
+    None without an observer."""
+    return None if observer is None else TaskTimer(task, thread, iteration, observer)
+
+
+class TaskTimer:
+    """Tells an observer of every run of one task: ``mark = start()`` before the call,
+    ``stop(b, mark)`` after it (with the thread's CPU time in the task when the observer
+    ``wants_cpu``)."""
+
+    __slots__ = ("cpu", "iteration", "observer", "task", "thread")
+
+    def __init__(self, task: str, thread: str, iteration: Callable[[int], int], observer: Observer) -> None:
+        self.task, self.thread, self.iteration, self.observer = task, thread, iteration, observer
+        self.cpu = bool(getattr(observer, "wants_cpu", False))
+
+    def start(self) -> Any:
+        if not self.cpu:
+            return time.perf_counter()
         start = time.perf_counter()
-        cpu = 0.0 if thread_time is None else thread_time()
-        try:
-            if labels:
-                with record_function(f"## {task} {b} ##"):
-                    return invoke(b)
-            return invoke(b)
-        finally:
-            if observer is not None:
-                end = time.perf_counter()
-                if thread_time is None:
-                    observer.on_run(task, b, thread, iteration(b), start, end)
-                else:
-                    observer.on_run(task, b, thread, iteration(b), start, end, cpu=thread_time() - cpu)
+        return start, time.thread_time()
 
-    return timed
+    def stop(self, b: int, mark: Any) -> None:
+        end = time.perf_counter()
+        if not self.cpu:
+            self.observer.on_run(self.task, b, self.thread, self.iteration(b), mark, end)
+        else:
+            start, cpu = mark
+            self.observer.on_run(self.task, b, self.thread, self.iteration(b), start, end, cpu=time.thread_time() - cpu)
 
 
 def previous(slots: Slots, b: int, data: str) -> Any:

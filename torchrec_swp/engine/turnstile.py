@@ -30,7 +30,8 @@ class Turnstile:
     def __init__(self, group: str, board: Board | None = None) -> None:
         self.group = group
         self._board = board
-        self._cond = board.cond if board is not None else threading.Condition()
+        self._lock = board.lock if board is not None else threading.Lock()
+        self._cond = threading.Condition(self._lock)  # its waiters when it has no board
         self._next = 0
         self._skipped: set[int] = set()
         self._failed: str | None = None
@@ -46,19 +47,31 @@ class Turnstile:
 
     def restart(self) -> None:
         """Start numbering again at 0 (nobody holds a ticket) and forget a failure."""
-        with self._cond:
+        with self._lock:
             self._next = 0
             self._skipped.clear()
             self._failed = None
 
     clear_failure = restart
 
+    def take(self, ticket: int) -> bool:
+        """Whether ``ticket``'s turn is now (then it is held, as after ``acquire``); False when it
+        has to wait, or ``acquire`` would raise."""
+        with self._lock:
+            return self._failed is None and self._next == ticket
+
     def acquire(self, ticket: int, timeout_s: float, check: Callable[[], None] | None = None) -> None:
         """Wait for ``ticket``'s turn. ``check()``, called before every wait, may raise to give up
         (the engine's threads park when the plan stopped before their iteration)."""
         deadline = time.monotonic() + timeout_s
         me = threading.current_thread().name
-        with self._cond:
+
+        def turn() -> bool:  # what wakes it on the board: its turn, an abort, or check() giving up
+            if check is not None:
+                check()
+            return self._failed is not None or self._next >= ticket
+
+        with self._lock:
             self.waiting[me] = ticket
             try:
                 while True:
@@ -84,28 +97,34 @@ class Turnstile:
                             f"{self.group!r}; the turnstile is at ticket {self._next}"
                         )
                     if self._board is not None:
-                        self._board.sleep(remaining)
+                        self._board.sleep(remaining, turn)
                     else:
                         self._cond.wait(remaining)
             finally:
                 del self.waiting[me]
 
     def release(self, ticket: int) -> None:
-        with self._cond:
+        with self._lock:
             if self._next == ticket:
                 self._next = ticket + 1
                 self._advance()
-            self._cond.notify_all()
+            self._notify()
 
     def skip(self, ticket: int) -> None:
         """Ticket ``ticket`` will not be used: pass it on when its turn comes, without waiting."""
-        with self._cond:
+        with self._lock:
             if ticket == self._next:
                 self._next += 1
                 self._advance()
-                self._cond.notify_all()
+                self._notify()
             elif ticket > self._next:
                 self._skipped.add(ticket)
+
+    def _notify(self) -> None:
+        if self._board is not None:
+            self._board.notify()
+        else:
+            self._cond.notify_all()
 
     def _advance(self) -> None:
         while self._next in self._skipped:
@@ -114,7 +133,7 @@ class Turnstile:
 
     def fail(self, reason: str) -> None:
         """Abort every ticket not yet granted."""
-        with self._cond:
+        with self._lock:
             if self._failed is None:
                 self._failed = reason
-            self._cond.notify_all()
+            self._notify()
