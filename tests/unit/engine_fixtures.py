@@ -98,6 +98,37 @@ class Toy:
 THREAD_MAPS: list[Any] = ["main", "by_stream", "per_task", {"H2D": "io"}, {"Dist": "io", "Opt": "io"}]
 
 
+def drawing(toy: Toy) -> dict[str, Callable[..., Any]]:
+    """The toy's tasks, its source drawing from the engine's data (draws then take turns in batch
+    order, whatever lane loads: what parallel loads need)."""
+    bindings = toy.bindings()
+
+    def h2d(b: int, data: Iterator[int]) -> int:
+        v = next(data)
+        toy._done("H2D", b)
+        return v
+
+    return {**bindings, "H2D": h2d}
+
+
+def run(engine: Any, steps: int | None = None, n: int = 14) -> list[int]:
+    """``steps`` steps of ``engine`` (all of them: None) over ``range(n)``, given on the first call."""
+    data = None if engine.draws is not None else iter(range(n))
+    if steps is None:
+        out = []
+        while True:
+            try:
+                out.append(engine.step(data))
+            except StopIteration:
+                return out
+            data = None
+    out = []
+    for _ in range(steps):
+        out.append(engine.step(data))
+        data = None
+    return out
+
+
 def load_dist_train_plan(schedule: dict[str, TaskSchedule], **changes: Any) -> PipelinePlan:
     """Load -> Dist -> Train (``schedule`` places them), Train folding every batch in order."""
     args: dict[str, Any] = dict(

@@ -117,3 +117,22 @@ def test_the_loads_hint_works_on_every_torchrec_plan(name: str) -> None:
         (code,) = HINT.findall(str(info.value))
         fixed = eval(code, {"plan": plan})
         assert fixed.loads == 2 and fixed.task(str(plan.source)).thread_group == "load"
+
+
+def test_a_load_records_its_event_on_its_own_lane_only() -> None:
+    # Every lane walks the source's program; only the lane that drew batch b may record b's event
+    # (as only it signals b): another lane's later record would replace it with one no CPU edge
+    # orders before the consumer's stream wait.
+    from tests.unit.engine_fixtures import Toy, drawing, run, toy_plan
+    from torchrec_swp.engine import Engine, RecordingStreamPool
+
+    plan = toy_plan().with_thread_map({"H2D": "load"}).with_loads(2, lookahead=2)
+    pool = RecordingStreamPool()
+    toy = Toy(14, jitter_s=0.002)
+    engine = Engine(plan, drawing(toy), streams=pool)
+    try:
+        run(engine)
+    finally:
+        engine.close()
+    records = [e for e in pool.log if e[:2] == ("record", "memcpy")]
+    assert len(records) == 14

@@ -33,6 +33,7 @@ a rank that failed issues no more collectives of a comm group spread over thread
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -91,6 +92,7 @@ class Engine(Cuts):
                 raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         self.device_type = device_type
+        self.max_threads, self.max_in_flight = max_threads, max_in_flight
         self.phased = phased
         self.plan: PipelinePlan = phased.plans[0]
         self._bindings = dict(bindings)
@@ -114,15 +116,81 @@ class Engine(Cuts):
         self._iteration_start = 0.0
         self._epoch_base = 0  # observers count iterations on over epochs: this epoch's iteration 0
         self._failure_raised = False
-        self._installed = {id(p): self._install(p) for p in phased.plans}
-        # the tasks whose latches and events batches leave behind (in any phase's programs)
-        programs = [i for inst in self._installed.values() for instrs in inst.programs.values() for i in instrs]
-        self._signalled = tuple(dict.fromkeys(i.task for i in programs if isinstance(i, Signal)))
-        self._recorded = tuple(dict.fromkeys(i.task for i in programs if isinstance(i, RecordEvent)))
+        self._signalled: tuple[str, ...] = ()
+        self._recorded: tuple[str, ...] = ()
+        self._installed = self._install_all(phased)
         self._make_walkers()
         self.reset()
 
     # ------------------------------------------------------------------ setup
+    def _install_all(self, phased: PhasedPlan) -> dict[int, InstalledPlan]:
+        """Every phase's plan installed; the tasks whose latches and events batches leave behind
+        (in any phase's programs, those installed before included) noted for ``_forget``."""
+        installed = {id(p): self._install(p) for p in phased.plans}
+        programs = [i for inst in installed.values() for instrs in inst.programs.values() for i in instrs]
+        self._signalled = tuple(dict.fromkeys([*self._signalled, *(i.task for i in programs if isinstance(i, Signal))]))
+        self._recorded = tuple(dict.fromkeys([*self._recorded, *(i.task for i in programs if isinstance(i, RecordEvent))]))
+        return installed
+
+    def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> None:
+        """Run ``plan`` from the next ``step()`` on, at the batch boundary every thread stands at.
+
+        Between steps only, and only where every thread that has tasks stands at the same internal
+        iteration, none in the middle of one: before the first step, or after a step of a plan
+        without lookahead (a thread that ran ahead would have started iterations the new plan
+        must run). ``plan`` keeps every task, its stage and its stream (and the phases' batch
+        numbers): only threads, fire order, comm groups, lookahead and loads change, so every task
+        instance runs once, in the plan it falls in, and device events recorded before the switch
+        are those the new programs wait on. Raises EngineError naming what does not hold.
+        """
+        new = PhasedPlan([(0, plan)]) if isinstance(plan, PipelinePlan) else plan
+        if not isinstance(new, PhasedPlan):
+            raise TypeError(f"plan must be a PipelinePlan or a PhasedPlan, got {type(plan).__name__}")
+        old = self.phased
+        if [n for n, _ in new.phases] != [n for n, _ in old.phases]:
+            raise EngineError(
+                f"switch_plan: the new plan's phases start at batches {[n for n, _ in new.phases]}, the running "
+                f"plan's at {[n for n, _ in old.phases]}"
+            )
+        for before, after in zip(old.plans, new.plans, strict=True):
+            check_limits(after, self.max_threads, self.max_in_flight)
+            if set(after.fire_order) != set(before.fire_order):
+                raise EngineError(
+                    f"switch_plan: plan {after.name} has tasks {sorted(after.fire_order)}, the running plan "
+                    f"{sorted(before.fire_order)}: a switch keeps the tasks"
+                )
+            for t in before.fire_order:
+                a, b = before.task(t), after.task(t)
+                if (a.stage, a.stream) != (b.stage, b.stream):
+                    raise EngineError(
+                        f"switch_plan: task {t} runs at stage {b.stage} on stream {b.stream} in plan {after.name}, at "
+                        f"stage {a.stage} on stream {a.stream} now: a switch keeps every task's stage and stream"
+                    )
+        if self.failures:
+            raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
+        self._settle("switching plans")
+        P = self._main.P
+        for w in self._tasked:
+            if w.state is WalkState.FINISHED or w.P != P or w.i != 0:
+                raise EngineError(
+                    f"switch_plan: thread {w.name!r} is {w.position()}, the calling thread at internal iteration {P}: "
+                    "switch between steps of a plan without lookahead (every thread then stands at the same batch boundary)"
+                )
+        index = old.plans.index(self.plan)
+        self.phased = new
+        self.plan = new.plans[index]
+        self._source = self.plan.source
+        self._stage = {t: s.stage for p in new.plans for t, s in p.schedule.items()}
+        self._lanes = max(p.loads for p in new.plans)
+        self._lookahead = max(p.lookahead for p in new.plans)
+        self._keep_slots = max([self._keep_slots, *(parse_read(r)[1] for p in new.plans for io in p.tasks.values() for r in io.reads)])
+        self._keep_events = max([self._keep_events, *(d.distance for p in new.plans for d in p.deps)])
+        self._installed = self._install_all(new)
+        self._make_walkers()
+        bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
+        for w in self._walkers.values():
+            w.place(P, bases)
+
     def _install(self, plan: PipelinePlan) -> InstalledPlan:
         compiled = CompiledPlan(plan, device_streams=self.streams.has_streams, device_type=self.device_type)
         steady = compiled.steady
@@ -176,12 +244,14 @@ class Engine(Cuts):
         """Attach (or, with no arguments, detach) instrumentation.
 
         ``observer`` gets every task run, every cross-thread wait and every iteration of the
-        calling thread with its times (iterations numbered on over epochs); ``labels`` wraps each task in
+        calling thread with its times (iterations numbered on over epochs), and, if it has
+        ``on_step``, every ``step()`` call's wall and CPU clocks at its start and end; ``labels`` wraps each task in
         ``torch.profiler.record_function("## Task b ##")`` so profiler traces show the plan's
         tasks. Detached, the engine runs the bare calls. Only between steps.
         """
         self._observer = observer
         self._labels = labels
+        self._on_step = getattr(observer, "on_step", None)
         for inst in self._installed.values():
             self._bind(inst)
 
@@ -261,6 +331,16 @@ class Engine(Cuts):
 
     # ------------------------------------------------------------------- step
     def step(self, data: Iterator[Any] | None = None) -> Any:
+        on_step = self._on_step
+        if on_step is None:
+            return self._step(data)
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return self._step(data)
+        finally:
+            on_step(start, time.perf_counter(), cpu, time.thread_time())
+
+    def _step(self, data: Iterator[Any] | None) -> Any:
         if data is not None:
             self._take_data(data)
         if self._failure_raised:  # step() again after a failure: go on where every thread stopped

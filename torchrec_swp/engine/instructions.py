@@ -442,8 +442,13 @@ class PlanInterpreter(Interpreter):
             event = book.events.get((instr.task, P - instr.consumer_stage - instr.distance))
             if event is not None:
                 self.streams.wait(instr.stream, event)
-        elif P - instr.stage in book.loaded:  # not for a batch that was never loaded
-            book.events[(instr.task, P - instr.stage)] = self.streams.record(instr.stream)
+        else:
+            b = P - instr.stage
+            if b not in book.loaded:  # not for a batch that was never loaded
+                return
+            if self._lanes > 1 and instr.task == self._source and b % self._lanes != w.lane:
+                return  # another lane loaded it and records after it (as it signals)
+            book.events[(instr.task, b)] = self.streams.record(instr.stream)
 
     # ---------------------------------------------------------------- reports
     def _describe(self, f: Failure) -> str:

@@ -182,6 +182,7 @@ class Interpreter(abc.ABC):
         self._turnstiles: dict[str, Turnstile] = {}
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._observer: Observer | None = None
+        self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
         self._labels = False
 
     def close(self) -> None:

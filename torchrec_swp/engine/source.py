@@ -44,6 +44,12 @@ class Draws:
         self.positions: dict[int, Any] = {}
 
     @property
+    def splits(self) -> bool:
+        """Whether the iterator splits a draw into ``claim()`` and ``fetch()`` (several loads then
+        fetch at once; ``torchrec_swp.data.MapSource`` does)."""
+        return self._split
+
+    @property
     def stateful(self) -> bool:
         """Whether the iterator has ``state_dict()`` (its positions are recorded)."""
         return self._stateful

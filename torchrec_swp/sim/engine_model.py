@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchrec_swp.compile import Instr, IterationProgram, Run, Signal
+from torchrec_swp.compile import Instr, IterationProgram, RecordEvent, Run, Signal
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class Walkers:
 
     def _on_lane(self, w: Walker, P: int, instr: Instr) -> bool:
         """A source's run and signal belong to the lane of their batch; everything else to every lane."""
-        if self.loads > 1 and isinstance(instr, (Run, Signal)) and instr.task == self.source:
+        if self.loads > 1 and isinstance(instr, (Run, Signal, RecordEvent)) and instr.task == self.source:
             return (P - self.source_stage) % self.loads == w.lane
         return True
 
