@@ -35,6 +35,10 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
   data is ``torchrec_swp.data.MapSource`` over the very dataset the DataLoader's two workers read
   (the same loader concurrency as ``upstream+dataloader``);
 * ``ours+2loads+dist``: besides, the input dist of the batches ahead on thread ``dist``;
+* ``ours+autotune``: our pipeline with ``autotune=True`` over a ``MapSource`` of the same dataset
+  (our own loading, nothing hand-picked): it runs its tuning alone before the rounds (warm-up,
+  profile, decision on both ranks' profiles, the switch, the verification), then is timed like
+  every contender with the plan it chose;
 * ``ours+thread``, ``ours+io+thread``: the default plan and ``ours+io`` reading the same
   prefetch thread as ``upstream+thread``;
 * ``ours+dataloader``, ``ours+io+dataloader``: the default plan and ``ours+io`` reading the same
@@ -97,6 +101,7 @@ CONTENDERS = (
     "ours+io+ahead",
     "ours+2loads",
     "ours+2loads+dist",
+    "ours+autotune",
     "ours+thread",
     "ours+io+thread",
     "ours+dataloader",
@@ -157,11 +162,11 @@ def _contender(
     impl, *options = label.split("+")
     size = SIZES[size_name]
     build = lambda: build_dlrm(rank, world_size, size)
-    if "2loads" in options:
+    if "2loads" in options or "autotune" in options:
         from benchmarks.peers import latency_dataset
         from torchrec_swp.data import MapSource
 
-        data = MapSource(latency_dataset(size, rank, n, latency))
+        data = MapSource(latency_dataset(size, rank, n + TUNING_STEPS, latency))
     elif "dataloader" in options:
         it = dataloader(size, rank, n, latency, num_workers=args.loader_workers, prefetch_factor=args.prefetch_factor)
         data: Iterator[Any] = _Closing(it, getattr(it, "_shutdown_workers", lambda: None))
@@ -174,10 +179,40 @@ def _contender(
         runner = async_copy_runner(build, forced="async_copy(forced)" in options)
     elif impl == "upstream":
         runner = make_runner(args.pipeline, "upstream", build, upstream_patch=True)
+    elif "autotune" in options:
+        from torchrec_swp import Autotune
+
+        runner = make_runner(args.pipeline, "ours", build, options={"autotune": Autotune(report=lambda line: None, **TUNING)})
     else:
         thread_map = io_dist_map(args.pipeline) if "dist" in options else io_map if "io" in options else None
         runner = make_runner(args.pipeline, "ours", build, plan=_plan(args.pipeline, options), thread_map=thread_map)
     return Contender(label, runner, data)
+
+
+#: ``ours+autotune``'s tuning (``Autotune``'s counts), run alone before the rounds: warm-up,
+#: profile, decision, then enough steps for the verification to end.
+TUNING = {"warmup": 10, "steps": 30, "verify": 20}
+TUNING_STEPS = 10 + 30 + 1 + 12 + 20
+
+
+def _tune(c: Contender) -> dict[str, Any]:
+    """Run ``ours+autotune``'s tuning alone (consecutive steps: the profile is of its own steps,
+    not of the others'); its decision."""
+    for _ in range(TUNING_STEPS):
+        c.losses.append(float(c.runner.step(c.batches)[0]))
+    d = c.runner.pipeline.autotune_decision
+    plan = c.runner.pipeline.plan
+    return {
+        "switched": bool(d and d.switched),
+        "change": [line for line in (d.why if d else ()) if line.startswith("the change: ")],
+        "why": list(d.why) if d else ["the data ended before the decision"],
+        "threads": list(plan.thread_groups),
+        "lookahead": plan.lookahead,
+        "loads": plan.loads,
+        "input_dist_group": bool(d and d.own_group),
+        "predicted_ms": None if d is None or d.predicted_s is None else 1e3 * d.predicted_s,
+        "verified_ms": None if d is None or d.measured_s is None else 1e3 * d.measured_s,
+    }
 
 
 def _plan(pipeline: str, options: list[str]) -> Any:
@@ -223,6 +258,11 @@ def interleave_blocks(
     return records
 
 
+def _same_prefix(a: list[float], b: list[float]) -> bool:
+    n = min(len(a), len(b))
+    return n > 0 and a[:n] == b[:n]
+
+
 def _stats(times: list[float], examples_per_step: int) -> dict[str, float]:
     """Mean and median step (ms), QPS at the mean step (the throughput), P90."""
     mean = statistics.fmean(times)
@@ -241,6 +281,7 @@ def _case(
     try:
         for label in args.contenders:
             contenders.append(_contender(label, rank, world_size, size_name, total + 4, latency, args))
+        tuned = {c.label: _tune(c) for c in contenders if c.label == "ours+autotune"}
         interleave(contenders, args.warmup, tick)
         for c in contenders:
             c.times.clear()
@@ -272,10 +313,12 @@ def _case(
         "ranks": world_size,
         "latency_ms": latency_ms,
         **stats,
-        "same_losses": all(c.losses == contenders[0].losses for c in contenders),
-        "losses_differ": [c.label for c in contenders if c.losses != contenders[0].losses],
+        # every step's loss, over the steps all trained (the tuning ran ahead of the others)
+        "same_losses": all(_same_prefix(c.losses, contenders[0].losses) for c in contenders),
+        "losses_differ": [c.label for c in contenders if not _same_prefix(c.losses, contenders[0].losses)],
         "bounds": bounds,
         "efficiency": {label: b["bound_ms"] / stats[label]["mean_ms"] for label, b in bounds.items()},
+        "autotune": tuned.get("ours+autotune"),
     }
     if "upstream" in stats:
         out["latency_share_of_upstream_step"] = latency_ms / stats["upstream"]["mean_ms"]
@@ -335,7 +378,11 @@ def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[
 
     def loader(label: str) -> str:
         # two parallel loads draw as many items at once as the DataLoader's two workers
-        return "dataloader" if "dataloader" in label or "2loads" in label else "thread" if "thread" in label else "plain"
+        return (
+            "dataloader"
+            if "dataloader" in label or "2loads" in label or "autotune" in label
+            else "thread" if "thread" in label else "plain"
+        )
 
     out = []
     ours = [o for o in labels if o in OURS]
@@ -352,6 +399,35 @@ def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[
         ratio = r[best_peer]["mean_ms"] / r[best_ours]["mean_ms"]
         out.append((best_ours, best_peer, ratio, _verdict(ratio, tolerance)))
     return list(dict.fromkeys(out))
+
+
+def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
+    """What ``ours+autotune`` chose, and where it stands against the best hand-picked of ours
+    and the best peer (mean steps)."""
+    t = r.get("autotune")
+    if t is None or "ours+autotune" not in labels:
+        return []
+    mean = r["ours+autotune"]["mean_ms"]
+    picked = [o for o in labels if o in OURS and o != "ours+autotune"]
+    peers = [p for p in labels if p in PEERS]
+    out = [
+        "- ours+autotune chose "
+        + (
+            f"threads {t['threads']}, lookahead {t['lookahead']}, loads {t['loads']}"
+            + (", the input dist in its own comm group" if t["input_dist_group"] else "")
+            + f" ({'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
+            f"{t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds ({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
+            if t["switched"]
+            else f"to keep its plan ({t['why'][-1]})"
+        )
+    ]
+    if picked:
+        best = min(picked, key=lambda o: r[o]["mean_ms"])
+        out.append(f"- ours+autotune vs the best hand-picked of ours ({best}): {r[best]['mean_ms'] / mean:.2f}x")
+    if peers:
+        best = min(peers, key=lambda p: r[p]["mean_ms"])
+        out.append(f"- ours+autotune vs the best peer ({best}): {r[best]['mean_ms'] / mean:.2f}x")
+    return out
 
 
 def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -398,6 +474,7 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("")
         for ours, peer, ratio, verdict in comparisons(r, labels, meta["tolerance"]):
             lines.append(f"- {ours} vs {peer}: {ratio:.2f}x, **{verdict}**")
+        lines += _autotune_lines(r, labels)
         lines.append(
             "- same losses at every step: "
             + ("yes" if r["same_losses"] else f"NO ({', '.join(r['losses_differ'])})")

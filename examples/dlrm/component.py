@@ -36,10 +36,11 @@ def dlrm(
     impl: str = "ours",
     steps: int = 100,  # = train.STEPS
     thread_map: str = "",
-    data_source: str = "dataloader",
+    data_source: str = "",
     loads: int = 1,
     lookahead: Optional[int] = None,  # noqa: UP045 - see the import
     input_dist_group: bool = False,
+    autotune: bool = False,
     loader_latency_ms: float = 0.0,
     json: str = "",
     cpu: int = 2,
@@ -57,10 +58,11 @@ def dlrm(
         impl: ours (torchrec_swp) or upstream (TorchRec)
         steps: batches per rank
         thread_map: ours: main, by_stream, per_task, io, or a JSON object {task: thread} ("": the plan's own)
-        data_source: dataloader (torchdata's StatefulDataLoader) or map (torchrec_swp's MapSource)
+        data_source: dataloader (torchdata's StatefulDataLoader) or map (torchrec_swp's MapSource); "": map with autotune, else dataloader
         loads: ours, with data_source map: batches loaded at once, on the pipeline's threads
         lookahead: ours: batches the source may draw ahead of the pipeline's depth (default: loads when loads > 1)
         input_dist_group: ours, the SparseDist family: a process group of its own for the sparse input dist
+        autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group)
         loader_latency_ms: the loader waits this long per batch (storage latency)
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
@@ -75,9 +77,9 @@ def dlrm(
         str(steps),
         "--loader-latency-ms",
         str(loader_latency_ms),
-        "--data-source",
-        data_source,
     ]
+    if data_source:
+        args += ["--data-source", data_source]
     if thread_map:
         args += ["--thread-map", thread_map]
     if loads != 1:
@@ -86,6 +88,8 @@ def dlrm(
         args += ["--lookahead", str(lookahead)]
     if input_dist_group:
         args += ["--input-dist-group"]
+    if autotune:
+        args += ["--autotune"]
     if json:
         args += ["--json", json]
     env = {"OMP_NUM_THREADS": "1", "PET_MAX_RESTARTS": str(max_retries)}

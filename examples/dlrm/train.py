@@ -23,8 +23,9 @@ Pipeline: ``--pipeline NAME`` (any of the 12; TrainPipelinePEC needs TorchRec 1.
 ``--thread-map`` (ours only: ``main``, ``by_stream``, ``per_task``, ``io``, or ``TASK=THREAD,...``
 such as ``H2D=io``, or a JSON object). ``--thread-map io`` puts the stage-0 tasks (loading the
 batch and copying it to the device) on their own thread, so the loader's waiting overlaps the
-training. ``--profile-out FILE`` (ours) profiles every task and writes rank 0's profile, the
-input of ``python -m torchrec_swp.autosched --profile FILE --out PLAN``. ``--loads N`` (ours, with
+training. ``--profile-out FILE.json`` (ours) profiles every task and writes each rank's profile
+(``FILE.rank0.json``, ``FILE.rank1.json``, ...), the input of ``python -m torchrec_swp.autosched
+--profile 'FILE.rank*.json' --out PLAN``. ``--loads N`` (ours, with
 ``--data-source map``) splits the plan's batch load in two, ``N`` fetches at once on thread group
 ``load`` and the copy where it was (``torchrec_swp.plans.with_parallel_loads``, the pipelines' ``loads=``);
 ``--lookahead K`` lets the source draw ``K`` batches ahead (with ``--loads N``, default ``N``);
@@ -149,6 +150,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "for it to overlap",
     )
     pipe.add_argument(
+        "--autotune",
+        action="store_true",
+        help="ours: the pipeline tunes itself while it trains (autotune=True): it profiles its first steps, searches "
+        "threads, lookahead, parallel loads and the input dist's comm group on every rank's profile, switches at a "
+        "batch boundary and says which plan, why, and its predicted vs measured step (reads through the map source "
+        "unless --data-source says otherwise)",
+    )
+    pipe.add_argument(
         "--option",
         action="append",
         default=[],
@@ -192,9 +201,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--data-source",
         choices=DATA_SOURCES,
-        default="dataloader",
+        default=None,
         help="dataloader: torchdata's StatefulDataLoader (--num-workers processes); map: torchrec_swp.data.MapSource "
-        "over a map-style dataset, the same batches loaded on the pipeline's threads (--loads) (default: %(default)s)",
+        "over a map-style dataset, the same batches loaded on the pipeline's threads (--loads) "
+        "(default: map with --autotune, else dataloader)",
     )
     model.add_argument(
         "--loader-latency-ms",
@@ -240,7 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-out",
         type=Path,
         metavar="FILE",
-        help="ours: profile every task (TaskProfiler) and write rank 0's profile here",
+        help="ours: profile every task (TaskProfiler) and write each rank's profile, FILE's name with .rank<r> "
+        "before its suffix (the input of python -m torchrec_swp.autosched --profile 'FILE.rank*.json')",
     )
     run.add_argument(
         "--timeline",
@@ -305,6 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--world-size must be >= 1")
     if args.num_workers and args.criteo_tsv:
         parser.error("--num-workers: Criteo TSV files are read without workers (each would read every file)")
+    if args.data_source is None:
+        args.data_source = "map" if args.autotune and args.impl == "ours" else "dataloader"
     if args.num_workers and args.data_source == "map":
         parser.error("--num-workers: --data-source map loads on the pipeline's threads (--loads), not in processes")
     missing = [str(f) for f in args.criteo_tsv or [] if not Path(f).is_file()]
@@ -340,6 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loads": args.loads != 1,
         "--lookahead": args.lookahead is not None,
         "--input-dist-group": args.input_dist_group,
+        "--autotune": args.autotune,
     }
     given = [flag for flag, value in ours_only.items() if value]
     if args.impl == "upstream" and given:
@@ -395,11 +409,19 @@ def _check_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
-    """``--loads`` and ``--lookahead`` as our pipelines' constructor keywords (``loads=``,
-    ``lookahead=``; EngineOptions); none for upstream's."""
+    """``--loads``, ``--lookahead`` and ``--autotune`` as our pipelines' constructor keywords
+    (``loads=``, ``lookahead=``, ``autotune=``; EngineOptions); none for upstream's. The tuner's
+    lines go to stdout on rank 0 as it decides."""
     if args.impl == "upstream":
         return {}
-    return {"loads": args.loads, **({} if args.lookahead is None else {"lookahead": args.lookahead})}
+    keywords: dict[str, Any] = {"loads": args.loads}
+    if args.lookahead is not None:
+        keywords["lookahead"] = args.lookahead
+    if args.autotune:
+        from torchrec_swp import Autotune
+
+        keywords["autotune"] = Autotune(report=lambda line: tqdm.write(line, file=sys.stdout))
+    return keywords
 
 
 def _check_long_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -712,12 +734,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         runner.pipeline.engine.instrument()
         title = f"ours {args.pipeline}, rank 0 of {world_size}: the last {len(recorder.steps)} steps"
         timeline = str(save_gantt(recorder, args.timeline, title))
-    if profiler is not None and rank == 0:
-        profile = profiler.profile()
-        args.profile_out.parent.mkdir(parents=True, exist_ok=True)
-        profile.save(str(args.profile_out))
-        print(profile.format_table())
-        print(f"profile written to {args.profile_out}: python -m torchrec_swp.autosched --profile {args.profile_out} --out PLAN")
+    if profiler is not None:
+        from torchrec_swp.autotune.ranks import machine
+
+        host, cores = machine()
+        draws = runner.pipeline.engine.draws
+        profile = profiler.profile().with_where(
+            rank=rank, world_size=world_size, host=host, cores=cores, split_draws=bool(draws and draws.splits)
+        )
+        path = rank_path(args.profile_out, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(str(path))
+        if rank == 0:
+            print(profile.format_table())
+            every = rank_path(args.profile_out, "*")
+            print(f"profiles written to {every}: python -m torchrec_swp.autosched --profile '{every}' --out PLAN")
     steady = step_s[len(step_s) // 10 :]  # the first steps build caches (and compile, for PT2)
     head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10) :]
     return {
@@ -735,6 +766,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "loads": args.loads,
         "lookahead": args.lookahead,
         "input_dist_group": args.input_dist_group,
+        "autotune": _decision(runner) if args.autotune else None,
+        "autotune_requested": args.autotune,
         "loader_latency_ms": args.loader_latency_ms,
         "start_step": start_step,
         "steps": len(step_s),
@@ -751,6 +784,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "timeline_png": timeline,
         "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
         "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
+    }
+
+
+def rank_path(path: Path, rank: int | str) -> Path:
+    """``path`` with ``.rank<rank>`` before its suffix: where rank ``rank`` writes its profile."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _decision(runner: Any) -> dict[str, Any] | None:
+    """What the pipeline's tuner decided (the summary's ``autotune``): the plan it switched to
+    (None: it kept its own), predicted and measured steps (ms), and why."""
+    d = runner.pipeline.autotune_decision
+    if d is None:
+        return None
+    ms = lambda s: None if s is None else 1e3 * s  # noqa: E731
+    return {
+        "switched": d.switched,
+        "plan": d.plan,
+        "input_dist_group": d.own_group,
+        "start_measured_ms": ms(d.measured_start_s),
+        "start_predicted_ms": ms(d.baseline_s),
+        "predicted_ms": ms(d.predicted_s),
+        "measured_ms": ms(d.measured_s),
+        "why": list(d.why),
     }
 
 
@@ -794,6 +851,17 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  QPS: {s['steady_qps']:,.0f} examples/s at the median step, {s['qps']:,.0f} over the whole run\n"
             f"  loss: {s['loss_first']:.4f} (first 10% of steps) -> {s['loss_last']:.4f} (last 10%)"
         )
+    tuned = s.get("autotune")
+    if tuned and tuned["switched"] and tuned["measured_ms"] is not None:
+        print(
+            f"  autotune: {tuned['start_measured_ms']:.2f} ms per step before the switch; the chosen plan predicted "
+            f"{tuned['predicted_ms']:.2f} ms, measured {tuned['measured_ms']:.2f} ms "
+            f"({100 * (tuned['predicted_ms'] / tuned['measured_ms'] - 1):+.0f}%)"
+        )
+    elif tuned:
+        print(f"  autotune: {tuned['why'][-1] if tuned['why'] else 'kept its plan'}")
+    elif s.get("autotune_requested"):
+        print("  autotune: no decision (the run ended before the profile did)")
     print(f"  weights: sha256 {s['weights_sha256'][:16]} (all ranks' shards)")
     if s.get("timeline_png"):
         print(f"  timeline: {s['timeline_png']} (the last steps as a Gantt chart, one row per thread)")

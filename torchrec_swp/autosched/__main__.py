@@ -14,6 +14,7 @@ besides solves that with CP-SAT and reports the gap.
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
 from collections.abc import Sequence
 
@@ -41,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m torchrec_swp.autosched",
         description="Search a plan for a profiled run from every rank's profile; write the plan and say why it wins.",
     )
-    p.add_argument("--profile", action="append", required=True, help="a rank's profile file (give one per rank)")
+    p.add_argument(
+        "--profile",
+        action="append",
+        required=True,
+        help="a rank's profile file, or a glob matching every rank's (quote it), e.g. 'out/run.profile.rank*.json'",
+    )
     p.add_argument("--out", required=True, help="where to write the plan text")
     p.add_argument("--fill-missing", action="store_true", help="ranks without a profile cost what rank 0 costs")
     p.add_argument("--max-threads", type=int, default=4)
@@ -73,8 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.exact and not args.reorder:
         parser.error("--exact solves the reordering search: give --reorder too")
+    paths = [p for pattern in args.profile for p in (sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])]
+    if not paths:
+        print(f"error: no profile file matches {' '.join(args.profile)}", file=sys.stderr)
+        return 2
     try:
-        profiles = [Profile.load(path) for path in args.profile]
+        profiles = [Profile.load(path) for path in paths]
         inputs = from_profiles(
             profiles, wake=args.wake_us * 1e-6, gil=args.gil, cores=None, fill_missing=args.fill_missing
         )

@@ -41,8 +41,8 @@ class Autotune:
     """
 
     warmup: int = 10
-    steps: int = 40
-    verify: int = 20
+    steps: int = 30
+    verify: int = 40
     noise: float = 0.05
     memory_cap_bytes: float | None = None
     max_threads: int = 4

@@ -1,0 +1,70 @@
+"""A self-tuning TrainPipelineSparseDist on 2 gloo ranks: both ranks take the same decision at the
+same batch (rank 0 searches on both ranks' profiles), switch without losing or repeating a batch,
+and train bit for bit as the untuned pipeline - with the input dist's own process group among the
+choices - and a resume applies the saved decision on both ranks without tuning again."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import torchrec_swp
+from harness.parity import assert_runs_equal, build_model, make_batches, train_pipeline_run
+from harness.ranks import run_on_ranks
+from torchrec_swp.data import MapSource
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+STEPS = 40
+CPU = torch.device("cpu")
+
+
+class Waiting:
+    """The rank's batches as a map-style dataset whose items wait ``latency_s`` (storage)."""
+
+    def __init__(self, batches: list[Any], latency_s: float) -> None:
+        self.batches, self.latency = batches, latency_s
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(self.latency)
+        return self.batches[i]
+
+
+def _run(rank: int, world_size: int, tuned: bool) -> tuple[Any, Any]:
+    model, optimizer = build_model(rank, world_size, seed=3)
+    lines: list[str] = []
+    options = {"autotune": torchrec_swp.Autotune(warmup=3, steps=12, verify=6, report=lines.append)} if tuned else {}
+    pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, **options)
+    batches = make_batches(rank, world_size, STEPS, seed=4)
+    source = MapSource(Waiting(batches, 0.012))
+    result = train_pipeline_run(pipeline, batches, iterator=source)
+    d = pipeline.autotune_decision
+    decided = None if d is None else (d.plan, d.own_group, d.predicted_s)
+    plan = pipeline.plan.to_text()
+    pipeline.close()
+    return result, (decided, plan, lines)
+
+
+def _tuned_and_plain(rank: int, world_size: int) -> dict[str, Any]:
+    plain, _ = _run(rank, world_size, tuned=False)
+    tuned, (decided, plan, lines) = _run(rank, world_size, tuned=True)
+    return {"plain": plain, "tuned": tuned, "decided": decided, "plan": plan, "lines": lines}
+
+
+def test_both_ranks_decide_alike_and_train_bit_for_bit_as_untuned() -> None:
+    results = run_on_ranks(_tuned_and_plain, timeout_s=600)
+    for r in results:
+        assert_runs_equal(r["tuned"], r["plain"])
+        assert r["tuned"].num_calls == STEPS
+    assert results[0]["decided"] == results[1]["decided"]
+    plan, own_group, predicted = results[0]["decided"]
+    assert plan is not None, results[0]["lines"]  # a loader of 12 ms binds: some plan wins
+    assert results[0]["plan"] == results[1]["plan"]
+    assert results[0]["lines"] and not results[1]["lines"]  # rank 0 reports
+    assert any("switches to threads" in line for line in results[0]["lines"])
