@@ -6,15 +6,15 @@
 
 For each pipeline, on ``--ranks`` gloo ranks (2, then 1: with 2 ranks on 2 cores the ranks share
 the cores and wait for each other in every collective; 1 rank has both cores), the loader waiting
-``--latency-ms`` per batch, our pipeline trains its own copy of the small DLRM in each
-configuration:
+``--latency-ms`` per batch (a ``MapSource`` over the same dataset for every configuration), our
+pipeline trains its own copy of the small DLRM in each configuration:
 
 * ``default``: the default plan, its draw split off into a Fetch task on the calling thread
   where the pipeline has one (``plans.with_parallel_loads(plan, 1, lookahead=0, thread="default")``:
   the same calls in the same order; what a self-tuning pipeline profiles);
 * ``io``: the stage-0 tasks (loading and copying the next batch) on thread ``io``;
 * ``io+ahead``: besides, ``lookahead 2``: the io thread runs up to two batches ahead;
-* ``2loads``: two parallel loads over a ``MapSource`` (lookahead 2), where the pipeline's draw splits.
+* ``2loads``: two parallel loads (lookahead 2), where the pipeline's draw splits.
 
 Configurations run in blocks of consecutive steps (``benchmarks/profiled.py``), a TaskProfiler
 and the step periods recorded during each block's timed steps. Then, in the parent, per
@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SIZES, batches, rank_setup, size_arg
+from benchmarks.common import SIZES, rank_setup, size_arg
 from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
 from benchmarks.report import run_meta, write_report
 from harness.dlrm import INFO, PIPELINES
@@ -55,9 +55,11 @@ def configs_of(name: str) -> list[str]:
     """The configurations pipeline ``name`` runs: parallel loads only where its draw splits."""
     from torchrec_swp.plans import default_plans, splits_draw
 
+    if INFO[name].kind == "staged":  # its plan follows its stages: a thread map, no plan options
+        return ["default", "io"]
     plan = default_plans()[name]
     first = plan.plans[0] if hasattr(plan, "plans") else plan
-    return [c for c in CONFIGS if c != "2loads" or (splits_draw(first) and INFO[name].kind != "staged")]
+    return [c for c in CONFIGS if c != "2loads" or splits_draw(first)]
 
 
 def _runner(name: str, config: str, rank: int, world: int, size_name: str, total: int, latency_s: float) -> tuple[Any, Any]:
@@ -90,8 +92,9 @@ def _runner(name: str, config: str, rank: int, world: int, size_name: str, total
         thread_map="io" if config in ("io", "io+ahead") else None,
         options=options,
     )
-    data = MapSource(latency_dataset(size, rank, total, latency_s)) if config == "2loads" else batches(size, rank, total, latency_s)
-    return runner, data
+    # the same data for every configuration: a map-style dataset whose items wait (a draw that
+    # splits, so that loads overlap their waits; one load draws it as any iterator)
+    return runner, MapSource(latency_dataset(size, rank, total, latency_s))
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, list[ProfiledRun]]:

@@ -18,7 +18,7 @@ from torchrec_swp.data import MapSource
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-STEPS = 40
+STEPS = 60
 CPU = torch.device("cpu")
 
 

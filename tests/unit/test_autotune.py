@@ -82,8 +82,8 @@ FAST = {"warmup": 3, "steps": 12, "verify": 6}
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     lines: list[str] = []
-    tuned, pipeline, weights = train(40, 0.006, autotune=Autotune(**FAST, report=lines.append))
-    plain, _, plain_weights = train(40, 0.006)
+    tuned, pipeline, weights = train(64, 0.006, autotune=Autotune(**FAST, report=lines.append))
+    plain, _, plain_weights = train(64, 0.006)
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     d = pipeline.autotune_decision
     assert d is not None and d.switched, lines
@@ -95,7 +95,8 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     text = "\n".join(lines)
     assert "autotune TrainPipelineBase: profiled 12 steps" in text and "switches to threads" in text
     assert "the starting plan is bound by" in text and "measured" in text and "predicted" in text
-    assert pipeline.batch_ledger.trained == 40 and not pipeline.untrained_batches()
+    assert "second round" in text and d.first_predicted_s is not None
+    assert pipeline.batch_ledger.trained == 64 and not pipeline.untrained_batches()
 
 
 def test_where_compute_binds_it_keeps_its_plan_and_says_why() -> None:

@@ -86,10 +86,15 @@ def from_profiles(
     if len(core_counts) > 1:
         notes.append(f"machines report {sorted(core_counts)} cores: modelled with {machine_cores} each")
     overhead = [p.steps.overhead_s if p.steps is not None else p.unattributed_s for p in ordered]
+    # the caller's own time between calls that is not CPU: waiting (StagedTrainPipeline's caller
+    # trains there, its collectives included)
+    waiting = [max(0.0, p.steps.gap_mean_s - p.steps.gap_cpu_mean_s) if p.steps is not None else 0.0 for p in ordered]
     if any(p.steps is None for p in ordered):
         notes.append("no progress() timings in a profile: its unattributed time per iteration stands for the overhead")
     try:
-        cal = calibrate(ordered[0].plan, [p.records for p in ordered], cores=machine_cores, overhead=overhead)
+        cal = calibrate(
+            ordered[0].plan, [p.records for p in ordered], cores=machine_cores, overhead=overhead, overhead_off=waiting
+        )
     except SimError as e:
         raise ProfileError(str(e)) from None
     return Inputs(

@@ -77,6 +77,10 @@ class Space:
     beam: int = 4
     passes: int = 2
     batches: int = 28
+    #: how the calibrated costs are replayed: ``"mean"`` (every task at its mean: plans other
+    #: than the profiled one) or ``"replay"`` (the measured iterations in turn: the profiled
+    #: plan and its neighbours, where the iterations' correlations matter)
+    mode: str = "mean"
 
     def __post_init__(self) -> None:
         if not self.lookahead or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.lookahead):
@@ -89,6 +93,8 @@ class Space:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
             raise ValueError(f"memory_cap_bytes must be > 0 or None, got {self.memory_cap_bytes!r}")
+        if self.mode not in ("mean", "replay"):
+            raise ValueError(f"mode must be 'mean' or 'replay', got {self.mode!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +309,7 @@ class OverlapSearch:
         except PlanError:
             return None
         ranks = self.cal.simulation_ranks(
-            "mean",
+            space.mode,  # type: ignore[arg-type]
             plans=[plan] * len(self.cal.ranks),
             machines=self.machine.machines,
             wake=self.machine.wake,
@@ -311,7 +317,10 @@ class OverlapSearch:
             gil=self.machine.gil,
         )
         try:
-            result = simulate_ranks(ranks, max(space.batches, 4 * (in_flight + c.loads) + 10), cores=self.machine.cores)
+            n = max(space.batches, 4 * (in_flight + c.loads) + 10)
+            if space.mode == "replay":  # every measured iteration replayed at least once
+                n = max(n, self.cal.iterations + 2 * (in_flight + c.loads))
+            result = simulate_ranks(ranks, n, cores=self.machine.cores)
         except SimError:
             return None
         step = result.step_period

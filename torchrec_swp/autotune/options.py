@@ -27,6 +27,11 @@ class Autotune:
       (``torchrec_swp.autosched.overlap``: threads, lookahead, parallel loads, the input dist's
       comm group; nothing that changes a batch's numerics) and tells every rank the plan;
       each switches to it at that batch boundary, nothing lost or repeated;
+    * with ``rounds`` 2 (the default), once the switch has settled the running plan is profiled
+      again (``max(10, steps // 2)`` steps) and searched from, its costs now measured as it runs
+      them (a plan that overlaps the loader also changes what the other tasks cost: the
+      collectives wait less, the caches stay warm); a plan predicted to win by more than the noise
+      is switched to once more, and the prediction of the plan kept is the one reported;
     * ``verify`` steps later, the measured step is reported beside the prediction.
 
     The starting plan is kept when no plan is predicted to be faster by more than ``noise``
@@ -41,8 +46,9 @@ class Autotune:
     """
 
     warmup: int = 10
-    steps: int = 30
-    verify: int = 40
+    steps: int = 25
+    verify: int = 30
+    rounds: int = 2
     noise: float = 0.05
     memory_cap_bytes: float | None = None
     max_threads: int = 4
@@ -54,7 +60,14 @@ class Autotune:
     report: Callable[[str], None] = log_info
 
     def __post_init__(self) -> None:
-        for name, low in (("warmup", 0), ("steps", 2), ("verify", 1), ("max_threads", 1), ("max_in_flight", 1)):
+        for name, low in (
+            ("warmup", 0),
+            ("steps", 2),
+            ("verify", 1),
+            ("rounds", 1),
+            ("max_threads", 1),
+            ("max_in_flight", 1),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 what = " (too few steps to profile)" if name == "steps" else ""

@@ -14,7 +14,10 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
    new plan runs from that call's batch on: nothing lost, nothing repeated, the same numerics;
    a plan giving the input dist its own comm group first gets its process group (the pipeline's
    ``enable`` hook, a collective every rank makes at the same call);
-4. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
+4. **second round** (``rounds`` 2): once the switch has settled, the running plan is profiled
+   again and searched from, its costs now those it runs with; the ranks may switch once more, and
+   the prediction of the plan they keep, made from its own profile, is the one reported;
+5. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
    reported beside the prediction.
 
 The starting plan must not run ahead (lookahead 0): then, between two calls, every thread stands
@@ -67,8 +70,9 @@ class TunedEngine(Protocol):
 class Decision:
     """What the ranks decided: ``plan`` the found plan's text (of the profiled phase; None: keep
     the starting plan), whether it gives the input dist its own comm group, the predicted step of
-    it and of the starting plan, the starting plan's measured step, the lines saying why, and
-    (once verified) the measured step with the chosen plan."""
+    it (from its own profile after a second round; ``first_predicted_s``: from the starting plan's)
+    and of the starting plan, the starting plan's measured step, the lines saying why, and (once
+    verified) the measured step with the chosen plan."""
 
     plan: str | None
     own_group: bool = False
@@ -77,6 +81,7 @@ class Decision:
     measured_start_s: float | None = None
     why: tuple[str, ...] = ()
     measured_s: float | None = None
+    first_predicted_s: float | None = None
 
     @property
     def switched(self) -> bool:
@@ -109,6 +114,8 @@ class Tuner:
         self.owner = owner
         self.calls = 0
         self.phase = "warmup"
+        self.round = 1
+        self._until = 0  # the last call of the current profiling or settling
         self.decision: Decision | None = None
         self._profiler: TaskProfiler | None = None
         self._previous: Any = None  # the observer attached before the tuner's
@@ -126,14 +133,20 @@ class Tuner:
         self.calls += 1
         o = self.options
         if self.phase == "warmup" and self.calls > o.warmup:
-            self._attach()
-            self.phase = "profiling"
-        elif self.phase == "profiling" and self.calls > o.warmup + o.steps:
+            self._profile_for(o.steps)
+        elif self.phase == "settling" and self.calls > self._until:
+            self._profile_for(max(10, o.steps // 2))
+        elif self.phase == "profiling" and self.calls > self._until:
             self._detach()
             self._decide()
             self._last_start = time.perf_counter()  # the decision's own time is not a step
         elif self.phase == "verifying" and len(self._periods) >= self._settle + o.verify:
             self._verified()
+
+    def _profile_for(self, steps: int) -> None:
+        self._attach()
+        self.phase, self._until = "profiling", self.calls + steps - 1
+        self._periods = []
 
     # ------------------------------------------------------------------ profiling
     def _attach(self) -> None:
@@ -173,22 +186,46 @@ class Tuner:
         except ProfileError as e:
             mine, trouble = None, f"rank {world()[0]}: {e}"
         profiles = gather_to_all({"profile": mine, "trouble": trouble})
-        decision = None
+        found = None
         if world()[0] == 0:
-            decision = self._search(profiles, measured).to_dict()
-        self.decision = Decision.from_dict(from_rank0(decision))
-        if self.decision.switched:
-            self._apply(self.decision)
-            self.phase = "verifying"
-            self._settle = self.engine.plan.pipeline_depth + self.engine.plan.lookahead + self.engine.plan.loads
-        else:
-            self.phase = "done"
-        for line in self._lines():
+            found = self._search(profiles, measured).to_dict()
+        decision = Decision.from_dict(from_rank0(found))
+        before = self.decision
+        if self.round == 1:
+            self.decision = decision
+            if decision.switched:
+                self._apply(decision)
+        else:  # the running plan re-profiled: switch again, or keep it with its own prediction
+            assert before is not None
+            if decision.switched:
+                self._apply(decision)
+            self.decision = replace(
+                decision if decision.switched else before,
+                plan=decision.plan if decision.switched else before.plan,
+                own_group=before.own_group or decision.own_group,
+                predicted_s=decision.predicted_s if decision.switched else decision.baseline_s,
+                first_predicted_s=before.predicted_s,
+                baseline_s=before.baseline_s,
+                measured_start_s=before.measured_start_s,
+                why=(*before.why, *(f"second round: {line}" for line in decision.why)),
+            )
+        for line in self._lines(decision, self.round):
             self._report(line)
+        plan = self.engine.plan
+        self._settle = plan.pipeline_depth + plan.lookahead + plan.loads
+        if not self.decision.switched:
+            self.phase = "done"
+        elif self.round < self.options.rounds:
+            self.round += 1
+            self.phase, self._until = "settling", self.calls + self._settle
+        else:
+            self.phase = "verifying"
 
     def _search(self, gathered: list[dict[str, Any]], measured: float | None) -> Decision:
-        """Rank 0: every rank's profile -> the decision (the starting plan kept, with the reason,
-        when anything is amiss or nothing wins by more than the noise)."""
+        """Rank 0: every rank's profile -> the decision (the profiled plan kept, with the reason,
+        when anything is amiss or nothing wins by more than the noise). The first round scores
+        every task at its mean cost (plans other than the profiled one); a later one replays the
+        measured iterations, which predicts the profiled plan itself best."""
         o = self.options
         trouble = [g["trouble"] for g in gathered if g["trouble"]]
         if trouble:
@@ -201,12 +238,13 @@ class Tuner:
             space = Space(
                 lookahead=o.lookahead,
                 loads=loads,
-                own_group=self.hooks.own_group if self.hooks.enable is not None else (),
+                own_group=self.hooks.own_group if self.hooks.enable is not None and self.round == 1 else (),
                 max_threads=o.max_threads,
                 max_in_flight=o.max_in_flight,
                 batch_bytes=inputs.batch_bytes,
                 memory_cap_bytes=o.memory_cap_bytes,
                 split_draws=inputs.split_draws,
+                mode="mean" if self.round == 1 else "replay",
             )
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         except (PlanError, ProfileError, ValueError) as e:
@@ -250,19 +288,26 @@ class Tuner:
         )
 
     # ------------------------------------------------------------------ reports
-    def _lines(self) -> list[str]:
-        d = self.decision
-        assert d is not None
-        head = f"autotune {self.owner}: profiled {self.options.steps} steps"
-        if d.measured_start_s is not None:
-            head += f" ({1e3 * d.measured_start_s:.2f} ms per step measured)"
+    def _lines(self, d: Decision, round_: int) -> list[str]:
+        """What one round's decision ``d`` says."""
+        who = f"autotune {self.owner}"
+        if round_ == 1:
+            head = f"{who}: profiled {self.options.steps} steps"
+            if d.measured_start_s is not None:
+                head += f" ({1e3 * d.measured_start_s:.2f} ms per step measured)"
+        else:
+            measured = f" ({1e3 * d.measured_start_s:.2f} ms per step measured)" if d.measured_start_s else ""
+            head = f"{who}: second round: profiled the chosen plan as it runs{measured}"
         if d.switched:
             found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]
             head += (
                 f"; switches to threads {list(found.thread_groups)}, lookahead {found.lookahead}, loads {found.loads}"
                 + (", the input dist in its own comm group" if d.own_group else "")
             )
-        return [head, *(f"autotune {self.owner}: {line}" for line in d.why)]
+        elif round_ > 1 and d.baseline_s is not None:
+            head += f"; keeps it: predicted {1e3 * d.baseline_s:.2f} ms per step from its own profile"
+        prefix = "" if round_ == 1 else "second round: "
+        return [head, *(f"{who}: {prefix}{line}" for line in d.why)]
 
     def _report(self, line: str) -> None:
         if world()[0] == 0:

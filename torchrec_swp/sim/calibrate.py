@@ -80,13 +80,15 @@ class IterationLike(Protocol):
 class RankCosts:
     """One rank's calibrated costs: per measured iteration (numbers in ``iterations``),
     ``(cpu, off)`` seconds per task; ``once``: the tasks that do not run in the steady state,
-    with their cost; ``overhead``: the per-iteration overhead to simulate on the calling thread."""
+    with their cost; ``overhead``: the per-iteration overhead to simulate on the calling thread (CPU
+    work), ``overhead_off`` its part off the CPU (the caller waiting between steps)."""
 
     plan: PipelinePlan
     iterations: tuple[int, ...]
     samples: tuple[Mapping[str, tuple[float, float]], ...]
     once: Mapping[str, float]
     overhead: float = 0.0
+    overhead_off: float = 0.0
 
     def medians(self) -> tuple[dict[str, float], dict[str, float]]:
         """``(cpu, off)``: the median of each part of every task."""
@@ -152,6 +154,7 @@ class RankCosts:
             cpu,
             off_cpu=off,
             overhead=self.overhead,
+            overhead_off=self.overhead_off,
             machine=machine,
             wake=wake,
             split_draws=split_draws,
@@ -204,10 +207,12 @@ def calibrate(
     cores: int | None = None,
     background: float = 0.0,
     overhead: Sequence[float] | None = None,
+    overhead_off: Sequence[float] | None = None,
 ) -> Calibration:
     """Each rank's costs from its recorded iterations (module docstring). ``plans``: the plan
     that ran, the same on every rank, or one per rank; ``records[r]``: rank ``r``'s iterations;
-    ``overhead[r]``: the per-iteration overhead of rank ``r`` (default 0).
+    ``overhead[r]``: the per-iteration overhead of rank ``r`` (CPU; default 0), ``overhead_off[r]``
+    its part off the CPU (default 0).
 
     Raises SimError when no iteration is complete on every rank after the warm-up.
     """
@@ -217,8 +222,9 @@ def calibrate(
     plan_list = [plans] * n_ranks if isinstance(plans, PipelinePlan) else list(plans)
     if len(plan_list) != n_ranks:
         raise SimError(f"{len(plan_list)} plans for {n_ranks} ranks")
-    if overhead is not None and len(overhead) != n_ranks:
-        raise SimError(f"{len(overhead)} overheads for {n_ranks} ranks")
+    for table in (overhead, overhead_off):
+        if table is not None and len(table) != n_ranks:
+            raise SimError(f"{len(table)} overheads for {n_ranks} ranks")
     off_table = dict(off_cpu or {})
     complete: list[dict[int, dict[str, Any]]] = []
     once: list[dict[str, float]] = []
@@ -268,6 +274,7 @@ def calibrate(
             ),
             once=once[r],
             overhead=0.0 if overhead is None else float(overhead[r]),
+            overhead_off=0.0 if overhead_off is None else float(overhead_off[r]),
         )
         for r in range(n_ranks)
     )

@@ -29,7 +29,8 @@ tickets, device streams). What it adds:
   programs, share them by processor sharing, each process's threads also sharing its GIL
   (``Rank.gil``; ``torchrec_swp.sim.cores``). Threads that wait (for a task, a ticket, the
   barrier, a rendezvous) or are off-CPU need no core. ``cores=None``: as many as needed.
-* **Per-iteration overhead.** ``Rank.overhead`` seconds of CPU work on the calling thread
+* **Per-iteration overhead.** ``Rank.overhead`` seconds of CPU work (after ``Rank.overhead_off``
+  seconds off the CPU: the caller waiting, e.g. in its own collectives) on the calling thread
   before each internal iteration (with the engine model: before each ``step()`` call; the
   engine's and ``progress()``'s own work, the caller's code between steps); with the iteration
   barrier the other threads start the iteration after it.
@@ -81,6 +82,7 @@ class Rank:
     durations: Durations
     off_cpu: Durations | None = None
     overhead: float = 0.0
+    overhead_off: float = 0.0
     machine: int = 0
     device_durations: Durations | None = None
     wake: float = 0.0
@@ -231,7 +233,7 @@ def simulate_rank_programs(
         plan = rank.compiled().plan
         phases = tuple(phases)
         validate_programs(plan, phases)
-        for name in ("overhead", "wake"):
+        for name in ("overhead", "overhead_off", "wake"):
             o = getattr(rank, name)
             if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
                 raise SimError(f"{name} of rank {k} must be a finite number >= 0, got {o!r}")
@@ -339,7 +341,7 @@ class _RankState(Replay):
         if self.segment >= (len(self.phases) if self.barrier_mode else 1):
             self.done = True
             return
-        overhead = self.spec.overhead > 0
+        overhead = self.spec.overhead > 0 or self.spec.overhead_off > 0
         if self.barrier_mode:
             self.barrier()
         for lane in self.lanes.values():
@@ -398,7 +400,7 @@ class _EngineRankState(_RankState):
             self.done = True
             return
         self.segment = 1
-        for name, todo in self.walkers.todo(self.num_batches, self.spec.overhead > 0).items():
+        for name, todo in self.walkers.todo(self.num_batches, self.spec.overhead > 0 or self.spec.overhead_off > 0).items():
             lane = self.lanes[name]
             lane.todo, lane.at = todo, 0
 
@@ -518,7 +520,7 @@ class _Multi:
         now = self.now
         match instr:
             case None:
-                self._start(_Job(s, thread, p, index, None, p, now, s.spec.overhead, "off", 0.0, now))
+                self._start(_Job(s, thread, p, index, None, p, now, s.spec.overhead, "off", s.spec.overhead_off, now))
             case Run(task=task, stage=stage):
                 s.started(instr, p)
                 sources = s.ticket_sources(instr)
