@@ -42,13 +42,15 @@ run: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py
 
-# Side-by-side benchmarks with upstream (out/bench/, out/timeline/, out/pp/); about 40 minutes (the
+# Side-by-side benchmarks with upstream (out/bench/, out/timeline/, out/pp/); about an hour (the
 # scripts' times in docs/benchmarks.md added up):
-# pipelines vs upstream, overlap with peers, timelines, pipeline parallelism vs Maglev, the
-# simulator vs real 2-rank runs, and profile -> search -> run on the DLRM example.
+# pipelines vs upstream, the engine's own cost, overlap with peers (a self-tuning pipeline
+# among them), timelines, pipeline parallelism vs Maglev, the simulator vs real runs, and
+# profile -> search -> run on the DLRM example.
 bench: $(STAMP)
-	$(PY) benchmarks/compare.py && $(PY) benchmarks/overlap.py && $(PY) benchmarks/timeline.py && \
-	$(PY) benchmarks/pp.py && $(PY) benchmarks/sim_vs_real.py && $(PY) benchmarks/close_loop.py
+	$(PY) benchmarks/compare.py && $(PY) benchmarks/engine_cost.py && $(PY) benchmarks/overlap.py && \
+	$(PY) benchmarks/timeline.py && $(PY) benchmarks/pp.py && $(PY) benchmarks/sim_vs_real.py && \
+	$(PY) benchmarks/close_loop.py
 
 # The whole suite on the default stack, slow multi-process tests included (the parity tests of
 # CHECKED_PARITY under the CPU stream checker), then on TorchRec 1.8.0

@@ -414,7 +414,7 @@ def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
     lines go to stdout on rank 0 as it decides."""
     if args.impl == "upstream":
         return {}
-    keywords: dict[str, Any] = {"loads": args.loads}
+    keywords: dict[str, Any] = {"loads": args.loads} if args.loads != 1 else {}
     if args.lookahead is not None:
         keywords["lookahead"] = args.lookahead
     if args.autotune:
