@@ -368,10 +368,14 @@ class PlanInterpreter(Interpreter):
             raise StopIteration
 
     def _turn_taken(self, b: int, ended: bool) -> None:
-        if not ended:
-            with self.board.lock:
-                self.book.next_claim = max(self.book.next_claim, b + 1)
-                self.board.notify()
+        if ended:
+            return
+        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+            self.book.next_claim = max(self.book.next_claim, b + 1)
+            return
+        with self.board.lock:
+            self.book.next_claim = max(self.book.next_claim, b + 1)
+            self.board.notify()
 
     def _wait_op(self, instr: WaitTask) -> Op:
         """``wait T@P-k``: T's instance of iteration ``q = P - k`` (batch ``q - stage(T)``), unless
