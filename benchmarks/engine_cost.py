@@ -24,7 +24,8 @@ the ``signal`` count is reported too).
 commit: ``mkdir /tmp/main-engine && git archive main torchrec_swp | tar -x -C /tmp/main-engine``),
 in a second process, interleaved with this checkout's run by run so that both see the same load.
 
-Writes ``OUT/engine_cost.json``, ``OUT/engine_cost.md`` and ``OUT/engine_cost.png`` (default ``out/bench``).
+Writes ``OUT/engine_cost.json``, ``OUT/engine_cost.md`` and ``OUT/engine_cost.png`` (default ``out/bench``),
+and with ``--svg FILE`` the same plot as SVG (``docs/engine_cost.svg``, the figure ``docs/benchmarks.md`` shows).
 """
 
 from __future__ import annotations
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per run (default: %(default)s)")
     parser.add_argument("--baseline", type=Path, default=None, help="a folder holding another torchrec_swp to time too")
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
+    parser.add_argument(
+        "--svg", type=Path, default=None, help="also draw the plot as SVG there (docs/engine_cost.svg: the docs' figure)"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-root", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -320,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     write_report(args.out, "engine_cost", report, markdown(report))
     plot(report, args.out / "engine_cost.png")
     print(f"wrote {args.out / 'engine_cost.png'}")
+    if args.svg is not None:
+        plot(report, args.svg)
+        print(f"wrote {args.svg}")
 
 
 if __name__ == "__main__":

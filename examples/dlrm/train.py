@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import faulthandler
 import hashlib
 import json
 import logging
@@ -881,6 +882,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         print(f"ok: {args.impl} {args.pipeline}, {args.steps} steps" + (f", plan {args.plan}" if args.plan else ""))
         return 0
+    # a crash in native code (an abort, a segfault) prints every Python thread's stack to stderr
+    faulthandler.enable()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
