@@ -78,6 +78,22 @@ def test_dist_ddp_runs_ours_and_upstream_with_equal_losses(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
+    # the component with autotune: a loader of 8 ms binds the small model's default plan, so the
+    # tuner switches; the run trains the very batches of the untuned one, bit for bit
+    component = ["examples/dlrm/component.py:dlrm", "--steps", "100", "--loader_latency_ms", "8", "--data_source", "map"]
+    tuned = _torchx([*component, "--autotune", "--", *SMALL], tmp_path)
+    plain = _torchx([*component, "--", *SMALL], tmp_path)
+    decision = tuned["autotune"]
+    assert decision is not None and decision["switched"], decision
+    assert decision["predicted_ms"] > 0 and decision["measured_ms"] > 0 and decision["start_measured_ms"] > 0
+    assert any(line.startswith("the change: ") for line in decision["why"]), decision
+    assert tuned["losses"] == plain["losses"] and tuned["weights_sha256"] == plain["weights_sha256"]
+    assert plain["autotune"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_component_reads_criteo_tsv_through_the_dataloader_and_the_map_source(tmp_path: Path) -> None:
     data = tmp_path / "day_0.tsv"
     write_sample_tsv(data, lines=2 * 32 * STEPS + 5)  # the 5 extra lines make an incomplete round

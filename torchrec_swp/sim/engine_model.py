@@ -101,7 +101,7 @@ Todo = tuple[int, int, Instr | Move | None]  # (iteration or batch, index, what)
 
 
 @dataclass(frozen=True, slots=True)
-class Walker:
+class WalkerSpec:
     """One walker of a rank: its lane name, the program (thread group) it walks, its lane index
     among a source's loads, the highest stage of its tasks and how far it may run ahead."""
 
@@ -112,7 +112,7 @@ class Walker:
     ahead: int
 
 
-class Walkers:
+class EngineModel:
     """The walkers of one rank's plan and the engine's counters and gates (module docstring).
 
     ``blocker`` says why a lane's next move or run cannot go now; ``moved`` / ``started`` /
@@ -133,11 +133,11 @@ class Walkers:
         collective = {t for _, prog in phases for t, instrs in prog.threads for i in instrs if isinstance(i, Run) and i.comm_group is not None}
         top_of = {t: max((stage[i.task] for _, prog in phases for i in prog.instructions(t) if isinstance(i, Run)), default=-1) for t in threads}
         source_thread = plan.task(plan.source).thread_group if plan.source is not None else None
-        walkers: list[Walker] = []
+        walkers: list[WalkerSpec] = []
         for t in threads:
             ahead = 0 if t in collective else self.lookahead
             lanes = self.loads if t == source_thread and t != MAIN_THREAD else 1
-            walkers += [Walker(t if k == 0 else f"{t}.{k}", t, k, top_of[t], ahead) for k in range(lanes)]
+            walkers += [WalkerSpec(t if k == 0 else f"{t}.{k}", t, k, top_of[t], ahead) for k in range(lanes)]
         self.walkers = {w.name: w for w in walkers}
         self.names = tuple(self.walkers)
         self.requested = 0
@@ -173,7 +173,7 @@ class Walkers:
                 lane.append((P, -1, Done(P)))
         return out
 
-    def _on_lane(self, w: Walker, P: int, instr: Instr) -> bool:
+    def _on_lane(self, w: WalkerSpec, P: int, instr: Instr) -> bool:
         """A source's run and signal belong to the lane of their batch; everything else to every lane."""
         if self.loads > 1 and isinstance(instr, (Run, Signal, RecordEvent)) and instr.task == self.source:
             return (P - self.source_stage) % self.loads == w.lane

@@ -56,7 +56,7 @@ from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, Run
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
 from torchrec_swp.sim.cores import fair_rates
 from torchrec_swp.sim.durations import Durations, cpu_time, optional_time
-from torchrec_swp.sim.engine_model import MOVES, Await, Call, Done, Gate, Move, Walkers
+from torchrec_swp.sim.engine_model import MOVES, Await, Call, Done, EngineModel, Gate, Move
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
 from torchrec_swp.sim.result import SimResult, Step
 from torchrec_swp.sim.simulator import Replay, ReplayLane, check_num_batches, validate_programs
@@ -389,7 +389,7 @@ class _EngineRankState(_RankState):
         self, number: int, spec: Rank, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...]
     ) -> None:
         super().__init__(number, spec, plan, phases, barrier=False)
-        self.walkers = Walkers(plan, phases, spec)
+        self.walkers = EngineModel(plan, phases, spec)
         self.threads = self.walkers.names
         self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.call_clock: dict[int, list[int]] = {}  # batch d -> the caller's clock when step() asked for it
