@@ -191,8 +191,10 @@ def _contender(
 
 #: ``ours+autotune``'s tuning (``Autotune``'s counts), run alone before the rounds: warm-up,
 #: profile, decision, then enough steps for the verification to end.
-TUNING = {"warmup": 10, "steps": 30, "verify": 20}
-TUNING_STEPS = 10 + 30 + 1 + 12 + 20
+TUNING = {"warmup": 10, "steps": 25, "verify": 20}
+#: enough calls for both rounds and the verification: warm-up, profile, settle, profile again
+#: (12 steps), settle, verify (a settle is at most 12 steps here)
+TUNING_STEPS = 10 + 25 + 12 + 12 + 12 + 20 + 4
 
 
 def _tune(c: Contender) -> dict[str, Any]:

@@ -161,3 +161,32 @@ def test_autotune_of_the_wrong_type_names_the_class() -> None:
 def test_data_that_ends_while_profiling_ends_the_run_as_usual() -> None:
     outputs, pipeline, _ = train(8, 0.0, autotune=Autotune(**FAST))
     assert len(outputs) == 8 and pipeline.autotune_decision is None
+
+
+def test_a_second_switch_from_a_plan_that_runs_ahead_waits_for_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The search is replaced by a script: the first round chooses LoadBatch on a thread with
+    # lookahead 2, the second round something else; the second switch must wait until the
+    # calling thread caught up with the loader, and the run must train bit for bit as untuned.
+    import torchrec_swp.autotune.tuner as tuner
+    from torchrec_swp import plans
+
+    start = plans.default_plans()["TrainPipelineBase"]
+    first = start.with_thread_map({"LoadBatch": "io"}).replace(lookahead=2)
+    second = start.with_thread_map({"LoadBatch": "io", "H2D": "io"}).replace(lookahead=1)
+    chosen = iter([first, second])
+
+    class Found:
+        def __init__(self, plan: Any) -> None:
+            self.plan, self.predicted, self.baseline, self.speedup = plan, 1e-3, 2e-3, 2.0
+            self.best = type("Best", (), {"candidate": type("C", (), {"own_group": False})()})()
+
+        def why(self) -> list[str]:
+            return [f"the change: scripted to {self.plan.thread_groups}"]
+
+    monkeypatch.setattr(tuner, "search_overlap", lambda *a, **k: Found(next(chosen)))
+    lines: list[str] = []
+    tuned, pipeline, weights = train(70, 0.002, autotune=Autotune(**FAST, report=lines.append))
+    plain, _, plain_weights = train(70, 0.002)
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    assert pipeline.plan.lookahead == 1 and pipeline.plan.task("H2D").thread_group == "io", lines
+    assert pipeline.autotune_decision is not None and pipeline.autotune_decision.measured_s is not None

@@ -20,8 +20,10 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
 5. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
    reported beside the prediction.
 
-The starting plan must not run ahead (lookahead 0): then, between two calls, every thread stands
-at the same batch boundary and the switch needs no drain. ``state_dict()`` carries the decision,
+The starting plan does not run ahead (lookahead 0): between two calls every thread stands at the
+same batch boundary and the first switch happens at once. A second switch, from a plan that runs
+ahead, waits until the calling thread has caught up with the threads ahead
+(``Engine.switch_plan``); nothing is drained either way. ``state_dict()`` carries the decision,
 so a resumed pipeline applies it at once instead of tuning again.
 """
 
@@ -63,7 +65,10 @@ class TunedEngine(Protocol):
 
     def in_flight(self) -> list[int]: ...
 
-    def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> None: ...
+    def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> bool: ...
+
+    @property
+    def switch_pending(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class Tuner:
         o = self.options
         if self.phase == "warmup" and self.calls > o.warmup:
             self._profile_for(o.steps)
-        elif self.phase == "settling" and self.calls > self._until:
+        elif self.phase == "settling" and self.calls > self._until and not self.engine.switch_pending:
             self._profile_for(max(10, o.steps // 2))
         elif self.phase == "profiling" and self.calls > self._until:
             self._detach()
@@ -191,6 +196,7 @@ class Tuner:
             found = self._search(profiles, measured).to_dict()
         decision = Decision.from_dict(from_rank0(found))
         before = self.decision
+        running = self.engine.plan
         if self.round == 1:
             self.decision = decision
             if decision.switched:
@@ -211,8 +217,10 @@ class Tuner:
             )
         for line in self._lines(decision, self.round):
             self._report(line)
-        plan = self.engine.plan
-        self._settle = plan.pipeline_depth + plan.lookahead + plan.loads
+        # until the new plan runs steadily: the threads that ran ahead catch up (a switch from a
+        # plan with lookahead waits for that), then the new plan fills its run-ahead
+        plan = PipelinePlan.from_text(decision.plan) if decision.switched else running  # type: ignore[arg-type]
+        self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads
         if not self.decision.switched:
             self.phase = "done"
         elif self.round < self.options.rounds:

@@ -118,6 +118,7 @@ class Engine(Cuts):
         self._failure_raised = False
         self._signalled: tuple[str, ...] = ()
         self._recorded: tuple[str, ...] = ()
+        self._pending: PhasedPlan | None = None  # a switch_plan waiting for threads that ran ahead
         self._installed = self._install_all(phased)
         self._make_walkers()
         self.reset()
@@ -132,16 +133,19 @@ class Engine(Cuts):
         self._recorded = tuple(dict.fromkeys([*self._recorded, *(i.task for i in programs if isinstance(i, RecordEvent))]))
         return installed
 
-    def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> None:
-        """Run ``plan`` from the next ``step()`` on, at the batch boundary every thread stands at.
+    def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> bool:
+        """Run ``plan`` from a batch boundary every thread stands at; between steps only.
 
-        Between steps only, and only where every thread that has tasks stands at the same internal
-        iteration, none in the middle of one: before the first step, or after a step of a plan
-        without lookahead (a thread that ran ahead would have started iterations the new plan
-        must run). ``plan`` keeps every task, its stage and its stream (and the phases' batch
-        numbers): only threads, fire order, comm groups, lookahead and loads change, so every task
-        instance runs once, in the plan it falls in, and device events recorded before the switch
-        are those the new programs wait on. Raises EngineError naming what does not hold.
+        Where every thread that has tasks stands at the calling thread's internal iteration, none
+        in the middle of one (before the first step, or after a step of a plan without lookahead),
+        the switch happens now (True). Where threads ran ahead, they run ahead no more, and the
+        first ``step()`` that finds every thread at the calling thread's boundary switches, at
+        most ``lookahead`` steps later (False until then; ``switch_pending`` says so): a thread
+        that ran ahead has started iterations the new plan must not run again. ``plan`` keeps
+        every task, its stage and its stream (and the phases' batch numbers): only threads, fire
+        order, comm groups, lookahead and loads change, so every task instance runs once, in the
+        plan it falls in, and device events recorded before the switch are those the new
+        programs wait on. Raises EngineError naming what does not hold.
         """
         new = PhasedPlan([(0, plan)]) if isinstance(plan, PipelinePlan) else plan
         if not isinstance(new, PhasedPlan):
@@ -168,14 +172,29 @@ class Engine(Cuts):
                     )
         if self.failures:
             raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
+        self._pending = new
+        for w in self._walkers.values():  # nobody runs ahead any more: the calling thread catches up
+            w.ahead = 0
+        return self._switch_if_ready()
+
+    @property
+    def switch_pending(self) -> bool:
+        """A ``switch_plan`` waits for threads that ran ahead to stand at the calling thread's boundary."""
+        return self._pending is not None
+
+    def _switch_if_ready(self) -> bool:
+        """Switch to the pending plan if every thread stands at the calling thread's boundary."""
+        new, main = self._pending, self._main
+        assert new is not None
+        if any(w.done_through != main.P - 1 for w in self._tasked if w is not main):
+            return False  # a thread is ahead (or, after a failure, behind): a later step() switches
         self._settle("switching plans")
-        P = self._main.P
+        P = main.P
         for w in self._tasked:
             if w.state is WalkState.FINISHED or w.P != P or w.i != 0:
-                raise EngineError(
-                    f"switch_plan: thread {w.name!r} is {w.position()}, the calling thread at internal iteration {P}: "
-                    "switch between steps of a plan without lookahead (every thread then stands at the same batch boundary)"
-                )
+                return False
+        self._pending = None
+        old = self.phased
         index = old.plans.index(self.plan)
         self.phased = new
         self.plan = new.plans[index]
@@ -190,6 +209,7 @@ class Engine(Cuts):
         bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
         for w in self._walkers.values():
             w.place(P, bases)
+        return True
 
     def _install(self, plan: PipelinePlan) -> InstalledPlan:
         compiled = CompiledPlan(plan, device_streams=self.streams.has_streams, device_type=self.device_type)
@@ -347,6 +367,8 @@ class Engine(Cuts):
             self.failures.clear()
             self._failure_raised = False
             self.board.resume()
+        if self._pending is not None:
+            self._switch_if_ready()
         self._grad = torch.is_grad_enabled()
         main = self._main
         while True:
