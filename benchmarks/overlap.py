@@ -36,9 +36,9 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
   (the same loader concurrency as ``upstream+dataloader``);
 * ``ours+2loads+dist``: besides, the input dist of the batches ahead on thread ``dist``;
 * ``ours+autotune``: our pipeline with ``autotune=True`` over a ``MapSource`` of the same dataset
-  (our own loading, nothing hand-picked): it runs its tuning alone before the rounds (warm-up,
-  profile, decision on both ranks' profiles, the switch, the verification), then is timed like
-  every contender with the plan it chose;
+  (our own loading, nothing hand-picked): after the interleaved warm-up it runs its tuning alone
+  in one block (profile, decision on both ranks' profiles, the switch, a second round, the
+  verification), then is timed like every contender with the plan it chose;
 * ``ours+thread``, ``ours+io+thread``: the default plan and ``ours+io`` reading the same
   prefetch thread as ``upstream+thread``;
 * ``ours+dataloader``, ``ours+io+dataloader``: the default plan and ``ours+io`` reading the same
@@ -182,7 +182,9 @@ def _contender(
     elif "autotune" in options:
         from torchrec_swp import Autotune
 
-        runner = make_runner(args.pipeline, "ours", build, options={"autotune": Autotune(report=lambda line: None, **TUNING)})
+        # its warm-up spans the interleaved warm-up of every contender; it profiles its own block
+        tuning = Autotune(report=lambda line: None, warmup=args.warmup + TUNING_WARMUP, **TUNING)
+        runner = make_runner(args.pipeline, "ours", build, options={"autotune": tuning})
     else:
         thread_map = io_dist_map(args.pipeline) if "dist" in options else io_map if "io" in options else None
         runner = make_runner(args.pipeline, "ours", build, plan=_plan(args.pipeline, options), thread_map=thread_map)
@@ -191,15 +193,19 @@ def _contender(
 
 #: ``ours+autotune``'s tuning (``Autotune``'s counts), run alone before the rounds: warm-up,
 #: profile, decision, then enough steps for the verification to end.
-TUNING = {"warmup": 10, "steps": 25, "verify": 20}
-#: enough calls for both rounds and the verification: warm-up, profile, settle, profile again
-#: (12 steps), settle, verify (a settle is at most 12 steps here)
-TUNING_STEPS = 10 + 25 + 12 + 12 + 12 + 20 + 4
+TUNING = {"steps": 25, "verify": 20}
+#: its own warm-up steps after the interleaved warm-up, before it profiles
+TUNING_WARMUP = 5
+#: calls of its block, enough for both rounds and the verification: warm-up, profile, settle,
+#: profile again, settle, verify (a settle is at most 15 steps here)
+TUNING_STEPS = TUNING_WARMUP + 25 + 15 + 25 + 15 + 20 + 4
 
 
 def _tune(c: Contender) -> dict[str, Any]:
-    """Run ``ours+autotune``'s tuning alone (consecutive steps: the profile is of its own steps,
-    not of the others'); its decision."""
+    """Run ``ours+autotune``'s tuning alone, after every contender's warm-up (consecutive steps:
+    the profile is of its own steps, not of the others', and taken once the other contenders'
+    loaders - DataLoader workers starting up, prefetch threads filling their queues - are quiet);
+    its decision."""
     for _ in range(TUNING_STEPS):
         c.losses.append(float(c.runner.step(c.batches)[0]))
     d = c.runner.pipeline.autotune_decision
@@ -283,8 +289,8 @@ def _case(
     try:
         for label in args.contenders:
             contenders.append(_contender(label, rank, world_size, size_name, total + 4, latency, args))
-        tuned = {c.label: _tune(c) for c in contenders if c.label == "ours+autotune"}
         interleave(contenders, args.warmup, tick)
+        tuned = {c.label: _tune(c) for c in contenders if c.label == "ours+autotune"}
         for c in contenders:
             c.times.clear()
             if c.label.startswith("ours"):

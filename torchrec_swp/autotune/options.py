@@ -28,10 +28,10 @@ class Autotune:
       comm group; nothing that changes a batch's numerics) and tells every rank the plan;
       each switches to it at that batch boundary, nothing lost or repeated;
     * with ``rounds`` 2 (the default), once the switch has settled the running plan is profiled
-      again (``max(10, steps // 2)`` steps) and searched from, its costs now measured as it runs
+      again (``steps`` steps) and searched from, its costs now measured as it runs
       them (a plan that overlaps the loader also changes what the other tasks cost: the
-      collectives wait less, the caches stay warm); a plan predicted to win by more than the noise
-      is switched to once more, and the prediction of the plan kept is the one reported;
+      collectives wait less, the caches stay warm); a plan predicted to win by more than twice the
+      noise is switched to once more, and the prediction of the plan kept is the one reported;
     * ``verify`` steps later, the measured step is reported beside the prediction.
 
     The starting plan is kept when no plan is predicted to be faster by more than ``noise``
@@ -46,8 +46,8 @@ class Autotune:
     """
 
     warmup: int = 10
-    steps: int = 25
-    verify: int = 30
+    steps: int = 20
+    verify: int = 25
     rounds: int = 2
     noise: float = 0.05
     memory_cap_bytes: float | None = None

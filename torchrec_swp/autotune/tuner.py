@@ -45,6 +45,10 @@ from torchrec_swp.catalog.torchrec import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
+#: steps left out after a switch beyond the new plan's fill and run-ahead: its threads' first
+#: iterations (caches, first wake-ups) cost more than the steady ones a profile or a verification measures
+SETTLE = 3
+
 
 class TunedEngine(Protocol):
     """What the tuner needs of the engine (``torchrec_swp.engine.Engine``)."""
@@ -140,7 +144,7 @@ class Tuner:
         if self.phase == "warmup" and self.calls > o.warmup:
             self._profile_for(o.steps)
         elif self.phase == "settling" and self.calls > self._until and not self.engine.switch_pending:
-            self._profile_for(max(10, o.steps // 2))
+            self._profile_for(o.steps)
         elif self.phase == "profiling" and self.calls > self._until:
             self._detach()
             self._decide()
@@ -220,7 +224,7 @@ class Tuner:
         # until the new plan runs steadily: the threads that ran ahead catch up (a switch from a
         # plan with lookahead waits for that), then the new plan fills its run-ahead
         plan = PipelinePlan.from_text(decision.plan) if decision.switched else running  # type: ignore[arg-type]
-        self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads
+        self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads + SETTLE
         if not self.decision.switched:
             self.phase = "done"
         elif self.round < self.options.rounds:
@@ -258,13 +262,16 @@ class Tuner:
         except (PlanError, ProfileError, ValueError) as e:
             return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",))
         why = tuple(result.why())
-        if result.speedup < 1 + o.noise:
+        # a second switch must clear twice the noise: the plan it leaves was chosen already, and
+        # between plans within a few percent the choice would follow the noise of 20 steps
+        margin = o.noise if self.round == 1 else 2 * o.noise
+        if result.speedup < 1 + margin:
             return Decision(
                 None,
                 predicted_s=result.predicted,
                 baseline_s=result.baseline,
                 measured_start_s=measured,
-                why=(*why, f"keeps the plan: the best change is predicted x{result.speedup:.2f}, within the noise ({100 * o.noise:.0f}%)"),
+                why=(*why, f"keeps the plan: the best change is predicted x{result.speedup:.2f}, within the noise ({100 * margin:.0f}%)"),
             )
         return Decision(
             result.plan.to_text(),
