@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from torchrec_swp.autosched.beam import beam_search
 from torchrec_swp.autosched.cpsat import solve_periodic
-from torchrec_swp.autosched.inputs import DEFAULT_WAKE_S, from_profiles
+from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE_S, from_profiles
 from torchrec_swp.autosched.overlap import Space, search_overlap
 from torchrec_swp.autosched.problem import Problem
 from torchrec_swp.catalog.torchrec import DRAW_TASKS, INPUT_DIST_TASKS
@@ -65,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--wake-us", type=float, default=DEFAULT_WAKE_S * 1e6, help="a blocked thread's wake-up latency (default: %(default)g)"
     )
-    p.add_argument("--gil", type=float, default=None, help="share of CPU work holding the GIL (default: not modelled)")
+    p.add_argument(
+        "--gil",
+        type=float,
+        default=DEFAULT_GIL,
+        help="share of a task's CPU work holding its process's GIL (default: %(default)s; 0: not modelled)",
+    )
     p.add_argument("--reorder", action="store_true", help="also move fire order and stages first (may change numerics)")
     p.add_argument("--exact", action="store_true", help="with --reorder: also solve with CP-SAT and report the gap")
     p.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit in seconds")
@@ -86,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         profiles = [Profile.load(path) for path in paths]
         inputs = from_profiles(
-            profiles, wake=args.wake_us * 1e-6, gil=args.gil, cores=None, fill_missing=args.fill_missing
+            profiles, wake=args.wake_us * 1e-6, gil=args.gil or None, cores=None, fill_missing=args.fill_missing
         )
     except (OSError, ProfileError, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

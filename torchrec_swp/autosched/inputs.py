@@ -23,6 +23,12 @@ from torchrec_swp.sim import Calibration, SimError, calibrate
 #: A blocked thread's wake-up latency on the 2-core machines this project is measured on
 #: (``benchmarks/sim_vs_real.py``: the io plans without lookahead, 1 rank). Seconds.
 DEFAULT_WAKE_S = 0.5e-3
+#: The share of a task's CPU work that holds its process's GIL: all of it. TorchRec's tasks are
+#: Python between short kernels (the copy, the input dist's KJT work), and on this machine a
+#: second Python thread doing them never ran beside the training thread's (``benchmarks/overlap.py``:
+#: the plans moving the input dist's work to a thread of its own are the least efficient); what
+#: threads overlap is the time off the CPU - a loader's wait, a collective's transfer.
+DEFAULT_GIL = 1.0
 
 
 @dataclass(frozen=True)

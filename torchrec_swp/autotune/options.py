@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchrec_swp.autosched.inputs import DEFAULT_WAKE_S
+from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE_S
 
 LOG = logging.getLogger("torchrec_swp.autotune")
 
@@ -30,8 +30,8 @@ class Autotune:
     * with ``rounds`` 2 (the default), once the switch has settled the running plan is profiled
       again (``steps`` steps) and searched from, its costs now measured as it runs
       them (a plan that overlaps the loader also changes what the other tasks cost: the
-      collectives wait less, the caches stay warm); a plan predicted to win by more than twice the
-      noise is switched to once more, and the prediction of the plan kept is the one reported;
+      collectives wait less, the caches stay warm); a plan predicted to win by more than the noise
+      is switched to once more, and the prediction of the plan kept is the one reported;
     * ``verify`` steps later, the measured step is reported beside the prediction.
 
     The starting plan is kept when no plan is predicted to be faster by more than ``noise``
@@ -41,7 +41,7 @@ class Autotune:
     ``max_in_flight``, ``lookahead`` and ``loads``: the search's limits and choices (loads only
     where the data splits its draws, ``torchrec_swp.data.MapSource``). ``wake_s``: a blocked
     thread's wake-up latency on this machine; ``gil``: the share of CPU work holding the GIL
-    (None: not modelled). ``report``: where the decision's lines go (default: logger
+    (default: all of it, ``autosched.inputs.DEFAULT_GIL``; None: not modelled). ``report``: where the decision's lines go (default: logger
     ``torchrec_swp.autotune``, INFO, on rank 0).
     """
 
@@ -56,7 +56,7 @@ class Autotune:
     lookahead: tuple[int, ...] = (0, 1, 2, 3)
     loads: tuple[int, ...] = (1, 2, 3)
     wake_s: float = DEFAULT_WAKE_S
-    gil: float | None = None
+    gil: float | None = DEFAULT_GIL
     report: Callable[[str], None] = log_info
 
     def __post_init__(self) -> None:
