@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--block >= 12, --warmup >= 2, --rounds >= 1, --latency-ms >= 0")
 
     from harness.ranks import run_on_ranks
+    from torchrec_swp.autosched.inputs import DEFAULT_GIL
     from torchrec_swp.autosched.overlap import Space, search_overlap
     from torchrec_swp.plans import DRAW_TASKS, INPUT_DIST_TASKS
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     before = [runs[0] for runs in run_on_ranks(_rank, args, [None], timeout_s=3600.0)]
     for r, run in enumerate(before):
         (folder / f"rank{r}.profile.json").write_text(json.dumps(run.profile().to_json(), indent=1) + "\n")
-    inputs = inputs_of(before)
+    inputs = inputs_of(before, gil=DEFAULT_GIL)  # as the tuner and the CLI model the GIL
     start = before[0].profile().plan
     print(before[0].profile().format_table())
 

@@ -3,6 +3,7 @@
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --steps 100 --thread_map io
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --data_source map --loads 4 --loader_latency_ms 20
+    .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --autotune True --loader_latency_ms 10
 
 The named parameters are the common ones; anything after ``--`` goes to train.py unchanged (see
 ``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j {nnodes}x{nproc}`` and the
@@ -62,7 +63,7 @@ def dlrm(
         loads: ours, with data_source map: batches loaded at once, on the pipeline's threads
         lookahead: ours: batches the source may draw ahead of the pipeline's depth (default: loads when loads > 1)
         input_dist_group: ours, the SparseDist family: a process group of its own for the sparse input dist
-        autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group)
+        autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group); torchx takes a bool as a value: --autotune True
         loader_latency_ms: the loader waits this long per batch (storage latency)
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)

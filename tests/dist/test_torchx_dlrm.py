@@ -82,7 +82,7 @@ def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
     # the component with autotune: a loader of 8 ms binds the small model's default plan, so the
     # tuner switches; the run trains the very batches of the untuned one, bit for bit
     component = ["examples/dlrm/component.py:dlrm", "--steps", "100", "--loader_latency_ms", "8", "--data_source", "map"]
-    tuned = _torchx([*component, "--autotune", "--", *SMALL], tmp_path)
+    tuned = _torchx([*component, "--autotune", "True", "--", *SMALL], tmp_path)
     plain = _torchx([*component, "--", *SMALL], tmp_path)
     decision = tuned["autotune"]
     assert decision is not None and decision["switched"], decision
