@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     print("3/3 run: default and found plans in blocks", flush=True)
     after = run_on_ranks(_rank, args, [None, found.to_text()], timeout_s=3600.0)
     default_run, found_run = after[0]
-    own = inputs_of([runs[1] for runs in after])
+    own = inputs_of([runs[1] for runs in after], gil=DEFAULT_GIL)
     result = {
         "pipeline": args.pipeline,
         "size": args.size,
