@@ -62,7 +62,14 @@ CASES: tuple[Case, ...] = (
     # TorchRec 1.9: with the test model's EmbeddingBagCollection only (no PEC tables), every module
     # takes PEC's non-PEC path (looked up in the step, like Fused)
     Case("TrainPipelinePEC", variants=_io("H2D")),
+    # experimental_pipelines.py (the hybrid here in training mode only; the CPU parity test switches modes)
+    Case("TrainEvalHybridPipelineBase", variants=_io("Fetch", "H2D")),
+    Case("TrainPipelineSparseDistT", variants={"default": {}, "main thread": {"thread_map": "main"}}),
+    Case("TrainPipelineSparseDistBwdOpt", {"site_fqn": "sparse.ebc"}, _io("H2D")),
 )
+
+#: The pipelines upstream defines in ``experimental_pipelines.py``, not ``train_pipelines.py``.
+EXPERIMENTAL = ("TrainEvalHybridPipelineBase", "TrainPipelineSparseDistT", "TrainPipelineSparseDistBwdOpt")
 
 
 def _pipeline_class(name: str, impl: str) -> type:
@@ -73,6 +80,10 @@ def _pipeline_class(name: str, impl: str) -> type:
             from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
 
             return TrainPipelinePEC
+        if name in EXPERIMENTAL:
+            from torchrec.distributed.train_pipeline import experimental_pipelines
+
+            return getattr(experimental_pipelines, name)
         return getattr(upstream, name)
     import torchrec_swp
 
