@@ -137,9 +137,9 @@ HYBRID_CASES: dict[str, dict[str, Any]] = {
 
 
 def _hybrid_run(cls: type, rank: int, world_size: int, seed: int, options: dict[str, Any]) -> list[RunResult]:
-    """Train TRAIN_FIRST calls, evaluate until StopIteration, train on until StopIteration. The test
-    model returns only its predictions in eval mode: a custom_model_fwd gives the (losses, output)
-    pair the pipelines unpack."""
+    """Train TRAIN_FIRST calls, evaluate until StopIteration, train on until StopIteration (the end of
+    the training data), evaluate again. The test model returns only its predictions in eval mode: a
+    custom_model_fwd gives the (losses, output) pair the pipelines unpack."""
     model, optimizer = build_model(rank, world_size, seed)
 
     def forward(batch: Any) -> Any:
@@ -156,6 +156,8 @@ def _hybrid_run(cls: type, rank: int, world_size: int, seed: int, options: dict[
         runs.append(train_pipeline_run(pipeline, held_out, EVAL_BATCHES + 5, iterator=iter(held_out)))
         model.train()
         runs.append(train_pipeline_run(pipeline, train, TRAIN_BATCHES + 5, iterator=train_it))
+        model.eval()
+        runs.append(train_pipeline_run(pipeline, held_out, EVAL_BATCHES + 5))
         return runs
     finally:
         _close(pipeline)
@@ -168,12 +170,22 @@ def _hybrid(rank: int, world_size: int, seed: int) -> dict[str, Any]:
             label: _hybrid_run(torchrec_swp.TrainEvalHybridPipelineBase, rank, world_size, seed, options)
             for label, options in HYBRID_CASES.items()
         },
+        # training only (no switch of iterators, where drawing ahead would differ): loads and lookahead
+        "training only": (
+            _train(lambda m, o: upstream.TrainEvalHybridPipelineBase(m, o, CPU), rank, world_size, seed),
+            _train(
+                lambda m, o: torchrec_swp.TrainEvalHybridPipelineBase(m, o, CPU, thread_map="io", loads=2, lookahead=2),
+                rank,
+                world_size,
+                seed,
+            ),
+        ),
     }
 
 
 def test_train_eval_hybrid_equals_upstream_across_the_switches() -> None:
     for rank, runs in enumerate(run_on_ranks(_hybrid, 99, timeout_s=600)):
-        first, evaluated, rest = runs["upstream"]
+        first, evaluated, rest, again = runs["upstream"]
         # upstream's schedule: the 2 training batches in flight at the switch are evaluated, then
         # the held-out ones; back in training mode the pipeline fills again from the training data
         assert (first.num_calls, first.stop_iteration_call) == (TRAIN_FIRST, None)
@@ -182,6 +194,12 @@ def test_train_eval_hybrid_equals_upstream_across_the_switches() -> None:
         # eval mode trained nothing, training did
         assert evaluated.losses == [] and all(torch.equal(w, evaluated.weights[k]) for k, w in first.weights.items())
         assert any(not torch.equal(w, rest.weights[k]) for k, w in evaluated.weights.items())
+        # after the end of the training data, a new eval iterator fills the pipeline again
+        assert (again.num_calls, again.stop_iteration_call) == (EVAL_BATCHES, EVAL_BATCHES)
         for label, ours in runs["ours"].items():
-            for phase, (a, b) in zip(("train", "eval", "train again"), zip(runs["upstream"], ours, strict=True)):
+            phases = ("train", "eval", "train again", "eval again")
+            for phase, (a, b) in zip(phases, zip(runs["upstream"], ours, strict=True)):
                 assert_runs_equal(a, b, what=f"rank {rank} TrainEvalHybridPipelineBase [{label}] {phase}")
+        reference, loaded = runs["training only"]
+        assert reference.num_calls == STEPS
+        assert_runs_equal(reference, loaded, what=f"rank {rank} TrainEvalHybridPipelineBase [io_loads_lookahead]")
