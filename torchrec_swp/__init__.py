@@ -32,6 +32,10 @@ _PIPELINES = (
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelinePEC",
+    # experimental_pipelines.py (TorchRec 1.8.0 and 1.9.2 both ship it)
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
 )
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.

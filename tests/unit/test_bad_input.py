@@ -44,6 +44,14 @@ def base_pipeline(**kwargs: Any) -> Any:
     return torchrec_swp.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), **kwargs)
 
 
+def hybrid_pipeline(**kwargs: Any) -> Any:
+    import torchrec_swp
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return torchrec_swp.TrainEvalHybridPipelineBase(model, optimizer, torch.device("cpu"), **kwargs)
+
+
 def plan_file(tmp: Path, text: str) -> str:
     path = tmp / "bad.plan"
     path.write_text(text)
@@ -91,6 +99,8 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ("pipeline lookahead given as a bool", lambda t: base_pipeline(lookahead=True), TypeError, "got True"),
     ("loads on a source that cannot be split", lambda t: with_parallel_loads(staged_plan(["copy"]), 2), ValueError, "source is copy"),
     ("loads on a source on the calling thread", lambda t: plan(loads=2), PlanError, "`plan.with_loads(2)`"),
+    ("train guard below the highest stage", lambda t: plan(schedule={"Fwd": S(2), "Dist": S(1, "data_dist", when="train"), "H2D": S(0, "memcpy")}), PlanError, "task Dist runs when=train at stage 1"),
+    ("hybrid pipeline that would stop early", lambda t: hybrid_pipeline(execute_all_batches=False), ValueError, "execute_all_batches=False"),
 ]
 
 

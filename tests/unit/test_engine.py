@@ -394,6 +394,45 @@ def test_guards_and_previous_batch_reads(thread_map: Any) -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("thread_map", ["main", {"Load": "io"}, "per_task"], ids=str)
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_train_guard_follows_the_mode_of_the_step_that_trains_each_batch(thread_map: Any, lookahead: int) -> None:
+    # TrainEvalHybridPipelineBase's guard: Step runs for a batch only if the step() call that
+    # trains it finds training on, whatever thread runs Step and however far the threads ran ahead
+    plan = PipelinePlan(
+        schedule={"Load": S(0, "memcpy"), "Fwd": S(2), "Step": S(2, when="train")},
+        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Fwd", reads=("x",), writes=("out",))],
+        source="Load",
+        output="out",
+        name="hybrid",
+        lookahead=lookahead,
+    )
+    data = iter(range(8))
+    stepped: list[int] = []
+    mode = {"training": True}
+    bindings = {"Load": lambda b: next(data), "Fwd": lambda b, x: x, "Step": lambda b: stepped.append(b)}
+    engine = Engine(plan.with_thread_map(thread_map), bindings, timeout_s=10, training=lambda: mode["training"])
+    training = [True, True, False, False, False, True, False, True]
+    outputs = []
+    for on in training:
+        mode["training"] = on
+        outputs.append(engine.step())
+    assert outputs == list(range(8))
+    assert stepped == [b for b, on in enumerate(training) if on]
+    engine.close()
+
+
+def test_train_guard_only_at_the_highest_stage() -> None:
+    with pytest.raises(PlanError, match="Step runs when=train at stage 1"):
+        PipelinePlan(
+            schedule={"Load": S(0), "Step": S(1, when="train"), "Fwd": S(2)},
+            tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Fwd", reads=("x",), writes=("out",))],
+            source="Load",
+            output="out",
+            name="bad",
+        )
+
+
 def _tagging(phases: list[tuple[int, str]], data: list[Any], **options: Any) -> tuple[Engine, list[str]]:
     """An engine over two-stage plans ``a`` and ``b`` taking turns at ``phases`` (start, name);
     each batch appends its plan's name to the list returned. ``options``: the PhasedPlan's."""

@@ -126,7 +126,8 @@ def build(name: str, **options: Any) -> Any:
     if name == "StagedTrainPipeline":
         return staged(**options)
     model: Any = torch.nn.Linear(2, 2) if name == "TrainPipelinePT2" else MagicMock(spec=torch.nn.Module)
-    return cls(model, MagicMock(spec=torch.optim.Optimizer), CPU, **options)
+    site = ("sparse.ebc",) if name == "TrainPipelineSparseDistBwdOpt" else ()  # its site_fqn
+    return cls(model, MagicMock(spec=torch.optim.Optimizer), CPU, *site, **options)
 
 
 @pytest.fixture

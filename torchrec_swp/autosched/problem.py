@@ -8,7 +8,8 @@ dependencies, the source and the output stay those of ``plan``. Hard constraints
 * at most ``max_threads`` thread groups and ``max_in_flight`` batches in flight
   (``pipeline_depth``);
 * the anchors (tasks declared ``anchor`` in the plan, e.g. Forward, Backward, OptimizerStep,
-  plus any named in ``anchor_names``) stay on the default stream at the highest stage;
+  plus any named in ``anchor_names`` and any guarded ``when=train``) stay on the default stream
+  at the highest stage;
 * collectives of one comm group are serialized in fire order whatever their threads and
   streams (the engine's tickets), and every dependency holds (the plan validates and the
   simulator finds no race).
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PipelinePlan, PlanError
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PipelinePlan, PlanError, When
 from torchrec_swp.profiler.profile import Profile
 
 
@@ -127,8 +128,13 @@ class Problem:
 
     @cached_property
     def anchors(self) -> frozenset[str]:
-        """Tasks the plan declares ``anchor``, and those named in ``anchor_names``."""
-        return frozenset(t for t in self.tasks if self.plan.tasks[t].anchor or t in self.anchor_names)
+        """Tasks the plan declares ``anchor``, those named in ``anchor_names``, and those guarded
+        ``when=train`` (only the highest stage knows the training mode)."""
+        return frozenset(
+            t
+            for t in self.tasks
+            if self.plan.tasks[t].anchor or t in self.anchor_names or self.plan.task(t).when is When.TRAIN
+        )
 
     @cached_property
     def anchor_index(self) -> frozenset[int]:

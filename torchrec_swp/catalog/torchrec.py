@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule, When
 
 WORLD = "world"
 
@@ -475,6 +475,40 @@ dep ZeroGrad <- OptimizerStep @1
 """
 
 
+# ------------------------------------------- TorchRec's experimental_pipelines.py (1.8 and 1.9)
+SPARSE_DIST_BWD_OPT = """
+# TrainPipelineSparseDist without an optimizer step of its own: the step runs inside backward,
+# in a hook on the gradient of site_fqn's output dist (upstream's register_backward_hook, set
+# when the model is rewritten), so that it overlaps the rest of backward's all-to-alls. One
+# task, BackwardOptimizerStep, is both; the next batch's ZeroGrad and Forward follow it.
+plan TrainPipelineSparseDistBwdOpt
+depth 3
+source H2D
+output output
+exhausted drain
+#    task                   stage  stream     thread   comm   when       reads           writes         flags
+task ZeroGrad               2      default    default  -      -          -               -              -
+task WaitBatch              2      default    default  -      -          batch,context   -              -
+task InitPipelinedModules   1      data_dist  default  world  first      batch,context   -              -
+task InputDistStart         1      data_dist  default  world  not_first  batch,context   -              -
+task H2D                    0      memcpy     default  -      -          -               batch,context  -
+task Forward                2      default    default  world  -          batch,context   losses,output  anchor
+task InputDistWait          1      data_dist  default  world  -          context         -              -
+task BackwardOptimizerStep  2      default    default  world  -          losses,context  -              anchor
+task Dequeue                2      default    default  -      -          context         -              -
+dep InputDistWait <- InitPipelinedModules
+dep InputDistWait <- InputDistStart
+dep WaitBatch <- InputDistWait
+dep Forward <- InputDistWait
+dep WaitBatch <- ZeroGrad
+dep Forward <- WaitBatch
+dep BackwardOptimizerStep <- Forward
+dep Dequeue <- BackwardOptimizerStep
+dep Forward <- BackwardOptimizerStep @1
+dep ZeroGrad <- BackwardOptimizerStep @1
+"""
+
+
 # ------------------------------------------------------------------------ plans by options
 def train_pipeline_base_plan() -> PipelinePlan:
     """TrainPipelineBase: H2D of batch i+1 overlaps the optimizer of batch i."""
@@ -709,9 +743,59 @@ def comp_autograd_plan(*, execute_all_batches: bool = True, clear_data_dist_inpu
     )
 
 
+#: The thread group TrainPipelineSparseDistT copies batches to the device on (upstream's ``_copy_executor``).
+COPY_THREAD = "copy"
+
+
+def train_eval_hybrid_plan(*, clear_data_dist_inputs: bool = False, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
+    """TrainEvalHybridPipelineBase: TrainPipelineSparseDist's stages (``SPARSE_DIST``), training or
+    evaluating as the model's mode says at each ``progress()`` call. ZeroGrad, Backward and
+    OptimizerStep run ``when=train``, so a batch stepped in eval mode (``model.eval()``) is only
+    forwarded (Forward under ``no_grad``). The draw of batch i+2 is split off H2D and fires first
+    in the step (Fetch: upstream's ``_prepare_pipeline_step`` pre-fetches it to the host); H2D
+    copies it before Forward. At the end of any data, the eval data's included, the batches in
+    flight drain, StopIteration follows, and the next ``progress()`` fills again.
+    ``h2d_thread``: as ``sparse_dist_plan``'s (``async_inplace_copy``).
+
+    UPSTREAM: ``enqueue_batch_after_forward`` is accepted and ignored (H2D always before Forward).
+    """
+    plan = with_parallel_loads(_table(SPARSE_DIST), 1, lookahead=0, thread=MAIN_THREAD).moved(FETCH, before="ZeroGrad")
+    for task in ("ZeroGrad", "Backward", "OptimizerStep"):
+        plan = plan.with_schedule(task, when=When.TRAIN)
+    plan = _clearing_data_dist_inputs(_h2d_on(plan, h2d_thread), clear_data_dist_inputs)
+    return plan.replace(name="TrainEvalHybridPipelineBase")
+
+
+def sparse_dist_t_plan(*, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False) -> PipelinePlan:
+    """TrainPipelineSparseDistT: TrainPipelineSparseDist (``SPARSE_DIST``) with the copy of batch i+2
+    to the device on a thread of its own (upstream's ``_copy_executor``, here ``COPY_THREAD``): the
+    calling thread draws the batch (Fetch, split off H2D) and goes on to Forward(i) while thread
+    ``copy`` copies it (H2D); InputDistStart(i+2) in the next step waits for the copy, where
+    upstream resolves the copy's Future.
+
+    UPSTREAM: ``enqueue_batch_after_forward`` is always False (the constructor does not take it).
+    """
+    plan = sparse_dist_plan(
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        name="TrainPipelineSparseDistT",
+    )
+    plan = with_parallel_loads(plan, 1, lookahead=0, thread=MAIN_THREAD)
+    return plan.with_schedule("H2D", thread_group=COPY_THREAD)
+
+
+def sparse_dist_bwd_opt_plan(
+    *, enqueue_batch_after_forward: bool = False, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False
+) -> PipelinePlan:
+    """TrainPipelineSparseDistBwdOpt (``SPARSE_DIST_BWD_OPT``) with SparseDist's options."""
+    plan = _h2d_after_forward(_table(SPARSE_DIST_BWD_OPT), enqueue_batch_after_forward)
+    return _stopping(_clearing_data_dist_inputs(plan, clear_data_dist_inputs), execute_all_batches)
+
+
 def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
-    """The default plan of each upstream pipeline, the 11 of TorchRec 1.8 and 1.9's TrainPipelinePEC
-    (SemiSync: its two phases, start_batch 900 as upstream's default)."""
+    """The default plan of each upstream pipeline, the 11 of TorchRec 1.8, 1.9's TrainPipelinePEC and
+    those of ``experimental_pipelines.py`` (SemiSync: its two phases, start_batch 900 as upstream's
+    default)."""
     return {
         "TrainPipelineBase": train_pipeline_base_plan(),
         "TrainPipelinePT2": pt2_phases(),
@@ -725,6 +809,9 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
         "StagedTrainPipeline": staged_plan(["data_copy", "gpu_postproc"], ["memcpy", "postproc"], [False, True]),
         "TrainPipelineSparseDistCompAutograd": comp_autograd_plan(),
         "TrainPipelinePEC": pec_plan(),
+        "TrainEvalHybridPipelineBase": train_eval_hybrid_plan(),
+        "TrainPipelineSparseDistT": sparse_dist_t_plan(),
+        "TrainPipelineSparseDistBwdOpt": sparse_dist_bwd_opt_plan(),
     }
 
 

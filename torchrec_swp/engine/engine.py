@@ -34,7 +34,7 @@ a rank that failed issues no more collectives of a comm group spread over thread
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -58,7 +58,11 @@ MAX_IN_FLIGHT = 8
 
 
 class Engine(Cuts):
-    """Runs a plan's programs. One Engine per pipeline instance."""
+    """Runs a plan's programs. One Engine per pipeline instance.
+
+    ``training``: whether the model trains, asked at the start of every ``step()``; tasks guarded
+    ``when=train`` run for the batch that call trains only if it said so (without it, always).
+    """
 
     def __init__(
         self,
@@ -71,6 +75,7 @@ class Engine(Cuts):
         max_threads: int = MAX_THREADS,
         max_in_flight: int = MAX_IN_FLIGHT,
         device_type: str | None = None,
+        training: Callable[[], bool] | None = None,
     ) -> None:
         if isinstance(plan, PipelinePlan):
             phased = PhasedPlan([(0, plan)])
@@ -113,6 +118,8 @@ class Engine(Cuts):
         # (first batch, its Draws): a new iterator serves the batches a step() call makes drawable
         self._draws_from: list[tuple[int, Draws]] = []
         self._grad = torch.is_grad_enabled()
+        self._training_mode = training
+        self._training = True  # asked at every step()
         self._iteration_start = 0.0
         self._epoch_base = 0  # observers count iterations on over epochs: this epoch's iteration 0
         self._failure_raised = False
@@ -370,6 +377,8 @@ class Engine(Cuts):
         if self._pending is not None:
             self._switch_if_ready()
         self._grad = torch.is_grad_enabled()
+        if self._training_mode is not None:  # before this call's batch is requested (``when=train``)
+            self._training = bool(self._training_mode())
         main = self._main
         while True:
             book = self.book

@@ -81,6 +81,7 @@ class PlanInterpreter(Interpreter):
     _checker: Any  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
     _iteration_start: float
     _grad: bool
+    _training: bool
 
     # ------------------------------------------------------------ the program
     def _plan_at(self, P: int) -> PipelinePlan:
@@ -247,7 +248,9 @@ class PlanInterpreter(Interpreter):
     def _admits(self, when: When, b: int, P: int) -> bool:
         if when.needs_next:
             self._exists(b + 1, P)
-        return when.admits(b, self.book.num_batches, P, self._top)
+        if when is When.TRAIN:  # the mode of the step() that trains batch b: wait for that call
+            self._requested(b, P)
+        return when.admits(b, self.book.num_batches, P, self._top, training=self._training)
 
     def _requested(self, b: int, P: int) -> None:
         """The training step of batch ``b`` waits for the ``step()`` call that asks for it."""

@@ -30,7 +30,11 @@ class When(str, Enum):
     iterations that fill the pipeline, before batch 0 reaches the highest stage
     (``b + stage < max_stage``); ``has_next``: only when batch ``b + 1`` was drawn, ``last``:
     only when it does not exist (``b`` is the epoch's last batch). The last two need the source
-    to have been asked for ``b + 1`` already: the task's stage is above the source's.
+    to have been asked for ``b + 1`` already: the task's stage is above the source's. ``train``:
+    only while the model trains, decided by the ``step()`` call that trains batch ``b`` (the
+    engine's ``training`` callable, e.g. ``model.training`` at that ``progress()`` call;
+    TrainEvalHybridPipelineBase's eval-mode batches skip backward and the optimizer); a task of
+    the plan's highest stage only. Tables (``print_schedule``) show a training run.
     """
 
     ALWAYS = "always"
@@ -39,6 +43,7 @@ class When(str, Enum):
     FILL = "fill"
     HAS_NEXT = "has_next"
     LAST = "last"
+    TRAIN = "train"
 
     def __str__(self) -> str:
         return self.value
@@ -47,12 +52,15 @@ class When(str, Enum):
     def in_steady_state(self) -> bool:
         """Whether it runs once per iteration in the steady state (``first``, ``fill`` and
         ``last`` run for one batch, or a few iterations, of an epoch)."""
-        return self in (When.ALWAYS, When.NOT_FIRST, When.HAS_NEXT)
+        return self in (When.ALWAYS, When.NOT_FIRST, When.HAS_NEXT, When.TRAIN)
 
-    def admits(self, batch: int, num_batches: int | None, iteration: int, max_stage: int) -> bool:
+    def admits(
+        self, batch: int, num_batches: int | None, iteration: int, max_stage: int, *, training: bool = True
+    ) -> bool:
         """Whether a task guarded by this runs for ``batch`` at internal ``iteration``, when the
         epoch has ``num_batches`` batches (None: the source has not found its end yet, so every
-        batch it was asked for exists)."""
+        batch it was asked for exists) and the step that trains ``batch`` is in training mode
+        (``training``)."""
         match self:
             case When.ALWAYS:
                 return True
@@ -66,6 +74,8 @@ class When(str, Enum):
                 return num_batches is None or batch + 1 < num_batches
             case When.LAST:
                 return num_batches is not None and batch + 1 == num_batches
+            case When.TRAIN:
+                return training
             case _:
                 raise ValueError(f"unknown guard {self!r}")
 

@@ -23,7 +23,8 @@ Rules (each violation raises PlanError naming the task or dependency):
    ``plan.with_loads(...)`` call that builds such a plan.
 8. A task that runs only ``when`` batch ``b + 1`` exists (``has_next``) or does not (``last``)
    is above the source's stage (one stage above: after the source in fire order), so that the
-   source was asked for ``b + 1`` before it runs.
+   source was asked for ``b + 1`` before it runs. A task that runs only ``when=train`` is at the
+   highest stage: the training mode is the step's that trains its batch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_swp.plan.errors import PlanError
-from torchrec_swp.plan.task import MAIN_THREAD, Dep, parse_read
+from torchrec_swp.plan.task import MAIN_THREAD, Dep, When, parse_read
 
 if TYPE_CHECKING:
     from torchrec_swp.plan.plan import PipelinePlan
@@ -77,7 +78,14 @@ def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
 
 
 def _check_guards(plan: PipelinePlan) -> None:
+    top = max(s.stage for s in plan._schedule.values())
     for task, sched in plan._schedule.items():
+        if sched.when is When.TRAIN and sched.stage != top:
+            raise PlanError(
+                f"task {task} runs when=train at stage {sched.stage}: the training mode is that of the step that "
+                f"trains a batch, known only at the highest stage ({top})",
+                culprit=task,
+            )
         if not sched.when.needs_next:
             continue
         if plan.source is None:

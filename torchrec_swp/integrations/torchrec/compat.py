@@ -12,6 +12,8 @@ What differs (``train_pipelines.py`` and friends, 1.8.0 -> 1.9.2):
   it to upstream's constructor.
 * ``TrainPipelinePEC`` (``pec_train_pipeline.py``) and ``torchrec.distributed.maglev`` exist
   from 1.9.
+* ``experimental_pipelines.py`` (TrainEvalHybridPipelineBase, TrainPipelineSparseDistT,
+  TrainPipelineSparseDistBwdOpt, ...) is the same file in 1.8.0 and 1.9.2: no field.
 * Upstream-internal changes our subclasses inherit unchanged through the helpers they call:
   ``_wait_for_batch`` skips ``record_stream`` under in-place copy, TrainPipelineSemiSync
   synchronizes ``get_device_module(self._device)`` instead of the default device module,
@@ -40,7 +42,12 @@ INSTALL_HINT = (
 
 #: The upstream classes whose 1.9 constructor takes ``async_inplace_copy`` (ours take it on 1.8 too).
 ASYNC_INPLACE_COPY_PIPELINES = frozenset(
-    {"TrainPipelineSparseDist", "TrainPipelineSparseDistLite", "PrefetchTrainPipelineSparseDist"}
+    {
+        "TrainPipelineSparseDist",
+        "TrainPipelineSparseDistLite",
+        "PrefetchTrainPipelineSparseDist",
+        "TrainEvalHybridPipelineBase",  # TrainPipelineSparseDist's constructor, unchanged
+    }
 )
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")

@@ -32,6 +32,11 @@ from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipeline
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline  # noqa: E402
 
+# experimental_pipelines.py (in TorchRec 1.8.0 and 1.9.2 alike)
+from torchrec_swp.integrations.torchrec.pipelines.backward_optimizer import TrainPipelineSparseDistBwdOpt  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.threaded_copy import TrainPipelineSparseDistT  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase  # noqa: E402
+
 if TORCHREC.has_pec:
     from torchrec_swp.integrations.torchrec.pipelines.pec import TrainPipelinePEC  # noqa: E402, F401
 
@@ -48,4 +53,7 @@ __all__ = [
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
     *(["TrainPipelinePEC"] if TORCHREC.has_pec else []),
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
 ]

@@ -88,8 +88,14 @@ class PlanDriven:
             name=f"swp-{owner}",
             # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
             device_type=None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
+            training=self._swp_training_mode(),
         )
         self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
+
+    def _swp_training_mode(self) -> Callable[[], bool] | None:
+        """What decides the plan's ``when=train`` guards at each ``progress()`` call (None: the
+        class's plans have none; overridden where they do, e.g. ``model.training``)."""
+        return None
 
     def _swp_autotune_hooks(self) -> Hooks:
         """What the tuner may change beyond the plan (overridden where the input dist can get a

@@ -1,0 +1,41 @@
+"""TrainPipelineSparseDistBwdOpt (``experimental_pipelines.py``) on the engine: the optimizer step
+injected into backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torchrec.distributed.train_pipeline import experimental_pipelines as upstream
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+
+from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.plan import PipelinePlan
+
+__all__ = ["TrainPipelineSparseDistBwdOpt"]
+
+
+class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistBwdOpt[In, Out]):
+    """TrainPipelineSparseDistBwdOpt on the engine: SparseDist's stages, the optimizer stepping
+    inside backward.
+
+    Same constructor as upstream's (``model, optimizer, device, site_fqn, sharding_type, ...``),
+    plus the keyword-only engine options (``PlanDriven``). Upstream's ``_pipeline_model`` (run by
+    the first input dist, InitPipelinedModules) registers the optimizer step as a backward hook on
+    ``site_fqn``'s output-dist gradient (``register_backward_hook``, ``backward_injection.py``);
+    the default plan, ``plans.sparse_dist_bwd_opt_plan(...)``, has no OptimizerStep task, and its
+    BackwardOptimizerStep task is the backward in which that hook steps. Same results as upstream.
+    """
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        return plans.sparse_dist_bwd_opt_plan(
+            enqueue_batch_after_forward=self._enqueue_batch_after_forward,
+            execute_all_batches=self._execute_all_batches,
+            clear_data_dist_inputs=self._clear_data_dist_inputs,
+        )
+
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        # SparseDist's tasks; its backward steps the optimizer through the hook, and no task does otherwise
+        tasks = {t: f for t, f in super()._swp_task_functions().items() if t not in ("Backward", "OptimizerStep")}
+        return {**tasks, "BackwardOptimizerStep": self._task_backward}
