@@ -48,6 +48,13 @@ none yet, so a restarted job runs the same command). ``--stop-after N`` ends the
 (after its checkpoint), as a job's time limit would. ``--kill-rank-at RANK:STEP`` is a fault
 drill: that rank kills itself with SIGKILL after that step, on the launcher's first attempt only.
 
+Validation: ``--eval-every N --eval-batches M`` evaluates after every N-th step and after the
+last one on M held-out batches per rank (the synthetic data's held-out split, or ``--eval-tsv``
+files with ``--criteo-tsv``): validation AUC and NE by ``torchrec.metrics``, through an
+EvalPipelineSparseDist over the training pipeline's model (``evaluate.py``: how the model changes
+hands without losing, repeating or holding up a batch). ``--record-batches FILE`` writes which
+batch the model ran at each step, training or evaluating (``record.py``).
+
 Rank 0's first line says what runs where (pipeline, ranks as nodes x processes, backend, device),
 then it prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
 second over all ranks), and a summary at the end; ``--json FILE`` also writes the summary.
