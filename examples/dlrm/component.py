@@ -4,6 +4,7 @@
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --pipeline TrainPipelineBase -- --batch-size 512
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --data_source map --loads 4 --loader_latency_ms 20
     .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --autotune True --loader_latency_ms 10
+    .venv/bin/torchx run -s local_cwd examples/dlrm/component.py:dlrm --eval_every 25 --eval_batches 5
 
 The named parameters are the common ones; anything after ``--`` goes to train.py unchanged (see
 ``python examples/dlrm/train.py --help``). It is ``dist.ddp`` with ``-j {nnodes}x{nproc}`` and the
@@ -43,6 +44,8 @@ def dlrm(
     input_dist_group: bool = False,
     autotune: bool = False,
     loader_latency_ms: float = 0.0,
+    eval_every: int = 0,
+    eval_batches: Optional[int] = None,  # noqa: UP045 - see the import
     json: str = "",
     cpu: int = 2,
     memMB: int = 4096,
@@ -65,6 +68,8 @@ def dlrm(
         input_dist_group: ours, the SparseDist family: a process group of its own for the sparse input dist
         autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group); torchx takes a bool as a value: --autotune True
         loader_latency_ms: the loader waits this long per batch (storage latency)
+        eval_every: evaluate after every N-th step and the last: validation AUC and NE on held-out batches (0: never)
+        eval_batches: held-out batches per rank of each evaluation (default: train.py's, 10); with eval_every only
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
         memMB: memory of the job in MB (a resource request; local_cwd does not enforce it)
@@ -91,6 +96,10 @@ def dlrm(
         args += ["--input-dist-group"]
     if autotune:
         args += ["--autotune"]
+    if eval_every:
+        args += ["--eval-every", str(eval_every)]
+    if eval_batches is not None:
+        args += ["--eval-batches", str(eval_batches)]
     if json:
         args += ["--json", json]
     env = {"OMP_NUM_THREADS": "1", "PET_MAX_RESTARTS": str(max_retries)}

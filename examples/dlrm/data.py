@@ -6,7 +6,8 @@ what TorchRec's DLRM and every train pipeline take.
 * ``SyntheticCriteo``: 13 dense and (by default) 26 sparse features, generated batch by batch
   from a seed, so the example runs with no download. Dense values look like Criteo's
   log-transformed counts, ids are heavy-tailed (a few ids are frequent, as in Criteo), and the
-  labels carry a learnable signal so the loss goes down.
+  labels carry a learnable signal so the loss goes down. ``split="val"`` gives held-out batches:
+  the same hidden model behind the labels, never one of the training batches.
 * ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``): one example
   per line, tab-separated: label, 13 integer features, 26 categorical features in hex; any field
   may be empty. Dense values become ``log(1 + max(x, 0))``, hex ids ``int(x, 16) % num_embeddings``,
@@ -41,6 +42,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
+SPLITS = ("train", "val")
+#: Where the held-out split's batches start among the generator's keys: batch ``k`` of ``"val"`` is
+#: made from key ``VAL_KEYS + k``. torch's CPU generator keeps only the low 32 bits of a seed, so
+#: the offset is half of that space: no rank's held-out batch is a training batch of a run of
+#: fewer than 2**31 - world_size * 1,000,003 steps (for 1,000 ranks, about a billion).
+VAL_KEYS = 1 << 31
 
 T = TypeVar("T")
 
@@ -57,7 +64,8 @@ class SyntheticCriteo:
     gives the same batches. ``distinct`` (default: all of them) bounds how many different
     batches are generated; later ones repeat them from a cache, which keeps data generation out
     of step-time measurements. ``ids_per_feature`` > 1 makes multi-hot features (1 to that many
-    ids per example).
+    ids per example). ``split`` (``"train"`` or ``"val"``): the held-out split ``"val"`` draws
+    its batches from keys no training batch uses, its labels from the same hidden model.
     """
 
     def __init__(
@@ -71,7 +79,10 @@ class SyntheticCriteo:
         rank: int = 0,
         seed: int = 1000,
         distinct: int | None = None,
+        split: str = "train",
     ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         for name, value, low in (
             ("batch_size", batch_size, 1),
             ("num_batches", num_batches, 0),
@@ -91,6 +102,7 @@ class SyntheticCriteo:
         self.rank = rank
         self.seed = seed
         self.distinct = distinct
+        self.split = split
         self._cache: dict[int, Batch] = {}
         # The hidden model behind the labels: the same on every rank.
         g = torch.Generator().manual_seed(seed)
@@ -106,6 +118,8 @@ class SyntheticCriteo:
     def batch(self, k: int) -> Batch:
         """Batch ``k`` of this rank."""
         key = k if self.distinct is None else k % self.distinct
+        if self.split == "val":
+            key += VAL_KEYS
         cached = self._cache.get(key)
         if cached is not None:
             return cached

@@ -48,6 +48,13 @@ none yet, so a restarted job runs the same command). ``--stop-after N`` ends the
 (after its checkpoint), as a job's time limit would. ``--kill-rank-at RANK:STEP`` is a fault
 drill: that rank kills itself with SIGKILL after that step, on the launcher's first attempt only.
 
+Validation: ``--eval-every N --eval-batches M`` evaluates after every N-th step and after the
+last one on M held-out batches per rank (the synthetic data's held-out split, or ``--eval-tsv``
+files with ``--criteo-tsv``): validation AUC and NE by ``torchrec.metrics``, through an
+EvalPipelineSparseDist over the training pipeline's model (``evaluate.py``: how the model changes
+hands without losing, repeating or holding up a batch). ``--record-batches FILE`` writes which
+batch the model ran at each step, training or evaluating (``record.py``).
+
 Rank 0's first line says what runs where (pipeline, ranks as nodes x processes, backend, device),
 then it prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
 second over all ranks), and a summary at the end; ``--json FILE`` also writes the summary.
@@ -70,6 +77,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -83,6 +91,7 @@ from tqdm import tqdm
 from examples.dlrm import checkpoint
 from examples.dlrm.checkpoint import CheckpointError, TrainState
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo
+from examples.dlrm.evaluate import EVAL_MODES, Evaluation, Evaluator, ValidationMetrics
 from examples.dlrm.loader import MapBatches, SyntheticBatches, TsvBatches, make_loader, shutdown_workers
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
 from harness.dlrm import (
@@ -100,6 +109,8 @@ from torchrec_swp.data import MapSource
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
 
 THREAD_MAPS = ("main", "by_stream", "per_task", "io")
+#: Held-out batches per rank of each evaluation when --eval-every is given without --eval-batches.
+EVAL_BATCHES = 10
 DATA_SOURCES = ("dataloader", "map")
 Plan = PipelinePlan | PhasedPlan
 #: Batches per rank, the same for ``make run``, this script and the torchx component.
@@ -273,6 +284,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="with --check: the ranks the job will have, compared with a checkpoint's (launch.py passes it)",
     )
+    val = parser.add_argument_group("validation (see evaluate.py)")
+    val.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate after every N-th training step and after the last one: validation AUC and NE "
+        "(torchrec.metrics) on held-out batches; 0: never (default: %(default)s)",
+    )
+    val.add_argument(
+        "--eval-batches",
+        type=int,
+        metavar="M",
+        help=f"held-out batches per rank that each evaluation runs over (default: {EVAL_BATCHES}; with --eval-tsv, "
+        "at most M: what the files hold)",
+    )
+    val.add_argument(
+        "--eval-tsv",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="with --criteo-tsv: held-out Criteo TSV files to evaluate on (synthetic data holds out its own split)",
+    )
+    val.add_argument(
+        "--eval-mode",
+        choices=tuple(EVAL_MODES),
+        metavar="MODE",
+        help="how the model is evaluated between steps: pipeline (an EvalPipelineSparseDist over the training "
+        "pipeline's model) (default: pipeline)",
+    )
+    val.add_argument(
+        "--record-batches",
+        type=Path,
+        metavar="FILE",
+        help="each rank appends a JSON line per batch the model runs (training or evaluating: which split, "
+        "which batch, at which step) to FILE with .rank<r> before its suffix (see record.py)",
+    )
     long = parser.add_argument_group("long jobs (see checkpoint.py)")
     long.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints into DIR")
     long.add_argument(
@@ -326,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if missing:
         parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
     _check_long_job(parser, args)
+    _check_eval(parser, args)
     _check_device(parser, args)
     why = upstream_unavailable(args.pipeline, args.impl, args.device_value, args.upstream_cpu_patch)
     if why:
@@ -426,6 +475,50 @@ def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
     return keywords
 
 
+def _check_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The validation options hang together: held-out data to evaluate, a pipeline that trains."""
+    if args.eval_every < 0:
+        parser.error("--eval-every must be >= 0 (0: no evaluation)")
+    if args.eval_batches is not None and args.eval_batches < 0:
+        parser.error("--eval-batches must be >= 0")
+    if not args.eval_every:
+        given = [
+            flag
+            for flag, value in (
+                ("--eval-batches", args.eval_batches is not None),
+                ("--eval-tsv", args.eval_tsv),
+                ("--eval-mode", args.eval_mode),
+            )
+            if value
+        ]
+        if given:
+            parser.error(f"{', '.join(given)}: no evaluation without --eval-every N")
+        return
+    if args.eval_batches is None:
+        args.eval_batches = EVAL_BATCHES
+    if args.eval_mode is None:
+        args.eval_mode = "pipeline"
+    if args.eval_batches == 0:
+        parser.error(f"--eval-every {args.eval_every}: no held-out data to evaluate on (--eval-batches 0)")
+    if args.eval_tsv and not args.criteo_tsv:
+        parser.error("--eval-tsv: held-out Criteo files go with --criteo-tsv (synthetic data holds out its own split)")
+    if args.criteo_tsv and not args.eval_tsv:
+        parser.error(
+            f"--eval-every {args.eval_every}: no held-out data to evaluate on: with --criteo-tsv, name held-out files "
+            "with --eval-tsv FILE ..."
+        )
+    missing = [str(f) for f in args.eval_tsv or [] if not Path(f).is_file()]
+    if missing:
+        parser.error(f"--eval-tsv: no such file: {', '.join(missing)}")
+    overlap = sorted({str(f) for f in args.eval_tsv or []} & {str(f) for f in args.criteo_tsv or []})
+    if overlap:
+        parser.error(f"--eval-tsv: {', '.join(overlap)} is training data too (--criteo-tsv): hold other files out")
+    kind = INFO[args.pipeline].kind
+    if kind != "train":
+        what = "evaluates only" if kind == "eval" else "trains in the caller's loop (no model to hand over)"
+        parser.error(f"--eval-every: {args.pipeline} {what}; evaluate beside a train pipeline")
+
+
 def _check_long_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checkpoint options hang together, and the pipeline can be checkpointed."""
     args.kill_at = None
@@ -519,24 +612,52 @@ def thread_map_of(text: str | None) -> Any:
 
 def batches_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticCriteo | CriteoTsv:
     """This rank's batches: Criteo TSV files or synthetic data."""
+    return _split(args, rank, world_size, "train")
+
+
+def held_out_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticCriteo | CriteoTsv:
+    """This rank's held-out batches (``--eval-batches`` of them): the synthetic data's ``val`` split,
+    or the ``--eval-tsv`` files (at most that many: what they hold)."""
+    return _split(args, rank, world_size, "val")
+
+
+def _split(args: argparse.Namespace, rank: int, world_size: int, split: str) -> SyntheticCriteo | CriteoTsv:
+    """This rank's batches of ``split``: ``train`` (``--steps`` of them, from ``--criteo-tsv`` or
+    synthetic) or ``val`` (``--eval-batches``, from ``--eval-tsv`` or synthetic)."""
     size: DlrmSize = args.size
-    if args.criteo_tsv:
-        return CriteoTsv(
-            args.criteo_tsv,
-            batch_size=size.batch_size,
-            num_embeddings=size.num_embeddings,
-            num_sparse=size.num_sparse,
-            rank=rank,
-            world_size=world_size,
-            max_batches=args.steps,
+    files, count = (args.criteo_tsv, args.steps) if split == "train" else (args.eval_tsv, args.eval_batches)
+    shape = {"batch_size": size.batch_size, "num_embeddings": size.num_embeddings, "num_sparse": size.num_sparse}
+    if files:
+        return CriteoTsv(files, **shape, rank=rank, world_size=world_size, max_batches=count)
+    return SyntheticCriteo(**shape, num_batches=count, rank=rank, seed=1000 + args.seed, split=split)
+
+
+def evaluator_for(args: argparse.Namespace, runner: Any, rank: int, world_size: int, device: torch.device) -> Evaluator:
+    """The run's evaluations (``--eval-every``) of ``runner``'s model on this rank's held-out batches,
+    read by a StatefulDataLoader in the training process (the eval pipeline's loader thread runs it)."""
+    held_out = held_out_for(args, rank, world_size)
+    if len(held_out) == 0:
+        files = ", ".join(map(str, args.eval_tsv))
+        raise ValueError(
+            f"--eval-tsv {files}: no held-out batch for rank {rank} (a batch needs {args.size.batch_size} x "
+            f"{world_size} lines)"
         )
-    return SyntheticCriteo(
-        batch_size=size.batch_size,
-        num_batches=args.steps,
-        num_embeddings=size.num_embeddings,
-        num_sparse=size.num_sparse,
-        rank=rank,
-        seed=1000 + args.seed,
+    latency_s = args.loader_latency_ms / 1000
+    dataset = (
+        TsvBatches(held_out, latency_s) if isinstance(held_out, CriteoTsv) else SyntheticBatches(held_out, latency_s)
+    )
+    loader = make_loader(dataset, device=device)
+    mode = EVAL_MODES[args.eval_mode](args.impl, runner.pipeline, runner.model, runner.optimizer, device)
+    metrics = ValidationMetrics(
+        world_size=world_size, rank=rank, batch_size=args.size.batch_size, num_batches=len(held_out)
+    )
+    return Evaluator(
+        every=args.eval_every,
+        last_step=args.steps,
+        mode=mode,
+        batches=lambda: loader,
+        metrics=metrics,
+        world_size=world_size,
     )
 
 
@@ -637,12 +758,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
     state = TrainState(runner.model, runner.optimizer)
     loader = data_source_for(args, rank, world_size, device)
+    evaluator = evaluator_for(args, runner, rank, world_size, device) if args.eval_every else None
+    batch_log = None
+    if args.record_batches:
+        from examples.dlrm.record import BatchRecorder
+
+        splits = {"train": batches_for(args, rank, world_size)}
+        if args.eval_every:
+            splits["val"] = held_out_for(args, rank, world_size)
+        batch_log = BatchRecorder(rank_path(args.record_batches, rank), runner.model, splits)
     start_step = 0
     if resume_from is not None:
         step_dir, meta = resume_from
-        pipeline_state = checkpoint.load(step_dir, state)["pipeline"]
+        saved = checkpoint.load(step_dir, state)
+        pipeline_state = saved["pipeline"]
         loader.load_state_dict(pipeline_state["loader"])
         runner.pipeline.load_state_dict(pipeline_state)
+        if evaluator is not None and "eval" in saved:
+            evaluator.load_state_dict(saved["eval"])
         start_step = int(meta["step"])
     kind = INFO[args.pipeline].kind
     if rank == 0:
@@ -655,6 +788,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             every = f"every {args.checkpoint_every} steps and " if args.checkpoint_every else ""
             where = f"resuming from {resume_from[0]} (step {start_step})" if resume_from else "starting at step 0"
             print(f"checkpoints: {every}at the end into {args.checkpoint_dir}; {where}", flush=True)
+        if evaluator is not None:
+            print(_eval_note(args, world_size), flush=True)
         if args.impl == "ours":
             print(runner.pipeline.plan.format_schedule(runner.pipeline.plan.max_stage + 3))
     profiler = None
@@ -687,16 +822,40 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     step_s: list[float] = []
     losses: list[float] = []
     saved: list[int] = []
+    evaluated: list[Evaluation] = []  # this run's evaluations
+    postfix: dict[str, str] = {}
     trained = start_step
+    data_ended = False
     start = time.perf_counter()
+
+    def evaluate() -> None:
+        assert evaluator is not None
+        if batch_log is not None:
+            batch_log.at("eval", trained)
+        total = f"/{args.eval_batches}" if not args.eval_tsv else ""
+
+        def shown(k: int) -> None:
+            if rank == 0:
+                bar.set_postfix({**postfix, "eval": f"{k}{total}"}, refresh=interactive)
+
+        found = evaluator.run(trained, on_batch=shown)
+        evaluated.append(found)
+        if rank == 0:
+            postfix["val_auc"] = f"{found.auc:.4f}"
+            bar.set_postfix(postfix, refresh=interactive)
+            bar.write(_eval_line(found, world_size))
+
     try:
         while trained < args.steps and (args.stop_after is None or trained < args.stop_after):
             if recorder is not None and trained == max(start_step, last_step - recorder.keep):
                 runner.pipeline.engine.instrument(recorder)  # only the steps drawn pay for it
+            if batch_log is not None:
+                batch_log.at("train", trained + 1)
             t0 = time.perf_counter()
             try:
                 output = runner.step(it)
             except StopIteration:
+                data_ended = True
                 break
             step_s.append(time.perf_counter() - t0)
             if recorder is not None and trained >= last_step - recorder.keep:
@@ -705,14 +864,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             trained += 1
             if rank == 0:
                 recent = step_s[-20:]
-                bar.set_postfix(
-                    loss=f"{statistics.fmean(losses[-20:]):.4f}",
-                    qps=f"{examples_per_step * len(recent) / sum(recent):,.0f}",
-                    refresh=False,
-                )
+                postfix["loss"] = f"{statistics.fmean(losses[-20:]):.4f}"
+                postfix["qps"] = f"{examples_per_step * len(recent) / sum(recent):,.0f}"
+                bar.set_postfix(postfix, refresh=False)
                 bar.update()
+            if evaluator is not None and evaluator.due(trained):
+                evaluate()
             if args.checkpoint_dir and _checkpoint_due(args, trained):
                 per_rank = {"pipeline": runner.pipeline.state_dict()}
+                if evaluator is not None:
+                    per_rank["eval"] = evaluator.state_dict()
                 step_dir = checkpoint.save(
                     args.checkpoint_dir, trained, state, per_rank, fp, keep=args.keep_checkpoints
                 )
@@ -724,11 +885,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 drill = f"fault drill: rank {rank} kills itself (SIGKILL) after step {trained}"
                 print(drill, file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+        if data_ended and evaluator is not None and trained > start_step and not evaluator.evaluated_at(trained):
+            evaluate()  # the data ended before --steps: the last step trained is the last one
     finally:
         bar.close()
+        if evaluator is not None:
+            evaluator.close()
+        if batch_log is not None:
+            batch_log.close()
         runner.close()
         shutdown_workers(it)
     wall = time.perf_counter() - start
+    eval_s = sum(e.seconds for e in evaluated)
     timeline = None
     if recorder is not None and recorder.steps:
         from examples.dlrm.picture import save_gantt
@@ -776,7 +944,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "total_steps": args.steps,
         "checkpoints_saved": saved,
         "wall_s": wall,
-        "qps": examples_per_step * len(step_s) / wall if wall else 0.0,
+        "eval_s": eval_s,
+        "qps": examples_per_step * len(step_s) / (wall - eval_s) if wall > eval_s else 0.0,
         "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
         "p90_step_ms": 1e3 * sorted(steady)[int(0.9 * (len(steady) - 1))] if steady else None,
         "steady_qps": examples_per_step / statistics.median(steady) if steady else None,
@@ -784,6 +953,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "loss_last": statistics.fmean(tail) if losses else None,
         "losses": losses,
         "timeline_png": timeline,
+        "eval_every": args.eval_every,
+        "eval_batches": args.eval_batches,
+        "eval_mode": args.eval_mode,
+        "evaluations": [asdict(e) for e in evaluator.evaluations] if evaluator is not None else [],
+        "val_auc": evaluator.last.auc if evaluator is not None and evaluator.last else None,
+        "val_ne": evaluator.last.ne if evaluator is not None and evaluator.last else None,
         "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
         "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
     }
@@ -811,6 +986,25 @@ def _decision(runner: Any) -> dict[str, Any] | None:
         "measured_ms": ms(d.measured_s),
         "why": list(d.why),
     }
+
+
+def _eval_note(args: argparse.Namespace, world_size: int) -> str:
+    """The header's line about the evaluations."""
+    data = ", ".join(map(str, args.eval_tsv)) if args.eval_tsv else "the synthetic data's held-out split"
+    batches = f"at most {args.eval_batches}" if args.eval_tsv else str(args.eval_batches)
+    return (
+        f"validation: every {args.eval_every} steps and after the last, {batches} held-out batches per rank x "
+        f"{world_size} ranks ({data}), AUC and NE by torchrec.metrics, through {args.impl} EvalPipelineSparseDist "
+        f"(--eval-mode {args.eval_mode})"
+    )
+
+
+def _eval_line(found: Evaluation, world_size: int) -> str:
+    """What rank 0 prints after each evaluation."""
+    return (
+        f"eval after step {found.step}: validation AUC {found.auc:.4f}, NE {found.ne:.4f} "
+        f"({found.batches} batches x {world_size} ranks, {found.examples:,} examples, {found.seconds:.2f}s)"
+    )
 
 
 def _data_note(args: argparse.Namespace) -> str:
@@ -864,6 +1058,13 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  autotune: {tuned['why'][-1] if tuned['why'] else 'kept its plan'}")
     elif s.get("autotune_requested"):
         print("  autotune: no decision (the run ended before the profile did)")
+    if s.get("val_auc") is not None:
+        last = s["evaluations"][-1]
+        count = len(s["evaluations"])
+        print(
+            f"  validation: AUC {s['val_auc']:.4f}, NE {s['val_ne']:.4f} after step {last['step']} "
+            f"({count} evaluation{'s' if count != 1 else ''}, {s['eval_s']:.1f}s of this run's time, not in the QPS)"
+        )
     print(f"  weights: sha256 {s['weights_sha256'][:16]} (all ranks' shards)")
     if s.get("timeline_png"):
         print(f"  timeline: {s['timeline_png']} (the last steps as a Gantt chart, one row per thread)")

@@ -245,13 +245,17 @@ def _check(argv: list[str]) -> tuple[int, str]:
     return code, stderr.getvalue()
 
 
-@pytest.mark.parametrize("case", BAD_ARGUMENTS)
-def test_bad_data_source_arguments_are_refused_with_one_line(case: str) -> None:
-    argv, message = BAD_ARGUMENTS[case]
+def assert_refused(argv: list[str], message: str) -> None:
+    """``train.py --check ARGV`` exits with status 2, its last line an error that says ``message``."""
     code, err = _check(argv)
     assert code == 2
     last = err.strip().splitlines()[-1]
     assert ": error: " in last and message in last.partition(": error: ")[2], last
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_data_source_arguments_are_refused_with_one_line(case: str) -> None:
+    assert_refused(*BAD_ARGUMENTS[case])
 
 
 @pytest.mark.parametrize(
