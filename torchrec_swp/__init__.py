@@ -32,6 +32,10 @@ _PIPELINES = (
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelinePEC",
+    # TorchRec's experimental memory-stashing pipelines (in 1.8.0 and 1.9)
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
 )
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule, When
 
 WORLD = "world"
 
@@ -514,9 +514,23 @@ def sparse_dist_plan(
     name: str = "TrainPipelineSparseDist",
 ) -> PipelinePlan:
     """TrainPipelineSparseDist (``SPARSE_DIST``) with the options that change its schedule."""
-    plan = _h2d_after_forward(_h2d_on(_table(SPARSE_DIST), h2d_thread), enqueue_batch_after_forward)
+    plan = _sparse_dist_options(
+        _table(SPARSE_DIST), enqueue_batch_after_forward, execute_all_batches, clear_data_dist_inputs, h2d_thread
+    )
+    return plan.replace(name=name)
+
+
+def _sparse_dist_options(
+    plan: PipelinePlan,
+    enqueue_batch_after_forward: bool,
+    execute_all_batches: bool,
+    clear_data_dist_inputs: bool,
+    h2d_thread: str,
+) -> PipelinePlan:
+    """TrainPipelineSparseDist's option edits on ``plan`` (SparseDist's table or a variant of it)."""
+    plan = _h2d_after_forward(_h2d_on(plan, h2d_thread), enqueue_batch_after_forward)
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs)
-    return _stopping(plan, execute_all_batches).replace(name=name)
+    return _stopping(plan, execute_all_batches)
 
 
 def sparse_dist_lite_plan(*, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
@@ -709,9 +723,112 @@ def comp_autograd_plan(*, execute_all_batches: bool = True, clear_data_dist_inpu
     )
 
 
+# ------------------------------------------------ TorchRec's memory-stashing pipelines (experimental)
+#: The stream of a stash's device-to-host copies (its host-to-device ones are on ``memcpy``).
+D2H = "d2h"
+#: The thread OptStash's stash runs on (upstream's MemoryStashingManager thread).
+STASH_THREAD = "stash"
+
+
+def opt_stash_plan(
+    *,
+    enqueue_batch_after_forward: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    h2d_thread: str = MAIN_THREAD,
+) -> PipelinePlan:
+    """TrainPipelineSparseDistOptStash: SparseDist's schedule (with its options), the optimizer
+    state stashed off the device after each step and brought back during the next backward.
+
+    StashOptimizerState(i) runs on thread ``stash`` (upstream's background stash thread) in the
+    ``d2h`` stream, after OptimizerStep(i); Backward(i+1) waits for it (the restore and the stash
+    resize the same storages). The restore starts inside Backward, in the backward hook at the
+    output dist of ``site_fqn`` (upstream's injection site); RestoreWait waits for it, and makes
+    the compute stream wait for its copies, before OptimizerStep.
+    """
+    plan = sparse_dist_plan(
+        enqueue_batch_after_forward=enqueue_batch_after_forward,
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        h2d_thread=h2d_thread,
+        name="TrainPipelineSparseDistOptStash",
+    )
+    stage = plan.max_stage
+    wait = PipelineTask("RestoreWait", doc="wait for the restore started in backward, before the step")
+    deps = [("RestoreWait", "Backward"), ("OptimizerStep", "RestoreWait")]
+    plan = plan.with_task(wait, TaskSchedule(stage), after="Backward", deps=deps)
+    stash = PipelineTask("StashOptimizerState", doc="stash the optimizer state off the device after the step")
+    plan = plan.with_task(
+        stash,
+        TaskSchedule(stage, D2H, thread_group=STASH_THREAD),
+        after="OptimizerStep",
+        deps=[("StashOptimizerState", "OptimizerStep")],
+    )
+    return plan.replace(inter_iter_deps=[*plan.inter_iter_deps, Dep("Backward", "StashOptimizerState", 1)])
+
+
+def emb_stash_plan(
+    *,
+    enqueue_batch_after_forward: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    h2d_thread: str = MAIN_THREAD,
+) -> PipelinePlan:
+    """TrainPipelineSparseDistEmbStash: SparseDist's schedule (upstream's ``progress()`` is
+    SparseDist's). The embedding weights are stashed by TorchRec's sharded modules right after
+    their lookup (inside Forward; MemoryStashingManager, enabled by the pipeline's streams; with
+    ``delay_stash`` at ``stash_site_fqn``'s forward, or at ``site_fqn`` in backward) and restored
+    inside Backward, by the hook at the injection site ``site_fqn``, before the gradient reaches them.
+    """
+    return sparse_dist_plan(
+        enqueue_batch_after_forward=enqueue_batch_after_forward,
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        h2d_thread=h2d_thread,
+        name="TrainPipelineSparseDistEmbStash",
+    )
+
+
+def prefetch_ems_plan(
+    *, enqueue_batch_after_forward: bool = False, execute_all_batches: bool = True, h2d_thread: str = MAIN_THREAD
+) -> PipelinePlan:
+    """TrainPipelinePrefetchEMS: EmbStash's schedule (no ``clear_data_dist_inputs`` upstream), and
+    before Backward, in eval mode too, RestoreEmbeddings brings back the stashed embedding
+    weights and EMO caches on the compute stream, then PrefetchNext(i+1) prefetches the next
+    batch's rows into the embedding caches (after its input dist) for the next Forward. The first
+    batch of an epoch is never prefetched (upstream's fill has no step before it).
+
+    UPSTREAM: one call, ``_restore_and_prefetch()``, reading the next batch as
+    ``self.contexts[1]``; here two tasks, the prefetch reading its own batch's context.
+    """
+    plan = emb_stash_plan(
+        enqueue_batch_after_forward=enqueue_batch_after_forward,
+        execute_all_batches=execute_all_batches,
+        h2d_thread=h2d_thread,
+    ).replace(name="TrainPipelinePrefetchEMS")
+    stage = plan.max_stage
+    restore = PipelineTask("RestoreEmbeddings", doc="restore stashed embedding weights and EMO caches")
+    plan = plan.with_task(
+        restore,
+        TaskSchedule(stage),
+        after="InputDistWait",
+        deps=[("RestoreEmbeddings", "Forward"), ("Backward", "RestoreEmbeddings")],
+    )
+    prefetch = PipelineTask("PrefetchNext", reads=("context",), doc="prefetch the next batch into the caches")
+    plan = plan.with_task(
+        prefetch,
+        TaskSchedule(stage - 1, when=When.NOT_FIRST),
+        after="RestoreEmbeddings",
+        deps=[("PrefetchNext", "InputDistWait")],
+    )
+    # i+1's prefetch follows i's restore, and i's backward follows i+1's prefetch (upstream's order)
+    inter = [Dep("PrefetchNext", "RestoreEmbeddings", 1), Dep("Backward", "PrefetchNext", -1)]
+    return plan.replace(inter_iter_deps=[*plan.inter_iter_deps, *inter])
+
+
 def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
     """The default plan of each upstream pipeline, the 11 of TorchRec 1.8 and 1.9's TrainPipelinePEC
-    (SemiSync: its two phases, start_batch 900 as upstream's default)."""
+    and experimental stashing pipelines (SemiSync: its two phases, start_batch 900 as upstream's default)."""
     return {
         "TrainPipelineBase": train_pipeline_base_plan(),
         "TrainPipelinePT2": pt2_phases(),
@@ -725,6 +842,9 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
         "StagedTrainPipeline": staged_plan(["data_copy", "gpu_postproc"], ["memcpy", "postproc"], [False, True]),
         "TrainPipelineSparseDistCompAutograd": comp_autograd_plan(),
         "TrainPipelinePEC": pec_plan(),
+        "TrainPipelineSparseDistOptStash": opt_stash_plan(),
+        "TrainPipelineSparseDistEmbStash": emb_stash_plan(),
+        "TrainPipelinePrefetchEMS": prefetch_ems_plan(),
     }
 
 

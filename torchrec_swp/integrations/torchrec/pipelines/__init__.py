@@ -31,6 +31,11 @@ from torchrec_swp.integrations.torchrec.pipelines.prefetch import PrefetchTrainP
 from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipelineSemiSync  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.stashing import (  # noqa: E402
+    TrainPipelinePrefetchEMS,
+    TrainPipelineSparseDistEmbStash,
+    TrainPipelineSparseDistOptStash,
+)
 
 if TORCHREC.has_pec:
     from torchrec_swp.integrations.torchrec.pipelines.pec import TrainPipelinePEC  # noqa: E402, F401
@@ -48,4 +53,7 @@ __all__ = [
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
     *(["TrainPipelinePEC"] if TORCHREC.has_pec else []),
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
 ]
