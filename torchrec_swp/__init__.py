@@ -32,10 +32,11 @@ _PIPELINES = (
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelinePEC",
-    # TorchRec's experimental memory-stashing pipelines (in 1.8.0 and 1.9)
+    # TorchRec's experimental pipelines (in 1.8.0 and 1.9): memory stashing, sparse work on the CPU
     "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistEmbStash",
     "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 )
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.

@@ -475,6 +475,38 @@ dep ZeroGrad <- OptimizerStep @1
 """
 
 
+EVAL_CPU_SPARSE = """
+# EvalPipelineCPUSparse (TorchRec's experimental, pipeline_depth=2): evaluation with the sparse
+# part on the CPU (data-parallel tables: no collectives) and the dense part on the device.
+# Enqueue(i+2) draws the batch and makes its context; SparseForward(i+2) runs its input dist,
+# lookups and output dist on the CPU and copies the embeddings into pinned buffers (the first
+# batch of an epoch: InitPipelinedModules, the model rewrite and bootstrap input dist first);
+# CopyToDevice(i+1) copies the dense features and the embeddings to the device on memcpy, after
+# DenseForward(i) (upstream's wait_stream); DenseForward(i) runs the model under no_grad with the
+# copied embeddings. With multi_thread the sparse work runs on thread ``sparse`` and
+# DenseForward(i) waits for SparseForward(i+1), as upstream waits for its future.
+plan EvalPipelineCPUSparse
+depth 3
+source Enqueue
+output output
+exhausted drain
+#    task                  stage  stream   thread   comm   when       reads         writes        flags
+task DenseForward          2      default  default  world  -          batch,context  output       anchor
+task CopyToDevice          1      memcpy   default  -      -          host,context   batch        -
+task Dequeue               2      default  default  -      -          context        -            -
+task Enqueue               0      default  default  -      -          -              host,context -
+task InitPipelinedModules  0      default  default  -      first      host,context   -            -
+task SparseForward         0      default  default  -      not_first  host,context   -            -
+dep CopyToDevice <- InitPipelinedModules
+dep CopyToDevice <- SparseForward
+dep Dequeue <- DenseForward
+dep CopyToDevice <- DenseForward @1
+dep DenseForward <- SparseForward @-1
+# the embeddings' host buffers are one per module: i+1's sparse work writes them after i's copy read them
+dep SparseForward <- CopyToDevice @1
+"""
+
+
 # ------------------------------------------------------------------------ plans by options
 def train_pipeline_base_plan() -> PipelinePlan:
     """TrainPipelineBase: H2D of batch i+1 overlaps the optimizer of batch i."""
@@ -826,6 +858,36 @@ def prefetch_ems_plan(
     return plan.replace(inter_iter_deps=[*plan.inter_iter_deps, *inter])
 
 
+#: The thread EvalPipelineCPUSparse's sparse work runs on with ``multi_thread`` (upstream's executor).
+SPARSE_THREAD = "sparse"
+
+
+def eval_cpu_sparse_plan(
+    *, pipeline_depth: int = 2, multi_thread: bool = False, execute_all_batches: bool = True
+) -> PipelinePlan:
+    """EvalPipelineCPUSparse (``EVAL_CPU_SPARSE``) with the options that change its schedule.
+
+    ``pipeline_depth=1``: the copy to the device follows the sparse work of the same batch, one
+    step ahead of its DenseForward (upstream copies inside ``_sparse_forward``), with no wait for
+    the previous DenseForward. ``multi_thread``: the sparse work (and with depth 1 the copy) on
+    thread ``sparse``; the first batch's stays on the calling thread, as upstream's fill.
+    """
+    if pipeline_depth not in (1, 2):
+        raise ValueError(f"EvalPipelineCPUSparse: pipeline_depth must be 1 or 2, got {pipeline_depth}")
+    plan = _table(EVAL_CPU_SPARSE)
+    moved = ("SparseForward",)
+    if pipeline_depth == 1:
+        schedule = {t: s.replace(stage=max(s.stage - 1, 0)) for t, s in plan.schedule.items()}
+        fire = [t for t in plan.fire_order if t != "CopyToDevice"] + ["CopyToDevice"]
+        inter = [d for d in plan.inter_iter_deps if d.consumer != "CopyToDevice" and d.consumer != "DenseForward"]
+        plan = plan.replace(schedule=schedule, fire_order=fire, pipeline_depth=2, inter_iter_deps=inter)
+        moved = ("SparseForward", "CopyToDevice")
+    if multi_thread:
+        for task in moved:
+            plan = plan.with_schedule(task, thread_group=SPARSE_THREAD)
+    return _stopping(plan, execute_all_batches)
+
+
 def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
     """The default plan of each upstream pipeline, the 11 of TorchRec 1.8 and 1.9's TrainPipelinePEC
     and experimental stashing pipelines (SemiSync: its two phases, start_batch 900 as upstream's default)."""
@@ -845,6 +907,7 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
         "TrainPipelineSparseDistOptStash": opt_stash_plan(),
         "TrainPipelineSparseDistEmbStash": emb_stash_plan(),
         "TrainPipelinePrefetchEMS": prefetch_ems_plan(),
+        "EvalPipelineCPUSparse": eval_cpu_sparse_plan(),
     }
 
 

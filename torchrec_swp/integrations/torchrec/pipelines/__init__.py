@@ -21,6 +21,7 @@ from torchrec_swp.integrations.torchrec.pipelines.compiled import (  # noqa: E40
     TrainPipelinePT2,
     TrainPipelineSparseDistCompAutograd,
 )
+from torchrec_swp.integrations.torchrec.pipelines.cpu_sparse import EvalPipelineCPUSparse  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.fused import (  # noqa: E402
     EvalPipelineFusedSparseDist,
@@ -56,4 +57,5 @@ __all__ = [
     "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistEmbStash",
     "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 ]
