@@ -97,10 +97,11 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
     upstream: ``restore_optimizer_state_threaded``).
 
     The stash task calls ``MemoryStashingManager.stash_optimizer_state`` on the plan's thread
-    inside the ``d2h`` stream; the plan orders it after OptimizerStep on the device (the
-    engine's event from the compute stream), where upstream records an event on the compute
-    stream and hands it to the manager's thread. On a device other than CUDA the manager has
-    nothing to move (CUDA tensors only) and both tasks skip it.
+    inside the ``d2h`` stream, with the event OptimizerStep recorded on the compute stream after
+    the step (upstream's ``stash_optimizer_state_threaded`` hands the same event to the manager's
+    thread); the plan also orders d2h after OptimizerStep. On a device other than CUDA the
+    manager has nothing to move (CUDA tensors only) and the stash, restore and their events are
+    skipped: on the CPU, in checked mode too, the stash tasks run but move nothing.
     """
 
     _swp_upstream = upstream.TrainPipelineSparseDistOptStash
@@ -113,6 +114,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
         self._await_restore: Callable[..., None] = lambda: None
         self._stash_future = None  # upstream's; the plan's stash thread replaces it
         self._restore_future = None
+        self._swp_step_done: Any = None  # the event after the last optimizer step (CUDA)
 
     def _swp_default_plan(self) -> PipelinePlan:
         return plans.opt_stash_plan(
@@ -155,12 +157,23 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
                 self._restore_future = None
             self._await_restore()
 
+    def _task_optimizer_step(self, b: int, context: Any) -> None:
+        super()._task_optimizer_step(b, context)
+        if self._model.training and self._swp_moves_tensors:
+            # as upstream, an event after the step on the compute stream for the stash: its copies
+            # wait for it on the device, and the host waits for it before freeing the optimizer's
+            # scratch buffers (MemoryStashingManager._release_optimizer_scratch_buffers)
+            self._swp_step_done = torch.cuda.Event()
+            self._swp_step_done.record(torch.cuda.current_stream())
+
     def _task_stash_optimizer_state(self, b: int) -> None:
+        # upstream's stash_optimizer_state_threaded, on the plan's thread (after OptimizerStep)
         if not (self._model.training and self._swp_moves_tensors):
             return
         with record_function("## stash_optimizer_state ##"):
-            # the current stream is d2h, which the engine made wait for OptimizerStep
-            self._await_restore, _ = MemoryStashingManager.stash_optimizer_state(self._optimizer)
+            self._await_restore, _ = MemoryStashingManager.stash_optimizer_state(
+                self._optimizer, sync_event=self._swp_step_done
+            )
 
 
 class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipelineSparseDistEmbStash):
