@@ -2,16 +2,17 @@
 TrainPipelineSparseDistEmbStash and TrainPipelinePrefetchEMS (TorchRec's experimental pipelines).
 
 Same sharded model (fresh, same seed; the dense part trained by Adam, whose state is what
-OptStash stashes) and same data for every run: outputs, losses, final weights, batch counts and
-the call that raises StopIteration must be equal bit for bit, with the default plan and thread
-maps that move tasks (OptStash's stash thread back to the calling thread, H2D to an io thread
-with lookahead, one thread per stream).
+OptStash stashes) and same data for every run, two epochs (the second through a new iterator):
+outputs, losses, final weights, batch counts and the call that raises StopIteration must be
+equal bit for bit in each, with the default plan and thread maps that move tasks (OptStash's
+stash thread back to the calling thread, H2D to an io thread with lookahead, one thread per
+stream).
 
 Upstream needs the test-only CPU patch (``upstream_cpu_patch``): its constructors create
 ``torch.cuda.Stream(device=device)`` and MemoryStashingManager's threaded stash and restore
 record CUDA events on CUDA's current stream. Under it upstream's OptStash still has no
 host-to-device stream on the CPU (TrainPipelineSparseDist makes none there): the test gives the
-manager a CPU one, next to this comment's twin below. MemoryStashingManager is process-wide: it
+manager a CPU one (in ``_run``). MemoryStashingManager is process-wide: it
 is reset after every run. On the CPU the manager stashes nothing (CUDA tensors only), on either
 side: what is compared is the schedule around it. In checked mode (``SWP_STREAM_CHECK=1``)
 every run is checked, upstream's too, its manager's thread hand-offs told to the checker
@@ -152,8 +153,19 @@ def _future_edges() -> Iterator[None]:
         MemoryStashingManager.thread_submit = classmethod(submit)  # type: ignore[method-assign,assignment]
 
 
-def _run(rank: int, world_size: int, seed: int, factory: Factory, patched: bool) -> tuple[RunResult, int | None]:
-    """The run, and how often the pipeline's restore hook ran where it counts them (else None)."""
+def _epochs(pipeline: Any, rank: int, world_size: int, seed: int) -> list[RunResult]:
+    """Two epochs on one pipeline (the second on new batches, through a new iterator)."""
+    return [
+        train_pipeline_run(pipeline, make_batches(rank, world_size, STEPS, seed + epoch), STEPS + 3)
+        for epoch in range(2)
+    ]
+
+
+def _run(
+    rank: int, world_size: int, seed: int, factory: Factory, patched: bool
+) -> tuple[list[RunResult], int | None]:
+    """The runs of two epochs, and how often the pipeline's restore hook ran where it counts them
+    (else None)."""
     from torchrec.distributed.memory_stashing import MemoryStashingManager
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -164,15 +176,14 @@ def _run(rank: int, world_size: int, seed: int, factory: Factory, patched: bool)
         if not patched:
             pipeline = factory(model, optimizer)
             try:
-                result = train_pipeline_run(pipeline, make_batches(rank, world_size, STEPS, seed), STEPS + 3)
-                return result, getattr(pipeline, "restore_hooks", None)
+                return _epochs(pipeline, rank, world_size, seed), getattr(pipeline, "restore_hooks", None)
             finally:
                 pipeline.close()
         with upstream_cpu_patch(), _future_edges():
             pipeline = factory(model, optimizer)
             # upstream's OptStash restores on the pipeline's memcpy stream, which the CPU has not
             MemoryStashingManager.set_streams(torch.cpu.Stream(), MemoryStashingManager.d2h_stream())
-            return train_pipeline_run(pipeline, make_batches(rank, world_size, STEPS, seed), STEPS + 3), None
+            return _epochs(pipeline, rank, world_size, seed), None
     finally:
         MemoryStashingManager.reset()
 
@@ -190,10 +201,12 @@ def _all(rank: int, world_size: int, seed: int, name: str) -> dict[str, Any]:
 )
 def test_stashing_pipeline_equals_upstream_bit_for_bit(name: str) -> None:
     for rank, runs in enumerate(run_on_ranks(_all, 41, name, timeout_s=600)):
-        reference: RunResult = runs["upstream"][0]
-        assert reference.num_calls == STEPS and reference.stop_iteration_call == STEPS
-        for label, (result, restore_hooks) in runs["ours"].items():
-            assert_runs_equal(reference, result, what=f"rank {rank} {name} [{label}]")
-            assert restore_hooks in (None, STEPS), f"rank {rank} {name} [{label}]: {restore_hooks} restore hooks"
+        references: list[RunResult] = runs["upstream"][0]
+        for reference in references:
+            assert reference.num_calls == STEPS and reference.stop_iteration_call == STEPS
+        for label, (results, restore_hooks) in runs["ours"].items():
+            for epoch, (reference, result) in enumerate(zip(references, results, strict=True)):
+                assert_runs_equal(reference, result, what=f"rank {rank} {name} [{label}] epoch {epoch}")
+            assert restore_hooks in (None, 2 * STEPS), f"rank {rank} {name} [{label}]: {restore_hooks} restore hooks"
         if name == "TrainPipelineSparseDistOptStash":
-            assert runs["ours"]["default"][1] == STEPS
+            assert runs["ours"]["default"][1] == 2 * STEPS
