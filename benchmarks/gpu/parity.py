@@ -62,7 +62,26 @@ CASES: tuple[Case, ...] = (
     # TorchRec 1.9: with the test model's EmbeddingBagCollection only (no PEC tables), every module
     # takes PEC's non-PEC path (looked up in the step, like Fused)
     Case("TrainPipelinePEC", variants=_io("H2D")),
+    # TorchRec's experimental memory-stashing pipelines: the output dist of the table-wise
+    # EmbeddingBagCollection, the over-arch as injection sites. The test model's tables are not
+    # marked stash_weights and its optimizer state is under MemoryStashingManager's 1 MiB
+    # threshold: what is compared is the schedule around the stashing, not stashed data.
+    Case(
+        "TrainPipelineSparseDistOptStash",
+        {"site_fqn": "sparse.ebc"},
+        {**_io("H2D"), "stash on the calling thread": {"thread_map": "main"}},
+    ),
+    Case("TrainPipelineSparseDistEmbStash", {"site_fqn": "over"}, _io("H2D")),
+    Case("TrainPipelinePrefetchEMS", {"site_fqn": "over"}, _io("H2D")),
 )
+
+#: Exported pipelines without a case here, and why.
+NOT_ON_GPU: Mapping[str, str] = {
+    "EvalPipelineCPUSparse": "needs a model with data-parallel tables on the CPU and the dense part on the GPU "
+    "(tests/dist/test_parity_cpu_sparse.py runs it on the CPU); not written yet",
+}
+#: Where upstream's pipeline class is, when not in ``train_pipelines``.
+_EXPERIMENTAL = ("TrainPipelineSparseDistOptStash", "TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS")
 
 
 def _pipeline_class(name: str, impl: str) -> type:
@@ -73,6 +92,10 @@ def _pipeline_class(name: str, impl: str) -> type:
             from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
 
             return TrainPipelinePEC
+        if name in _EXPERIMENTAL:
+            from torchrec.distributed.train_pipeline import experimental_pipelines
+
+            return getattr(experimental_pipelines, name)
         return getattr(upstream, name)
     import torchrec_swp
 
@@ -118,6 +141,10 @@ def _train(
     finally:
         if hasattr(pipeline, "close"):
             pipeline.close()
+        if case.pipeline in _EXPERIMENTAL:  # TorchRec's MemoryStashingManager is process-wide
+            from torchrec.distributed.memory_stashing import MemoryStashingManager
+
+            MemoryStashingManager.reset()
 
 
 def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, steps: int, device: Any) -> Any:

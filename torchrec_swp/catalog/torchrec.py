@@ -478,7 +478,7 @@ dep ZeroGrad <- OptimizerStep @1
 EVAL_CPU_SPARSE = """
 # EvalPipelineCPUSparse (TorchRec's experimental, pipeline_depth=2): evaluation with the sparse
 # part on the CPU (data-parallel tables: no collectives) and the dense part on the device.
-# Enqueue(i+2) draws the batch and makes its context; SparseForward(i+2) runs its input dist,
+# LoadBatch(i+2) draws the batch, Enqueue(i+2) makes its context; SparseForward(i+2) runs its input dist,
 # lookups and output dist on the CPU and copies the embeddings into pinned buffers (the first
 # batch of an epoch: InitPipelinedModules, the model rewrite and bootstrap input dist first);
 # CopyToDevice(i+1) copies the dense features and the embeddings to the device on memcpy, after
@@ -487,14 +487,15 @@ EVAL_CPU_SPARSE = """
 # DenseForward(i) waits for SparseForward(i+1), as upstream waits for its future.
 plan EvalPipelineCPUSparse
 depth 3
-source Enqueue
+source LoadBatch
 output output
 exhausted drain
-#    task                  stage  stream   thread   comm   when       reads         writes        flags
-task DenseForward          2      default  default  world  -          batch,context  output       anchor
-task CopyToDevice          1      memcpy   default  -      -          host,context   batch        -
-task Dequeue               2      default  default  -      -          context        -            -
-task Enqueue               0      default  default  -      -          -              host,context -
+#    task                  stage  stream   thread   comm   when       reads          writes        flags
+task DenseForward          2      default  default  world  -          batch,context  output        anchor
+task CopyToDevice          1      memcpy   default  -      -          host,context   batch         -
+task Dequeue               2      default  default  -      -          context        -             -
+task LoadBatch             0      default  default  -      -          -              host_batch    -
+task Enqueue               0      default  default  -      -          host_batch     host,context  -
 task InitPipelinedModules  0      default  default  -      first      host,context   -            -
 task SparseForward         0      default  default  -      not_first  host,context   -            -
 dep CopyToDevice <- InitPipelinedModules

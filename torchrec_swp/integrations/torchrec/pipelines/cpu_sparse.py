@@ -27,7 +27,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
     Same constructor as upstream's (``model, optimizer, device, execute_all_batches, apply_jit,
     pipeline_postproc, enable_inplace_copy_batch, multi_thread, pipeline_depth,
     free_features_storage_early, clear_data_dist_inputs``) plus the engine's keyword-only
-    options. The default plan is ``plans.eval_cpu_sparse_plan(...)``: Enqueue, SparseForward
+    options. The default plan is ``plans.eval_cpu_sparse_plan(...)``: LoadBatch, Enqueue, SparseForward
     (InitPipelinedModules for the first batch of an epoch), CopyToDevice, DenseForward and
     Dequeue, upstream's stages as tasks; with ``multi_thread`` the sparse work runs on the plan's
     thread ``sparse`` instead of upstream's executor (which is not made).
@@ -77,6 +77,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
         return {
+            "LoadBatch": self._task_load_batch,
             "Enqueue": self._task_enqueue,
             "InitPipelinedModules": self._task_init_pipelined_modules,
             "SparseForward": self._task_sparse_forward,
@@ -85,9 +86,13 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
             "Dequeue": self._task_dequeue,
         }
 
-    def _task_enqueue(self, b: int, data: Iterator[In]) -> tuple[Any, Any]:
-        # upstream's enqueue_batch: draws the batch (left on the CPU) and makes its context
-        if not self.enqueue_batch(data):
+    def _task_load_batch(self, b: int, data: Iterator[In]) -> In:
+        # the draw alone (on the load threads with loads=); Enqueue does the rest
+        return next(data)
+
+    def _task_enqueue(self, b: int, host_batch: In) -> tuple[Any, Any]:
+        # upstream's enqueue_batch of the drawn batch (left on the CPU): its context, and both queued
+        if not self.enqueue_batch(iter((host_batch,))):
             raise StopIteration
         return self.batches[-1], self.contexts[-1]
 
