@@ -36,6 +36,11 @@ _PIPELINES = (
     "TrainEvalHybridPipelineBase",
     "TrainPipelineSparseDistT",
     "TrainPipelineSparseDistBwdOpt",
+    # TorchRec's experimental pipelines (in 1.8.0 and 1.9): memory stashing, sparse work on the CPU
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 )
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.

@@ -75,10 +75,36 @@ CASES: tuple[Case, ...] = (
         "for (upstream raises 'no grad-requiring tensor in output of sparse.ebc'); 2 gloo ranks: "
         "tests/dist/test_parity_experimental.py",
     ),
+    # TorchRec's experimental memory-stashing pipelines: the output dist of the table-wise
+    # EmbeddingBagCollection, the over-arch as injection sites. The test model's tables are not
+    # marked stash_weights and its optimizer state is under MemoryStashingManager's 1 MiB
+    # threshold: what is compared is the schedule around the stashing, not stashed data.
+    Case(
+        "TrainPipelineSparseDistOptStash",
+        {"site_fqn": "sparse.ebc"},
+        {**_io("H2D"), "stash on the calling thread": {"thread_map": "main"}},
+    ),
+    Case("TrainPipelineSparseDistEmbStash", {"site_fqn": "over"}, _io("H2D")),
+    Case("TrainPipelinePrefetchEMS", {"site_fqn": "over"}, _io("H2D")),
 )
 
 #: The pipelines upstream defines in ``experimental_pipelines.py``, not ``train_pipelines.py``.
-EXPERIMENTAL = ("TrainEvalHybridPipelineBase", "TrainPipelineSparseDistT", "TrainPipelineSparseDistBwdOpt")
+EXPERIMENTAL = (
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
+)
+#: Exported pipelines without a case here, and why.
+NOT_ON_GPU: Mapping[str, str] = {
+    "EvalPipelineCPUSparse": "needs a model with data-parallel tables on the CPU and the dense part on the GPU "
+    "(tests/dist/test_parity_cpu_sparse.py runs it on the CPU); not written yet",
+}
+#: The memory-stashing pipelines (TorchRec's MemoryStashingManager is process-wide).
+_STASHING = ("TrainPipelineSparseDistOptStash", "TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS")
 
 
 def _pipeline_class(name: str, impl: str) -> type:
@@ -138,6 +164,10 @@ def _train(
     finally:
         if hasattr(pipeline, "close"):
             pipeline.close()
+        if case.pipeline in _STASHING:  # TorchRec's MemoryStashingManager is process-wide
+            from torchrec.distributed.memory_stashing import MemoryStashingManager
+
+            MemoryStashingManager.reset()
 
 
 def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, steps: int, device: Any) -> Any:

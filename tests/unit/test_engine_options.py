@@ -121,13 +121,21 @@ def test_a_plan_with_loads_on_h2d_says_to_give_loads_instead() -> None:
 
 
 # ------------------------------------------------------------------ every drop-in takes them
+#: constructor arguments a pipeline requires besides model, optimizer and device
+REQUIRED: dict[str, dict[str, Any]] = {
+    "TrainPipelineSparseDistOptStash": {"site_fqn": "sparse.ebc"},
+    "TrainPipelineSparseDistEmbStash": {"site_fqn": "over"},
+    "TrainPipelinePrefetchEMS": {"site_fqn": "over"},
+    "TrainPipelineSparseDistBwdOpt": {"site_fqn": "sparse.ebc"},
+}
+
+
 def build(name: str, **options: Any) -> Any:
     cls = getattr(pipelines, name)
     if name == "StagedTrainPipeline":
         return staged(**options)
     model: Any = torch.nn.Linear(2, 2) if name == "TrainPipelinePT2" else MagicMock(spec=torch.nn.Module)
-    site = ("sparse.ebc",) if name == "TrainPipelineSparseDistBwdOpt" else ()  # its site_fqn
-    return cls(model, MagicMock(spec=torch.optim.Optimizer), CPU, *site, **options)
+    return cls(model, MagicMock(spec=torch.optim.Optimizer), CPU, **REQUIRED.get(name, {}), **options)
 
 
 @pytest.fixture

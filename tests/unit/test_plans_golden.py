@@ -38,6 +38,9 @@ VARIANTS = {
     "TrainPipelineBase.parallel_loads.lookahead_3": plans.with_parallel_loads(
         plans.train_pipeline_base_plan(), 2, lookahead=3
     ),
+    "EvalPipelineCPUSparse.pipeline_depth_1.multi_thread": plans.eval_cpu_sparse_plan(
+        pipeline_depth=1, multi_thread=True
+    ),
 }
 
 

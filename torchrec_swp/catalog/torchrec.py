@@ -509,6 +509,39 @@ dep ZeroGrad <- BackwardOptimizerStep @1
 """
 
 
+EVAL_CPU_SPARSE = """
+# EvalPipelineCPUSparse (TorchRec's experimental, pipeline_depth=2): evaluation with the sparse
+# part on the CPU (data-parallel tables: no collectives) and the dense part on the device.
+# LoadBatch(i+2) draws the batch, Enqueue(i+2) makes its context; SparseForward(i+2) runs its input dist,
+# lookups and output dist on the CPU and copies the embeddings into pinned buffers (the first
+# batch of an epoch: InitPipelinedModules, the model rewrite and bootstrap input dist first);
+# CopyToDevice(i+1) copies the dense features and the embeddings to the device on memcpy, after
+# DenseForward(i) (upstream's wait_stream); DenseForward(i) runs the model under no_grad with the
+# copied embeddings. With multi_thread the sparse work runs on thread ``sparse`` and
+# DenseForward(i) waits for SparseForward(i+1), as upstream waits for its future.
+plan EvalPipelineCPUSparse
+depth 3
+source LoadBatch
+output output
+exhausted drain
+#    task                  stage  stream   thread   comm   when       reads          writes        flags
+task DenseForward          2      default  default  world  -          batch,context  output        anchor
+task CopyToDevice          1      memcpy   default  -      -          host,context   batch         -
+task Dequeue               2      default  default  -      -          context        -             -
+task LoadBatch             0      default  default  -      -          -              host_batch    -
+task Enqueue               0      default  default  -      -          host_batch     host,context  -
+task InitPipelinedModules  0      default  default  -      first      host,context   -            -
+task SparseForward         0      default  default  -      not_first  host,context   -            -
+dep CopyToDevice <- InitPipelinedModules
+dep CopyToDevice <- SparseForward
+dep Dequeue <- DenseForward
+dep CopyToDevice <- DenseForward @1
+dep DenseForward <- SparseForward @-1
+# the embeddings' host buffers are one per module: i+1's sparse work writes them after i's copy read them
+dep SparseForward <- CopyToDevice @1
+"""
+
+
 # ------------------------------------------------------------------------ plans by options
 def train_pipeline_base_plan() -> PipelinePlan:
     """TrainPipelineBase: H2D of batch i+1 overlaps the optimizer of batch i."""
@@ -548,9 +581,23 @@ def sparse_dist_plan(
     name: str = "TrainPipelineSparseDist",
 ) -> PipelinePlan:
     """TrainPipelineSparseDist (``SPARSE_DIST``) with the options that change its schedule."""
-    plan = _h2d_after_forward(_h2d_on(_table(SPARSE_DIST), h2d_thread), enqueue_batch_after_forward)
+    plan = _sparse_dist_options(
+        _table(SPARSE_DIST), enqueue_batch_after_forward, execute_all_batches, clear_data_dist_inputs, h2d_thread
+    )
+    return plan.replace(name=name)
+
+
+def _sparse_dist_options(
+    plan: PipelinePlan,
+    enqueue_batch_after_forward: bool,
+    execute_all_batches: bool,
+    clear_data_dist_inputs: bool,
+    h2d_thread: str,
+) -> PipelinePlan:
+    """TrainPipelineSparseDist's option edits on ``plan`` (SparseDist's table or a variant of it)."""
+    plan = _h2d_after_forward(_h2d_on(plan, h2d_thread), enqueue_batch_after_forward)
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs)
-    return _stopping(plan, execute_all_batches).replace(name=name)
+    return _stopping(plan, execute_all_batches)
 
 
 def sparse_dist_lite_plan(*, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
@@ -792,6 +839,139 @@ def sparse_dist_bwd_opt_plan(
     return _stopping(_clearing_data_dist_inputs(plan, clear_data_dist_inputs), execute_all_batches)
 
 
+# ------------------------------------------------ TorchRec's memory-stashing pipelines (experimental)
+#: The stream of a stash's device-to-host copies (its host-to-device ones are on ``memcpy``).
+D2H = "d2h"
+#: The thread OptStash's stash runs on (upstream's MemoryStashingManager thread).
+STASH_THREAD = "stash"
+
+
+def opt_stash_plan(
+    *,
+    enqueue_batch_after_forward: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    h2d_thread: str = MAIN_THREAD,
+) -> PipelinePlan:
+    """TrainPipelineSparseDistOptStash: SparseDist's schedule (with its options), the optimizer
+    state stashed off the device after each step and brought back during the next backward.
+
+    StashOptimizerState(i) runs on thread ``stash`` (upstream's background stash thread) in the
+    ``d2h`` stream, after OptimizerStep(i); Backward(i+1) waits for it (the restore and the stash
+    resize the same storages). The restore starts inside Backward, in the backward hook at the
+    output dist of ``site_fqn`` (upstream's injection site); RestoreWait waits for it, and makes
+    the compute stream wait for its copies, before OptimizerStep.
+    """
+    plan = sparse_dist_plan(
+        enqueue_batch_after_forward=enqueue_batch_after_forward,
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        h2d_thread=h2d_thread,
+        name="TrainPipelineSparseDistOptStash",
+    )
+    stage = plan.max_stage
+    wait = PipelineTask("RestoreWait", doc="wait for the restore started in backward, before the step")
+    deps = [("RestoreWait", "Backward"), ("OptimizerStep", "RestoreWait")]
+    plan = plan.with_task(wait, TaskSchedule(stage), after="Backward", deps=deps)
+    stash = PipelineTask("StashOptimizerState", doc="stash the optimizer state off the device after the step")
+    plan = plan.with_task(
+        stash,
+        TaskSchedule(stage, D2H, thread_group=STASH_THREAD),
+        after="OptimizerStep",
+        deps=[("StashOptimizerState", "OptimizerStep")],
+    )
+    return plan.replace(inter_iter_deps=[*plan.inter_iter_deps, Dep("Backward", "StashOptimizerState", 1)])
+
+
+def emb_stash_plan(
+    *,
+    enqueue_batch_after_forward: bool = False,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    h2d_thread: str = MAIN_THREAD,
+) -> PipelinePlan:
+    """TrainPipelineSparseDistEmbStash: SparseDist's schedule (upstream's ``progress()`` is
+    SparseDist's). The embedding weights are stashed by TorchRec's sharded modules right after
+    their lookup (inside Forward; MemoryStashingManager, enabled by the pipeline's streams; with
+    ``delay_stash`` at ``stash_site_fqn``'s forward, or at ``site_fqn`` in backward) and restored
+    inside Backward, by the hook at the injection site ``site_fqn``, before the gradient reaches them.
+    """
+    return sparse_dist_plan(
+        enqueue_batch_after_forward=enqueue_batch_after_forward,
+        execute_all_batches=execute_all_batches,
+        clear_data_dist_inputs=clear_data_dist_inputs,
+        h2d_thread=h2d_thread,
+        name="TrainPipelineSparseDistEmbStash",
+    )
+
+
+def prefetch_ems_plan(
+    *, enqueue_batch_after_forward: bool = False, execute_all_batches: bool = True, h2d_thread: str = MAIN_THREAD
+) -> PipelinePlan:
+    """TrainPipelinePrefetchEMS: EmbStash's schedule (no ``clear_data_dist_inputs`` upstream), and
+    before Backward, in eval mode too, RestoreEmbeddings brings back the stashed embedding
+    weights and EMO caches on the compute stream, then PrefetchNext(i+1) prefetches the next
+    batch's rows into the embedding caches (after its input dist) for the next Forward. The first
+    batch of an epoch is never prefetched (upstream's fill has no step before it).
+
+    UPSTREAM: one call, ``_restore_and_prefetch()``, reading the next batch as
+    ``self.contexts[1]``; here two tasks, the prefetch reading its own batch's context.
+    """
+    plan = emb_stash_plan(
+        enqueue_batch_after_forward=enqueue_batch_after_forward,
+        execute_all_batches=execute_all_batches,
+        h2d_thread=h2d_thread,
+    ).replace(name="TrainPipelinePrefetchEMS")
+    stage = plan.max_stage
+    restore = PipelineTask("RestoreEmbeddings", doc="restore stashed embedding weights and EMO caches")
+    plan = plan.with_task(
+        restore,
+        TaskSchedule(stage),
+        after="InputDistWait",
+        deps=[("RestoreEmbeddings", "Forward"), ("Backward", "RestoreEmbeddings")],
+    )
+    prefetch = PipelineTask("PrefetchNext", reads=("context",), doc="prefetch the next batch into the caches")
+    plan = plan.with_task(
+        prefetch,
+        TaskSchedule(stage - 1, when=When.NOT_FIRST),
+        after="RestoreEmbeddings",
+        deps=[("PrefetchNext", "InputDistWait")],
+    )
+    # i+1's prefetch follows i's restore, and i's backward follows i+1's prefetch (upstream's order)
+    inter = [Dep("PrefetchNext", "RestoreEmbeddings", 1), Dep("Backward", "PrefetchNext", -1)]
+    return plan.replace(inter_iter_deps=[*plan.inter_iter_deps, *inter])
+
+
+#: The thread EvalPipelineCPUSparse's sparse work runs on with ``multi_thread`` (upstream's executor).
+SPARSE_THREAD = "sparse"
+
+
+def eval_cpu_sparse_plan(
+    *, pipeline_depth: int = 2, multi_thread: bool = False, execute_all_batches: bool = True
+) -> PipelinePlan:
+    """EvalPipelineCPUSparse (``EVAL_CPU_SPARSE``) with the options that change its schedule.
+
+    ``pipeline_depth=1``: the copy to the device follows the sparse work of the same batch, one
+    step ahead of its DenseForward (upstream copies inside ``_sparse_forward``), with no wait for
+    the previous DenseForward. ``multi_thread``: the sparse work (and with depth 1 the copy) on
+    thread ``sparse``; the first batch's stays on the calling thread, as upstream's fill.
+    """
+    if pipeline_depth not in (1, 2):
+        raise ValueError(f"EvalPipelineCPUSparse: pipeline_depth must be 1 or 2, got {pipeline_depth}")
+    plan = _table(EVAL_CPU_SPARSE)
+    moved = ("SparseForward",)
+    if pipeline_depth == 1:
+        schedule = {t: s.replace(stage=max(s.stage - 1, 0)) for t, s in plan.schedule.items()}
+        fire = [t for t in plan.fire_order if t != "CopyToDevice"] + ["CopyToDevice"]
+        inter = [d for d in plan.inter_iter_deps if d.consumer != "CopyToDevice" and d.consumer != "DenseForward"]
+        plan = plan.replace(schedule=schedule, fire_order=fire, pipeline_depth=2, inter_iter_deps=inter)
+        moved = ("SparseForward", "CopyToDevice")
+    if multi_thread:
+        for task in moved:
+            plan = plan.with_schedule(task, thread_group=SPARSE_THREAD)
+    return _stopping(plan, execute_all_batches)
+
+
 def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
     """The default plan of each upstream pipeline, the 11 of TorchRec 1.8, 1.9's TrainPipelinePEC and
     those of ``experimental_pipelines.py`` (SemiSync: its two phases, start_batch 900 as upstream's
@@ -812,6 +992,10 @@ def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
         "TrainEvalHybridPipelineBase": train_eval_hybrid_plan(),
         "TrainPipelineSparseDistT": sparse_dist_t_plan(),
         "TrainPipelineSparseDistBwdOpt": sparse_dist_bwd_opt_plan(),
+        "TrainPipelineSparseDistOptStash": opt_stash_plan(),
+        "TrainPipelineSparseDistEmbStash": emb_stash_plan(),
+        "TrainPipelinePrefetchEMS": prefetch_ems_plan(),
+        "EvalPipelineCPUSparse": eval_cpu_sparse_plan(),
     }
 
 

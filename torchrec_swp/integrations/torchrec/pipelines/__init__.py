@@ -21,6 +21,7 @@ from torchrec_swp.integrations.torchrec.pipelines.compiled import (  # noqa: E40
     TrainPipelinePT2,
     TrainPipelineSparseDistCompAutograd,
 )
+from torchrec_swp.integrations.torchrec.pipelines.cpu_sparse import EvalPipelineCPUSparse  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.fused import (  # noqa: E402
     EvalPipelineFusedSparseDist,
@@ -31,6 +32,11 @@ from torchrec_swp.integrations.torchrec.pipelines.prefetch import PrefetchTrainP
 from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipelineSemiSync  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.stashing import (  # noqa: E402
+    TrainPipelinePrefetchEMS,
+    TrainPipelineSparseDistEmbStash,
+    TrainPipelineSparseDistOptStash,
+)
 
 # experimental_pipelines.py (in TorchRec 1.8.0 and 1.9.2 alike)
 from torchrec_swp.integrations.torchrec.pipelines.backward_optimizer import TrainPipelineSparseDistBwdOpt  # noqa: E402
@@ -56,4 +62,8 @@ __all__ = [
     "TrainEvalHybridPipelineBase",
     "TrainPipelineSparseDistT",
     "TrainPipelineSparseDistBwdOpt",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 ]
