@@ -67,7 +67,8 @@ CHECKED_PARITY := tests/dist/test_input_dist_group.py tests/dist/test_parity_fou
 	tests/dist/test_parity_fused_prefetch.py tests/dist/test_parity_semisync_eval_staged.py \
 	tests/dist/test_parity_lite_compiled.py::test_lite_equals_upstream_bit_for_bit \
 	tests/unit/test_async_inplace_copy.py tests/unit/test_user_filled_batches.py \
-	tests/dist/test_maglev_parity.py tests/dist/test_parity_pec.py
+	tests/dist/test_maglev_parity.py tests/dist/test_parity_pec.py \
+	tests/dist/test_parity_gradient_accumulation.py
 
 # What `make test` runs on TorchRec 1.8.0: the fast tests and the parity tests against upstream.
 test-1.8: $(STAMP18)

@@ -9,7 +9,10 @@ not all-reduced (DDP's ``no_sync()`` around the whole call), except in call 0, i
 ``num_warmup_steps`` calls and in every window's last call.
 
 Here the same decisions are the plan's: ``accumulation_phases(plan, k, w)`` gives one phase per
-kind of call - with or without ZeroGrad, with or without OptimizerStep - on the clock
+kind of call - ZeroGrad and OptimizerStep guarded ``never`` where upstream's wrapper makes them
+do nothing (they keep their place: what waits for them still waits for what they wait for, as
+around upstream's calls that do nothing; tasks left out of a phase would let the next batch's
+Forward on another thread race the last step) - on the clock
 ``"trained"`` (the calls that returned, as upstream counts them), the phases of one window
 repeating every ``k`` batches (``PhasedPlan.cycle``). Which call has which is found by running
 upstream's rules over the plan's own order of ZeroGrad and OptimizerStep (``accumulation_calls``),
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, When
 
 __all__ = ["AccumulationCall", "accumulation_calls", "accumulation_phases", "syncs"]
 
@@ -51,8 +54,8 @@ def syncs(n: int, num_steps: int, num_warmup_steps: int) -> bool:
 
 
 def _order(plan: PipelinePlan) -> tuple[str, str]:
-    """ZeroGrad and OptimizerStep in the order one call runs them; PlanError where one is missing
-    or runs below the training step's stage (for another batch than the call trains)."""
+    """ZeroGrad and OptimizerStep in the order one call runs them; PlanError where one is missing,
+    runs below the training step's stage (for another batch than the call trains) or is guarded."""
     missing = [t for t in (ZERO_GRAD, OPTIMIZER_STEP) if t not in plan.schedule]
     if missing:
         raise PlanError(
@@ -64,6 +67,11 @@ def _order(plan: PipelinePlan) -> tuple[str, str]:
             raise PlanError(
                 f"plan {plan.name}: {t.name} runs at stage {t.stage}, not with the batch trained (stage "
                 f"{plan.max_stage}); gradient accumulation counts the calls that train",
+                culprit=t.name,
+            )
+        if t.schedule.when is not When.ALWAYS:
+            raise PlanError(
+                f"plan {plan.name}: {t.name} runs when={t.schedule.when}; gradient accumulation guards it itself",
                 culprit=t.name,
             )
     # fire order is the plan's single-thread order, which any thread map keeps (through deps)
@@ -99,8 +107,8 @@ def accumulation_calls(plan: PipelinePlan, num_steps: int, num_warmup_steps: int
 def accumulation_phases(plan: PipelinePlan, num_steps: int, num_warmup_steps: int = 1) -> PhasedPlan:
     """``plan`` with gradient accumulation over ``num_steps`` batches (after ``num_warmup_steps``
     that all-reduce), as upstream's GradientAccumulationWrapper: a PhasedPlan on the clock
-    ``"trained"`` whose phases leave out ZeroGrad or OptimizerStep where upstream's wrapper makes
-    them do nothing. The calls before the first window boundary at or past the warm-up are phases
+    ``"trained"`` whose phases guard ZeroGrad or OptimizerStep ``never`` where upstream's wrapper
+    makes them do nothing. The calls before the first window boundary at or past the warm-up are phases
     of their own; from there one window's phases repeat (``cycle``). Phase names say what a call
     does (``AccumulationCall.label``)."""
     k, w = _checked(num_steps, num_warmup_steps)
@@ -111,7 +119,7 @@ def accumulation_phases(plan: PipelinePlan, num_steps: int, num_warmup_steps: in
         variant = plan
         for task, runs in ((ZERO_GRAD, call.zero), (OPTIMIZER_STEP, call.step)):
             if not runs:
-                variant = variant.without_task(task)
+                variant = variant.with_schedule(task, when=When.NEVER)
         variants[call] = variant.replace(name=f"{plan.name}_{call.label}")
     phases: list[tuple[int, PipelinePlan]] = []
     for n, call in enumerate(calls):

@@ -266,31 +266,6 @@ class PipelinePlan:
             intra_iter_deps=[d for d in self.explicit_deps if d.distance == 0] + [_as_dep(d, 0) for d in deps],
         )
 
-    def without_task(self, task: str) -> PipelinePlan:
-        """A new plan without ``task``, which must write nothing; what waited for it waits for what
-        it waited for: ``C <- task @i`` and ``task <- P @j`` become ``C <- P @i+j``, so the tasks
-        left keep their order."""
-        io = self._tasks[self.task(task).name]
-        if io.writes:
-            raise PlanError(
-                f"without_task({task!r}): it writes {', '.join(io.writes)}, which other tasks read", culprit=task
-            )
-        deps = self.explicit_deps
-        after = [d for d in deps if d.producer == task and d.consumer != task]
-        before = [d for d in deps if d.consumer == task and d.producer != task]
-        bridged = [
-            Dep(c.consumer, p.producer, c.distance + p.distance)
-            for c in after
-            for p in before
-            if c.consumer != p.producer or c.distance + p.distance > 0
-        ]
-        kept = list(dict.fromkeys([d for d in deps if task not in (d.consumer, d.producer)] + bridged))
-        return self.replace(
-            schedule={t: s for t, s in self._schedule.items() if t != task},
-            intra_iter_deps=[d for d in kept if d.distance == 0],
-            inter_iter_deps=[d for d in kept if d.distance != 0],
-        )
-
     def moved(self, task: str, *, after: str | None = None, before: str | None = None) -> PipelinePlan:
         """A new plan where ``task`` fires right after ``after`` or right before ``before``."""
         if (after is None) == (before is None):

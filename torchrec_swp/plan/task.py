@@ -30,7 +30,10 @@ class When(str, Enum):
     iterations that fill the pipeline, before batch 0 reaches the highest stage
     (``b + stage < max_stage``); ``has_next``: only when batch ``b + 1`` was drawn, ``last``:
     only when it does not exist (``b`` is the epoch's last batch). The last two need the source
-    to have been asked for ``b + 1`` already: the task's stage is above the source's.
+    to have been asked for ``b + 1`` already: the task's stage is above the source's. ``never``:
+    for no batch, in a phase where the task does nothing (a gradient-accumulation window's batches
+    without OptimizerStep): it keeps its place, so what waits for it still waits for what it
+    waits for.
     """
 
     ALWAYS = "always"
@@ -39,6 +42,7 @@ class When(str, Enum):
     FILL = "fill"
     HAS_NEXT = "has_next"
     LAST = "last"
+    NEVER = "never"
 
     def __str__(self) -> str:
         return self.value
@@ -66,6 +70,8 @@ class When(str, Enum):
                 return num_batches is None or batch + 1 < num_batches
             case When.LAST:
                 return num_batches is not None and batch + 1 == num_batches
+            case When.NEVER:
+                return False
             case _:
                 raise ValueError(f"unknown guard {self!r}")
 

@@ -15,8 +15,8 @@
     dep Forward <- OptimizerStep @1
 
 Task rows are in fire order; ``-`` is an empty cell. ``when`` is a ``When`` (``first``,
-``not_first``, ``has_next``, ``last``); a read ``x@1`` comes from the previous batch. ``flags``
-holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
+``not_first``, ``fill``, ``has_next``, ``last``, ``never``); a read ``x@1`` comes from the
+previous batch. ``flags`` holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
 written (inferred ones follow from reads/writes). ``lookahead`` and ``loads`` lines are written only
 when they differ from 0 and 1. ``#`` starts a comment; blank lines are
 ignored. Rows of the older form ``task NAME stage=2 stream=... reads=a,b`` are read too.

@@ -94,19 +94,23 @@ class PlanDriven:
             )
         return Engine(plan, {t: functions[t] for t in tasks}, **self._swp_engine_options)
 
+    @property
+    def can_replan(self) -> bool:
+        """Whether ``replan()`` may run now: before the first ``progress()`` or right after
+        ``reset()``, on a pipeline that does not tune its own plan (``autotune=``)."""
+        engine = self._swp_engine
+        return self._swp_tuner is None and not engine.book.requested and not engine.in_flight()
+
     def replan(self, plan: PipelinePlan | PhasedPlan) -> None:
         """Run ``plan`` from now on, with any tasks of this class (unlike ``engine.switch_plan``,
-        which keeps the tasks): only before the first ``progress()`` or right after ``reset()``,
-        and not while the pipeline tunes itself. What GradientAccumulationWrapper uses to put its
-        window into the plan."""
+        which keeps the tasks); only where ``can_replan``. What GradientAccumulationWrapper uses to
+        put its window into the plan."""
         owner = type(self).__name__
-        engine = self._swp_engine
-        if self._swp_tuner is not None:
-            raise PlanError(f"{owner}.replan(): the pipeline tunes its own plan (autotune=); build it without autotune")
-        if engine.book.requested or engine.in_flight():
-            raise PlanError(f"{owner}.replan(): only before the first progress() or right after reset()")
+        if not self.can_replan:
+            why = "it tunes its own plan (autotune=)" if self._swp_tuner is not None else "it has run"
+            raise PlanError(f"{owner}.replan(): only before the first progress() or right after reset(), not when {why}")
         new = self._swp_new_engine(plan)
-        engine.close()
+        self._swp_engine.close()
         self._swp_engine = new
 
     def _swp_autotune_hooks(self) -> Hooks:

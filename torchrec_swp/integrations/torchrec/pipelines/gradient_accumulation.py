@@ -1,18 +1,22 @@
-"""GradientAccumulationWrapper (TorchRec 1.9) over our pipelines: the accumulation window in the plan.
+"""GradientAccumulationWrapper over our pipelines: the accumulation window in the plan.
 
 Upstream's wrapper swaps the pipeline's optimizer for one that ignores ``zero_grad()`` and
 ``step()`` inside a window of ``num_steps`` calls, and runs the calls whose gradients are not to
 be all-reduced under DDP's ``no_sync()``. Over a torchrec_swp pipeline whose plan has one phase
 with ZeroGrad and OptimizerStep (TrainPipelineBase, SparseDist, Lite, Fused, Prefetch, PEC,
-CompAutograd), this one leaves the optimizer alone and puts the window into the plan instead:
+CompAutograd), built and not yet run nor tuning itself (``PlanDriven.can_replan``), this one
+leaves the optimizer alone and puts the window into the plan instead:
 ``plans.accumulation_phases`` (``torchrec_swp.catalog.accumulation``) drops ZeroGrad and
 OptimizerStep from the calls where upstream's optimizer wrapper would make them do nothing,
 phases on the clock ``"trained"`` that repeat every ``num_steps`` batches, so
 ``pipeline.plan.print_schedule(n)`` shows the window. Over any other pipeline (a PhasedPlan of
-its own: SemiSync, PT2; no optimizer tasks: Staged, the eval pipelines; upstream's pipelines)
-it is upstream's wrapper. Either way ``no_sync()``, the flush of a partial window when the data
-ends (or at ``is_last_batch``) and the counting are upstream's code; the counter
-(``current_step``) is the engine's count of trained batches on the plan route.
+its own: SemiSync, PT2; no optimizer tasks: Staged, the eval pipelines; upstream's pipelines;
+one that has run or tunes itself) it is upstream's wrapper. Either way ``no_sync()``, the flush
+of a partial window when the data ends (or at ``is_last_batch``) and the counting are upstream's
+code; on the plan route the counter (``current_step``) is the engine's count of trained batches.
+
+Upstream's module is ``torchrec.distributed.train_pipeline.gradient_accumulation``, the same file
+in TorchRec 1.8.0 and 1.9.2.
 
 Checkpoints (ours): ``state_dict()`` is the pipeline's cut plus what accumulation carries over
 it, the gradients accumulated so far in the window (every parameter's ``.grad``, on the CPU), the
@@ -46,9 +50,12 @@ _STATE_KEY = "gradient_accumulation"
 
 
 def _in_plan(pipeline: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the window can be the plan's: our pipeline, one phase with both optimizer tasks,
-    and the optimizer it steps is the one given (upstream's wrapper would step the given one)."""
+    """Whether the window can be the plan's: our pipeline, not yet run and not tuning itself
+    (``can_replan``), one phase with both optimizer tasks, and the optimizer it steps is the one
+    given (upstream's wrapper would step the given one)."""
     if not isinstance(pipeline, PlanDriven) or getattr(pipeline, "_optimizer", None) is not optimizer:
+        return False
+    if not pipeline.can_replan:
         return False
     plan = pipeline.plan
     return isinstance(plan, PipelinePlan) and {"ZeroGrad", "OptimizerStep"} <= set(plan.schedule)
