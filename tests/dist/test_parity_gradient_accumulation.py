@@ -5,7 +5,8 @@ Same sharded model (DMP: fused tables, the dense part in DDP with TorchRec's def
 iterator), so that the first ends inside a window (upstream flushes it at StopIteration) and
 the counter goes on across the epochs. Outputs, losses, final weights and the StopIteration
 calls must be equal bit for bit, with the default plan and with thread maps, loads and
-lookahead. On our side the window is in the plan (``plans.accumulation_phases``); a pipeline
+lookahead; upstream's Fused and SemiSync run under the test-only CPU patch, as in their own
+parity tests. On our side the window is in the plan (``plans.accumulation_phases``); a pipeline
 whose plan has phases of its own (SemiSync) keeps upstream's optimizer interception.
 
 Checkpoints: a run cut in the middle of a window (after 5 batches of windows of 3: batches 3 and
@@ -80,6 +81,16 @@ CASES: list[tuple[str, tuple[str, ...], Factory, bool, dict[str, Factory]]] = [
         lambda m, o: upstream.TrainPipelineSparseDistLite(m, o, CPU),
         False,
         {"default": lambda m, o: torchrec_swp.TrainPipelineSparseDistLite(m, o, CPU)},
+    ),
+    (
+        "Fused",
+        ("k3",),
+        lambda m, o: upstream.TrainPipelineFusedSparseDist(m, o, CPU),
+        True,
+        {
+            "default": lambda m, o: torchrec_swp.TrainPipelineFusedSparseDist(m, o, CPU),
+            "io_thread": lambda m, o: torchrec_swp.TrainPipelineFusedSparseDist(m, o, CPU, thread_map={"H2D": "io"}),
+        },
     ),
     (
         "SemiSync",
@@ -203,8 +214,9 @@ def _resume(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     state = first.state_dict()
     saved_model = model.state_dict()  # live tensors: loaded into model2 before `first` trains on
     accumulated = sorted(state["gradient_accumulation"]["gradients"])
-    # batches 3 and 4 are in the window: the state carries their gradients; a cut one batch
-    # later (the next batch the window's first) is refused with the static-graph DDP
+    # batches 3 and 4 are in the window: the state carries their gradients; a cut two batches
+    # later (the next batch the second of a window, not all-reduced) is refused with the
+    # static-graph DDP
     model2, optimizer2 = build_model(rank, world_size, seed)
     resumed = wrapped(model2, optimizer2)
     model2.load_state_dict(saved_model)
@@ -218,6 +230,18 @@ def _resume(rank: int, world_size: int, seed: int) -> dict[str, Any]:
         first.state_dict()
     except torchrec_swp.PlanError as e:
         refused = str(e)
+    # a state loaded where it does not fit is refused before anything changes
+    bad = []
+    for config_, state_ in (
+        (GradientAccumulationConfig(num_steps=2), state),
+        (config, {k: v for k, v in state.items() if k != "gradient_accumulation"}),
+    ):
+        other = OursWrapper(torchrec_swp.TrainPipelineSparseDist(model2, optimizer2, CPU), optimizer2, model2, config_)
+        try:
+            other.load_state_dict(state_)
+        except torchrec_swp.PlanError as e:
+            bad.append(str(e))
+        other.close()
     for p in (first, resumed):
         p.close()
     return {
@@ -228,6 +252,7 @@ def _resume(rank: int, world_size: int, seed: int) -> dict[str, Any]:
         "tail_calls": (tail.num_calls, tail.stop_iteration_call),
         "accumulated": accumulated,
         "refused": refused,
+        "bad": bad,
     }
 
 
@@ -239,3 +264,9 @@ def test_a_run_cut_in_the_middle_of_a_window_resumes_bit_for_bit() -> None:
         assert_runs_equal(uncut, resumed, what=f"rank {rank} resumed at {CUT}")
         assert out["accumulated"], "the cut carried no gradient"
         assert out["refused"] is not None and "static_graph=True" in out["refused"], out["refused"]
+        assert out["bad"] == [
+            "GradientAccumulationWrapper.load_state_dict(): the state was saved with num_steps=3, "
+            "num_warmup_steps=1; this wrapper has 2, 1",
+            "GradientAccumulationWrapper.load_state_dict(): the state holds no accumulated gradients "
+            "(saved by the pipeline, not by a GradientAccumulationWrapper)",
+        ]
