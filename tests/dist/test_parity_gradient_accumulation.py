@@ -11,8 +11,9 @@ whose plan has phases of its own (SemiSync) keeps upstream's optimizer intercept
 
 Checkpoints: a run cut in the middle of a window (after 5 batches of windows of 3: batches 3 and
 4 accumulated, not all-reduced) and resumed on a new model, pipeline and wrapper equals the
-uncut run bit for bit; a cut whose next batch would skip the all-reduce is refused (DDP's
-static graph must all-reduce its first backward).
+uncut run bit for bit, over SparseDist (the window in the plan) and SemiSync (upstream's
+interception); a cut whose next batch would skip the all-reduce is refused (DDP's static graph
+must all-reduce its first backward).
 """
 
 from __future__ import annotations
@@ -195,13 +196,19 @@ def test_the_window_is_in_the_schedule(cases: list[dict[str, Any]]) -> None:
 STEPS, CUT = 11, 5
 
 
-def _resume(rank: int, world_size: int, seed: int) -> dict[str, Any]:
+#: The window in the plan (SparseDist), and upstream's optimizer interception (SemiSync's phases).
+RESUMED: dict[str, Factory] = {
+    "SparseDist": lambda m, o: torchrec_swp.TrainPipelineSparseDist(m, o, CPU, thread_map={"H2D": "io"}),
+    "SemiSync": lambda m, o: torchrec_swp.TrainPipelineSemiSync(m, o, CPU, start_batch=2),
+}
+
+
+def _resume(rank: int, world_size: int, seed: int, name: str) -> dict[str, Any]:
     batches = make_batches(rank, world_size, STEPS, seed)
     config = GradientAccumulationConfig(num_steps=3)
 
     def wrapped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, thread_map={"H2D": "io"})
-        return OursWrapper(pipeline, optimizer, model, config)
+        return OursWrapper(RESUMED[name](model, optimizer), optimizer, model, config)
 
     model, optimizer = build_model(rank, world_size, seed)
     uncut = train_pipeline_run(wrapped(model, optimizer), batches, STEPS + 3, model=model)
@@ -236,7 +243,7 @@ def _resume(rank: int, world_size: int, seed: int) -> dict[str, Any]:
         (GradientAccumulationConfig(num_steps=2), state),
         (config, {k: v for k, v in state.items() if k != "gradient_accumulation"}),
     ):
-        other = OursWrapper(torchrec_swp.TrainPipelineSparseDist(model2, optimizer2, CPU), optimizer2, model2, config_)
+        other = OursWrapper(RESUMED[name](model2, optimizer2), optimizer2, model2, config_)
         try:
             other.load_state_dict(state_)
         except torchrec_swp.PlanError as e:
@@ -256,12 +263,13 @@ def _resume(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     }
 
 
-def test_a_run_cut_in_the_middle_of_a_window_resumes_bit_for_bit() -> None:
-    for rank, out in enumerate(run_on_ranks(_resume, 99, timeout_s=300)):
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_a_run_cut_in_the_middle_of_a_window_resumes_bit_for_bit(name: str) -> None:
+    for rank, out in enumerate(run_on_ranks(_resume, 99, name, timeout_s=300)):
         uncut: RunResult = out["uncut"]
         assert uncut.num_calls == STEPS and out["tail_calls"] == (STEPS - CUT, STEPS - CUT)
         resumed = RunResult(out["outputs"], out["losses"], STEPS, uncut.stop_iteration_call, out["weights"])
-        assert_runs_equal(uncut, resumed, what=f"rank {rank} resumed at {CUT}")
+        assert_runs_equal(uncut, resumed, what=f"rank {rank} {name} resumed at {CUT}")
         assert out["accumulated"], "the cut carried no gradient"
         assert out["refused"] is not None and "static_graph=True" in out["refused"], out["refused"]
         assert out["bad"] == [
