@@ -70,7 +70,8 @@ CHECKED_PARITY := tests/dist/test_input_dist_group.py tests/dist/test_parity_fou
 	tests/dist/test_maglev_parity.py tests/dist/test_parity_pec.py \
 	tests/dist/test_parity_experimental.py \
 	tests/dist/test_parity_stashing.py \
-	tests/dist/test_parity_cpu_sparse.py::test_eval_cpu_sparse_equals_upstream_bit_for_bit
+	tests/dist/test_parity_cpu_sparse.py::test_eval_cpu_sparse_equals_upstream_bit_for_bit \
+	tests/dist/test_parity_gradient_accumulation.py
 
 # What `make test` runs on TorchRec 1.8.0: the fast tests and the parity tests against upstream.
 test-1.8: $(STAMP18)

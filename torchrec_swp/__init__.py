@@ -46,6 +46,9 @@ _PIPELINES = (
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.
 _MAGLEV = ("MaglevPipelineBase", "Maglev1F1B", "Maglev1F1BRecvAhead", "PipelineRank")
 
+# Gradient accumulation around any pipeline (gradient_accumulation.py, in TorchRec 1.8 and 1.9).
+_ACCUMULATION = ("GradientAccumulationWrapper", "GradientAccumulationConfig")
+
 
 def _available() -> tuple[str, ...]:
     """The train pipelines the installed TorchRec has (TrainPipelinePEC from 1.9 on); all of
@@ -64,7 +67,15 @@ def _is_1_9() -> bool:
         return True
 
 
-__all__ = ["__version__", "plans", "Autotune", *_PLAN_NAMES, *_available(), *(_MAGLEV if _is_1_9() else ())]
+__all__ = [
+    "__version__",
+    "plans",
+    "Autotune",
+    *_PLAN_NAMES,
+    *_available(),
+    *(_MAGLEV if _is_1_9() else ()),
+    *_ACCUMULATION,
+]
 
 
 def __dir__() -> list[str]:
@@ -98,4 +109,8 @@ def __getattr__(name: str) -> Any:
         from torchrec_swp.integrations.torchrec import maglev  # ImportError naming TorchRec 1.9 on 1.8
 
         return getattr(maglev, name)
+    if name in _ACCUMULATION:
+        from torchrec_swp.integrations.torchrec.pipelines import gradient_accumulation
+
+        return getattr(gradient_accumulation, name)
     raise AttributeError(f"module 'torchrec_swp' has no attribute {name!r}")

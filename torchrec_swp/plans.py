@@ -18,6 +18,7 @@ this module re-exports them.
 
 from __future__ import annotations
 
+from torchrec_swp.catalog.accumulation import accumulation_phases
 from torchrec_swp.catalog.torchrec import (
     DRAW_TASKS,
     FETCH,
@@ -33,6 +34,7 @@ __all__ = [
     "DRAW_TASKS",
     "FETCH",
     "INPUT_DIST_TASKS",
+    "accumulation_phases",
     "default_plans",
     "splits_draw",
     "with_input_dist_group",

@@ -1,8 +1,8 @@
 """Resuming from a checkpoint is bit-identical to never stopping, for the DLRM example's pipelines.
 
 For each pipeline (SparseDist, SparseDist with H2D on an io thread, SemiSync in its semi-sync
-phase, Prefetch, Fused, Staged) and the StatefulDataLoader with 0 and 2 worker processes, and for
-the map source (``--data-source map``: ``torchrec_swp.data.MapSource``) alone and with 2 loads at
+phase with and without stash_gradients, Prefetch, Fused, Staged) and the StatefulDataLoader with 0
+and 2 worker processes, and for the map source (``--data-source map``: ``torchrec_swp.data.MapSource``) alone and with 2 loads at
 once (SparseDist, SemiSync; synthetic data and a Criteo TSV file), on 2 gloo ranks, with stateful
 optimizers (row-wise Adagrad on the tables, fused; Adagrad on the MLPs):
 
@@ -47,6 +47,11 @@ PIPELINES: dict[str, list[str]] = {
     "SparseDist-H2D-io": ["--pipeline", "TrainPipelineSparseDist", "--thread-map", "H2D=io"],
     # the semi-sync phase (embeddings one step stale) from batch 2: the cut at K is inside it
     "SemiSync": ["--pipeline", "TrainPipelineSemiSync", "--option", "start_batch=2"],
+    # stash_gradients: batch 2 stashes its gradients and skips the step, batch 3 steps on them;
+    # the cut at K=3 leaves batch 2's gradients stashed, which batch 3's step after the resume needs
+    "SemiSync-stash": [
+        "--pipeline", "TrainPipelineSemiSync", "--option", "start_batch=2", "--option", "stash_gradients=True",
+    ],
     "Prefetch": ["--pipeline", "PrefetchTrainPipelineSparseDist"],
     "Fused": ["--pipeline", "TrainPipelineFusedSparseDist"],
     "Staged": ["--pipeline", "StagedTrainPipeline"],
@@ -102,15 +107,16 @@ def _train(argv: list[str]) -> dict[str, Any]:
     return train.train(args)
 
 
-def _runs(rank: int, world_size: int, root: str, phase: str) -> dict[str, Any]:
-    """Phase "first": runs A and B of every configuration; "resume": runs C. Returns, by config
-    id, ``{"A": summary, "B": summary}`` or ``{"C": summary}``, or ``{"error": message}``."""
+def _runs(rank: int, world_size: int, root: str, phase: str, configs: list[tuple[str, int]]) -> dict[str, Any]:
+    """Phase "first": runs A and B of each configuration of ``configs`` (``CONFIGS``); "resume":
+    runs C. Returns, by config id, ``{"A": summary, "B": summary}`` or ``{"C": summary}``, or
+    ``{"error": message}``."""
     # The harness spawns its ranks, whose loader workers would then be spawned too, each importing
     # TorchRec anew (seconds apiece); torchrun's ranks fork them, as they do here.
     multiprocessing.set_start_method("fork", force=True)
     results: dict[str, Any] = {}
     tsv = str(Path(root) / "day_0.tsv")
-    for name, workers in CONFIGS:
+    for name, workers in configs:
         cid = _config_id(name, workers)
         base = [*SMALL, *(a.format(tsv=tsv) for a in PIPELINES[name]), "--num-workers", str(workers)]
         ckpt = ["--checkpoint-dir", str(Path(root) / cid)]
@@ -131,8 +137,8 @@ def _runs(rank: int, world_size: int, root: str, phase: str) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("resume")
     write_sample_tsv(root / "day_0.tsv", lines=2 * BATCH * N + 5)  # N rounds of 2 ranks, and an incomplete one
-    first = run_on_ranks(_runs, str(root), "first", timeout_s=400)
-    resumed = run_on_ranks(_runs, str(root), "resume", timeout_s=400)
+    first = run_on_ranks(_runs, str(root), "first", CONFIGS, timeout_s=400)
+    resumed = run_on_ranks(_runs, str(root), "resume", CONFIGS, timeout_s=400)
     return first, resumed
 
 

@@ -137,6 +137,23 @@ def test_batch_numbers_go_on_after_the_cut_so_phases_switch_where_they_did() -> 
     assert again.numbers[0] == 3 and again.numbers[: N - 3] == list(range(3, N))
 
 
+def test_the_cut_carries_the_batches_trained_since_reset_for_the_trained_clock() -> None:
+    # after an epoch of 3 the index clock counts 4 calls (the one that found no batch), the
+    # trained clock 3: a resumed engine goes on with the trained clock's number
+    phased = PhasedPlan([(0, plan(name="cut_toy")), (1, plan(name="cut_toy"))], clock="trained", cycle=(1, 1))
+    engine = make(phased, Model())
+    run(engine, Stateful(3))
+    engine.new_data()
+    run(engine, Stateful(N), 2)
+    state = engine.state_dict()
+    assert (state["trained_number"], state["batch_number"]) == (5, 6)
+    engine.close()
+    engine = make(phased, Model())
+    engine.load_state_dict(state)
+    assert engine.trained_since_reset == 5
+    engine.close()
+
+
 def test_an_iterator_without_state_dict_is_refused_not_silently_lost() -> None:
     engine = make(plan(), Model())
     run(engine, iter(range(N)), 2)

@@ -14,6 +14,7 @@ from tests.unit.engine_fixtures import THREAD_MAPS, S, Toy, toy_plan
 from torchrec_swp.engine import (
     CollectiveAborted,
     Engine,
+    EngineError,
     EngineTimeout,
     RecordingStreamPool,
     Turnstile,
@@ -481,6 +482,30 @@ def test_phases_on_the_drawn_clock_count_batches_drawn_over_the_engine_life() ->
     engine.reset()  # the drawn clock goes on
     data[0] = iter(range(1))
     assert engine.run_to_end() == [0] and seen[4:] == ["a"]
+
+
+def test_phases_on_the_trained_clock_repeat_in_a_cycle_and_count_trained_batches() -> None:
+    # GradientAccumulationWrapper's counter: calls that trained a batch, across epochs (the calls
+    # that found none left out), from 0 again after reset(); the cycle repeats phases 1-2 of 3
+    data: list[Any] = [iter(range(4))]
+    engine, seen = _tagging([(0, "a"), (1, "b"), (2, "a")], data, clock="trained", cycle=(1, 2))
+    assert "clock trained\ncycle 1 2\n" in engine.phased.to_text()
+    assert engine.run_to_end() == [0, 1, 2, 3] and seen == ["a", "b", "a", "b"]
+    assert engine.trained_since_reset == 4
+    data[0] = iter(range(3))
+    engine.new_data()
+    # trained 4, 5, 6 (the index clock would have numbered them 5, 6, 7)
+    assert engine.run_to_end() == [0, 1, 2] and seen[4:] == ["a", "b", "a"]
+    engine.reset()
+    data[0] = iter(range(2))
+    engine.count_trained_from(1)  # upstream's set_step
+    assert engine.run_to_end() == [0, 1] and seen[7:] == ["b", "a"]
+    data[0] = iter(range(2))
+    engine.new_data()
+    engine.step()
+    with pytest.raises(EngineError, match="only before the first step"):
+        engine.count_trained_from(0)
+    engine.close()
 
 
 @pytest.mark.parametrize("clock", ["index", "drawn"])

@@ -109,6 +109,9 @@ def test_what_a_switch_keeps_is_checked() -> None:
         phased = PhasedPlan([(0, toy_plan()), (5, toy_plan().with_thread_map("per_task"))])
         with pytest.raises(EngineError, match=r"phases start at batches \[0, 5\], the running plan's at \[0\]"):
             engine.switch_plan(phased)
+        cycled = PhasedPlan([(0, toy_plan())], clock="trained", cycle=(0, 1))
+        with pytest.raises(EngineError, match="on clock trained with cycle \\(0, 1\\), the running plan's on clock index"):
+            engine.switch_plan(cycled)
         with pytest.raises(TypeError, match="plan must be a PipelinePlan or a PhasedPlan"):
             engine.switch_plan("toy")  # type: ignore[arg-type]
         assert len(run(engine)) == N - 1

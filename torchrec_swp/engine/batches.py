@@ -8,7 +8,8 @@ the end of data), and how far the caller has got (batches requested and returned
 Batches are numbered per epoch from 0 (``b``, the index tasks get); their ``serial`` numbers them
 over the engine's life in drawing order (the ledger's numbers), their ``number`` counts the
 source's calls since the engine was built or reset - the call that found the end of data
-included, as TorchRec's context index counts them - and picks the phase of a PhasedPlan.
+included, as TorchRec's context index counts them - and picks the phase of a PhasedPlan (or, for
+``clock="trained"``, ``first_trained + b``: the batches trained before it since then).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class BatchLedger:
 class BatchBook:
     """The batches of one epoch (numbered ``b`` = 0, 1, ...).
 
-    ``first_number``: the batch number of batch 0; ``first_serial``: its serial; ``start``: the
+    ``first_number``: the batch number of batch 0; ``first_serial``: its serial; ``first_trained``:
+    the batches trained since the engine was built or reset before this epoch; ``start``: the
     internal iteration the threads start at (0, or the highest stage when batches were adopted);
     ``slots``: batch -> its values (one dict for the engine's life, emptied per epoch); ``numbers``:
     batch -> its number; ``loaded``: batches the source drew (or that were adopted);
@@ -50,6 +52,7 @@ class BatchBook:
 
     first_number: int = 0
     first_serial: int = 0
+    first_trained: int = 0
     start: int = 0
     slots: dict[int, dict[str, Any]] = field(default_factory=dict)
     loaded: set[int] = field(default_factory=set)

@@ -5,8 +5,9 @@ before ``c`` were trained; ``c`` and the batches drawn after it are in flight an
 and run again after a resume. The data position is the iterator's ``state_dict()`` recorded just
 before ``c`` was drawn (``Draws.positions``), or, when ``c`` was not drawn yet, the iterator's
 state now (nothing draws while the cut is taken: the workers are quiesced first). With it go the
-batch number of ``c`` (the phases' clock and TorchRec's context index), the ledger and the plan's
-name. ``load_state_dict()`` on a fresh engine starts its first epoch at that number; the data
+batch number of ``c`` (the phases' clock and TorchRec's context index), the batches trained
+before ``c`` since the engine was built or reset (the clock ``"trained"``), the ledger and the
+plan's name. ``load_state_dict()`` on a fresh engine starts its first epoch at that number; the data
 the next ``step(data)`` gets is the caller's iterator restored at that position.
 """
 
@@ -48,7 +49,7 @@ class Cuts(Epochs):
 
     def state_dict(self) -> dict[str, Any]:
         """The cut at the first batch not yet returned: ``{"loader": position, "plan": name,
-        "batch_number": n, "ledger": {...}, "version": 1}``.
+        "batch_number": n, "trained_number": t, "ledger": {...}, "version": 1}``.
 
         Raises EngineError when the position cannot be taken: no ``step(data)`` has drawn from
         an iterator yet, the iterator has no ``state_dict()``, or a failure is pending."""
@@ -80,6 +81,7 @@ class Cuts(Epochs):
                 "plan": self.phased.name,
                 "loader": position,
                 "batch_number": book.number_of(c),
+                "trained_number": book.first_trained + c,
                 "ledger": {
                     "drawn": book.serial(c),
                     "trained": ledger.trained,
@@ -110,4 +112,5 @@ class Cuts(Epochs):
         )
         self._pulls = int(state["batch_number"])
         self.forget_data()
-        self._start_epoch()
+        # a state cut before the clock "trained" existed: its batch number (the same in a first epoch)
+        self._start_epoch(first_trained=int(state.get("trained_number", state["batch_number"])))

@@ -163,6 +163,11 @@ class Engine(Cuts):
                 f"switch_plan: the new plan's phases start at batches {[n for n, _ in new.phases]}, the running "
                 f"plan's at {[n for n, _ in old.phases]}"
             )
+        if (new.clock, new.cycle) != (old.clock, old.cycle):
+            raise EngineError(
+                f"switch_plan: the new plan's phases run on clock {new.clock} with cycle {new.cycle}, the running "
+                f"plan's on clock {old.clock} with cycle {old.cycle}"
+            )
         for before, after in zip(old.plans, new.plans, strict=True):
             check_limits(after, self.max_threads, self.max_in_flight)
             if set(after.fire_order) != set(before.fire_order):

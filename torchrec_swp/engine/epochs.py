@@ -45,7 +45,23 @@ class Epochs(PlanInterpreter):
         self._pulls = 0
         for t in self._turnstiles.values():
             t.restart()
-        self._start_epoch()
+        self._start_epoch(first_trained=0)
+
+    @property
+    def trained_since_reset(self) -> int:
+        """Batches trained (returned by ``step()``) since the engine was built or reset: the
+        clock ``"trained"``'s number of the next batch to train."""
+        return self.book.first_trained + self.book.returned
+
+    def count_trained_from(self, n: int) -> None:
+        """Number the next batch to train ``n`` on the clock ``"trained"``; only before the first
+        ``step()`` since the engine was built, reset or loaded (no thread has picked a phase yet)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise EngineError(f"count_trained_from(): n must be an int >= 0, got {n!r}")
+        book = self.book
+        if book.requested or self.in_flight():
+            raise EngineError("count_trained_from(): only before the first step() (or right after reset())")
+        book.first_trained = n - book.returned
 
     def new_data(self) -> None:
         """The source has new data (a new iterator, or a new epoch of the same one).
@@ -82,8 +98,12 @@ class Epochs(PlanInterpreter):
             if interrupt is not None:
                 self.board.resume()
 
-    def _start_epoch(self, start: int = 0) -> None:
+    def _start_epoch(self, start: int = 0, first_trained: int | None = None) -> None:
+        """A new epoch; its batches trained count on from the last epoch's (``first_trained``:
+        from that number instead)."""
         book = self.book
+        if first_trained is None:
+            first_trained = book.first_trained + book.returned
         for b in book.in_flight():
             self.ledger.dropped.append((book.serial(b), "in flight when reset() was called"))
         self.failures.clear()
@@ -91,7 +111,13 @@ class Epochs(PlanInterpreter):
         self.board.resume()
         self._epoch_base += max(w.P for w in self._walkers.values())
         self._slots.clear()
-        self.book = BatchBook(first_number=self._pulls, first_serial=self.ledger.drawn, start=start, slots=self._slots)
+        self.book = BatchBook(
+            first_number=self._pulls,
+            first_serial=self.ledger.drawn,
+            first_trained=first_trained,
+            start=start,
+            slots=self._slots,
+        )
         self.board.clear_latches()
         bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
         for w in self._walkers.values():

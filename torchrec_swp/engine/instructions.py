@@ -86,13 +86,16 @@ class PlanInterpreter(Interpreter):
     # ------------------------------------------------------------ the program
     def _plan_at(self, P: int) -> PipelinePlan:
         """The plan internal iteration ``P`` runs: its phase's, by the batch it trains (numbered
-        by the phases' clock: its source call, or its serial for ``clock="drawn"``)."""
+        by the phases' clock: its source call, its serial for ``clock="drawn"``, the batches
+        trained before it for ``clock="trained"``)."""
         if len(self.phased.phases) == 1:
             return self.plan
         d = P - self._top
         book = self.book
         if self.phased.clock == "drawn":
             return self.phased.plan_for(book.serial(max(d, 0)))
+        if self.phased.clock == "trained":  # batches of an epoch are trained in order
+            return self.phased.plan_for(book.first_trained + max(d, 0))
         if d < 0:
             return self.phased.plan_for(book.number(0))
         if self._source is None or self._stage[self._source] < self._top:

@@ -8,7 +8,13 @@ The phases' clock says how batches are numbered. ``clock="index"`` (the default)
 calls since the engine was built or reset(), the call that finds the data exhausted included (as
 TorchRec's context index counts them), across epochs. ``clock="drawn"``: the batches drawn over
 the pipeline's life, across epochs and reset(), the calls that find no batch left out (as
-TrainPipelinePT2's ``_iter`` counts its forwards).
+TrainPipelinePT2's ``_iter`` counts its forwards). ``clock="trained"``: the batches trained
+(returned by ``progress()``) since the engine was built or reset(), across epochs (as TorchRec's
+GradientAccumulationWrapper counts its steps).
+
+A ``cycle=(first, period)`` makes the phases from batch ``first`` on repeat every ``period``
+batches: batch ``n >= first`` runs the plan of batch ``first + (n - first) % period`` (a window of
+gradient accumulation: zero the gradients on its first batch, step on its last).
 
 Plans of one PhasedPlan must agree on what the batches in flight hold, so the engine can
 switch between steps: same source, output and highest stage; every task in two phases has the
@@ -26,7 +32,7 @@ from torchrec_swp.plan.task import check_name
 from torchrec_swp.plan.text import is_phased_text, phased_args_from_text, phased_to_text
 
 #: How a PhasedPlan numbers batches (see the module docstring); the first is the default.
-CLOCKS = ("index", "drawn")
+CLOCKS = ("index", "drawn", "trained")
 
 
 def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
@@ -46,11 +52,19 @@ def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
 class PhasedPlan:
     """``phases``: ``(start, plan)`` pairs; ``plan`` runs for batch numbers from ``start`` up to the
     next phase's start. The first start is 0. ``clock``: how batches are numbered, one of
-    ``CLOCKS``. Immutable; validated when built."""
+    ``CLOCKS``. ``cycle``: ``(first, period)``, the phases from ``first`` (a phase's start) on
+    repeat every ``period`` batches (every start is below ``first + period``); None: the last
+    phase runs for good. Immutable; validated when built."""
 
-    __slots__ = ("name", "phases", "clock")
+    __slots__ = ("name", "phases", "clock", "cycle")
 
-    def __init__(self, phases: Sequence[tuple[int, PipelinePlan]], name: str | None = None, clock: str = "index") -> None:
+    def __init__(
+        self,
+        phases: Sequence[tuple[int, PipelinePlan]],
+        name: str | None = None,
+        clock: str = "index",
+        cycle: tuple[int, int] | None = None,
+    ) -> None:
         if clock not in CLOCKS:
             raise PlanError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}", culprit="clock")
         phases = tuple((start, plan) for start, plan in phases)
@@ -71,12 +85,18 @@ class PhasedPlan:
                     f"phases {a} ({pa.name}) and {b} ({pb.name}) cannot take turns: " + "; ".join(problems),
                     culprit=pb.name,
                 )
+        if cycle is not None:
+            cycle = _checked_cycle(cycle, phases)
         self.name = check_name(name if name is not None else phases[0][1].name, "plan")
         self.phases: tuple[tuple[int, PipelinePlan], ...] = phases
         self.clock = clock
+        self.cycle = cycle
 
     def plan_for(self, batch_number: int) -> PipelinePlan:
         """The plan of the phase ``batch_number`` falls in."""
+        if self.cycle is not None and batch_number >= self.cycle[0]:
+            first, period = self.cycle
+            batch_number = first + (batch_number - first) % period
         chosen = self.phases[0][1]
         for start, plan in self.phases:
             if batch_number < start:
@@ -102,7 +122,7 @@ class PhasedPlan:
 
     def each(self, edit: Callable[[PipelinePlan], PipelinePlan]) -> PhasedPlan:
         """A new PhasedPlan, same starts, name and clock, with ``edit`` applied to every phase's plan."""
-        return PhasedPlan([(s, edit(p)) for s, p in self.phases], name=self.name, clock=self.clock)
+        return PhasedPlan([(s, edit(p)) for s, p in self.phases], name=self.name, clock=self.clock, cycle=self.cycle)
 
     # ------------------------------------------------------------- rendering
     def to_text(self) -> str:
@@ -110,8 +130,8 @@ class PhasedPlan:
 
     @classmethod
     def from_text(cls, text: str) -> PhasedPlan:
-        name, clock, phases = phased_args_from_text(text)
-        return cls([(start, PipelinePlan(**args)) for start, args in phases], name=name, clock=clock)
+        name, clock, cycle, phases = phased_args_from_text(text)
+        return cls([(start, PipelinePlan(**args)) for start, args in phases], name=name, clock=clock, cycle=cycle)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -121,9 +141,16 @@ class PhasedPlan:
         blocks = []
         for k, (start, plan) in enumerate(self.phases):
             end = self.phases[k + 1][0] if k + 1 < len(self.phases) else None
-            span = f"batches {start} and on" if end is None else f"batches {start} to {end - 1}"
+            if self.cycle is not None and start >= self.cycle[0]:
+                first, period = self.cycle
+                end = first + period if end is None else end
+                span = f"batches {start} to {end - 1}, then every {period} batches"
+            else:
+                span = f"batches {start} and on" if end is None else f"batches {start} to {end - 1}"
             if self.clock == "drawn":
                 span += " drawn since the pipeline was built"
+            elif self.clock == "trained":
+                span += " trained since the pipeline was built or reset"
             blocks.append(f"phase {k} ({span}): {plan.name}\n" + format_schedule(plan, num_iterations, num_batches))
         return "\n\n".join(blocks)
 
@@ -133,17 +160,53 @@ class PhasedPlan:
 
     # --------------------------------------------------------------- identity
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PhasedPlan) and (self.name, self.phases, self.clock) == (other.name, other.phases, other.clock)
+        return isinstance(other, PhasedPlan) and (self.name, self.phases, self.clock, self.cycle) == (
+            other.name,
+            other.phases,
+            other.clock,
+            other.cycle,
+        )
 
     def __hash__(self) -> int:
-        return hash((self.name, self.phases, self.clock))
+        return hash((self.name, self.phases, self.clock, self.cycle))
 
     def __repr__(self) -> str:
         clock = "" if self.clock == CLOCKS[0] else f", clock={self.clock}"
-        return f"PhasedPlan({self.name}, " + ", ".join(f"{s}: {p.name}" for s, p in self.phases) + clock + ")"
+        cycle = "" if self.cycle is None else f", cycle={self.cycle[0]}+{self.cycle[1]}k"
+        return f"PhasedPlan({self.name}, " + ", ".join(f"{s}: {p.name}" for s, p in self.phases) + clock + cycle + ")"
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def _checked_cycle(cycle: object, phases: tuple[tuple[int, PipelinePlan], ...]) -> tuple[int, int]:
+    """``cycle`` as ``(first, period)`` once it fits ``phases``, else PlanError naming what is wrong."""
+    if (
+        not isinstance(cycle, tuple)
+        or len(cycle) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in cycle)
+    ):
+        raise PlanError(f"cycle must be (first, period), two ints, got {cycle!r}", culprit="cycle")
+    first, period = cycle
+    starts = {s: p for s, p in phases}
+    if period < 1 or first not in starts:
+        raise PlanError(
+            f"cycle {cycle}: period must be >= 1 and first a phase's start ({sorted(starts)})", culprit="cycle"
+        )
+    if max(starts) >= first + period:
+        raise PlanError(
+            f"cycle {cycle}: phase {max(starts)} starts past the cycle's end (batch {first + period - 1})",
+            culprit="cycle",
+        )
+    last = phases[-1][1]
+    problems = switch_problems(last, starts[first])
+    if problems:
+        raise PlanError(
+            f"cycle {cycle}: phases {phases[-1][0]} ({last.name}) and {first} cannot take turns: "
+            + "; ".join(problems),
+            culprit="cycle",
+        )
+    return first, period
 
 
 def load_plan(path: str) -> PipelinePlan | PhasedPlan:

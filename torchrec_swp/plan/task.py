@@ -35,6 +35,9 @@ class When(str, Enum):
     engine's ``training`` callable, e.g. ``model.training`` at that ``progress()`` call;
     TrainEvalHybridPipelineBase's eval-mode batches skip backward and the optimizer); a task of
     the plan's highest stage only. Tables (``print_schedule``) show a training run.
+    ``never``: for no batch, in a phase where the task does nothing (a gradient-accumulation
+    window's batches without OptimizerStep): it keeps its place, so what waits for it still waits
+    for what it waits for.
     """
 
     ALWAYS = "always"
@@ -44,6 +47,7 @@ class When(str, Enum):
     HAS_NEXT = "has_next"
     LAST = "last"
     TRAIN = "train"
+    NEVER = "never"
 
     def __str__(self) -> str:
         return self.value
@@ -76,6 +80,8 @@ class When(str, Enum):
                 return num_batches is not None and batch + 1 == num_batches
             case When.TRAIN:
                 return training
+            case When.NEVER:
+                return False
             case _:
                 raise ValueError(f"unknown guard {self!r}")
 

@@ -15,14 +15,15 @@
     dep Forward <- OptimizerStep @1
 
 Task rows are in fire order; ``-`` is an empty cell. ``when`` is a ``When`` (``first``,
-``not_first``, ``fill``, ``has_next``, ``last``, ``train``); a read ``x@1`` comes from the previous batch. ``flags``
-holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
+``not_first``, ``fill``, ``has_next``, ``last``, ``train``, ``never``); a read ``x@1`` comes from the
+previous batch. ``flags`` holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
 written (inferred ones follow from reads/writes). ``lookahead`` and ``loads`` lines are written only
 when they differ from 0 and 1. ``#`` starts a comment; blank lines are
 ignored. Rows of the older form ``task NAME stage=2 stream=... reads=a,b`` are read too.
 
 A phased plan (``PhasedPlan``) is ``phases NAME``, a ``clock CLOCK`` line where its clock is not
-the default ``index``, then ``phase START`` lines, each followed by one plan.
+the default ``index``, a ``cycle FIRST PERIOD`` line where its phases repeat, then ``phase START``
+lines, each followed by one plan.
 
 ``PipelinePlan(**plan_args_from_text(plan_to_text(p))) == p`` (what ``PipelinePlan.from_text``
 does) and the text comes back unchanged from a plan read so (likewise for phased plans). This
@@ -143,17 +144,20 @@ def phased_to_text(phased: PhasedPlan) -> str:
     lines = [f"phases {phased.name}"]
     if phased.clock != "index":
         lines.append(f"clock {phased.clock}")
+    if phased.cycle is not None:
+        lines.append(f"cycle {phased.cycle[0]} {phased.cycle[1]}")
     for start, plan in phased.phases:
         lines.append(f"phase {start}")
         lines.append(plan_to_text(plan).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
-def phased_args_from_text(text: str) -> tuple[str, str, list[tuple[int, dict[str, Any]]]]:
-    """The name, clock and phases ``(start, plan constructor arguments)`` of the PhasedPlan
-    ``text`` describes."""
+def phased_args_from_text(text: str) -> tuple[str, str, tuple[int, int] | None, list[tuple[int, dict[str, Any]]]]:
+    """The name, clock, cycle and phases ``(start, plan constructor arguments)`` of the
+    PhasedPlan ``text`` describes."""
     name: str | None = None
     clock = "index"
+    cycle: tuple[int, int] | None = None
     phases: list[tuple[int, list[str]]] = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         word, _, rest = raw.split("#", 1)[0].strip().partition(" ")
@@ -163,6 +167,14 @@ def phased_args_from_text(text: str) -> tuple[str, str, list[tuple[int, dict[str
             name = rest.strip()
         elif word == "clock" and not phases:
             clock = rest.strip()
+        elif word == "cycle" and not phases:
+            try:
+                first, period = (int(v) for v in rest.split())
+            except ValueError:
+                raise PlanError(
+                    f"line {lineno}: a cycle line reads 'cycle FIRST PERIOD', got {raw.strip()!r}"
+                ) from None
+            cycle = (first, period)
         elif word == "phase":
             try:
                 phases.append((int(rest), []))
@@ -174,7 +186,7 @@ def phased_args_from_text(text: str) -> tuple[str, str, list[tuple[int, dict[str
             raise PlanError(f"line {lineno}: expected 'phases NAME' or 'phase START', got {raw.strip()!r}")
     if name is None:
         raise PlanError("phased plan text has no 'phases' line", culprit="phases")
-    return name, clock, [(start, plan_args_from_text("\n".join(body))) for start, body in phases]
+    return name, clock, cycle, [(start, plan_args_from_text("\n".join(body))) for start, body in phases]
 
 
 def is_phased_text(text: str) -> bool:

@@ -72,25 +72,47 @@ class PlanDriven:
         tuning = options.tuning
         if tuning is not None:
             chosen = start_for_tuning(chosen)
+        self._swp_engine_options = {
+            "streams": streams,
+            "timeout_s": options.engine_timeout_s,
+            "name": f"swp-{owner}",
+            # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
+            "device_type": None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
+            "training": self._swp_training_mode(),
+        }
+        self._swp_engine = self._swp_new_engine(chosen)
+        self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
+
+    def _swp_new_engine(self, plan: PipelinePlan | PhasedPlan) -> Engine:
+        owner = type(self).__name__
         functions = self._swp_task_functions()
-        tasks = list(dict.fromkeys(t for p in _plans(chosen) for t in p.fire_order))
+        tasks = list(dict.fromkeys(t for p in _plans(plan) for t in p.fire_order))
         unknown = [t for t in tasks if t not in functions]
         if unknown:
             raise PlanError(
                 f"{owner} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
                 culprit=unknown[0],
             )
-        self._swp_engine = Engine(
-            chosen,
-            {t: functions[t] for t in tasks},
-            streams=streams,
-            timeout_s=options.engine_timeout_s,
-            name=f"swp-{owner}",
-            # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
-            device_type=None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
-            training=self._swp_training_mode(),
-        )
-        self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
+        return Engine(plan, {t: functions[t] for t in tasks}, **self._swp_engine_options)
+
+    @property
+    def can_replan(self) -> bool:
+        """Whether ``replan()`` may run now: before the first ``progress()`` or right after
+        ``reset()``, on a pipeline that does not tune its own plan (``autotune=``)."""
+        engine = self._swp_engine
+        return self._swp_tuner is None and not engine.book.requested and not engine.in_flight()
+
+    def replan(self, plan: PipelinePlan | PhasedPlan) -> None:
+        """Run ``plan`` from now on, with any tasks of this class (unlike ``engine.switch_plan``,
+        which keeps the tasks); only where ``can_replan``. What GradientAccumulationWrapper uses to
+        put its window into the plan."""
+        owner = type(self).__name__
+        if not self.can_replan:
+            why = "it tunes its own plan (autotune=)" if self._swp_tuner is not None else "it has run"
+            raise PlanError(f"{owner}.replan(): only before the first progress() or right after reset(), not when {why}")
+        new = self._swp_new_engine(plan)
+        self._swp_engine.close()
+        self._swp_engine = new
 
     def _swp_training_mode(self) -> Callable[[], bool] | None:
         """What decides the plan's ``when=train`` guards at each ``progress()`` call (None: the

@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
-from torchrec_swp.plan import PhasedPlan
+from torchrec_swp.plan import PhasedPlan, PlanError
 
 __all__ = ["TrainPipelineSemiSync"]
 
@@ -178,12 +178,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
         """The embeddings already looked up for the batches in flight at the cut: in the
         semi-sync phase they were looked up before the last trained batch's update, which the
         checkpointed tables already hold, so the resumed run uses these values instead (see
-        ``_Replay``). Waiting for them here changes no value, only when they are waited for."""
-        if self._stash_gradients:
-            raise RuntimeError(
-                "TrainPipelineSemiSync.state_dict(): stash_gradients=True keeps gradients across steps, "
-                "which a checkpoint does not carry yet"
-            )
+        ``_Replay``). Waiting for them here changes no value, only when they are waited for.
+        With ``stash_gradients``, also the stashed gradients (upstream's ``_gradients``: those of
+        the last trained batch, which the next batch's optimizer step applies), copied to the CPU."""
         engine = self._swp_engine
         looked: dict[tuple[int, str], torch.Tensor] = {}
         for b in engine.in_flight():
@@ -197,10 +194,31 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
                     raise TypeError(f"TrainPipelineSemiSync.state_dict(): module {name} returns {type(embeddings).__name__}, a checkpoint carries KeyedTensor lookups only")
                 requests[name] = NoWait(embeddings)
                 looked[(context.index, name)] = embeddings.values().detach().cpu().clone()
-        return {"looked_up": looked}
+        state: dict[str, Any] = {"looked_up": looked}
+        if self._stash_gradients:
+            state["stashed_gradients"] = {name: g.detach().cpu().clone() for name, g in self._gradients.items()}
+        return state
 
     def _swp_load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._swp_replays = dict(state.get("looked_up", {}))
+        stashed = state.get("stashed_gradients")
+        if (stashed is not None) != self._stash_gradients:
+            saved = "with" if stashed is not None else "without"
+            raise PlanError(
+                f"TrainPipelineSemiSync.load_state_dict(): the state was saved {saved} stash_gradients, "
+                f"this pipeline has stash_gradients={self._stash_gradients}"
+            )
+        if stashed is not None:
+            params = dict(self._model.named_parameters())
+            for name, g in stashed.items():
+                if name not in params or params[name].shape != g.shape:
+                    raise PlanError(
+                        f"TrainPipelineSemiSync.load_state_dict(): the stashed gradient of {name!r} "
+                        f"({tuple(g.shape)}) fits no parameter of the model (another model?)"
+                    )
+            self._gradients = {
+                name: g.to(device=params[name].device, dtype=params[name].dtype) for name, g in stashed.items()
+            }
 
     def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
         losses, output = self._mlp_forward(batch, context)
