@@ -35,6 +35,7 @@ from harness.parity import (
     train_pipeline_run,
 )
 from harness.ranks import RankError, run_on_ranks
+from torchrec_swp.integrations.torchrec.compat import installed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -74,7 +75,10 @@ def _factories() -> dict[str, Factory]:
     }
 
 
-FAMILIES = ["Base", "SparseDist", "Fused", "SemiSync", "Prefetch", "Eval", "Lite", "Staged", "PEC"]
+#: the families one rank process runs (PEC and Maglev are new in TorchRec 1.9)
+FAMILIES = ["Base", "SparseDist", "Fused", "SemiSync", "Prefetch", "Eval", "Lite", "Staged"] + (
+    ["PEC"] if installed().has_pec else []
+)
 
 
 def _lengths(rank: int, sync: bool) -> tuple[int, int]:
@@ -280,10 +284,7 @@ def _maglev_all(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.skipif(
-    not __import__("torchrec_swp.integrations.torchrec.compat", fromlist=["installed"]).installed().has_maglev,
-    reason="torchrec.distributed.maglev is new in TorchRec 1.9",
-)
+@pytest.mark.skipif(not installed().has_maglev, reason="torchrec.distributed.maglev is new in TorchRec 1.9")
 def test_maglev_uneven_data_stops_every_rank_in_the_same_round() -> None:
     for rank, out in enumerate(run_on_ranks(_maglev_all, timeout_s=600)):
         for case, runs in out.items():

@@ -15,8 +15,10 @@ after the same batch and trains only batches every rank trains. The all-reduce i
 thread that draws (the source task's thread, or the load threads with ``loads=``; draws take
 turns in batch order, so every rank issues them in the same order), not by the training thread
 where the plan draws elsewhere. An item a rank drew for the common end (it had one, a peer did
-not) is not trained: it is dropped, and the engine's ledger lists it; the rank's later items
-stay undrawn in its iterator.
+not) is not trained: it is dropped, and the engine's ledger counts it (``ledger.past_end``);
+the rank's later items stay undrawn in its iterator. A draw that fails with another exception
+issues no all-reduce: the peers' pending one fails after the group's timeout
+(``engine_timeout_s``) instead of hanging.
 """
 
 from __future__ import annotations
