@@ -327,6 +327,29 @@ def train_pipeline_run(
     return RunResult(outputs, losses, len(outputs), stop_iteration_call, local_state(model))
 
 
+def sparse_data_dist_stages(
+    model: nn.Module, copy_stream: Any, *, device: torch.device | None = None, data_dist_stream: Any = None
+) -> list[Any]:
+    """A StagedTrainPipeline's stages as a user writes them: an H2D copy to ``device`` (default
+    the CPU) on ``copy_stream``, then SparseDataDistUtil's start_sparse_data_dist stage on
+    ``data_dist_stream`` (default ``torch.Stream(device="cpu")``: one with a ``.device``)."""
+    from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
+
+    to = torch.device("cpu") if device is None else device
+    stream = torch.Stream(device="cpu") if data_dist_stream is None else data_dist_stream
+    sdd = SparseDataDistUtil(model, data_dist_stream=stream)
+    return [
+        PipelineStage("data_copy", lambda b: b.to(to, non_blocking=True), copy_stream),
+        PipelineStage(
+            "start_sparse_data_dist",
+            sdd.start_sparse_data_dist,
+            sdd.data_dist_stream,
+            fill_callback=sdd.wait_sdd_fill_callback,
+            data_exhausted_callback=sdd.data_exhausted_callback,
+        ),
+    ]
+
+
 def staged_pipeline_run(
     pipeline: _Pipeline,
     model: nn.Module,

@@ -175,26 +175,16 @@ def _staged(impl: str, engine: Mapping[str, Any], rank: int, world_size: int, st
     SparseDataDistUtil's input dist on its data_dist stream); the caller trains on each batch
     ``progress()`` returns, until it returns None."""
     import torch
-    from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
-    from harness.parity import build_model, make_batches, staged_pipeline_run
+    from harness.parity import build_model, make_batches, sparse_data_dist_stages, staged_pipeline_run
 
     model, optimizer = build_model(rank, world_size, SEED, device)
 
     def stream() -> Any:  # a real stream on CUDA; one with a .device on the CPU (as upstream needs there)
         return torch.cuda.Stream(device) if device.type == "cuda" else torch.Stream(device="cpu")
 
-    sdd = SparseDataDistUtil(model, data_dist_stream=stream())
-    stages = [
-        PipelineStage("data_copy", lambda b: b.to(device, non_blocking=True), stream()),
-        PipelineStage(
-            "start_sparse_data_dist",
-            sdd.start_sparse_data_dist,
-            sdd.data_dist_stream,
-            fill_callback=sdd.wait_sdd_fill_callback,
-            data_exhausted_callback=sdd.data_exhausted_callback,
-        ),
-    ]
+    data_dist_stream = stream()
+    stages = sparse_data_dist_stages(model, stream(), device=device, data_dist_stream=data_dist_stream)
     pipeline = _pipeline_class("StagedTrainPipeline", impl)(stages, **engine)
     try:
         return staged_pipeline_run(pipeline, model, optimizer, make_batches(rank, world_size, steps, SEED))

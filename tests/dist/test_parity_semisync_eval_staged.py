@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
-from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
 
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from harness.parity import (
@@ -34,6 +33,7 @@ from harness.parity import (
     local_state,
     make_batches,
     plain_loop_run,
+    sparse_data_dist_stages,
     staged_pipeline_run,
     train_pipeline_run,
 )
@@ -113,17 +113,7 @@ def _staged_run(
     ``record_stream`` on CPU tensors (its pipelined forward records on the SDD stream).
     """
     model, optimizer = build_model(rank, world_size, seed)
-    sdd = SparseDataDistUtil(model, data_dist_stream=torch.Stream(device="cpu"))
-    stages = [
-        PipelineStage("data_copy", lambda b: b.to(CPU, non_blocking=True), STAGE_STREAMS[stage_stream]()),
-        PipelineStage(
-            "start_sparse_data_dist",
-            sdd.start_sparse_data_dist,
-            sdd.data_dist_stream,
-            fill_callback=sdd.wait_sdd_fill_callback,
-            data_exhausted_callback=sdd.data_exhausted_callback,
-        ),
-    ]
+    stages = sparse_data_dist_stages(model, STAGE_STREAMS[stage_stream]())
     with _patched(not ours):
         if ours:
             pipeline: Any = StagedTrainPipeline(stages, thread_map=thread_map)

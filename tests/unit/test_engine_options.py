@@ -38,7 +38,9 @@ def test_take_pops_the_engine_keywords_and_leaves_the_rest() -> None:
     assert kwargs == {"execute_all_batches": False}
     assert options == EngineOptions(thread_map="io", loads=2, lookahead=3)
     assert EngineOptions.take({}, "X") == EngineOptions(None, None, 1, None, DEFAULT_TIMEOUT_S)
-    assert EngineOptions.names() == ("plan", "thread_map", "loads", "lookahead", "engine_timeout_s", "autotune")
+    assert EngineOptions.names() == (
+        "plan", "thread_map", "loads", "lookahead", "engine_timeout_s", "autotune", "sync_dataloader_exhaustion"
+    )
 
 
 def test_the_options_apply_in_order_plan_thread_map_loads_lookahead(tmp_path: Path) -> None:

@@ -24,12 +24,15 @@ class BatchLedger:
 
     Batches are numbered by ``serial`` in the order they were drawn (0, 1, ... over the
     engine's life). A batch is trained once it left the highest stage; one that never will is
-    listed in ``dropped`` with the reason.
+    listed in ``dropped`` with the reason. ``past_end`` counts the items drawn for the common end
+    of uneven data (``sync_dataloader_exhaustion``: this rank had one, another had none): never
+    batches, never trained, not counted in ``drawn``.
     """
 
     drawn: int = 0
     trained: int = 0
     dropped: list[tuple[int, str]] = field(default_factory=list)
+    past_end: int = 0
 
 
 @dataclass

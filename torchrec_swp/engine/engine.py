@@ -29,6 +29,11 @@ internal iteration (attributes ``swp_task``, ``swp_batch``, ``swp_thread``, ``sw
 ``step()`` again resumes where every thread stopped: nothing runs twice, nothing is skipped (but
 a rank that failed issues no more collectives of a comm group spread over threads until
 ``reset()``). Every blocking wait honours ``timeout_s``.
+
+Uneven data: with ``exhaustion`` (an ``ExhaustionSync``, the pipelines'
+``sync_dataloader_exhaustion=True``) the ranks agree on every draw whether every rank has the
+batch (``torchrec_swp.engine.exhaustion``): all of them find the end of data at the same batch.
+An item drawn there by a rank that had one is never trained (``ledger.past_end`` counts it).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from torchrec_swp.engine.batches import BatchBook, BatchLedger
 from torchrec_swp.engine.board import ITERATION
 from torchrec_swp.engine.cuts import Cuts
 from torchrec_swp.engine.errors import EngineError
+from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.instructions import InstalledPlan, check_limits
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Walker, WalkState
 from torchrec_swp.engine.source import Draws
@@ -76,6 +82,7 @@ class Engine(Cuts):
         max_in_flight: int = MAX_IN_FLIGHT,
         device_type: str | None = None,
         training: Callable[[], bool] | None = None,
+        exhaustion: ExhaustionSync | None = None,
     ) -> None:
         if isinstance(plan, PipelinePlan):
             phased = PhasedPlan([(0, plan)])
@@ -97,6 +104,7 @@ class Engine(Cuts):
                 raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         self.device_type = device_type
+        self.exhaustion = exhaustion
         self.max_threads, self.max_in_flight = max_threads, max_in_flight
         self.phased = phased
         self.plan: PipelinePlan = phased.plans[0]

@@ -20,6 +20,7 @@ from typing import Any
 from torchrec_swp.engine.batches import BatchBook
 from torchrec_swp.engine.board import LatchState
 from torchrec_swp.engine.errors import EngineError
+from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.instructions import PlanInterpreter
 from torchrec_swp.engine.source import Draws
 from torchrec_swp.plan.task import parse_read
@@ -33,6 +34,7 @@ class Epochs(PlanInterpreter):
     _draws: Draws | None
     _draws_from: list[tuple[int, Draws]]
     _failure_raised: bool
+    exhaustion: ExhaustionSync | None
 
     # ------------------------------------------------------------- epochs
     def reset(self) -> None:
@@ -198,8 +200,20 @@ class Epochs(PlanInterpreter):
         if self.book is not book:  # a new epoch
             first = 0
         self._data = data
-        self._draws = Draws(data, take_turn=self._take_turn, turn_taken=self._turn_taken)
+        self._draws = Draws(
+            data,
+            take_turn=self._take_turn,
+            turn_taken=self._turn_taken,
+            sync=self.exhaustion,
+            dropped=self._drawn_past_common_end,
+        )
         self._draws_from = [(f, d) for f, d in self._draws_from if f < first] + [(first, self._draws)]
+
+    def _drawn_past_common_end(self, b: int) -> None:
+        """This rank drew an item for batch ``b``, which another rank's data lacks (the common end
+        under ``exhaustion``): not a batch, never trained, counted in ``ledger.past_end``."""
+        with self.board.lock:
+            self.ledger.past_end += 1
 
     def forget_data(self) -> None:
         """Forget the iterator: the next ``step(data)`` takes ``data`` as the first one."""

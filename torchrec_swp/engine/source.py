@@ -15,6 +15,11 @@ claim taking turns (``torchrec_swp.data.MapSource`` reads a map-style dataset so
 Positions: when the iterator has ``state_dict()`` (torchdata's StatefulDataLoader iterators
 do), ``positions[b]`` keeps its state just before batch ``b`` was drawn: resuming from it draws
 batch ``b`` again (a checkpoint's cut).
+
+Uneven data: given an ``ExhaustionSync`` (``sync_dataloader_exhaustion=True``), every draw is
+followed, within its turn, by the ranks agreeing whether every rank has the batch
+(``torchrec_swp.engine.exhaustion``); where one has not, the draw raises StopIteration on every
+rank, and an item this rank drew for it is dropped (``dropped(b)``) and never trained.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torchrec_swp.engine.exhaustion import ExhaustionSync
+
 
 class Draws:
     """``iterator`` as the source task draws it; ``take_turn(b)`` blocks until batch ``b`` may
-    draw, ``turn_taken(b, ended)`` says it drew (or found the end)."""
+    draw, ``turn_taken(b, ended)`` says it drew (or found the end); with ``sync``, the ranks agree
+    on the end, and ``dropped(b)`` hears of an item drawn for batch ``b`` past the common end."""
 
     def __init__(
         self,
@@ -34,10 +42,14 @@ class Draws:
         *,
         take_turn: Callable[[int], None],
         turn_taken: Callable[[int, bool], None],
+        sync: ExhaustionSync | None = None,
+        dropped: Callable[[int], None] | None = None,
     ) -> None:
         self.iterator = iterator
         self._take_turn = take_turn
         self._turn_taken = turn_taken
+        self._sync = sync
+        self._dropped = dropped
         self._local = threading.local()
         self._split = callable(getattr(iterator, "claim", None)) and callable(getattr(iterator, "fetch", None))
         self._stateful = callable(getattr(iterator, "state_dict", None))
@@ -69,12 +81,22 @@ class Draws:
         if self._stateful:
             self.positions[b] = self.iterator.state_dict()  # type: ignore[attr-defined]
         try:
-            drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
+            if self._sync is None:
+                drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
+            else:
+                drawn = self._sync.draw(self._pull, lambda _: self._drop(b))
         except StopIteration:
             self._turn_taken(b, True)
             raise
         self._turn_taken(b, False)
         return self.iterator.fetch(drawn) if self._split else drawn  # type: ignore[attr-defined]
+
+    def _pull(self) -> Any:
+        return self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
+
+    def _drop(self, b: int) -> None:
+        if self._dropped is not None:
+            self._dropped(b)
 
     def forget(self, before: int) -> None:
         """Drop the positions of batches before ``before`` (trained)."""

@@ -36,6 +36,12 @@ Keyword-only options (the constructor is upstream's otherwise):
   differ where the backward after the last forward is not the last one (every stage but the
   last: 1F1B's warm-up), see docs/pp.md.
 * ``engine_timeout_s``: bound on every wait of the engine and of the wire's receives.
+* ``sync_dataloader_exhaustion`` (default False: upstream's behaviour, where a rank whose data
+  ends first raises StopIteration alone and its peers' next input-dist round fails or hangs):
+  every raw batch ``take_inputs`` draws is followed by a MIN all-reduce of "I have it" on a gloo
+  group of its own (``torchrec_swp.engine.exhaustion``), so every rank raises StopIteration in
+  the same round. The draw is upstream's, on the calling thread, so the all-reduce is too (one
+  per round). An item a rank drew for that round is not trained (``dropped_past_end`` counts them).
 
 After a failure the step's state is dropped and the error re-raised (with the action, thread
 and step named); like upstream's, the pipeline (and its process groups) must then be rebuilt.
@@ -53,6 +59,7 @@ from torchrec.distributed.maglev.stage import StageWrapper
 
 from torchrec_swp.compile import IterationProgram
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine, stream_pool_for
+from torchrec_swp.engine.exhaustion import ExhaustionSync, SyncedIterator
 from torchrec_swp.integrations.torchrec.maglev.cpu import unwrap
 from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, RankRuntime, StageWrapperWire, all_reduce_grads
 from torchrec_swp.plan import MAIN_THREAD
@@ -93,8 +100,11 @@ class _EngineDriven:
         thread_map: ThreadMap,
         grad_sync: GradSync,
         engine_timeout_s: float,
+        sync_dataloader_exhaustion: bool,
     ) -> None:
         stage = self.stage
+        if not isinstance(sync_dataloader_exhaustion, bool):
+            raise TypeError(f"sync_dataloader_exhaustion must be a bool, got {sync_dataloader_exhaustion!r}")
         self._num_microbatches = num_microbatches
         S, me = stage.num_stages, stage.stage_index
         if program is not None and schedule is not None:
@@ -166,6 +176,11 @@ class _EngineDriven:
             [chunk], S, StageWrapperWire(stage), {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
         )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        # made once every check passed (a collective: every rank builds the same pipelines)
+        self._exhaustion = (
+            ExhaustionSync.create(type(self).__name__, engine_timeout_s) if sync_dataloader_exhaustion else None
+        )
+        self._synced: SyncedIterator | None = None
         self.engine = ProgramEngine(
             self.runtime.bindings(),
             streams=stream_pool_for(device),  # checked on the CPU with SWP_STREAM_CHECK=1
@@ -175,6 +190,10 @@ class _EngineDriven:
 
     def _run_step(self, dataloader_iter: Iterator[Any]) -> dict[int, torch.Tensor]:
         stage = self.stage
+        if self._exhaustion is not None:
+            if self._synced is None or self._synced.iterator is not dataloader_iter:
+                self._synced = SyncedIterator(dataloader_iter, self._exhaustion)
+            dataloader_iter = self._synced
         inputs = stage.take_inputs(dataloader_iter, self._num_microbatches)
         self.optimizer.zero_grad()
         self.runtime.start_step({stage.stage_index: inputs})
@@ -185,6 +204,12 @@ class _EngineDriven:
             raise
         self.runtime.finish_step()
         return self.runtime.losses
+
+    @property
+    def dropped_past_end(self) -> int:
+        """Items of the current iterator drawn for the round where another rank's data ended
+        (``sync_dataloader_exhaustion``): never trained."""
+        return 0 if self._synced is None else self._synced.dropped
 
     def close(self) -> None:
         """Stop the engine's worker threads (also done when the pipeline is garbage-collected)."""
@@ -204,6 +229,7 @@ class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
         thread_map: ThreadMap = "main",
         grad_sync: GradSync = "wrapper",
         engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        sync_dataloader_exhaustion: bool = False,
     ) -> None:
         upstream.MaglevPipelineBase.__init__(self, stage, optimizer, no_sync)
         self._setup(
@@ -216,6 +242,7 @@ class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
             thread_map=thread_map,
             grad_sync=grad_sync,
             engine_timeout_s=engine_timeout_s,
+            sync_dataloader_exhaustion=sync_dataloader_exhaustion,
         )
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
@@ -240,6 +267,7 @@ class Maglev1F1B(MaglevPipelineBase, upstream.Maglev1F1B):
         thread_map: ThreadMap = "main",
         grad_sync: GradSync = "wrapper",
         engine_timeout_s: float = DEFAULT_TIMEOUT_S,
+        sync_dataloader_exhaustion: bool = False,
     ) -> None:
         upstream.Maglev1F1B.__init__(self, stage, optimizer, num_microbatches, no_sync)
         try:
@@ -256,6 +284,7 @@ class Maglev1F1B(MaglevPipelineBase, upstream.Maglev1F1B):
             thread_map=thread_map,
             grad_sync=grad_sync,
             engine_timeout_s=engine_timeout_s,
+            sync_dataloader_exhaustion=sync_dataloader_exhaustion,
         )
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:

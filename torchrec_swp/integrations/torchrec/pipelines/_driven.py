@@ -52,7 +52,16 @@ class PlanDriven:
     ``engine_timeout_s=`` bounds every blocking wait of the engine. The SparseDist family also
     takes ``input_dist_group=`` (``TrainPipelineSparseDist``): the input dist on a process group
     of its own, and the default plan with ``plans.with_input_dist_group``. ``plan.print_schedule(n)``
-    shows the result, loads and lookahead in its header line."""
+    shows the result, loads and lookahead in its header line.
+
+    ``sync_dataloader_exhaustion=True`` (default False: upstream's behaviour, a rank whose data
+    ends first stops alone and its peers' next collectives fail or hang): ranks whose data runs
+    out unevenly stop together. Every draw is followed by a MIN all-reduce of "I have this
+    batch" on a gloo group made here, issued by the thread that draws (a loader thread with
+    ``thread_map="io"``, the load threads with ``loads=``); the first batch some rank lacks
+    ends the data on every rank, and an item drawn for it is not trained
+    (``torchrec_swp.engine.exhaustion``). A world of one needs no sync (nothing is made);
+    without a process group this raises ValueError."""
 
     _swp_engine: Engine
 
@@ -79,6 +88,7 @@ class PlanDriven:
             # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
             "device_type": None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
             "training": self._swp_training_mode(),
+            "exhaustion": options.exhaustion_sync(owner),
         }
         self._swp_engine = self._swp_new_engine(chosen)
         self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)

@@ -17,7 +17,9 @@ them into the plan the engine runs, in this order:
 ``engine_timeout_s`` bounds every blocking wait of the engine. ``autotune`` (``True`` or
 ``torchrec_swp.Autotune(...)``): the pipeline tunes itself while it trains
 (``torchrec_swp.autotune``), starting from the plan above run without lookahead and with its draw
-split off where it splits. A new option is a field here (with
+split off where it splits. ``sync_dataloader_exhaustion=True`` (the name of upstream's proposal):
+ranks whose data runs out unevenly stop together (``torchrec_swp.engine.exhaustion``); without
+it (the default) a rank whose data ends first stops alone, as upstream's do. A new option is a field here (with
 its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits the plan, a step in
 ``plan_for``.
 """
@@ -31,6 +33,7 @@ from typing import Any, TypedDict
 
 from torchrec_swp.autotune import Autotune
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S
+from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
 from torchrec_swp.plans import with_lookahead, with_parallel_loads
 
@@ -46,6 +49,7 @@ class EngineKeywords(TypedDict, total=False):
     lookahead: int | None
     engine_timeout_s: float
     autotune: bool | Autotune
+    sync_dataloader_exhaustion: bool
 
 
 def _check_number(name: str, value: object, kind: type | tuple[type, ...], low: float, *, above: bool = False) -> None:
@@ -69,6 +73,7 @@ class EngineOptions:
     lookahead: int | None = None
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
     autotune: bool | Autotune = False
+    sync_dataloader_exhaustion: bool = False
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, (PipelinePlan, PhasedPlan, str, os.PathLike)):
@@ -86,6 +91,8 @@ class EngineOptions:
         _check_number("engine_timeout_s", self.engine_timeout_s, (int, float), 0, above=True)
         if not isinstance(self.autotune, (bool, Autotune)):
             raise TypeError(f"autotune must be a bool or torchrec_swp.Autotune(...), got {type(self.autotune).__name__}")
+        if not isinstance(self.sync_dataloader_exhaustion, bool):
+            raise TypeError(f"sync_dataloader_exhaustion must be a bool, got {self.sync_dataloader_exhaustion!r}")
 
     @property
     def tuning(self) -> Autotune | None:
@@ -106,6 +113,12 @@ class EngineOptions:
             return cls(**given)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{owner}: {e}") from None
+
+    def exhaustion_sync(self, owner: str) -> ExhaustionSync | None:
+        """The collective of ``sync_dataloader_exhaustion`` (made now, on a gloo group of its own;
+        None without the option or in a world of one); without a process group, ValueError
+        naming ``owner``."""
+        return ExhaustionSync.create(owner, self.engine_timeout_s) if self.sync_dataloader_exhaustion else None
 
     def plan_for(self, default: PipelinePlan | PhasedPlan, owner: str) -> PipelinePlan | PhasedPlan:
         """The plan the engine runs: ``plan`` (or ``default``), then ``thread_map``, ``loads``

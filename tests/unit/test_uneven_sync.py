@@ -1,0 +1,120 @@
+"""``sync_dataloader_exhaustion`` in one process: the engine's draws with a stand-in for the
+collective (a peer whose data holds a given number of batches), and the option's bad input.
+
+The stand-in answers ``agree(have)`` as the MIN all-reduce would with one peer holding
+``peer`` batches per epoch; it records which thread asked. The real collective on 2 gloo
+ranks is tested in tests/dist/test_uneven_data.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import torchrec_swp
+from tests.unit.test_engine_options import Summing, build
+from torchrec_swp.data import MapSource
+from torchrec_swp.engine import exhaustion
+from torchrec_swp.engine.exhaustion import ExhaustionSync
+from torchrec_swp.integrations.torchrec import pipelines
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+
+CPU = torch.device("cpu")
+
+
+class PeerSync(ExhaustionSync):
+    """One peer with ``peer`` batches per epoch; no process group."""
+
+    def __init__(self, peer: int) -> None:
+        super().__init__(group=None)  # type: ignore[arg-type]
+        self.peer = peer
+        self.position = 0
+        self.threads: list[str] = []
+
+    def agree(self, have: bool) -> bool:
+        self.threads.append(threading.current_thread().name)
+        every = have and self.position < self.peer
+        self.position = self.position + 1 if every else 0  # the end starts the peer's next epoch
+        return every
+
+
+def batches(n: int, seed: int) -> list[torch.Tensor]:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return [torch.randn(5, 4) for _ in range(n)]
+
+
+def epochs(lengths: list[int], data: Callable[[list[torch.Tensor]], Any] = iter, **options: Any) -> tuple[Any, ...]:
+    """Train TrainPipelineBase over one epoch per length (a new iterator each): outputs and
+    StopIteration call per epoch, the final weights, the pipeline."""
+    model = Summing()
+    pipeline = torchrec_swp.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.05), CPU, **options)
+    runs = []
+    for e, n in enumerate(lengths):
+        it = data(batches(n, seed=e))
+        outputs = []
+        for call in range(n + 3):
+            try:
+                outputs.append(pipeline.progress(it)[1].detach().clone())
+            except StopIteration:
+                runs.append((outputs, call))
+                break
+    pipeline.close()
+    return runs, {k: v.clone() for k, v in model.state_dict().items()}, pipeline
+
+
+OPTIONS = [{}, {"thread_map": "io"}, {"loads": 2}, {"thread_map": "io", "lookahead": 2}, {"loads": 3, "lookahead": 1}]
+
+
+@pytest.mark.parametrize("data", [iter, MapSource], ids=["iterator", "MapSource"])
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("mine, peer", [(13, 10), (10, 13)], ids=["longer", "shorter"])
+def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
+    monkeypatch: pytest.MonkeyPatch, data: Any, options: dict[str, Any], mine: int, peer: int
+) -> None:
+    sync = PeerSync(peer)
+    monkeypatch.setattr(ExhaustionSync, "create", classmethod(lambda cls, owner, timeout_s: sync))
+    reference, ref_weights, _ = epochs([10, 10])
+    runs, weights, pipeline = epochs([mine, mine], data, sync_dataloader_exhaustion=True, **options)
+    for (outputs, stop), (ref_outputs, ref_stop) in zip(runs, reference, strict=True):
+        assert stop == ref_stop == 10
+        assert len(outputs) == 10 and all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    # one collective per draw, batch 10 included; an item drawn for it by the longer rank is not trained
+    assert len(sync.threads) == 2 * 11
+    assert pipeline.batch_ledger.past_end == (2 if mine > peer else 0)
+    assert pipeline.batch_ledger.trained == 20 and pipeline.batch_ledger.dropped == []
+    # issued by the thread that draws: the calling thread only where the plan draws there
+    drew_on_caller = {threading.current_thread().name} == set(sync.threads)
+    assert drew_on_caller == (options == {}), (options, set(sync.threads))
+
+
+def test_without_the_option_nothing_agrees_and_the_data_ends_where_it_ends() -> None:
+    runs, _, pipeline = epochs([13])
+    assert runs[0][1] == 13 and pipeline.engine.exhaustion is None
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("name", pipelines.__all__)
+def test_without_a_process_group_every_pipeline_says_so_in_one_line(name: str) -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError) as info:
+        build(name, sync_dataloader_exhaustion=True).close()
+    assert str(info.value) == (
+        f"{name}(sync_dataloader_exhaustion=True) needs torch.distributed's default process group: call "
+        "torch.distributed.init_process_group() before building the pipeline"
+    )
+
+
+def test_the_option_is_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"^X: sync_dataloader_exhaustion must be a bool, got 'yes'$"):
+        EngineOptions.take({"sync_dataloader_exhaustion": "yes"}, "X")
+
+
+def test_synced_iterator_stops_with_the_shorter_peer() -> None:
+    sync = PeerSync(2)
+    it = exhaustion.SyncedIterator(iter([1, 2, 3, 4]), sync)
+    assert list(it) == [1, 2] and it.dropped == 1
