@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog.accumulation import accumulation_phases
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, When
 
 GOLDEN = Path(__file__).parent.parent / "golden"
@@ -38,6 +39,8 @@ VARIANTS = {
     "TrainPipelineBase.parallel_loads.lookahead_3": plans.with_parallel_loads(
         plans.train_pipeline_base_plan(), 2, lookahead=3
     ),
+    # GradientAccumulationWrapper's window of 3: ZeroGrad/OptimizerStep guarded never in between
+    "TrainPipelineSparseDist.gradient_accumulation_3": accumulation_phases(plans.sparse_dist_plan(), 3),
 }
 
 
