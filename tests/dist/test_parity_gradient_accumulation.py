@@ -6,7 +6,7 @@ iterator), so that the first ends inside a window (upstream flushes it at StopIt
 the counter goes on across the epochs. Outputs, losses, final weights and the StopIteration
 calls must be equal bit for bit, with the default plan and with thread maps, loads and
 lookahead; upstream's Fused and SemiSync run under the test-only CPU patch, as in their own
-parity tests. On our side the window is in the plan (``plans.accumulation_phases``); a pipeline
+parity tests, and so does TrainPipelinePEC (1.9), one epoch on its own model. On our side the window is in the plan (``plans.accumulation_phases``); a pipeline
 whose plan has phases of its own (SemiSync) keeps upstream's optimizer interception.
 
 Checkpoints: a run cut in the middle of a window (after 5 batches of windows of 3: batches 3 and
@@ -35,6 +35,7 @@ from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from harness.parity import RunResult, assert_runs_equal, build_model, local_state, make_batches, train_pipeline_run
 from harness.ranks import run_on_ranks
 from torchrec_swp.data import MapSource
+from torchrec_swp.integrations.torchrec.compat import installed
 
 OursWrapper = torchrec_swp.GradientAccumulationWrapper
 
@@ -190,6 +191,44 @@ def test_the_window_is_in_the_schedule(cases: list[dict[str, Any]]) -> None:
         "phase 5 (batches 5 to 5, then every 3 batches trained since the pipeline was built or reset): "
         "TrainPipelineSparseDist_step",
     ], text
+
+
+def _pec(rank: int, world_size: int, seed: int) -> dict[str, Any]:
+    """TrainPipelinePEC (1.9) on its own model (``harness.pec_model``), upstream's under the patch."""
+    from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC as Upstream
+
+    from harness.pec_model import PEC_THREAD_MAPS, build_pec_model
+
+    def run(factory: Factory, wrapper: type, patched: bool) -> tuple[RunResult, str | None]:
+        model, optimizer, batches = build_pec_model(seed, EPOCHS[0])
+        with upstream_cpu_patch() if patched else contextlib.nullcontext():
+            pipeline = factory(model, optimizer)
+            wrapped = wrapper(pipeline, optimizer, model, CONFIGS["k3"])
+            try:
+                result = train_pipeline_run(wrapped, batches, EPOCHS[0] + 3, model=model)
+                return result, getattr(getattr(pipeline, "plan", None), "name", None)
+            finally:
+                if hasattr(pipeline, "close"):
+                    pipeline.close()
+
+    return {
+        "upstream": run(lambda m, o: Upstream(m, o, CPU), UpstreamWrapper, True)[0],
+        "ours": {
+            label: run(lambda m, o, tm=PEC_THREAD_MAPS[label]: torchrec_swp.TrainPipelinePEC(m, o, CPU, thread_map=tm),
+                       OursWrapper, False)
+            for label in ("default", "spread")
+        },
+    }
+
+
+@pytest.mark.skipif(not installed().has_pec, reason="TrainPipelinePEC is new in TorchRec 1.9")
+def test_pec_accumulates_as_upstream_bit_for_bit() -> None:
+    for rank, out in enumerate(run_on_ranks(_pec, 31, timeout_s=600)):
+        reference = out["upstream"]
+        assert reference.num_calls == EPOCHS[0]
+        for label, (result, plan) in out["ours"].items():
+            assert plan is not None and plan.endswith("_accumulate3"), plan
+            assert_runs_equal(reference, result, what=f"rank {rank} PEC [{label}]")
 
 
 # ---------------------------------------------------------------------------------- checkpoints

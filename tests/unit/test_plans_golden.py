@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog.accumulation import accumulation_phases
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, When
 
 GOLDEN = Path(__file__).parent.parent / "golden"
@@ -41,6 +42,8 @@ VARIANTS = {
     "EvalPipelineCPUSparse.pipeline_depth_1.multi_thread": plans.eval_cpu_sparse_plan(
         pipeline_depth=1, multi_thread=True
     ),
+    # GradientAccumulationWrapper's window of 3: ZeroGrad/OptimizerStep guarded never in between
+    "TrainPipelineSparseDist.gradient_accumulation_3": accumulation_phases(plans.sparse_dist_plan(), 3),
 }
 
 

@@ -37,6 +37,9 @@ own pipeline tests with our classes swapped in):
   ``_start_pec_ol_grad``, ``_wait_pec_grad``, ``_record_stream_forward_ctx``,
   ``_record_stream_backward_ctx``; ``_async_inplace_copy`` (1.9's mixin, left off);
 * SparseDataDistUtil (``pipeline_stage.py``): ``_pipelined_forward``, ``initialized``, ``_device``;
+* GradientAccumulationWrapper (``gradient_accumulation.py``, 1.8 and 1.9): ``_pipeline``, ``_model``,
+  ``_config``, ``_optimizer_wrapper`` (its ``_needs_zero_grad``), ``_advance_state``,
+  ``_get_ddp_modules``; it sets the pipeline's ``_optimizer``;
 * torch (CompAutograd on CPU): DDP's ``_use_python_reducer``, ``_remove_autograd_hooks``,
   ``_register_accum_grad_hook``, ``_bucket_config``; ``torch._inductor.config._fuse_ddp_*``;
   ``torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST``.
