@@ -334,6 +334,18 @@ def test_stretches_end_at_each_evaluation_and_draw_each_batch_once() -> None:
         Stretch(loader, drawn=5, until=4)
 
 
+def test_the_component_passes_the_eval_mode_and_leaves_the_pipeline_to_train_py() -> None:
+    from examples.dlrm.component import dlrm
+
+    def command(**kwargs: Any) -> str:
+        return dlrm(eval_every=4, **kwargs).roles[0].args[-1]
+
+    hybrid = command(eval_mode="hybrid")
+    assert "--eval-every 4 --eval-mode hybrid" in hybrid and "--pipeline" not in hybrid  # train.py picks the hybrid
+    assert "--pipeline TrainEvalHybridPipelineBase" in command(pipeline="TrainEvalHybridPipelineBase")
+    assert "--eval-mode" not in command()
+
+
 def test_held_out_split_is_never_a_training_batch_and_shares_the_hidden_model() -> None:
     common = {"batch_size": 16, "num_embeddings": 100, "num_sparse": 4}
     for rank in range(2):
