@@ -12,10 +12,11 @@ message saying so.
 ``device`` (default: the CPU) is the device the pipeline trains on: with a CUDA device the plans
 run on real streams (and upstream's pipelines as shipped).
 
-Upstream on CPU (see ``docs/install.md``): Base, SparseDist, Lite, PT2 and
-EvalSparseDist run as shipped. The others fail there; they run only with ``upstream_patch=True``,
-which applies the repository's test-only patch (``examples/dlrm/upstream_cpu_patch.py``: CPU tensors
-ignore ``record_stream``, the CUDA fallback device becomes the CPU) for as long as the runner
+Upstream on CPU (see ``docs/install.md``): Base, SparseDist, Lite, PT2, EvalSparseDist and the
+experimental TrainEvalHybridPipelineBase run as shipped. The others fail there; they run only with
+``upstream_patch=True``, which applies the repository's test-only patch
+(``examples/dlrm/upstream_cpu_patch.py``: CPU tensors ignore ``record_stream``, the CUDA fallback
+device becomes the CPU) for as long as the runner
 lives, plus the per-pipeline tweaks the parity tests use (Prefetch: a CPU data_dist stream during
 prefetch; CompAutograd: DDP's Python reducer and ``fullgraph=False``; Staged: CPU streams with a
 ``.device``). The patch is process-wide: while it is on, our pipelines run under it too.
@@ -90,8 +91,14 @@ INFO: dict[str, PipelineInfo] = {
         # TorchRec 1.9. The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every
         # module takes PEC's non-PEC path, looked up at the start of the step like Fused's.
         PipelineInfo("TrainPipelinePEC", upstream_fails="its constructor creates torch.cuda.Event()"),
+        # experimental_pipelines.py: trains in train mode and evaluates in eval mode (the example's
+        # --eval-mode hybrid); upstream's runs on CPU as shipped.
+        PipelineInfo("TrainEvalHybridPipelineBase"),
     )
 }
+
+#: Pipelines of upstream's ``experimental_pipelines.py`` (the others are in ``train_pipelines.py``).
+EXPERIMENTAL: frozenset[str] = frozenset({"TrainEvalHybridPipelineBase"})
 
 PIPELINES: tuple[str, ...] = tuple(INFO)
 
@@ -124,6 +131,10 @@ def _pipeline_class(name: str, impl: Impl) -> type:
             except ImportError:
                 raise PipelineUnavailable("TrainPipelinePEC is new in TorchRec 1.9") from None
             return TrainPipelinePEC
+        if name in EXPERIMENTAL:
+            from torchrec.distributed.train_pipeline import experimental_pipelines
+
+            return getattr(experimental_pipelines, name)
         return getattr(upstream, name)
     if name not in _ours_exports():
         raise PipelineUnavailable(

@@ -34,7 +34,7 @@ def dlrm(
     nnodes: int = 1,
     max_retries: int = 0,
     rdzv_port: int = 29500,
-    pipeline: str = "TrainPipelineSparseDist",
+    pipeline: str = "",
     impl: str = "ours",
     steps: int = 100,  # = train.STEPS
     thread_map: str = "",
@@ -46,6 +46,7 @@ def dlrm(
     loader_latency_ms: float = 0.0,
     eval_every: int = 0,
     eval_batches: Optional[int] = None,  # noqa: UP045 - see the import
+    eval_mode: str = "",
     json: str = "",
     cpu: int = 2,
     memMB: int = 4096,
@@ -58,7 +59,7 @@ def dlrm(
         nnodes: nodes (one torchrun each; they meet through the c10d rendezvous on the first node)
         max_retries: restarts after a failure (the scheduler's retries and torchrun's --max-restarts)
         rdzv_port: port of the rendezvous on the first node (nnodes > 1)
-        pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase
+        pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase ("": train.py's default, TrainPipelineSparseDist, or TrainEvalHybridPipelineBase with eval_mode hybrid)
         impl: ours (torchrec_swp) or upstream (TorchRec)
         steps: batches per rank
         thread_map: ours: main, by_stream, per_task, io, or a JSON object {task: thread} ("": the plan's own)
@@ -70,13 +71,13 @@ def dlrm(
         loader_latency_ms: the loader waits this long per batch (storage latency)
         eval_every: evaluate after every N-th step and the last: validation AUC and NE on held-out batches (0: never)
         eval_batches: held-out batches per rank of each evaluation (default: train.py's, 10); with eval_every only
+        eval_mode: pipeline (an EvalPipelineSparseDist beside the training pipeline) or hybrid (the training pipeline, TrainEvalHybridPipelineBase, in eval mode); "": train.py's default
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
         memMB: memory of the job in MB (a resource request; local_cwd does not enforce it)
     """
-    args = [
-        "--pipeline",
-        pipeline,
+    args = [] if not pipeline else ["--pipeline", pipeline]
+    args += [
         "--impl",
         impl,
         "--steps",
@@ -100,6 +101,8 @@ def dlrm(
         args += ["--eval-every", str(eval_every)]
     if eval_batches is not None:
         args += ["--eval-batches", str(eval_batches)]
+    if eval_mode:
+        args += ["--eval-mode", eval_mode]
     if json:
         args += ["--json", json]
     env = {"OMP_NUM_THREADS": "1", "PET_MAX_RESTARTS": str(max_retries)}

@@ -18,8 +18,24 @@ goes back to train mode, and the training pipeline's next ``progress()`` attache
 trains its next batch, the one it had in flight. No training batch is lost or repeated, none
 waits: the training batches in flight are the ones a step without evaluation would train next.
 
-An evaluation mode is a class with ``evaluate(batches, each) -> int`` and ``close()``
-(``EVAL_MODES`` names them); ``Evaluator`` owns the schedule, the metrics and what was found.
+How one pipeline does both (``HybridPipeline``, ``--eval-mode hybrid``): the training pipeline is
+a TrainEvalHybridPipelineBase (ours, or upstream's), which steps a batch in train or eval mode as
+``model.training`` says at each ``progress()`` call. Upstream's switch keeps the pipeline full:
+the batches in flight at a switch are stepped in the new mode, so switching right after a training
+step would evaluate (and never train) the 2 training batches in flight. So the training data is
+cut at the evaluation points: each stretch of steps between two evaluations gets an iterator of
+its own over the training loader (``Stretch``) that ends after the batch of the evaluation's step;
+the pipeline drains it (the last 2 steps before an evaluation run without their overlap) and holds
+no training batch when ``model.eval()`` switches it, with a new iterator over the held-out batches
+(evaluated until its StopIteration: the pipeline drains them too). ``model.train()`` and the next
+stretch fill it again. A checkpoint due at an evaluation's step keeps the training pipeline's
+state taken before the evaluation (the cut at the next training batch, the loader's position with
+it): after it the pipeline's last data is the held-out loader's.
+
+An evaluation mode is a class with ``evaluate(batches, each) -> int``, ``training_data(it, trained,
+until)`` (the iterator the training pipeline gets for the step after ``trained``), the class
+attribute ``SHARES_TRAINING_PIPELINE`` and ``close()`` (``EVAL_MODES`` names them); ``Evaluator``
+owns the schedule, the metrics and what was found.
 Its ``state_dict()`` goes into the example's checkpoints, so that a resumed run reports the
 last validation AUC even before it evaluates again; the schedule itself follows the step count
 (evaluations after steps ``N, 2N, ...`` and the last), so a resume evaluates where the
@@ -29,7 +45,7 @@ uninterrupted run would have.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -92,9 +108,24 @@ class ValidationMetrics:
         return self._examples
 
 
+def _progress_until_stop(pipeline: Any, it: Iterator[Any], each: Callable[[Any], None]) -> int:
+    """``each(pipeline.progress(it))`` until StopIteration; how many outputs there were."""
+    count = 0
+    while True:
+        try:
+            output = pipeline.progress(it)
+        except StopIteration:
+            return count
+        each(output)
+        count += 1
+
+
 class SeparatePipeline:
     """``--eval-mode pipeline``: an EvalPipelineSparseDist of ``impl`` over the training
     pipeline's model (see the module docstring for the switch)."""
+
+    #: The training pipeline's state after an evaluation is still its cut at the next training batch.
+    SHARES_TRAINING_PIPELINE = False
 
     def __init__(
         self, impl: str, train_pipeline: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Any
@@ -120,28 +151,117 @@ class SeparatePipeline:
         count = 0
         try:
             self._pipeline.attach(self._model)  # no batch in flight: the first progress() rewrites the model
-            it = iter(batches)
             with torch.no_grad():
-                while True:
-                    try:
-                        output = self._pipeline.progress(it)
-                    except StopIteration:
-                        break
-                    each(output)
-                    count += 1
+                count = _progress_until_stop(self._pipeline, iter(batches), each)
             self._pipeline.detach()
             self._pipeline.reset()
         finally:
             self._model.train(was_training)
         return count
 
+    def training_data(self, it: Iterator[Any], trained: int, until: int) -> Iterator[Any]:
+        """The training pipeline keeps its batches in flight across an evaluation: the whole data."""
+        return it
+
     def close(self) -> None:
         if hasattr(self._pipeline, "close"):
             self._pipeline.close()
 
 
+class Stretch:
+    """The training batches of the steps up to ``until``: draws from ``it`` while fewer than
+    ``until`` batches were drawn since step 0 (``drawn``: how many before this stretch), then
+    StopIteration. ``state_dict()`` is the loader iterator's (ours records the data position of
+    each batch it draws through it)."""
+
+    def __init__(self, it: Iterator[Any], *, drawn: int, until: int) -> None:
+        if drawn > until:
+            raise ValueError(f"a stretch until batch {until} starts after it, at {drawn}")
+        self._it = it
+        self.drawn = drawn
+        self.until = until
+
+    def __iter__(self) -> Stretch:
+        return self
+
+    def __next__(self) -> Any:
+        if self.drawn >= self.until:
+            raise StopIteration
+        batch = next(self._it)
+        self.drawn += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._it.state_dict()  # type: ignore[attr-defined]
+
+
+class HybridPipeline:
+    """``--eval-mode hybrid``: the training pipeline, a TrainEvalHybridPipelineBase of ``impl``,
+    evaluates too, in eval mode (see the module docstring for the switch)."""
+
+    #: After an evaluation the training pipeline's last data is the held-out loader's.
+    SHARES_TRAINING_PIPELINE = True
+
+    def __init__(
+        self, impl: str, train_pipeline: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Any
+    ) -> None:
+        if impl == "ours":
+            from torchrec_swp import TrainEvalHybridPipelineBase
+        else:
+            from torchrec.distributed.train_pipeline.experimental_pipelines import TrainEvalHybridPipelineBase
+        if not isinstance(train_pipeline, TrainEvalHybridPipelineBase):
+            raise ValueError(
+                f"--eval-mode hybrid evaluates through the training pipeline, a {impl} TrainEvalHybridPipelineBase; "
+                f"this one is a {type(train_pipeline).__name__}"
+            )
+        self._pipeline = train_pipeline
+        self._model = model
+        self._stretch: Stretch | None = None
+
+    def training_data(self, it: Iterator[Any], trained: int, until: int) -> Iterator[Any]:
+        """The stretch of ``it`` that ends after the batch of step ``until`` (the next evaluation's):
+        the same iterator object for every step of the stretch (a new one is new data)."""
+        stretch = self._stretch
+        if stretch is None or stretch.until != until:
+            # every batch drawn before is trained by now (the last stretch drained; a resume
+            # re-draws from the cut, the first batch not trained)
+            stretch = self._stretch = Stretch(it, drawn=trained if stretch is None else stretch.drawn, until=until)
+        return stretch
+
+    def _in_flight(self) -> int:
+        """Training batches the pipeline holds (ours: drawn and not yet returned)."""
+        engine = getattr(self._pipeline, "engine", None)
+        if engine is not None:
+            engine.quiesce()
+            return len(engine.in_flight())
+        return len(self._pipeline.batches)
+
+    def evaluate(self, batches: Iterable[Any], each: Callable[[Any], None]) -> int:
+        """Evaluate ``batches`` (each exactly once) through the training pipeline in eval mode,
+        calling ``each(output)`` with its output ``(loss, logits, labels)`` of every batch; return
+        how many there were."""
+        held = self._in_flight()
+        if held:
+            raise RuntimeError(
+                f"--eval-mode hybrid: the training pipeline still holds {held} training batch(es): they would be "
+                "evaluated instead of trained (the training data must end at the evaluation's step)"
+            )
+        was_training = self._model.training
+        self._model.eval()
+        try:
+            return _progress_until_stop(self._pipeline, iter(batches), each)
+        finally:
+            self._model.train(was_training)
+
+    def close(self) -> None:
+        """Nothing of its own: the training pipeline is closed with its runner."""
+
+
 #: ``--eval-mode``: how the model is evaluated between training steps.
-EVAL_MODES: dict[str, type[SeparatePipeline]] = {"pipeline": SeparatePipeline}
+EVAL_MODES: dict[str, type[SeparatePipeline] | type[HybridPipeline]] = {
+    "pipeline": SeparatePipeline,
+    "hybrid": HybridPipeline,
+}
 
 
 @dataclass(frozen=True)
@@ -166,7 +286,7 @@ class Evaluator:
         *,
         every: int,
         last_step: int,
-        mode: SeparatePipeline,
+        mode: SeparatePipeline | HybridPipeline,
         batches: Callable[[], Iterable[Any]],
         metrics: ValidationMetrics,
         world_size: int,
@@ -185,6 +305,21 @@ class Evaluator:
         """Whether to evaluate after training step ``trained``: every ``every`` steps and after the
         last one (once per step: not again after a resume that starts there)."""
         return not self.evaluated_at(trained) and (trained % self.every == 0 or trained == self._last_step)
+
+    def next_due(self, trained: int) -> int:
+        """The step of the next evaluation after step ``trained`` (the last step at the latest)."""
+        return min((trained // self.every + 1) * self.every, max(self._last_step, trained + 1))
+
+    def training_data(self, it: Iterator[Any], trained: int) -> Iterator[Any]:
+        """What the training pipeline's ``progress()`` gets for the step after ``trained``: ``it``,
+        or with ``--eval-mode hybrid`` the stretch of it that ends at the next evaluation."""
+        return self._mode.training_data(it, trained, self.next_due(trained))
+
+    @property
+    def shares_training_pipeline(self) -> bool:
+        """Whether the evaluations run through the training pipeline (take its checkpoint state
+        before an evaluation)."""
+        return self._mode.SHARES_TRAINING_PIPELINE
 
     def evaluated_at(self, trained: int) -> bool:
         """Whether the last evaluation was after training step ``trained``."""

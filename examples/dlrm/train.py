@@ -18,7 +18,8 @@ worker processes, 0: in the training process) or by ``torchrec_swp.data.MapSourc
 map-style dataset (``map``: the same batches in the same order, loaded on the pipeline's own
 threads, ``--loads N`` at once); ``--loader-latency-ms`` makes each batch wait that long, like
 storage would (with ``map``, inside each load, so parallel loads wait at once).
-Pipeline: ``--pipeline NAME`` (any of the 12; TrainPipelinePEC needs TorchRec 1.9), ``--impl ours|upstream``,
+Pipeline: ``--pipeline NAME`` (any of the 12, TrainPipelinePEC needs TorchRec 1.9; and the
+experimental TrainEvalHybridPipelineBase), ``--impl ours|upstream``,
 ``--plan FILE`` (a plan text file replacing the default plan) and
 ``--thread-map`` (ours only: ``main``, ``by_stream``, ``per_task``, ``io``, or ``TASK=THREAD,...``
 such as ``H2D=io``, or a JSON object). ``--thread-map io`` puts the stage-0 tasks (loading the
@@ -52,8 +53,12 @@ Validation: ``--eval-every N --eval-batches M`` evaluates after every N-th step 
 last one on M held-out batches per rank (the synthetic data's held-out split, or ``--eval-tsv``
 files with ``--criteo-tsv``): validation AUC and NE by ``torchrec.metrics``, through an
 EvalPipelineSparseDist over the training pipeline's model (``evaluate.py``: how the model changes
-hands without losing, repeating or holding up a batch). ``--record-batches FILE`` writes which
-batch the model ran at each step, training or evaluating (``record.py``).
+hands without losing, repeating or holding up a batch). ``--eval-mode hybrid`` evaluates through
+the training pipeline itself, a TrainEvalHybridPipelineBase switched to eval mode (picked when no
+``--pipeline`` is named; another pipeline is refused); the training data is cut at each
+evaluation so that no training batch is in flight at the switch (``evaluate.py``).
+``--record-batches FILE`` writes which batch the model ran at each step, training or evaluating
+(``record.py``).
 
 Rank 0's first line says what runs where (pipeline, ranks as nodes x processes, backend, device),
 then it prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
@@ -109,6 +114,9 @@ from torchrec_swp.data import MapSource
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
 
 THREAD_MAPS = ("main", "by_stream", "per_task", "io")
+#: The pipeline without --pipeline, and the one --eval-mode hybrid evaluates through.
+DEFAULT_PIPELINE = "TrainPipelineSparseDist"
+HYBRID_PIPELINE = "TrainEvalHybridPipelineBase"
 #: Held-out batches per rank of each evaluation when --eval-every is given without --eval-batches.
 EVAL_BATCHES = 10
 DATA_SOURCES = ("dataloader", "map")
@@ -124,9 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipe.add_argument(
         "--pipeline",
         choices=PIPELINES,
-        default="TrainPipelineSparseDist",
         metavar="NAME",
-        help="one of: " + ", ".join(PIPELINES) + " (default: %(default)s)",
+        help="one of: " + ", ".join(PIPELINES) + f" (default: {DEFAULT_PIPELINE}; with --eval-mode hybrid, "
+        f"{HYBRID_PIPELINE})",
     )
     pipe.add_argument(
         "--impl",
@@ -312,7 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=tuple(EVAL_MODES),
         metavar="MODE",
         help="how the model is evaluated between steps: pipeline (an EvalPipelineSparseDist over the training "
-        "pipeline's model) (default: pipeline)",
+        f"pipeline's model) or hybrid (the training pipeline itself, a {HYBRID_PIPELINE}, in eval mode) "
+        f"(default: hybrid with --pipeline {HYBRID_PIPELINE}, else pipeline)",
     )
     val.add_argument(
         "--record-batches",
@@ -354,6 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fault drill: rank RANK kills itself (SIGKILL) after step STEP, on the launcher's first attempt only",
     )
     args = parser.parse_args(argv)
+    _pick_pipeline(parser, args)
     for name in ("steps", "batch_size", "num_sparse", "num_embeddings", "embedding_dim", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -475,6 +485,19 @@ def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
     return keywords
 
 
+def _pick_pipeline(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.pipeline``: the one named, else the default, or with ``--eval-mode hybrid`` the
+    hybrid (``args.pipeline_picked`` says so); hybrid mode with another pipeline is refused."""
+    args.pipeline_picked = args.pipeline is None and args.eval_mode == "hybrid"
+    if args.pipeline is None:
+        args.pipeline = HYBRID_PIPELINE if args.eval_mode == "hybrid" else DEFAULT_PIPELINE
+    if args.eval_mode == "hybrid" and args.pipeline != HYBRID_PIPELINE:
+        parser.error(
+            f"--eval-mode hybrid evaluates through the training pipeline, which must be {HYBRID_PIPELINE} "
+            f"(--pipeline {args.pipeline} has no eval mode); name it, leave --pipeline out, or use --eval-mode pipeline"
+        )
+
+
 def _check_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The validation options hang together: held-out data to evaluate, a pipeline that trains."""
     if args.eval_every < 0:
@@ -497,7 +520,7 @@ def _check_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.eval_batches is None:
         args.eval_batches = EVAL_BATCHES
     if args.eval_mode is None:
-        args.eval_mode = "pipeline"
+        args.eval_mode = "hybrid" if args.pipeline == HYBRID_PIPELINE else "pipeline"
     if args.eval_batches == 0:
         parser.error(f"--eval-every {args.eval_every}: no held-out data to evaluate on (--eval-batches 0)")
     if args.eval_tsv and not args.criteo_tsv:
@@ -517,6 +540,15 @@ def _check_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if kind != "train":
         what = "evaluates only" if kind == "eval" else "trains in the caller's loop (no model to hand over)"
         parser.error(f"--eval-every: {args.pipeline} {what}; evaluate beside a train pipeline")
+    if args.eval_mode == "hybrid":
+        # the training data reaches the pipeline cut at each evaluation (evaluate.Stretch)
+        if args.data_source == "map":
+            parser.error(
+                "--eval-mode hybrid: --data-source map loads on the pipeline's threads, where the training data "
+                "cannot be cut at the evaluations; use --data-source dataloader"
+            )
+        if args.autotune:
+            parser.error("--eval-mode hybrid: --autotune is not supported (it would tune across the switches)")
 
 
 def _check_long_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -779,6 +811,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         start_step = int(meta["step"])
     kind = INFO[args.pipeline].kind
     if rank == 0:
+        if args.pipeline_picked:
+            print(f"--eval-mode hybrid: training and evaluating through {args.impl} {args.pipeline}", flush=True)
         print(
             f"{args.impl} {args.pipeline} ({kind}) on {world_size} ranks ({_topology(world_size)}; "
             f"{dist.get_backend()}, {device.type}), {args.steps} steps, {size.describe()}{_data_note(args)}",
@@ -851,9 +885,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 runner.pipeline.engine.instrument(recorder)  # only the steps drawn pay for it
             if batch_log is not None:
                 batch_log.at("train", trained + 1)
+            data = it if evaluator is None else evaluator.training_data(it, trained)
             t0 = time.perf_counter()
             try:
-                output = runner.step(it)
+                output = runner.step(data)
             except StopIteration:
                 data_ended = True
                 break
@@ -868,10 +903,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 postfix["qps"] = f"{examples_per_step * len(recent) / sum(recent):,.0f}"
                 bar.set_postfix(postfix, refresh=False)
                 bar.update()
+            cut = None
             if evaluator is not None and evaluator.due(trained):
+                if args.checkpoint_dir and _checkpoint_due(args, trained) and evaluator.shares_training_pipeline:
+                    cut = runner.pipeline.state_dict()  # before the held-out batches go through the pipeline
                 evaluate()
             if args.checkpoint_dir and _checkpoint_due(args, trained):
-                per_rank = {"pipeline": runner.pipeline.state_dict()}
+                per_rank = {"pipeline": cut if cut is not None else runner.pipeline.state_dict()}
                 if evaluator is not None:
                     per_rank["eval"] = evaluator.state_dict()
                 step_dir = checkpoint.save(
@@ -992,10 +1030,14 @@ def _eval_note(args: argparse.Namespace, world_size: int) -> str:
     """The header's line about the evaluations."""
     data = ", ".join(map(str, args.eval_tsv)) if args.eval_tsv else "the synthetic data's held-out split"
     batches = f"at most {args.eval_batches}" if args.eval_tsv else str(args.eval_batches)
+    through = (
+        f"the training pipeline in eval mode ({args.impl} {args.pipeline})"
+        if args.eval_mode == "hybrid"
+        else f"{args.impl} EvalPipelineSparseDist"
+    )
     return (
         f"validation: every {args.eval_every} steps and after the last, {batches} held-out batches per rank x "
-        f"{world_size} ranks ({data}), AUC and NE by torchrec.metrics, through {args.impl} EvalPipelineSparseDist "
-        f"(--eval-mode {args.eval_mode})"
+        f"{world_size} ranks ({data}), AUC and NE by torchrec.metrics, through {through} (--eval-mode {args.eval_mode})"
     )
 
 

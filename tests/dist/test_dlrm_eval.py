@@ -10,10 +10,15 @@ On 2 gloo ranks (small model):
   evaluations change nothing in the training: the losses and the final weights are those of a
   run without evaluation, and the validation results of the resumed run, of an uninterrupted run
   whose threads run ahead (``--thread-map by_stream``) and of upstream's pipelines are the same,
-  bit for bit.
+  bit for bit;
+* the same with ``--eval-mode hybrid`` (one TrainEvalHybridPipelineBase trains and evaluates):
+  every batch once, across the switches and two resumes (one from a checkpoint taken at an
+  evaluation's step), training and validation results equal to those of ``--eval-mode pipeline``
+  over the same pipeline, and upstream's hybrid finds the same, bit for bit.
 
 In process (fast): the validation metrics against AUC and NE computed by hand, the schedule,
-the held-out split, and the one-line errors for bad validation arguments.
+the hybrid mode's stretches of training data, the held-out split, and the one-line errors for bad
+validation arguments.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import pytest
 import torch
 
 from examples.dlrm.data import SyntheticCriteo, write_sample_tsv
-from examples.dlrm.evaluate import Evaluation, Evaluator, ValidationMetrics
+from examples.dlrm.evaluate import Evaluation, Evaluator, Stretch, ValidationMetrics
 from examples.dlrm.record import batch_key
 from tests.dist.test_torchx_dlrm import SMALL, _check, _torchx, assert_refused
 
@@ -174,6 +179,57 @@ def test_upstream_pipelines_evaluate_alike_and_the_component_evaluates_criteo_fi
     assert component["val_auc"] == component["evaluations"][-1]["auc"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_hybrid_mode_uses_every_batch_once_across_switches_and_resumes_and_equals_upstream(tmp_path: Path) -> None:
+    steps, every, m = 24, 8, 3
+    evals = ["--steps", str(steps), "--eval-every", str(every), "--eval-batches", str(m)]
+    hybrid = ["--pipeline", "TrainEvalHybridPipelineBase"]
+    expected = [8, 16, 24]
+    # the same pipeline evaluated beside it, by an EvalPipelineSparseDist
+    separate, output = _ranks([*evals, *hybrid, "--eval-mode", "pipeline"], tmp_path, "separate")
+    assert "(--eval-mode pipeline)" in output
+
+    # uninterrupted, the pipeline's threads running ahead between steps; hybrid is the hybrid's default mode
+    record = tmp_path / "through.jsonl"
+    through, output = _ranks(
+        [*evals, *hybrid, "--thread-map", "by_stream", "--record-batches", str(record)], tmp_path, "through"
+    )
+    assert "through the training pipeline in eval mode (ours TrainEvalHybridPipelineBase) (--eval-mode hybrid)" in (
+        output
+    )
+    assert [step for step, _auc in EVAL_LINE.findall(output)] == ["8", "16", "24"]
+    for rank in range(2):
+        _assert_each_batch_once(_records(record, rank), steps, expected, m)
+
+    # stopped at an evaluation's step (its checkpoint holds the cut taken before the evaluation),
+    # resumed and stopped again within a stretch, resumed to the end; the hybrid picked for the mode
+    record = tmp_path / "resumed.jsonl"
+    long = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--record-batches", str(record)]
+    mode = ["--eval-mode", "hybrid"]
+    first, output = _ranks([*evals, *mode, *long, "--stop-after", "16"], tmp_path, "first")
+    assert "--eval-mode hybrid: training and evaluating through ours TrainEvalHybridPipelineBase" in output
+    second, _ = _ranks([*evals, *mode, *long, "--resume", "--stop-after", "21"], tmp_path, "second")
+    third, output = _ranks([*evals, *mode, *long, "--resume"], tmp_path, "third")
+    assert [e["step"] for e in first["evaluations"]] == [8, 16] and second["start_step"] == 16
+    assert third["start_step"] == 21 and [step for step, _auc in EVAL_LINE.findall(output)] == ["24"]
+    for rank in range(2):
+        _assert_each_batch_once(_records(record, rank), steps, expected, m)
+
+    # upstream's hybrid, its batches recorded too
+    record = tmp_path / "upstream.jsonl"
+    upstream, _ = _ranks([*evals, *mode, "--impl", "upstream", "--record-batches", str(record)], tmp_path, "upstream")
+    for rank in range(2):
+        _assert_each_batch_once(_records(record, rank), steps, expected, m)
+
+    # the evaluations change nothing in the training, and find the same everywhere
+    assert through["losses"] == separate["losses"] == first["losses"] + second["losses"] + third["losses"]
+    assert through["losses"] == upstream["losses"]
+    assert len({r["weights_sha256"] for r in (through, separate, third, upstream)}) == 1
+    assert _evaluations(through) == _evaluations(separate) == _evaluations(third) == _evaluations(upstream)
+    assert [e["step"] for e in through["evaluations"]] == expected and through["eval_mode"] == "hybrid"
+
+
 # ----------------------------------------------------------------------------- in-process
 def _auc_by_hand(scores: list[float], labels: list[int]) -> float:
     positives = [s for s, y in zip(scores, labels) if y]
@@ -244,6 +300,52 @@ def test_evaluator_runs_every_n_steps_and_after_the_last_once_and_resumes_its_hi
     resumed.close()
 
 
+class _Loader:
+    """An iterator with a position, as a StatefulDataLoader's."""
+
+    def __init__(self, n: int) -> None:
+        self.position, self._n = 0, n
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> int:
+        if self.position >= self._n:
+            raise StopIteration
+        self.position += 1
+        return self.position - 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+
+def test_stretches_end_at_each_evaluation_and_draw_each_batch_once() -> None:
+    metrics = ValidationMetrics(world_size=1, rank=0, batch_size=8, num_batches=1)
+    evaluator = Evaluator(every=4, last_step=10, mode=_Mode(), batches=list, metrics=metrics, world_size=1)
+    assert [evaluator.next_due(t) for t in (0, 3, 4, 7, 8, 9)] == [4, 4, 8, 8, 10, 10]
+    loader = _Loader(9)
+    first = Stretch(loader, drawn=0, until=4)
+    assert list(first) == [0, 1, 2, 3] and next(first, None) is None and loader.position == 4
+    assert first.state_dict() == {"position": 4}  # the loader's: the data position ours records
+    second = Stretch(loader, drawn=first.drawn, until=8)
+    assert [next(second), next(second)] == [4, 5] and second.state_dict() == {"position": 6}
+    assert list(second) == [6, 7] and list(Stretch(loader, drawn=8, until=10)) == [8]  # the data ends first
+    with pytest.raises(ValueError, match="a stretch until batch 4 starts after it, at 5"):
+        Stretch(loader, drawn=5, until=4)
+
+
+def test_the_component_passes_the_eval_mode_and_leaves_the_pipeline_to_train_py() -> None:
+    from examples.dlrm.component import dlrm
+
+    def command(**kwargs: Any) -> str:
+        return dlrm(eval_every=4, **kwargs).roles[0].args[-1]
+
+    hybrid = command(eval_mode="hybrid")
+    assert "--eval-every 4 --eval-mode hybrid" in hybrid and "--pipeline" not in hybrid  # train.py picks the hybrid
+    assert "--pipeline TrainEvalHybridPipelineBase" in command(pipeline="TrainEvalHybridPipelineBase")
+    assert "--eval-mode" not in command()
+
+
 def test_held_out_split_is_never_a_training_batch_and_shares_the_hidden_model() -> None:
     common = {"batch_size": 16, "num_embeddings": 100, "num_sparse": 4}
     for rank in range(2):
@@ -290,6 +392,20 @@ BAD_EVAL_ARGUMENTS = {
         "--eval-every: StagedTrainPipeline trains in the caller's loop",
     ),
     "unknown mode": (["--eval-every", "5", "--eval-mode", "bulk"], "argument --eval-mode: invalid choice: 'bulk'"),
+    "hybrid mode with another pipeline": (
+        ["--eval-every", "5", "--eval-mode", "hybrid", "--pipeline", "TrainPipelineSparseDist"],
+        "--eval-mode hybrid evaluates through the training pipeline, which must be TrainEvalHybridPipelineBase "
+        "(--pipeline TrainPipelineSparseDist has no eval mode)",
+    ),
+    "hybrid mode over the map source": (
+        ["--eval-every", "5", "--eval-mode", "hybrid", "--data-source", "map"],
+        "--eval-mode hybrid: --data-source map loads on the pipeline's threads",
+    ),
+    "hybrid mode tuning itself": (
+        ["--eval-every", "5", "--eval-mode", "hybrid", "--autotune", "--data-source", "dataloader"],
+        "--eval-mode hybrid: --autotune is not supported",
+    ),
+    "hybrid mode without evaluation": (["--eval-mode", "hybrid"], "--eval-mode: no evaluation without --eval-every N"),
 }
 
 
@@ -305,7 +421,11 @@ def test_bad_validation_arguments_are_refused_with_one_line(case: str) -> None:
         ["--eval-every", "25", "--eval-batches", "5", "--eval-mode", "pipeline", "--pipeline", "TrainPipelineSemiSync"],
         ["--eval-every", "5", "--criteo-tsv", __file__, "--eval-tsv", str(ROOT / "README.md")],
         ["--eval-every", "5", "--impl", "upstream"],
+        ["--eval-every", "5", "--eval-mode", "hybrid"],
+        ["--eval-every", "5", "--eval-mode", "hybrid", "--impl", "upstream"],
+        ["--eval-every", "5", "--pipeline", "TrainEvalHybridPipelineBase", "--eval-mode", "pipeline"],
+        ["--eval-every", "5", "--pipeline", "TrainEvalHybridPipelineBase", "--checkpoint-dir", "{tmp}"],
     ],
 )
-def test_good_validation_arguments_pass_the_check(argv: list[str]) -> None:
-    assert _check(argv) == (0, "")
+def test_good_validation_arguments_pass_the_check(argv: list[str], tmp_path: Path) -> None:
+    assert _check([a.replace("{tmp}", str(tmp_path / "ckpt")) for a in argv]) == (0, "")
