@@ -40,6 +40,11 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.Tra
     batches early in train and in eval mode; one line says so); a plan with ``lookahead`` (or
     ``loads``, which brings it) draws batches ahead of upstream, so at a switch of iterators the
     batches it drew ahead from the old one are stepped before the new one's.
+
+    Checkpoints: ``state_dict()`` records the position of the data the pipeline last drew from
+    (one cut, as for every pipeline of ours). After an evaluation that is the eval data, not the
+    training data: take a training checkpoint before switching to ``model.eval()`` (with the
+    training batches drained, as the DLRM example's ``--eval-mode hybrid`` does), not after.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
