@@ -17,6 +17,19 @@ _PLAN_NAMES = ("PhasedPlan", "PipelinePlan", "PipelineTask", "PlanError", "TaskS
 
 __version__ = "0.1.0"
 
+#: The pipelines upstream defines in ``experimental_pipelines.py`` (TorchRec 1.8.0 and 1.9.2 ship
+#: the same file): a train/eval hybrid, a background copy, the optimizer step in backward, memory
+#: stashing, sparse work on the CPU.
+EXPERIMENTAL_PIPELINES = (
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
+)
+
 # The upstream pipelines (also those upstream exports only from train_pipelines, and
 # TrainPipelinePEC, which exists from TorchRec 1.9).
 _PIPELINES = (
@@ -32,15 +45,7 @@ _PIPELINES = (
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelinePEC",
-    # experimental_pipelines.py (TorchRec 1.8.0 and 1.9.2 both ship it)
-    "TrainEvalHybridPipelineBase",
-    "TrainPipelineSparseDistT",
-    "TrainPipelineSparseDistBwdOpt",
-    # TorchRec's experimental pipelines (in 1.8.0 and 1.9): memory stashing, sparse work on the CPU
-    "TrainPipelineSparseDistOptStash",
-    "TrainPipelineSparseDistEmbStash",
-    "TrainPipelinePrefetchEMS",
-    "EvalPipelineCPUSparse",
+    *EXPERIMENTAL_PIPELINES,
 )
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrec_swp import EXPERIMENTAL_PIPELINES
+
 STEPS = 20
 SEED = 1234
 PARTIAL_NAME = "parity.partial.json"
@@ -88,16 +90,6 @@ CASES: tuple[Case, ...] = (
     Case("TrainPipelinePrefetchEMS", {"site_fqn": "over"}, _io("H2D")),
 )
 
-#: The pipelines upstream defines in ``experimental_pipelines.py``, not ``train_pipelines.py``.
-EXPERIMENTAL = (
-    "TrainEvalHybridPipelineBase",
-    "TrainPipelineSparseDistT",
-    "TrainPipelineSparseDistBwdOpt",
-    "TrainPipelineSparseDistOptStash",
-    "TrainPipelineSparseDistEmbStash",
-    "TrainPipelinePrefetchEMS",
-    "EvalPipelineCPUSparse",
-)
 #: Exported pipelines without a case here, and why.
 NOT_ON_GPU: Mapping[str, str] = {
     "EvalPipelineCPUSparse": "needs a model with data-parallel tables on the CPU and the dense part on the GPU "
@@ -115,7 +107,7 @@ def _pipeline_class(name: str, impl: str) -> type:
             from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
 
             return TrainPipelinePEC
-        if name in EXPERIMENTAL:
+        if name in EXPERIMENTAL_PIPELINES:
             from torchrec.distributed.train_pipeline import experimental_pipelines
 
             return getattr(experimental_pipelines, name)

@@ -12,6 +12,7 @@ to change the schedule without changing code or numbers::
 One module per upstream family; ``_driven`` holds what they share, ``engine_options`` the options.
 """
 
+from torchrec_swp import EXPERIMENTAL_PIPELINES
 from torchrec_swp.integrations.torchrec.compat import installed
 
 TORCHREC = installed()  # ImportError naming the supported versions if another is installed
@@ -59,11 +60,5 @@ __all__ = [
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
     *(["TrainPipelinePEC"] if TORCHREC.has_pec else []),
-    "TrainEvalHybridPipelineBase",
-    "TrainPipelineSparseDistT",
-    "TrainPipelineSparseDistBwdOpt",
-    "TrainPipelineSparseDistOptStash",
-    "TrainPipelineSparseDistEmbStash",
-    "TrainPipelinePrefetchEMS",
-    "EvalPipelineCPUSparse",
+    *EXPERIMENTAL_PIPELINES,
 ]
