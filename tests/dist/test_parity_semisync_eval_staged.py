@@ -146,6 +146,9 @@ def _all_runs(rank: int, world_size: int, seed: int) -> dict[str, Any]:
                 "default": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw)),
                 "io_thread": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map={"H2D": "io"})),
                 "by_stream": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map="by_stream")),
+                # EmbLookup(i+1) and EmbBackward(i) on threads of their own: the plan orders them
+                # (checked mode caught them unordered on the default stream before it did)
+                "per_task": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map="per_task")),
             },
         )
     out["SemiSync start_batch=900"] = run(lambda m, o: TrainPipelineSemiSync(m, o, CPU))

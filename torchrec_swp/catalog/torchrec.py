@@ -244,7 +244,7 @@ dep ZeroGrad <- OptimizerStep @1
 SEMI_SYNC = """
 # H2D(i+3) -> InputDist(i+2) -> EmbLookup(i+1) -> forward/backward/optimizer(i), semi-sync phase:
 # EmbLookup(i+1) is issued before Backward(i): its embeddings see updates up to batch i-1 (a dep
-# on EmbBackward @2), and its all-to-all overlaps batch i's backward. GradSwap (stash_gradients)
+# on EmbBackward @2, and EmbBackward(i) after it), and its all-to-all overlaps batch i's backward. GradSwap (stash_gradients)
 # is added by the plan function.
 # UPSTREAM: the design table lists the tasks stage by stage. Upstream's real order starts with
 # InputDistStart(i+2), pops batch i right after Forward(i) (Dequeue) and zeroes gradients last.
@@ -277,6 +277,9 @@ dep ZeroGrad <- OptimizerStep
 dep Forward <- ZeroGrad @1
 dep Forward <- OptimizerStep @1
 dep EmbLookup <- EmbBackward @2
+# EmbLookup(i+1) reads the tables EmbBackward(i) updates, both on the default stream: issued
+# before it (upstream's order), on whatever threads they run
+dep EmbBackward <- EmbLookup @-1
 """
 
 SEMI_SYNC_SYNC_PHASE = """
