@@ -13,7 +13,8 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.plan import PhasedPlan, PipelinePlan
 
 INPUT_DIST_TASKS = {"InitPipelinedModules", "InputDistStart", "InputDistWait"}
-WITHOUT_INPUT_DIST = {"TrainPipelineBase", "TrainPipelinePT2", "StagedTrainPipeline"}
+# no input dist, or one without collectives (EvalPipelineCPUSparse: data-parallel tables)
+WITHOUT_INPUT_DIST = {"TrainPipelineBase", "TrainPipelinePT2", "StagedTrainPipeline", "EvalPipelineCPUSparse"}
 EDITED = {name: plan for name, plan in plans.default_plans().items() if name not in WITHOUT_INPUT_DIST}
 
 

@@ -237,7 +237,9 @@ class OverlapSearch:
         return Candidate(tuple(p.task(t).thread_group for t in self.tasks), p.lookahead, p.loads, own)
 
     def _own_tasks(self) -> list[str]:
-        return [t for t in self.space.own_group if t in self.plan.schedule]
+        """The input dist tasks of the space that issue collectives in this plan (EvalPipelineCPUSparse's
+        InitPipelinedModules issues none: its tables are data-parallel)."""
+        return [t for t in self.space.own_group if t in self.plan.schedule and self.plan.task(t).comm_group is not None]
 
     def build(self, c: Candidate) -> PipelinePlan:
         """The plan of candidate ``c`` (validated: PlanError if it cannot run)."""

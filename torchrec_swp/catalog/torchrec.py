@@ -1028,14 +1028,16 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
     and its own earlier batches (no iteration barrier needed; ``tests/unit/test_input_dist_group.py``
     checks it).
 
-    Raises ValueError when a phase of ``plan`` has no input dist task (TrainPipelineBase, PT2,
-    StagedTrainPipeline), naming it.
+    Raises ValueError when a phase of ``plan`` has no input dist task that issues a collective
+    (TrainPipelineBase, PT2, StagedTrainPipeline, EvalPipelineCPUSparse), naming it.
     """
     if isinstance(plan, PhasedPlan):
         return plan.each(lambda p: with_input_dist_group(p, group))
-    tasks = [t for t in INPUT_DIST_TASKS if t in plan.schedule]
+    tasks = [t for t in INPUT_DIST_TASKS if t in plan.schedule and plan.schedule[t].comm_group is not None]
     if not tasks:
-        raise ValueError(f"plan {plan.name} has no input dist task (none of {', '.join(INPUT_DIST_TASKS)})")
+        raise ValueError(
+            f"plan {plan.name} has no input dist task (none of {', '.join(INPUT_DIST_TASKS)} issues a collective)"
+        )
     for task in tasks:
         plan = plan.with_schedule(task, comm_group=group)
     return plan
