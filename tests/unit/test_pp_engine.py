@@ -253,18 +253,25 @@ def test_collectives_on_several_threads_take_tickets_in_program_order() -> None:
     assert [str(g) for g in gs] == ["2G", "0G"]
     assert "run 2G #0@dp" in text and "run 0G #1@dp" in text
     issued: list[str] = []
+    zero_g_started = threading.Event()
+    overlapped: list[bool] = []
     rec = Recorder()
     bindings = rec.bindings()
 
     def grad_sync(s: int, m: int | None) -> None:
         if s == 0:
-            time.sleep(0.05)  # 0G's thread gets there first in wall time; its ticket is later
+            zero_g_started.set()
+        else:
+            # 2G holds ticket #0 and stays in its collective a while: without tickets 0G's
+            # thread, which has nothing else to wait for, would enter its own meanwhile
+            overlapped.append(zero_g_started.wait(0.3))
         issued.append(f"{s}G")
 
     bindings["G"] = grad_sync
     engine = ProgramEngine(bindings, timeout_s=10)
     try:
         engine.run_program(lowered)
+        assert overlapped == [False], "0G entered its collective while 2G, the earlier ticket, was in its own"
         assert issued == ["2G", "0G"]
     finally:
         engine.close()

@@ -80,22 +80,47 @@ class Slow:
         return k
 
 
+class Counted:
+    """``range(n)`` as an iterator that records, at each draw, how many ``step()`` calls the test
+    had begun (``started``), and sets ``drawn_up_to[k]`` when batch k is drawn."""
+
+    def __init__(self, n: int) -> None:
+        self._items = iter(range(n))
+        self.started = 0
+        self.draws: list[tuple[int, int]] = []
+        self.drawn_up_to = [threading.Event() for _ in range(n)]
+
+    def __iter__(self) -> Counted:
+        return self
+
+    def __next__(self) -> int:
+        k = next(self._items)
+        self.draws.append((k, self.started))
+        self.drawn_up_to[k].set()
+        return k
+
+
 def test_a_source_with_lookahead_draws_ahead_between_calls_but_collectives_wait_for_the_call() -> None:
     rec = Recorder()
     engine = Engine(plan(lookahead=2), rec.bindings(), timeout_s=10)
-    data = iter(range(N))
+    data = Counted(N)
+    data.started = 1
     assert rec.step(engine, data) == 100
-    deadline = time.monotonic() + 5
-    while len(rec.loaded) < 5 and time.monotonic() < deadline:  # batches 0..4: depth 3 + lookahead 2
-        time.sleep(0.005)
-    time.sleep(0.05)
-    assert sorted(rec.loaded) == [0, 1, 2, 3, 4]
-    outs = [100] + [rec.step(engine, data) for _ in range(N - 1)]
+    # between the calls the source runs ahead: batches 0..4 (depth 3 + lookahead 2) ...
+    assert data.drawn_up_to[4].wait(5)
+    outs = [100]
+    for _ in range(N - 1):
+        data.started += 1
+        outs.append(rec.step(engine, data))
     with pytest.raises(StopIteration):
         rec.step(engine, data)
     engine.close()
     assert outs == [100 + k for k in range(N)]
     assert rec.outside == []
+    # ... and never further: each draw, whenever it came, came after the step() call that made
+    # room for it (the n-th call lets batch n + 3 be drawn), so a late over-draw fails here too
+    assert [k for k, _ in data.draws] == list(range(N))
+    assert [(k, started) for k, started in data.draws if k > started + 3] == []
 
 
 def test_two_loads_draw_at_once_and_deliver_in_order() -> None:
