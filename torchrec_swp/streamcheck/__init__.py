@@ -11,7 +11,7 @@ How one batch's tensors flow through it, in the order the code runs:
    schema's alias information, the storages it reads and writes; each op is one step of the lane
    (current stream, calling thread).
 3. ``record``/``wait`` of the pool, ``wait_stream``/``wait_event``/``record_event`` of the
-   emulated streams (``streams``) and the engine's CPU-side hand-offs (``cpu_release`` before a
+   emulated streams (``emulated``) and the engine's CPU-side hand-offs (``cpu_release`` before a
    signal, ``cpu_acquire`` after the wait) move vector clocks (``checker``).
 4. Each access is checked against the storage's last write and reads: an unordered pair is an
    ``UnsyncedAccess``; when the storage dies, a use on another stream covered neither by
@@ -23,7 +23,8 @@ How one batch's tensors flow through it, in the order the code runs:
 Pure torch: nothing here imports TorchRec or the engine.
 """
 
-from torchrec_swp.streamcheck.checker import DEFAULT_STREAM, CheckStats, StreamChecker, TaskLabel, checking
+from torchrec_swp.streamcheck.checker import DEFAULT_STREAM, CheckStats, StreamChecker, TaskLabel, active_checker, checking
+from torchrec_swp.streamcheck.emulated import Event, Stream
 from torchrec_swp.streamcheck.findings import (
     Access,
     EarlyFree,
@@ -34,7 +35,6 @@ from torchrec_swp.streamcheck.findings import (
     UnsyncedAccess,
 )
 from torchrec_swp.streamcheck.pool import ENV_VAR, CheckedStreamPool, stream_check_requested
-from torchrec_swp.streamcheck.streams import Event, Stream, active_checker
 
 __all__ = [
     "DEFAULT_STREAM",

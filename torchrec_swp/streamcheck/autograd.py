@@ -20,14 +20,12 @@ read a device value on the host (``HOST_READS``: ``.item()``, ``.tolist()``, ...
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    from torchrec_swp.streamcheck.checker import StreamChecker
-    from torchrec_swp.streamcheck.streams import Stream
+from torchrec_swp.streamcheck.emulated import Stream
 
 _TAG = "swp_stream"
 _HOST_READ_NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -37,21 +35,45 @@ _HOST_READ_NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__ind
 HOST_READS = frozenset(getattr(c, n) for c in (torch._C.TensorBase, torch.Tensor) for n in _HOST_READ_NAMES)
 
 
-class NodeStreams(TorchFunctionMode):
-    """Tags the autograd nodes made on a non-default stream with it (see the module docstring)."""
+class BackwardOps(Protocol):
+    """What ``NodeStreams`` asks of its checker (``StreamChecker`` is one); each acts for the
+    calling thread."""
 
-    def __init__(self, checker: StreamChecker) -> None:
+    @property
+    def default_stream(self) -> Stream: ...
+
+    def current_stream(self) -> Stream: ...
+
+    def implicit_wait(self, stream: Stream, other: Any) -> None: ...
+
+    def enter_stream(self, stream: Stream) -> None: ...
+
+    def leave_stream(self, stream: Stream) -> None: ...
+
+    def count_backward_node(self) -> None: ...
+
+
+class NodeStreams(TorchFunctionMode):
+    """Tags the autograd nodes made on a non-default stream with it (see the module docstring).
+    One instance per thread, like the access mode: ``in_host_read`` is the thread's."""
+
+    def __init__(self, checker: BackwardOps) -> None:
         super().__init__()
         self.checker = checker
+        self._host_reads = 0  # nesting of HOST_READS calls on this thread
+
+    @property
+    def in_host_read(self) -> bool:
+        """Whether the thread is inside a call that reads a device value on the host."""
+        return self._host_reads > 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if func in HOST_READS:
-            ts = self.checker.thread_state()
-            ts.host_reads += 1
+            self._host_reads += 1
             try:
                 return func(*args, **(kwargs or {}))
             finally:
-                ts.host_reads -= 1
+                self._host_reads -= 1
         out = func(*args, **(kwargs or {}))
         self.tag_outputs(out)
         return out
@@ -79,7 +101,7 @@ class NodeStreams(TorchFunctionMode):
             return
         metadata[_TAG] = stream
         checker = self.checker
-        checker.stats.backward_nodes += 1
+        checker.count_backward_node()
         ambient: list[Stream] = []
 
         def enter(grad_outputs: Any) -> None:

@@ -47,7 +47,7 @@ import torch
 from typing_extensions import Self
 
 from torchrec_swp.streamcheck.autograd import NodeStreams
-from torchrec_swp.streamcheck.dispatch import NONE, WRITE, OpPlan, Touch
+from torchrec_swp.streamcheck.dispatch import NONE, WRITE, AccessMode, OpPlan, Touch
 from torchrec_swp.streamcheck.findings import (
     EarlyFree,
     Finding,
@@ -58,12 +58,18 @@ from torchrec_swp.streamcheck.findings import (
 )
 from torchrec_swp.streamcheck.lanes import Clock, CheckStats, Lane, TaskLabel, ThreadState, Use, join
 from torchrec_swp.streamcheck.memory import PendingFree, StorageState, same_pool, unknown_uses
-from torchrec_swp.streamcheck.streams import Event, Stream, active_checker, set_active
+from torchrec_swp.streamcheck.emulated import Event, EventRecord, Stream, installed_ops, set_installed
 
 #: The name of the stream every thread is on unless it entered another (the plan's default).
 DEFAULT_STREAM = "default"
 
-__all__ = ["DEFAULT_STREAM", "CheckStats", "StreamChecker", "TaskLabel", "checking"]
+__all__ = ["DEFAULT_STREAM", "CheckStats", "StreamChecker", "TaskLabel", "active_checker", "checking"]
+
+
+def active_checker() -> StreamChecker | None:
+    """The installed checker, if any."""
+    checker = installed_ops()
+    return checker if isinstance(checker, StreamChecker) else None
 
 
 class StreamChecker:
@@ -114,12 +120,11 @@ class StreamChecker:
         checker at a time."""
         from torchrec_swp.streamcheck.patches import TorchPatch
 
-        other = active_checker()
-        if other is not None:
+        if installed_ops() is not None:
             raise StreamCheckUsageError("another StreamChecker is installed; uninstall it first")
         self._patch = TorchPatch(self)
         self._patch.install()
-        set_active(self)
+        set_installed(self)
         return self
 
     def uninstall(self) -> None:
@@ -127,8 +132,8 @@ class StreamChecker:
         if self._patch is not None:
             self._patch.uninstall()
             self._patch = None
-        if active_checker() is self:
-            set_active(None)
+        if installed_ops() is self:
+            set_installed(None)
 
     @property
     def installed(self) -> bool:
@@ -141,7 +146,8 @@ class StreamChecker:
         self.uninstall()
 
     # ------------------------------------------------------------------ streams
-    def _next_stream_id(self) -> int:
+    def next_stream_id(self) -> int:
+        """A new stream's number (for its default name)."""
         return next(self._stream_ids)
 
     def stream(self, name: str) -> Stream:
@@ -204,10 +210,12 @@ class StreamChecker:
             return nullcontext()
         return _StreamContext(self, s)
 
-    def _push_stream(self, stream: Stream) -> None:
+    def push_stream(self, stream: Stream) -> None:
+        """Make ``stream`` the calling thread's current stream until ``pop_stream(stream)``."""
         self._thread().stack.append(stream)
 
-    def _pop_stream(self, stream: Stream) -> None:
+    def pop_stream(self, stream: Stream) -> None:
+        """Undo the calling thread's latest ``push_stream``, which must have been of ``stream``."""
         stack = self._thread().stack
         if not stack or stack[-1] is not stream:
             raise StreamCheckUsageError(f"leaving {stream!r}, but the current stream is {self.current_stream()!r}")
@@ -216,7 +224,7 @@ class StreamChecker:
     def enter_stream(self, stream: Stream) -> None:
         """Make ``stream`` the calling thread's current stream until ``leave_stream(stream)``
         (for callbacks that cannot use a context, such as autograd hooks)."""
-        self._push_stream(stream)
+        self.push_stream(stream)
 
     def leave_stream(self, stream: Stream) -> None:
         """Undo the latest ``enter_stream(stream)`` of the calling thread, even if streams
@@ -237,7 +245,9 @@ class StreamChecker:
         try:
             return self._local.ts
         except AttributeError:
-            ts = self._local.ts = ThreadState(next(self._uids), threading.current_thread().name, self)
+            ts = self._local.ts = ThreadState(
+                next(self._uids), threading.current_thread().name, AccessMode(self), NodeStreams(self)
+            )
             return ts
 
     def thread_state(self) -> ThreadState:
@@ -313,7 +323,8 @@ class StreamChecker:
         skip = self.skip_sync
         return skip is not None and skip(kind, call_site())
 
-    def _wait_stream(self, stream: Stream, other: Any) -> None:
+    def wait_stream(self, stream: Stream, other: Any) -> None:
+        """``stream.wait_stream(other)`` asked for by a call site (``skip_sync`` may skip it)."""
         if self._skipped("wait_stream"):
             return
         self.implicit_wait(stream, other)
@@ -327,32 +338,33 @@ class StreamChecker:
         ts = self._thread()
         join(ts.enq.setdefault(stream, {}), self._capture(ts, src))
 
-    def _record_event(self, event: Event, stream: Any) -> None:
+    def record_event(self, stream: Any) -> EventRecord:
+        """An event's record on ``stream`` (the current stream if None) by the calling thread."""
         ts = self._thread()
         s = self.resolve(stream) if stream is not None else self.current_stream()
         assert s is not None
-        event._state = (self._capture(ts, s), ts.uid, ts.host[ts.uid], ts.where(), s, ts.task())
+        return EventRecord(self._capture(ts, s), ts.uid, ts.host[ts.uid], ts.where(), s, ts.task())
 
     def _host_ordered(self, ts: ThreadState, event: Event, action: str, report: bool) -> Clock | None:
         """The event's clock if its last record is host-ordered before the calling thread's
         present; else None, with a ``HostOrder`` finding if ``report``."""
-        state = event._state
-        if state is None:
+        record = event.last_record
+        if record is None:
             if report:
                 self._report(HostOrder(action, repr(event), ts.where(), None, ts.task(), "-"), raising=True)
             return None
-        clock, uid, epoch, where, stream, recorder_task = state
-        if ts.host.get(uid, 0) >= epoch:
-            return clock
+        if ts.host.get(record.thread, 0) >= record.epoch:
+            return record.clock
         if report:
-            recorder = f"on stream {stream.name!r} {where}"
+            recorder = f"on stream {record.stream.name!r} {record.where}"
             finding = HostOrder(
-                action, repr(event), ts.where(), recorder, ts.task(), f"{stream.name}: {recorder_task}"
+                action, repr(event), ts.where(), recorder, ts.task(), f"{record.stream.name}: {record.task}"
             )
             self._report(finding, raising=True)
         return None
 
-    def _wait_event(self, stream: Any, event: Event) -> None:
+    def wait_event(self, stream: Any, event: Event) -> None:
+        """``stream`` (the current stream if None) waits on ``event``'s last record."""
         if self._skipped("wait_event"):
             return
         ts = self._thread()
@@ -362,13 +374,16 @@ class StreamChecker:
         if clock is not None:
             join(ts.enq.setdefault(s, {}), clock)
 
-    def _sync_event(self, event: Event, report: bool) -> None:
+    def sync_event(self, event: Event, report: bool) -> None:
+        """The host waits for ``event``'s last record (a ``HostOrder`` finding if ``report`` and
+        that record is not host-ordered before)."""
         ts = self._thread()
         clock = self._host_ordered(ts, event, "the host synchronises with", report=report)
         if clock is not None:
             join(ts.done, clock)
 
-    def _sync_stream(self, stream: Stream) -> None:
+    def sync_stream(self, stream: Stream) -> None:
+        """The host waits for ``stream``'s work as the calling thread knows it."""
         ts = self._thread()
         join(ts.done, self._capture(ts, stream))
 
@@ -424,7 +439,12 @@ class StreamChecker:
         self.stats.storages_tracked += 1
         return st
 
-    def _on_op(self, plan: OpPlan, touches: list[Touch]) -> None:
+    def count_backward_node(self) -> None:
+        """One more autograd node tagged to run its backward on a stream (``stats``)."""
+        with self._lock:
+            self.stats.backward_nodes += 1
+
+    def on_op(self, plan: OpPlan, touches: list[Touch]) -> None:
         """One op ran on the calling thread's current stream, touching ``touches``."""
         ts = self._thread()
         label = ts.label
@@ -479,8 +499,8 @@ class StreamChecker:
                     ):
                         found.append(UnsyncedAccess(w.access(), use.access()))
                     st.reads[lane.id] = use
-        if plan.host_sync and ts.host_reads:
-            self._sync_stream(stream)
+        if plan.host_sync and ts.nodes.in_host_read:
+            self.sync_stream(stream)
         for f in found:
             self._report(f, raising=True)
 
@@ -601,11 +621,11 @@ class _StreamContext:
         self.checker, self.stream = checker, stream
 
     def __enter__(self) -> Stream:
-        self.checker._push_stream(self.stream)
+        self.checker.push_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc: object) -> None:
-        self.checker._pop_stream(self.stream)
+        self.checker.pop_stream(self.stream)
 
 
 class _TaskContext:

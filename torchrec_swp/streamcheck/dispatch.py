@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-if TYPE_CHECKING:
-    from torchrec_swp.streamcheck.checker import StreamChecker
 
 # access codes: what an op does to the storage of one tensor argument or return
 NONE, READ, WRITE = 0, 1, 2
@@ -113,11 +110,19 @@ def _collect(value: Any, access: int, fresh: bool, name: str, out: list[Touch]) 
             _collect(v, access, fresh, name, out)
 
 
+class OpObserver(Protocol):
+    """What the access mode reports to (``StreamChecker`` is one)."""
+
+    def on_op(self, plan: OpPlan, touches: list[Touch]) -> None:
+        """One op ran on the calling thread's current stream, touching ``touches``."""
+        ...
+
+
 class AccessMode(TorchDispatchMode):
     """Reports each op's touches to the checker after the op ran. One instance per thread (a mode
     keeps per-entry state); the checker pushes it for the duration of each task."""
 
-    def __init__(self, checker: StreamChecker) -> None:
+    def __init__(self, checker: OpObserver) -> None:
         super().__init__()
         self.checker = checker
 
@@ -144,5 +149,5 @@ class AccessMode(TorchDispatchMode):
         elif returns:
             for (access, fresh), value in zip(returns, out, strict=False):
                 _collect(value, access, fresh, "output", touches)
-        self.checker._on_op(plan, touches)
+        self.checker.on_op(plan, touches)
         return out

@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchrec_swp.streamcheck.autograd import NodeStreams
-from torchrec_swp.streamcheck.dispatch import AccessMode
 from torchrec_swp.streamcheck.findings import Access
 
 if TYPE_CHECKING:
-    from torchrec_swp.streamcheck.checker import StreamChecker
-    from torchrec_swp.streamcheck.streams import Stream
+    from torchrec_swp.streamcheck.autograd import NodeStreams
+    from torchrec_swp.streamcheck.dispatch import AccessMode
+    from torchrec_swp.streamcheck.emulated import Stream
 
 #: lane id -> the last step of that lane known (enqueued before, or completed)
 Clock = dict[int, int]
@@ -74,11 +73,12 @@ class Use:
 
 class ThreadState:
     """What one CPU thread knows: its host clock, per stream the work it knows enqueued, the work
-    it knows completed, its lanes, its entered streams and its task label."""
+    it knows completed, its lanes, its entered streams and its task label; ``mode`` and ``nodes``
+    are its access mode and backward tagger, pushed while it runs a task."""
 
-    __slots__ = ("depth", "done", "enq", "host", "host_reads", "label", "lanes", "mode", "name", "nodes", "stack", "uid")
+    __slots__ = ("depth", "done", "enq", "host", "label", "lanes", "mode", "name", "nodes", "stack", "uid")
 
-    def __init__(self, uid: int, name: str, checker: StreamChecker) -> None:
+    def __init__(self, uid: int, name: str, mode: AccessMode, nodes: NodeStreams) -> None:
         self.uid = uid
         self.name = name
         self.host: Clock = {uid: 1}  # thread uid -> host epoch known
@@ -87,10 +87,9 @@ class ThreadState:
         self.lanes: dict[Stream, Lane] = {}
         self.stack: list[Stream] = []  # entered streams; empty: the default stream
         self.label: TaskLabel | None = None
-        self.mode = AccessMode(checker)
-        self.nodes = NodeStreams(checker)
+        self.mode = mode
+        self.nodes = nodes
         self.depth = 0  # nesting of tasks (the mode is pushed at depth 0 -> 1)
-        self.host_reads = 0  # nesting of .item()/.tolist()/... calls (autograd.HOST_READS)
 
     def where(self) -> str:
         return f"outside tasks (thread {self.name})" if self.label is None else f"in {self.label}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torchrec_swp.streamcheck.lanes import Clock, Use
 
 if TYPE_CHECKING:
-    from torchrec_swp.streamcheck.streams import Stream
+    from torchrec_swp.streamcheck.emulated import Stream
 
 #: The caching allocator's small pool: blocks of at most this many bytes (kSmallSize).
 SMALL_POOL_BYTES = 1 << 20

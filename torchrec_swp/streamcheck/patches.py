@@ -38,24 +38,39 @@ stream. Not covered: ``torch.Stream``/``torch.Event``'s own methods and ``with t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.cpu
 import torch.cuda
 
-from torchrec_swp.streamcheck.streams import Event, Stream
-
-if TYPE_CHECKING:
-    from torchrec_swp.streamcheck.checker import StreamChecker
+from torchrec_swp.streamcheck.emulated import Event, Stream
 
 _MISSING = object()
+
+
+class PatchedOps(Protocol):
+    """What the patched torch functions ask of the installed checker (``StreamChecker`` is one)."""
+
+    def current_stream(self) -> Stream: ...
+
+    def stream_context(self, stream: Any) -> Any: ...
+
+    def knows(self, obj: Any) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
+
+    def host_to_device(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def tag_backward(self, out: Any) -> None: ...
 
 
 class TorchPatch:
     """Installs and removes the patches above for one checker (process-global)."""
 
-    def __init__(self, checker: StreamChecker) -> None:
+    def __init__(self, checker: PatchedOps) -> None:
         self.checker = checker
         self._saved: list[tuple[Any, str, Any]] = []
 

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from torchrec_swp.streamcheck.checker import StreamChecker
-from torchrec_swp.streamcheck.streams import Event, Stream
+from torchrec_swp.streamcheck.emulated import Event, Stream
 
 #: The environment variable that turns the checked mode on for whole test runs.
 ENV_VAR = "SWP_STREAM_CHECK"
