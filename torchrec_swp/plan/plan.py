@@ -27,7 +27,7 @@ A PipelinePlan is validated when built: an instance exists only if it can run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Union
 
 from torchrec_swp.plan.errors import PlanError
@@ -41,11 +41,10 @@ from torchrec_swp.plan.task import (
     check_name,
 )
 from torchrec_swp.plan.text import plan_args_from_text, plan_to_text
-from torchrec_swp.plan.threads import resolve_thread_map
+from torchrec_swp.plan.threads import ThreadMap, resolve_thread_map
 from torchrec_swp.plan.validate import validate_plan
 
 Exhausted = Literal["drain", "stop"]
-ThreadMap = Union[str, Mapping[str, str], Callable[[ScheduledTask], str]]
 DepSpec = Union["Dep", tuple[str, str], tuple[str, str, int]]
 
 

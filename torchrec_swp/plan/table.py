@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 from torchrec_swp.plan.task import When
 
 if TYPE_CHECKING:
-    from torchrec_swp.plan.plan import PipelinePlan
+    from torchrec_swp.plan.view import PlanView
 
 _CELL = 5
 
 
-def cell(plan: PipelinePlan, task: str, iteration: int, num_batches: int | None) -> str:
+def cell(plan: PlanView, task: str, iteration: int, num_batches: int | None) -> str:
     sched = plan.task(task).schedule
     batch = iteration - sched.stage
     outside = batch < 0 or (num_batches is not None and batch >= num_batches)
@@ -32,7 +32,7 @@ def cell(plan: PipelinePlan, task: str, iteration: int, num_batches: int | None)
     return f"i{batch}"
 
 
-def header(plan: PipelinePlan) -> str:
+def header(plan: PlanView) -> str:
     """The table's first line: batches in flight (depth + lookahead) and the source's loads."""
     depth, ahead = plan.pipeline_depth, plan.lookahead
     line = f"depth {depth} + lookahead {ahead} = {depth + ahead} batch{'es' if depth + ahead > 1 else ''} in flight"
@@ -43,7 +43,7 @@ def header(plan: PipelinePlan) -> str:
 
 
 def format_schedule(
-    plan: PipelinePlan,
+    plan: PlanView,
     num_iterations: int,
     num_batches: int | None = None,
     mark: tuple[str, int] | None = None,

@@ -39,8 +39,7 @@ from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.task import Dep, PipelineTask, TaskSchedule, When
 
 if TYPE_CHECKING:
-    from torchrec_swp.plan.phases import PhasedPlan
-    from torchrec_swp.plan.plan import PipelinePlan
+    from torchrec_swp.plan.view import PhasedView, PlanView
 
 _NONE = "-"
 COLUMNS = ("task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags")
@@ -62,7 +61,7 @@ def _cells(task: str, s: TaskSchedule, io: PipelineTask) -> list[str]:
     ]
 
 
-def plan_to_text(plan: PipelinePlan) -> str:
+def plan_to_text(plan: PlanView) -> str:
     lines = [
         f"plan {plan.name}",
         f"depth {plan.pipeline_depth}",
@@ -140,7 +139,7 @@ def _int(header: dict[str, str], key: str, default: int) -> int:
         raise PlanError(f"{key} must be an int, got {header[key]!r}", culprit=key) from None
 
 
-def phased_to_text(phased: PhasedPlan) -> str:
+def phased_to_text(phased: PhasedView) -> str:
     lines = [f"phases {phased.name}"]
     if phased.clock != "index":
         lines.append(f"clock {phased.clock}")

@@ -10,21 +10,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Union
 
 from torchrec_swp.plan.errors import PlanError
-from torchrec_swp.plan.task import DEFAULT_STREAM, MAIN_THREAD, check_name
+from torchrec_swp.plan.task import DEFAULT_STREAM, MAIN_THREAD, ScheduledTask, check_name
 
 if TYPE_CHECKING:
-    from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
+    from torchrec_swp.plan.view import PlanView
+
+#: How tasks map to threads: a strategy name, ``{task: thread}``, or a function of the task.
+ThreadMap = Union[str, Mapping[str, str], Callable[[ScheduledTask], str]]
 
 STRATEGIES = ("by_stream", "per_task", "main", "io")
 #: The thread the ``"io"`` strategy puts the stage-0 tasks on.
 IO_THREAD = "io"
 
 
-def resolve_thread_map(plan: PipelinePlan, thread_map: ThreadMap) -> dict[str, str]:
+def resolve_thread_map(plan: PlanView, thread_map: ThreadMap) -> dict[str, str]:
     """Return ``{task: thread_group}`` for every task of ``plan``.
 
     Raises PlanError for an unknown strategy, a dict naming an unknown task, or a callable

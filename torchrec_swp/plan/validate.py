@@ -35,12 +35,12 @@ from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.task import MAIN_THREAD, Dep, When, parse_read
 
 if TYPE_CHECKING:
-    from torchrec_swp.plan.plan import PipelinePlan
+    from torchrec_swp.plan.view import PlanView
 
 
-def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
+def validate_plan(plan: PlanView) -> tuple[Dep, ...]:
     """Check every rule above; return explicit and inferred deps merged (explicit first)."""
-    sched = plan._schedule
+    sched = plan.schedule
     if not sched:
         raise PlanError(f"plan {plan.name} has no tasks", culprit=plan.name)
     _check_fire_order(plan)
@@ -77,9 +77,9 @@ def validate_plan(plan: PipelinePlan) -> tuple[Dep, ...]:
     return tuple(merged)
 
 
-def _check_guards(plan: PipelinePlan) -> None:
-    top = max(s.stage for s in plan._schedule.values())
-    for task, sched in plan._schedule.items():
+def _check_guards(plan: PlanView) -> None:
+    top = max(s.stage for s in plan.schedule.values())
+    for task, sched in plan.schedule.items():
         if sched.when is When.TRAIN and sched.stage != top:
             raise PlanError(
                 f"task {task} runs when=train at stage {sched.stage}: the training mode is that of the step that "
@@ -90,7 +90,7 @@ def _check_guards(plan: PipelinePlan) -> None:
             continue
         if plan.source is None:
             raise PlanError(f"task {task} runs when={sched.when}, which needs a source task", culprit=task)
-        src_stage = plan._schedule[plan.source].stage
+        src_stage = plan.schedule[plan.source].stage
         if sched.stage <= src_stage or (
             sched.stage == src_stage + 1 and plan.fire_index(plan.source) > plan.fire_index(task)
         ):
@@ -102,7 +102,7 @@ def _check_guards(plan: PipelinePlan) -> None:
             )
 
 
-def _check_loads(plan: PipelinePlan) -> None:
+def _check_loads(plan: PlanView) -> None:
     for field, low in (("lookahead", 0), ("loads", 1)):
         value = getattr(plan, field)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -112,8 +112,8 @@ def _check_loads(plan: PipelinePlan) -> None:
     src = plan.source
     if src is None:
         raise PlanError(f"loads {plan.loads} needs a source task", culprit="loads")
-    group = plan._schedule[src].thread_group
-    others = [t for t, s in plan._schedule.items() if t != src and s.thread_group == group]
+    group = plan.schedule[src].thread_group
+    others = [t for t, s in plan.schedule.items() if t != src and s.thread_group == group]
     if group != MAIN_THREAD and not others:
         return
     where = (
@@ -128,10 +128,10 @@ def _check_loads(plan: PipelinePlan) -> None:
     )
 
 
-def _loads_hint(plan: PipelinePlan) -> str:
+def _loads_hint(plan: PlanView) -> str:
     """The call that gives ``plan``'s source ``plan.loads`` loads on a thread no other task uses
     (``PipelinePlan.with_loads``), as code."""
-    used = {s.thread_group for t, s in plan._schedule.items() if t != plan.source}
+    used = {s.thread_group for t, s in plan.schedule.items() if t != plan.source}
     thread, k = "load", 0
     while thread in used:
         k += 1
@@ -140,37 +140,37 @@ def _loads_hint(plan: PipelinePlan) -> str:
     return f"plan.with_loads({plan.loads}{lookahead}" + (f", thread={thread!r})" if thread != "load" else ")")
 
 
-def _check_fire_order(plan: PipelinePlan) -> None:
+def _check_fire_order(plan: PlanView) -> None:
     seen: set[str] = set()
     for task in plan.fire_order:
         if task in seen:
             raise PlanError(f"task {task} appears twice in the fire order", culprit=task)
-        if task not in plan._schedule:
+        if task not in plan.schedule:
             raise PlanError(f"fire order names unknown task {task!r}", culprit=str(task))
         seen.add(task)
-    missing = [t for t in plan._schedule if t not in seen]
+    missing = [t for t in plan.schedule if t not in seen]
     if missing:
         raise PlanError(f"task {missing[0]} is scheduled but missing from the fire order", culprit=missing[0])
 
 
-def _infer_io_deps(plan: PipelinePlan, dep_type: type[Dep]) -> list[Dep]:
+def _infer_io_deps(plan: PlanView, dep_type: type[Dep]) -> list[Dep]:
     writers: dict[str, str] = {}
     for task in plan.fire_order:
-        for data in plan._tasks[task].writes:
+        for data in plan.tasks[task].writes:
             if data in writers:
                 raise PlanError(f"data {data!r} is written by both {writers[data]} and {task}", culprit=task)
             writers[data] = task
-    top = max(s.stage for s in plan._schedule.values())
+    top = max(s.stage for s in plan.schedule.values())
     deps = []
     for task in plan.fire_order:
-        io = plan._tasks[task]
+        io = plan.tasks[task]
         for read in io.reads:
             data, k = parse_read(read)
             if k == 0 and data in io.writes:
                 raise PlanError(f"task {task} reads {data!r}, which it writes itself", culprit=task)
             if data not in writers:
                 raise PlanError(f"task {task} reads {data!r}, which no task writes", culprit=task)
-            stage = plan._schedule[task].stage
+            stage = plan.schedule[task].stage
             if stage + k > top:
                 raise PlanError(
                     f"task {task} (stage {stage}) reads {read!r} from batch b-{k}, which left the pipeline "
@@ -181,8 +181,8 @@ def _infer_io_deps(plan: PipelinePlan, dep_type: type[Dep]) -> list[Dep]:
     return deps
 
 
-def _check_acyclic(plan: PipelinePlan, deps: list[Dep]) -> None:
-    after: dict[str, list[str]] = {t: [] for t in plan._schedule}
+def _check_acyclic(plan: PlanView, deps: list[Dep]) -> None:
+    after: dict[str, list[str]] = {t: [] for t in plan.schedule}
     for d in deps:
         after[d.consumer].append(d.producer)
     state: dict[str, int] = {}  # 1 = on the stack, 2 = done
@@ -213,9 +213,9 @@ def _check_acyclic(plan: PipelinePlan, deps: list[Dep]) -> None:
                 path.pop()
 
 
-def _check_satisfiable(plan: PipelinePlan, dep: Dep) -> None:
-    s_c = plan._schedule[dep.consumer].stage
-    s_p = plan._schedule[dep.producer].stage
+def _check_satisfiable(plan: PlanView, dep: Dep) -> None:
+    s_c = plan.schedule[dep.consumer].stage
+    s_p = plan.schedule[dep.producer].stage
     lead = s_c - (s_p - dep.distance)  # iterations between producer and consumer instances
     if lead > 0:
         return
@@ -234,8 +234,8 @@ def _check_satisfiable(plan: PipelinePlan, dep: Dep) -> None:
         )
 
 
-def _check_source_and_output(plan: PipelinePlan, deps: list[Dep]) -> None:
-    sched = plan._schedule
+def _check_source_and_output(plan: PlanView, deps: list[Dep]) -> None:
+    sched = plan.schedule
     if plan.output is not None and plan.writer_of(plan.output) is None:
         raise PlanError(f"output {plan.output!r} is not written by any task", culprit=str(plan.output))
     src = plan.source
