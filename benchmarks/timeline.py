@@ -29,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SIZES, batches, rank_setup, run_ranks
+from benchmarks.common import rank_setup, run_ranks
+from harness.dlrm_data import SIZES, batches
 from harness.dlrm import INFO
 
 
@@ -112,17 +113,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(not_exported()[args.pipeline])
 
     from torchrec_swp.plan import PipelinePlan
-    from torchrec_swp.sim import simulate
+    from torchrec_swp.sim import format_timeline, simulate, to_chrome_trace
 
     got = run_ranks(_rank, args)
     plan = PipelinePlan.from_text(got["plan"])
     result = simulate(plan, got["durations"], args.steps + plan.max_stage)
-    sim_trace = result.to_chrome_trace(us_per_unit=1e6)
+    sim_trace = to_chrome_trace(result, us_per_unit=1e6)
     sim = args.out / f"{args.pipeline}.sim.json"
     sim.write_text(json.dumps(sim_trace))
     both = args.out / f"{args.pipeline}.both.json"
     both.write_text(json.dumps(_merged(json.loads(Path(got["real"]).read_text()), sim_trace)))
-    print(result.format_timeline())
+    print(format_timeline(result))
     predicted = result.steady_iteration_time
     print(
         f"\nper progress() call: measured median {1e3 * got['measured_step_s']:.2f} ms, simulated steady iteration "

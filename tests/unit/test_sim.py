@@ -21,8 +21,10 @@ from torchrec_swp.sim import (
     SimRace,
     check_happens_before,
     find_races,
+    format_timeline,
     simulate,
     simulate_programs,
+    to_chrome_trace,
 )
 
 S = TaskSchedule
@@ -493,7 +495,7 @@ def test_bad_programs_and_durations_are_named() -> None:
 # -------------------------------------------------------------------- renderings
 def test_format_timeline_has_one_row_per_lane() -> None:
     r = simulate(two_stage().with_thread_map({"H2D": "io"}), {"H2D": 2, "Compute": 5}, 4)
-    text = r.format_timeline(width=66)
+    text = format_timeline(r, width=66)
     lines = text.splitlines()
     assert lines[0] == "plan two_stage: makespan 22, steady iteration time 5"
     # 3 columns per time unit: H2D(b) takes 6 columns, Compute(b) 15; idle time is "."
@@ -504,7 +506,7 @@ def test_format_timeline_has_one_row_per_lane() -> None:
 
 def test_chrome_trace_has_one_complete_event_per_interval() -> None:
     r = simulate(two_stage(), {"H2D": 1, "Compute": 1}, 3, device_durations={"H2D": 4, "Compute": 3})
-    trace = r.to_chrome_trace(us_per_unit=1000.0)
+    trace = to_chrome_trace(r, us_per_unit=1000.0)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(r.timeline)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}

@@ -35,13 +35,9 @@ before any starts ``P + 1``); the fill differs (its iterations are not separated
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torchrec_swp.compile import Instr, IterationProgram, RecordEvent, Run, Signal
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
-
-if TYPE_CHECKING:
-    from torchrec_swp.sim.ranks import Rank
 
 
 # The caller's and the walkers' moves, in the lanes' instruction lists beside the programs'.
@@ -116,9 +112,12 @@ class EngineModel:
     """The walkers of one rank's plan and the engine's counters and gates (module docstring).
 
     ``blocker`` says why a lane's next move or run cannot go now; ``moved`` / ``started`` /
-    ``finished`` update the counters when it went. Times are kept by the replay."""
+    ``finished`` update the counters when it went. Times are kept by the replay. ``split_draws``:
+    the data splits a draw in claim and fetch (``Rank.split_draws``)."""
 
-    def __init__(self, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...], spec: Rank) -> None:
+    def __init__(
+        self, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...], split_draws: bool = False
+    ) -> None:
         self.plan = plan
         self.top = plan.max_stage
         self.depth = plan.pipeline_depth
@@ -126,7 +125,7 @@ class EngineModel:
         self.loads = plan.loads
         self.source = plan.source
         self.source_stage = plan.task(plan.source).stage if plan.source is not None else 0
-        self.split = spec.split_draws
+        self.split = split_draws
         self.phases = phases
         stage = {t: s.stage for t, s in plan.schedule.items()}
         threads = dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)])

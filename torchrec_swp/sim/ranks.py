@@ -58,6 +58,7 @@ from torchrec_swp.sim.cores import fair_rates
 from torchrec_swp.sim.durations import Durations, cpu_time, optional_time
 from torchrec_swp.sim.engine_model import MOVES, Await, Call, Done, EngineModel, Gate, Move
 from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
+from torchrec_swp.sim.render import format_timeline, to_chrome_trace
 from torchrec_swp.sim.result import SimResult, Step
 from torchrec_swp.sim.simulator import Replay, ReplayLane, check_num_batches, validate_programs
 
@@ -168,13 +169,13 @@ class RanksResult:
 
     def format_timeline(self, width: int = 100) -> str:
         """Each rank's text Gantt chart, under a ``rank r`` heading."""
-        return "\n".join(f"rank {k}:\n{r.format_timeline(width)}" for k, r in enumerate(self.ranks))
+        return "\n".join(f"rank {k}:\n{format_timeline(r, width)}" for k, r in enumerate(self.ranks))
 
     def to_chrome_trace(self, us_per_unit: float = 1.0) -> dict[str, Any]:
         """One Chrome/Perfetto trace, a process per rank."""
         events: list[dict[str, Any]] = []
         for k, r in enumerate(self.ranks):
-            for e in r.to_chrome_trace(us_per_unit)["traceEvents"]:
+            for e in to_chrome_trace(r, us_per_unit)["traceEvents"]:
                 e = {**e, "pid": k}
                 if e.get("name") == "process_name":
                     e["args"] = {"name": f"rank {k}: sim {r.plan.name}"}
@@ -389,7 +390,7 @@ class _EngineRankState(_RankState):
         self, number: int, spec: Rank, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...]
     ) -> None:
         super().__init__(number, spec, plan, phases, barrier=False)
-        self.walkers = EngineModel(plan, phases, spec)
+        self.walkers = EngineModel(plan, phases, spec.split_draws)
         self.threads = self.walkers.names
         self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.call_clock: dict[int, list[int]] = {}  # batch d -> the caller's clock when step() asked for it

@@ -16,11 +16,9 @@ bottleneck.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torchrec_swp.compile import Instr, IterationProgram
 from torchrec_swp.plan import PipelinePlan
-from torchrec_swp.sim import render
 
 
 def cpu_lane(thread: str) -> str:
@@ -184,11 +182,3 @@ class SimResult:
     def num_batches(self) -> int:
         """Batches the run worked on (one past the highest batch any task saw)."""
         return 1 + max((i.batch for i in self.timeline), default=-1)
-
-    def format_timeline(self, width: int = 100) -> str:
-        """Text Gantt chart, one row per lane (``render.format_timeline``)."""
-        return render.format_timeline(self, width)
-
-    def to_chrome_trace(self, us_per_unit: float = 1.0) -> dict[str, Any]:
-        """Chrome/Perfetto trace dict (``render.to_chrome_trace``)."""
-        return render.to_chrome_trace(self, us_per_unit)
