@@ -31,10 +31,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SIZES, rank_setup
+from benchmarks.common import rank_setup
 from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
 from benchmarks.report import add_train_pipeline_arg, run_meta, write_report
 from examples.dlrm.model import DlrmSize
+from harness.dlrm_data import SIZES
 
 
 def _size(name: str) -> DlrmSize:

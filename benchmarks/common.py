@@ -1,4 +1,5 @@
-"""What the benchmarks share: DLRM sizes, spawning the ranks, interleaved timing, statistics.
+"""What the benchmarks share: spawning the ranks, interleaved timing, statistics (the DLRM sizes and
+batches are ``harness.dlrm_data``'s).
 
 Timing rules (this machine: 2 cores shared by 2 gloo ranks, +-30% from run to run):
 
@@ -14,28 +15,14 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.dlrm.data import SyntheticCriteo, with_latency
-from examples.dlrm.model import DlrmSize
-
-SIZES: dict[str, DlrmSize] = {
-    "small": DlrmSize(batch_size=128, num_embeddings=2_000, embedding_dim=16, dense_arch=(32,), over_arch=(32,)),
-    "medium": DlrmSize(
-        batch_size=512, num_embeddings=20_000, embedding_dim=32, dense_arch=(128, 64), over_arch=(128, 64)
-    ),
-    "large": DlrmSize(
-        batch_size=1024, num_embeddings=50_000, embedding_dim=64, dense_arch=(256, 128), over_arch=(256, 128)
-    ),
-}
-
-DISTINCT_BATCHES = 16
-"""Synthetic batches generated per rank; later steps repeat them, so data generation stays out of the timings."""
+from harness.dlrm_data import SIZES
 
 
 def size_arg(text: str) -> list[str]:
@@ -70,20 +57,6 @@ def rank_setup() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-
-
-def batches(size: DlrmSize, rank: int, num_batches: int, latency_s: float = 0.0, seed: int = 1000) -> Iterator[Any]:
-    """This rank's synthetic batches for a benchmark (``DISTINCT_BATCHES`` distinct ones, repeated)."""
-    data = SyntheticCriteo(
-        batch_size=size.batch_size,
-        num_batches=num_batches,
-        num_embeddings=size.num_embeddings,
-        num_sparse=size.num_sparse,
-        rank=rank,
-        seed=seed,
-        distinct=DISTINCT_BATCHES,
-    )
-    return with_latency(data, latency_s)
 
 
 @dataclass

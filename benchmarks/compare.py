@@ -38,10 +38,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    SIZES,
     Contender,
     StepAccounting,
-    batches,
     instrumentation_cost_s,
     interleave,
     rank_setup,
@@ -52,6 +50,7 @@ from benchmarks.common import (
     step_stats,
     write_json,
 )
+from harness.dlrm_data import SIZES, batches
 from harness.dlrm import INFO, PIPELINES
 
 SHORTCUT_PIPELINE = "TrainPipelineSparseDist"

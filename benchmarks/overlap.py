@@ -76,18 +76,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (
-    SIZES,
-    Contender,
-    StepAccounting,
-    batches,
-    interleave,
-    rank_setup,
-    release,
-    size_arg,
-    step_stats,
-)
+from benchmarks.common import Contender, StepAccounting, interleave, rank_setup, release, size_arg, step_stats
 from benchmarks.report import add_train_pipeline_arg, run_meta, write_report
+from harness.dlrm_data import SIZES, batches
 
 CONTENDERS = (
     "upstream",

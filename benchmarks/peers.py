@@ -12,7 +12,7 @@
   ``prefetch_factor`` over a map-style dataset whose ``__getitem__`` waits the same latency and
   returns the same batch; workers load batches in parallel, in order.
 
-Every one yields the very same batches in the same order as the plain loader (``common.batches``).
+Every one yields the very same batches in the same order as the plain loader (``harness.dlrm_data.batches``).
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ class LatencyDataset(torch.utils.data.Dataset):
 
 
 def latency_dataset(size: DlrmSize, rank: int, num_batches: int, latency_s: float) -> LatencyDataset:
-    """The map-style dataset behind ``dataloader``: the batches of ``common.batches`` (the same
+    """The map-style dataset behind ``dataloader``: the batches of ``harness.dlrm_data.batches`` (the same
     ``DISTINCT_BATCHES``, repeated), each ``latency_s`` late."""
-    from benchmarks.common import DISTINCT_BATCHES, batches
+    from harness.dlrm_data import DISTINCT_BATCHES, batches
 
     cycle = list(itertools.islice(batches(size, rank, DISTINCT_BATCHES), DISTINCT_BATCHES))
     return LatencyDataset(cycle, num_batches, latency_s)
@@ -108,7 +108,7 @@ def latency_dataset(size: DlrmSize, rank: int, num_batches: int, latency_s: floa
 def dataloader(
     size: DlrmSize, rank: int, num_batches: int, latency_s: float, *, num_workers: int, prefetch_factor: int
 ) -> Iterator[Any]:
-    """An iterator over a DataLoader yielding the batches of ``common.batches``: the same
+    """An iterator over a DataLoader yielding the batches of ``harness.dlrm_data.batches``: the same
     ``DISTINCT_BATCHES`` batches, repeated, each ``latency_s`` late."""
     loader = torch.utils.data.DataLoader(
         latency_dataset(size, rank, num_batches, latency_s),

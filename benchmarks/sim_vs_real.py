@@ -42,9 +42,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SIZES, rank_setup, size_arg
+from benchmarks.common import rank_setup, size_arg
 from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
 from benchmarks.report import run_meta, write_report
+from harness.dlrm_data import SIZES
 from harness.dlrm import INFO, PIPELINES
 
 QUICK_PIPELINES = [n for n in PIPELINES if not INFO[n].compiles]

@@ -37,17 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (
-    SIZES,
-    Contender,
-    batches,
-    interleave,
-    rank_setup,
-    ratio_interval,
-    release,
-    step_stats,
-    write_json,
-)
+from benchmarks.common import Contender, interleave, rank_setup, ratio_interval, release, step_stats, write_json
+from harness.dlrm_data import SIZES, batches
 
 PIPELINE = "TrainPipelineSparseDist"
 #: where the draw runs -> the engine options placing it there

@@ -212,7 +212,7 @@ def _cuda_events_emulated() -> Iterator[None]:
 
 def _build_upstream(name: str, checker: Any) -> Any:
     """``harness.dlrm.Runner`` of upstream's ``name`` with emulated streams (no CPU patch)."""
-    from benchmarks.common import SIZES
+    from harness.dlrm_data import SIZES
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import INFO, PipelineUnavailable, Runner
 
@@ -320,7 +320,7 @@ def train_upstream_checked(
 
     Raises ``harness.dlrm.PipelineUnavailable`` where upstream cannot run here, saying why.
     """
-    from benchmarks.common import SIZES, batches
+    from harness.dlrm_data import SIZES, batches
 
     if not checker.installed:
         raise ValueError("train_upstream_checked needs an installed checker (checker.install())")

@@ -92,7 +92,7 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
     """Train ``steps`` batches with our ``name`` (``PEC_MODEL``: TrainPipelinePEC on the PEC test
     model; the others on the DLRM example's small model); the number of steps run. ``mutate`` gets
     the pipeline's engine before the first step."""
-    from benchmarks.common import SIZES, batches
+    from harness.dlrm_data import SIZES, batches
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
 

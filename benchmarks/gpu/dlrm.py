@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import DISTINCT_BATCHES, batches
+from harness.dlrm_data import DISTINCT_BATCHES, batches
 from examples.dlrm.model import DlrmSize, build_dlrm
 
 GPU_SIZE = DlrmSize(

@@ -27,7 +27,8 @@ def _overlap_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 
 def _async_copy_state(rank: int, world_size: int) -> tuple[bool, bool]:
-    from benchmarks.common import SIZES, rank_setup
+    from benchmarks.common import rank_setup
+    from harness.dlrm_data import SIZES
     from benchmarks.peers import async_copy_runner
     from examples.dlrm.model import build_dlrm
 

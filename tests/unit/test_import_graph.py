@@ -1,6 +1,7 @@
 """The package's imports flow one way: no circle among its modules (imports inside functions
-count; those under ``if TYPE_CHECKING:`` do not run and do not), pp does not import autosched,
-and nothing outside tests/ imports tests/."""
+and those under ``if TYPE_CHECKING:`` count: a type-only back edge is still a module that needs
+to know the one that imports it), pp does not import autosched, harness/ does not import
+benchmarks/, and nothing outside tests/ imports tests/."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _runtime_imports(tree: ast.AST) -> list[str]:
-    """Every module an import statement names, skipping ``if TYPE_CHECKING:`` blocks."""
+def _runtime_imports(tree: ast.AST, *, type_only: bool = False) -> list[str]:
+    """Every module an import statement names, skipping ``if TYPE_CHECKING:`` blocks unless
+    ``type_only``."""
     found: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -42,9 +44,10 @@ def _runtime_imports(tree: ast.AST) -> list[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
     """module -> the package's modules it imports (a name imported from a package counts as an
-    import of the submodule it names, if it is one, else of the package)."""
+    import of the submodule it names, if it is one, else of the package); with ``type_only`` the
+    imports under ``if TYPE_CHECKING:`` count too."""
     mods = _modules()
 
     def resolve(name: str) -> str | None:
@@ -54,7 +57,8 @@ def import_graph() -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {}
     for m, f in mods.items():
-        targets = {resolve(n) for n in _runtime_imports(ast.parse(f.read_text())) if n.startswith("torchrec_swp")}
+        names = _runtime_imports(ast.parse(f.read_text()), type_only=type_only)
+        targets = {resolve(n) for n in names if n.startswith("torchrec_swp")}
         # a package's own __init__ importing its submodules is how packages are built, and a
         # submodule importing a sibling through the package name resolves to the sibling
         graph[m] = {t for t in targets if t and t != m and not m.startswith(t + ".")}
@@ -102,7 +106,23 @@ def test_the_tool_finds_a_circle_when_there_is_one() -> None:
 
 
 def test_no_circle_among_the_package_modules() -> None:
-    assert circles(import_graph()) == []
+    assert circles(import_graph(type_only=True)) == []
+
+
+def test_type_only_imports_are_edges_of_the_graph() -> None:
+    """``plan.threads`` names the plan view only for its annotations: the graph keeps that edge."""
+    assert "torchrec_swp.plan.view" in import_graph(type_only=True)["torchrec_swp.plan.threads"]
+    assert "torchrec_swp.plan.view" not in import_graph()["torchrec_swp.plan.threads"]
+
+
+def test_harness_does_not_import_benchmarks() -> None:
+    """harness/ is the room below benchmarks/ (the benchmarks run on it), type-only imports included."""
+    offenders = []
+    for f in (ROOT / "harness").rglob("*.py"):
+        for name in _runtime_imports(ast.parse(f.read_text()), type_only=True):
+            if name == "benchmarks" or name.startswith("benchmarks."):
+                offenders.append(f"{f.relative_to(ROOT)}: {name}")
+    assert sorted(set(offenders)) == []
 
 
 def test_pp_does_not_import_autosched() -> None:

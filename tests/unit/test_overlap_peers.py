@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from benchmarks.common import SIZES, Contender, batches
+from benchmarks.common import Contender
 from benchmarks.overlap import comparisons, interleave_blocks, io_dist_map, io_map
 from benchmarks.peers import ThreadPrefetcher, dataloader
+from harness.dlrm_data import SIZES, batches
 from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan
 
 
