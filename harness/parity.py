@@ -45,8 +45,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_swp.engine.streams import process_checker
-from torchrec_swp.streamcheck import stream_check_requested
+from torchrec_swp.streamcheck import process_checker, stream_check_requested
 
 __all__ = [
     "BATCH_SIZE",

@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchrec_swp.engine.streams import process_checker
-from torchrec_swp.streamcheck import stream_check_requested
+from torchrec_swp.streamcheck import process_checker, stream_check_requested
 
 __all__ = ["RankError", "run_on_ranks"]
 

@@ -76,8 +76,11 @@ def _setup() -> Any:
     os.environ.setdefault("MASTER_PORT", "29561")
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1)
-    from torchrec_swp.engine.streams import process_checker
+    from torchrec_swp.streamcheck import StreamChecker, process_checker
 
+    # installed before the checked mode's own: this tool reports (and makes findings on
+    # purpose, in the mutants) by itself, so the process checker's stderr report stays off
+    StreamChecker().install()
     return process_checker()
 
 

@@ -33,8 +33,7 @@ import torch
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
 from harness.parity import RunResult, assert_runs_equal, build_model, make_batches, train_pipeline_run
 from harness.ranks import run_on_ranks
-from torchrec_swp.engine.streams import process_checker
-from torchrec_swp.streamcheck import stream_check_requested
+from torchrec_swp.streamcheck import process_checker, stream_check_requested
 
 pytestmark = [pytest.mark.parity, pytest.mark.multiprocess]
 

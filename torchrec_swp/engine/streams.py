@@ -155,22 +155,8 @@ def stream_pool_for(device: torch.device, streams: Mapping[str, Any] | None = No
     (``torchrec_swp.streamcheck``: what a CUDA run would synchronise, checked on the CPU)."""
     if device.type in STREAM_DEVICE_TYPES:
         return CudaStreamPool(device, streams)
-    from torchrec_swp.streamcheck import CheckedStreamPool, stream_check_requested
+    from torchrec_swp.streamcheck import CheckedStreamPool, process_checker, stream_check_requested
 
     if stream_check_requested():
         return CheckedStreamPool(process_checker(), streams)
     return NullStreamPool()
-
-
-_PROCESS_CHECKER: Any = None
-
-
-def process_checker() -> Any:
-    """The stream checker of this process (``SWP_STREAM_CHECK``): installed on first use, shared
-    by every checked pool, so that findings of a whole test run land in one place."""
-    global _PROCESS_CHECKER
-    from torchrec_swp.streamcheck import StreamChecker, active_checker
-
-    if _PROCESS_CHECKER is None:
-        _PROCESS_CHECKER = active_checker() or StreamChecker().install()
-    return _PROCESS_CHECKER

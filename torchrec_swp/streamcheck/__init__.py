@@ -18,12 +18,22 @@ How one batch's tensors flow through it, in the order the code runs:
    ``record_stream`` nor a wait is an ``EarlyFree``; a wait on an event whose record is not
    CPU-ordered before it is a ``HostOrder`` finding (``findings``).
 5. ``checker.check()`` raises ``StreamCheckError`` listing them (the first of each kind, with
-   counts); ``checker.findings`` has them as data.
+   counts); ``checker.findings`` has them as data. In checked mode (``SWP_STREAM_CHECK=1``,
+   ``checked_mode``) the process's checker also writes its first finding and a summary line at
+   exit to stderr.
 
 Pure torch: nothing here imports TorchRec or the engine.
 """
 
-from torchrec_swp.streamcheck.checker import DEFAULT_STREAM, CheckStats, StreamChecker, TaskLabel, active_checker, checking
+from torchrec_swp.streamcheck.checked_mode import ENV_VAR, CheckReport, process_checker, stream_check_requested
+from torchrec_swp.streamcheck.checker import (
+    DEFAULT_STREAM,
+    CheckStats,
+    StreamChecker,
+    TaskLabel,
+    active_checker,
+    checking,
+)
 from torchrec_swp.streamcheck.emulated import Event, Stream
 from torchrec_swp.streamcheck.findings import (
     Access,
@@ -34,12 +44,13 @@ from torchrec_swp.streamcheck.findings import (
     StreamCheckUsageError,
     UnsyncedAccess,
 )
-from torchrec_swp.streamcheck.pool import ENV_VAR, CheckedStreamPool, stream_check_requested
+from torchrec_swp.streamcheck.pool import CheckedStreamPool
 
 __all__ = [
     "DEFAULT_STREAM",
     "ENV_VAR",
     "Access",
+    "CheckReport",
     "CheckStats",
     "CheckedStreamPool",
     "EarlyFree",
@@ -54,5 +65,6 @@ __all__ = [
     "UnsyncedAccess",
     "active_checker",
     "checking",
+    "process_checker",
     "stream_check_requested",
 ]

@@ -84,9 +84,18 @@ class StreamChecker:
     """
 
     def __init__(
-        self, *, fail_fast: bool = False, max_findings: int = 1000, max_keys: int = 1 << 16, max_pending: int = 1 << 12
+        self,
+        *,
+        fail_fast: bool = False,
+        max_findings: int = 1000,
+        max_keys: int = 1 << 16,
+        max_pending: int = 1 << 12,
+        on_finding: Callable[[Finding, bool], None] | None = None,
     ) -> None:
         self.fail_fast = fail_fast
+        #: called as ``on_finding(finding, new)`` for every finding (``new``: the first of its
+        #: signature since the last ``clear()``), outside the checker's lock
+        self._on_finding = on_finding
         self.max_findings = max_findings
         self.max_keys = max_keys
         self.max_pending = max_pending
@@ -571,6 +580,8 @@ class StreamChecker:
                 self._counts.append(1)
             else:
                 self._dropped += 1
+        if self._on_finding is not None:
+            self._on_finding(finding, i is None)
         if raising and self.fail_fast:
             raise StreamCheckError([finding], [1])
 

@@ -1,4 +1,4 @@
-"""The engine's stream pool in checked mode, and the switch that asks for it.
+"""The engine's stream pool in checked mode (``checked_mode`` has the switch that asks for it).
 
 ``CheckedStreamPool`` has the shape of ``torchrec_swp.engine.streams.StreamPool`` with
 ``has_streams = True``, so the compiler emits every device sync it would emit for CUDA and the
@@ -7,23 +7,12 @@ engine performs them on emulated streams.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 from torchrec_swp.streamcheck.checker import StreamChecker
 from torchrec_swp.streamcheck.emulated import Event, Stream
-
-#: The environment variable that turns the checked mode on for whole test runs.
-ENV_VAR = "SWP_STREAM_CHECK"
-
-
-def stream_check_requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``SWP_STREAM_CHECK`` asks for the checked mode (set, and not ``""``/``"0"``)."""
-    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    return value not in ("", "0")
-
 
 class CheckedStreamPool:
     """Plan stream names -> emulated streams of ``checker``; ``"default"`` is the checker's
