@@ -49,7 +49,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, plans: list[str 
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
     from torchrec_swp import plans as edits
-    from torchrec_swp.autotune.ranks import machine
+    from torchrec_swp.autotune.agreement import machine
     from torchrec_swp.data import MapSource
     from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
 

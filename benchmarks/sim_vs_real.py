@@ -102,7 +102,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, lis
     rank_setup()
     from tqdm import tqdm
 
-    from torchrec_swp.autotune.ranks import machine
+    from torchrec_swp.autotune.agreement import machine
 
     host, cores = machine()
     total = args.warmup + args.rounds * args.block + 8

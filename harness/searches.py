@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from harness.workloads import Workload, random_workload, torchrec_workloads
 from torchrec_swp.autosched.beam import beam_search
-from torchrec_swp.autosched.cpsat import solve_periodic
+from torchrec_swp.autosched.periodic import solve_periodic
 
 
 @dataclass(frozen=True, slots=True)

@@ -943,7 +943,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         title = f"ours {args.pipeline}, rank 0 of {world_size}: the last {len(recorder.steps)} steps"
         timeline = str(save_gantt(recorder, args.timeline, title))
     if profiler is not None:
-        from torchrec_swp.autotune.ranks import machine
+        from torchrec_swp.autotune.agreement import machine
 
         host, cores = machine()
         draws = runner.pipeline.engine.draws

@@ -20,7 +20,7 @@ from torchrec_swp.engine import CollectiveAborted, EngineError, EngineTimeout, P
 from torchrec_swp.pp import build
 from torchrec_swp.pp.actions import Action
 from torchrec_swp.pp.builders import maglev_1f1b
-from torchrec_swp.pp.lower import lower_rank
+from torchrec_swp.pp.lower_rank import lower_rank
 
 KINDS = ("F", "E", "B", "I", "W", "SF", "RF", "SB", "RB", "G", "O")
 

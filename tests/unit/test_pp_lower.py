@@ -9,7 +9,7 @@ from tests.unit.test_pp_builders import check_golden
 from torchrec_swp.compile.program import format_program
 from torchrec_swp.pp import SCHEDULES, PPError, build, simulate
 from torchrec_swp.pp.builders import maglev_1f1b
-from torchrec_swp.pp.lower import lower_rank, replay
+from torchrec_swp.pp.lower_rank import lower_rank, replay
 
 
 def test_golden_lowered_maglev_1f1b() -> None:

@@ -177,7 +177,7 @@ def test_a_rendezvous_no_rank_joins_is_a_deadlock_in_the_engine_model_too() -> N
         name="reduce",
     )
     from torchrec_swp.compile import CompiledPlan
-    from torchrec_swp.sim.ranks import simulate_rank_programs
+    from torchrec_swp.sim.multirank import simulate_rank_programs
 
     compiled = CompiledPlan(plan)
     d = {"Load": 1, "Reduce": 1}

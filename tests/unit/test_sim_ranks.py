@@ -147,7 +147,7 @@ def test_a_rendezvous_no_rank_joins_is_a_deadlock_naming_the_missing_rank() -> N
     plan = local_then_collective()
     d = {"Load": 1, "Local": 1, "Reduce": 1}
     from torchrec_swp.compile import CompiledPlan
-    from torchrec_swp.sim.ranks import simulate_rank_programs
+    from torchrec_swp.sim.multirank import simulate_rank_programs
 
     compiled = CompiledPlan(plan)
     with pytest.raises(SimDeadlock) as info:

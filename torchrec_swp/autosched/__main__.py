@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from torchrec_swp.autosched.beam import beam_search
-from torchrec_swp.autosched.cpsat import solve_periodic
 from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE_S, from_profiles
 from torchrec_swp.autosched.overlap import Space, search_overlap
+from torchrec_swp.autosched.periodic import solve_periodic
 from torchrec_swp.autosched.problem import Problem
 from torchrec_swp.catalog.torchrec import DRAW_TASKS, INPUT_DIST_TASKS
 from torchrec_swp.plan import PlanError

@@ -37,8 +37,8 @@ from typing import Any, Protocol
 
 from torchrec_swp.autosched.inputs import from_profiles
 from torchrec_swp.autosched.overlap import Space, apply_candidate, search_overlap
+from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, world
 from torchrec_swp.autotune.options import Autotune
-from torchrec_swp.autotune.ranks import from_rank0, gather_to_all, machine, world
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
 from torchrec_swp.catalog.torchrec import DRAW_TASKS

@@ -1,6 +1,6 @@
 """Pipeline-parallel programs on the engine: one rank's optimizer step is one IterationProgram.
 
-``torchrec_swp.pp.lower.lower_rank`` turns one rank's actions (``0F3``, ``1RB0``, ``0G``...)
+``torchrec_swp.pp.lower_rank.lower_rank`` turns one rank's actions (``0F3``, ``1RB0``, ``0G``...)
 into an ``IterationProgram`` whose work instructions are ``run 0F3`` (``RunAction``) and whose
 cross-thread dependencies are the ``wait``/``signal`` pairs plan programs use, keyed by the
 action's text. ``ProgramEngine.run_program`` runs such a program once, with the interpreter,

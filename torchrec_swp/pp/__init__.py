@@ -6,10 +6,10 @@
   ZBV, DualPipeV, TorchRec's sparse-hoist 1F1B split), compute-only; ``build`` adds the rest.
 * ``comm``: passes adding sends/receives (just in time, or Maglev's receive-ahead), gradient
   sync and optimizer step.
-* ``validate``: static rules; ``simulate``: all ranks replayed together with durations
-  (deadlocks, makespan, bubble, live activations); ``grid``: text grids.
+* ``program_checks``: ``validate``, the static rules; ``simulate``: all ranks replayed together
+  with durations (deadlocks, makespan, bubble, live activations); ``grid``: text grids.
 * ``exact``: CP-SAT optimal programs (OR-Tools imported on first use).
-* ``lower``: one rank's program -> per-thread engine instructions (``run 0F3``, ``wait``,
+* ``lower_rank``: one rank's program -> per-thread engine instructions (``run 0F3``, ``wait``,
   ``signal``, collective tickets), run by ``torchrec_swp.engine.ProgramEngine.run_program``; the
   torch bindings of every action kind and TorchRec's Maglev drop-ins are in
   ``torchrec_swp.integrations.torchrec.maglev``.
@@ -30,8 +30,8 @@ from torchrec_swp.pp.builders import SCHEDULES, build
 from torchrec_swp.pp.comm import add_p2p, add_step, recv_ahead
 from torchrec_swp.pp.errors import PPDeadlock, PPError, Stuck
 from torchrec_swp.pp.grid import format_grid, format_ticks
+from torchrec_swp.pp.program_checks import validate
 from torchrec_swp.pp.simulate import ActionDurations, ProgramSimResult, Span, simulate
-from torchrec_swp.pp.validate import validate
 
 __all__ = [
     "TORCH_KINDS",

@@ -7,7 +7,7 @@ durations. The test oracle (no deadlock, no race) and the auto-scheduler's cost 
 * ``simulate_programs(plan, phases, durations)`` replays hand-written programs.
 * ``simulate_ranks([Rank(plan, durations), ...], num_batches, cores=2)`` replays several ranks
   at once: collectives as rendezvous across ranks, threads sharing the machine's cores
-  (``torchrec_swp.sim.ranks``); ``calibrate`` turns measured runs of each rank into its costs.
+  (``torchrec_swp.sim.multirank``); ``calibrate`` turns measured runs of each rank into its costs.
 * ``check_happens_before`` / ``find_races`` verify that the program enforces every dependency.
 """
 
@@ -16,7 +16,7 @@ from torchrec_swp.sim.checks import check_happens_before, find_races
 from torchrec_swp.sim.device import Submission, replay_streams
 from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import Blocked, Race, SimDeadlock, SimError, SimRace
-from torchrec_swp.sim.ranks import Rank, RanksResult, simulate_rank_programs, simulate_ranks
+from torchrec_swp.sim.multirank import Rank, RanksResult, simulate_rank_programs, simulate_ranks
 from torchrec_swp.sim.render import format_timeline, to_chrome_trace
 from torchrec_swp.sim.result import Interval, IterationSpan, SimResult, Step
 from torchrec_swp.sim.simulator import simulate, simulate_programs, validate_programs

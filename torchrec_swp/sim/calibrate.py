@@ -54,7 +54,7 @@ from typing import Any, Literal, Protocol
 from torchrec_swp.plan import PipelinePlan
 from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import SimError
-from torchrec_swp.sim.ranks import Rank
+from torchrec_swp.sim.multirank import Rank
 
 Mode = Literal["mean", "median", "replay", "resample"]
 MODES = ("mean", "median", "replay", "resample")

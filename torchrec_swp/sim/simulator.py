@@ -182,7 +182,7 @@ def ticket_of(instr: Instr | None) -> tuple[str, int] | None:
 class Replay:
     """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes;
     ``result`` is the SimResult of what was executed. The multi-rank replay
-    (``torchrec_swp.sim.ranks``) drives the same state with its own clock, through ``blocker``,
+    (``torchrec_swp.sim.multirank``) drives the same state with its own clock, through ``blocker``,
     ``admits``, ``ticket_sources``, ``execute_sync``, ``finish_run``, ``blocked`` and ``result``."""
 
     def __init__(

@@ -4,7 +4,7 @@
   ``Maglev1F1BRecvAhead`` (same constructors; keyword-only ``schedule=``/``program=``,
   ``thread_map=``, ``grad_sync=``, ``engine_timeout_s=``) whose ``progress()`` is
   ``ProgramEngine.run_program`` of the builder's program for the rank.
-* ``ranks``: ``PipelineRank``, a rank holding several stages (interleaved, V schedules) of the
+* ``pipeline_rank``: ``PipelineRank``, a rank holding several stages (interleaved, V schedules) of the
   same authored model.
 * ``runtime``: the bindings of every action kind (``RankRuntime``) and the two wires.
 * ``cpu``: what Maglev needs to run on the CPU (an input driver over gloo), a small model and
@@ -23,11 +23,11 @@ if not TORCHREC.has_maglev:
         f"{TORCHREC.text} is installed (pip install --no-deps torchrec==1.9.2)"
     )
 
+from torchrec_swp.integrations.torchrec.maglev.pipeline_rank import PipelineRank
 from torchrec_swp.integrations.torchrec.maglev.pipelines import (
     Maglev1F1B,
     Maglev1F1BRecvAhead,
     MaglevPipelineBase,
 )
-from torchrec_swp.integrations.torchrec.maglev.ranks import PipelineRank
 
 __all__ = ["Maglev1F1B", "Maglev1F1BRecvAhead", "MaglevPipelineBase", "PipelineRank"]

@@ -66,7 +66,7 @@ from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.pp import PPError, Program, build, validate
 from torchrec_swp.pp.actions import P2P, Action, Kind
 from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, maglev_base
-from torchrec_swp.pp.lower import lower_rank
+from torchrec_swp.pp.lower_rank import lower_rank
 
 ThreadMap = Literal["main", "comm", "send_recv"] | Mapping[str, str] | Callable[[Action], str]
 GradSync = Literal["wrapper", "explicit"]

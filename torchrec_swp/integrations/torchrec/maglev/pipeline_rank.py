@@ -29,7 +29,7 @@ from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, P2PWire, Ra
 from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.pp import Program, validate
 from torchrec_swp.pp.actions import P2P, Action, Kind
-from torchrec_swp.pp.lower import lower_rank
+from torchrec_swp.pp.lower_rank import lower_rank
 
 
 class StageChain(nn.Module):

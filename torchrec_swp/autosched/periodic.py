@@ -1,4 +1,5 @@
-"""Exact mode with OR-Tools CP-SAT (imported on first use): proven-optimal schedules.
+"""Exact mode for a pipeline's steady state (periodic schedules) with OR-Tools CP-SAT (imported
+on first use): proven-optimal schedules.
 
 (``solve_dag``, the one-shot DAG solver that pipeline parallelism uses too, lives below both, in
 ``torchrec_swp.solve.cpsat``.)
