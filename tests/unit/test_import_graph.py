@@ -1,20 +1,23 @@
-"""The package's imports flow one way: no circle among its modules (imports inside functions
-and those under ``if TYPE_CHECKING:`` count: a type-only back edge is still a module that needs
-to know the one that imports it), pp does not import autosched, harness/ does not import
-benchmarks/, and nothing outside tests/ imports tests/."""
+"""The imports flow one way: no circle among the package's modules, nor among those of harness/,
+benchmarks/, examples/ and tools/ (imports inside functions and those under ``if TYPE_CHECKING:``
+count: a type-only back edge is still a module that needs to know the one that imports it), pp
+does not import autosched, harness/ does not import benchmarks/, and nothing outside tests/
+imports tests/."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "torchrec_swp"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(top: Path = PACKAGE) -> dict[str, Path]:
     mods = {}
-    for f in PACKAGE.rglob("*.py"):
+    for f in top.rglob("*.py"):
         parts = list(f.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -44,11 +47,12 @@ def _runtime_imports(tree: ast.AST, *, type_only: bool = False) -> list[str]:
     return found
 
 
-def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
+def import_graph(*, type_only: bool = False, top: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the package's modules it imports (a name imported from a package counts as an
     import of the submodule it names, if it is one, else of the package); with ``type_only`` the
-    imports under ``if TYPE_CHECKING:`` count too."""
-    mods = _modules()
+    imports under ``if TYPE_CHECKING:`` count too. ``top``: another top-level folder's modules
+    (``harness``, ...) instead of the package's."""
+    mods = _modules(top)
 
     def resolve(name: str) -> str | None:
         while name and name not in mods:
@@ -58,7 +62,7 @@ def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for m, f in mods.items():
         names = _runtime_imports(ast.parse(f.read_text()), type_only=type_only)
-        targets = {resolve(n) for n in names if n.startswith("torchrec_swp")}
+        targets = {resolve(n) for n in names if n.split(".")[0] == top.name}
         # a package's own __init__ importing its submodules is how packages are built, and a
         # submodule importing a sibling through the package name resolves to the sibling
         graph[m] = {t for t in targets if t and t != m and not m.startswith(t + ".")}
@@ -107,6 +111,11 @@ def test_the_tool_finds_a_circle_when_there_is_one() -> None:
 
 def test_no_circle_among_the_package_modules() -> None:
     assert circles(import_graph(type_only=True)) == []
+
+
+@pytest.mark.parametrize("top", ["harness", "benchmarks", "examples", "tools"])
+def test_no_circle_among_the_other_folders_modules(top: str) -> None:
+    assert circles(import_graph(type_only=True, top=ROOT / top)) == []
 
 
 def test_type_only_imports_are_edges_of_the_graph() -> None:
