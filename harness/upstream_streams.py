@@ -212,9 +212,9 @@ def _cuda_events_emulated() -> Iterator[None]:
 
 def _build_upstream(name: str, checker: Any) -> Any:
     """``harness.dlrm.Runner`` of upstream's ``name`` with emulated streams (no CPU patch)."""
-    from harness.dlrm_data import SIZES
     from examples.dlrm.model import build_dlrm
-    from harness.dlrm import INFO, PipelineUnavailable, Runner
+    from harness.dlrm import EXPERIMENTAL, INFO, PipelineUnavailable, Runner
+    from harness.dlrm_data import SIZES
 
     if name not in UPSTREAM_PIPELINES:
         raise PipelineUnavailable(f"unknown pipeline {name!r}; choose one of {', '.join(UPSTREAM_PIPELINES)}")
@@ -242,6 +242,8 @@ def _build_upstream(name: str, checker: Any) -> Any:
                 with _cuda_events_emulated():
                     pipeline = cls(model, optimizer, cpu, **info.options)
             else:
+                if name in EXPERIMENTAL:
+                    from torchrec.distributed.train_pipeline import experimental_pipelines as up
                 cls = getattr(up, name)
                 pipeline = cls(model, optimizer, cpu, **info.options)
             for attribute, stream in _cuda_like_streams(pipeline, checker).items():
