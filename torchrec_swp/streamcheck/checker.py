@@ -48,6 +48,7 @@ from typing_extensions import Self
 
 from torchrec_swp.streamcheck.autograd import NodeStreams
 from torchrec_swp.streamcheck.dispatch import NONE, WRITE, AccessMode, OpPlan, Touch
+from torchrec_swp.streamcheck.emulated import Event, EventRecord, Stream, installed_ops, set_installed
 from torchrec_swp.streamcheck.findings import (
     EarlyFree,
     Finding,
@@ -58,7 +59,6 @@ from torchrec_swp.streamcheck.findings import (
 )
 from torchrec_swp.streamcheck.lanes import Clock, CheckStats, Lane, TaskLabel, ThreadState, Use, join
 from torchrec_swp.streamcheck.memory import PendingFree, StorageState, same_pool, unknown_uses
-from torchrec_swp.streamcheck.emulated import Event, EventRecord, Stream, installed_ops, set_installed
 
 #: The name of the stream every thread is on unless it entered another (the plan's default).
 DEFAULT_STREAM = "default"
