@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,11 +22,12 @@ from torch.distributed import distributed_c10d
 import torchrec_swp
 from harness.parity import build_model, make_batches
 from harness.ranks import run_on_ranks
+from tests.dist.linger import linger_until_peer_ended, peer_ended
 
 PG_TIMEOUT_S = 5
 
 
-def _rank(rank: int, world_size: int, thread_map: Any, linger: bool) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, thread_map: Any, linger: bool, marker: str) -> dict[str, Any]:
     distributed_c10d._set_pg_timeout(timedelta(seconds=PG_TIMEOUT_S), dist.group.WORLD)
     model, optimizer = build_model(rank, world_size, 3)
     pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, torch.device("cpu"), thread_map=thread_map)
@@ -48,8 +50,10 @@ def _rank(rank: int, world_size: int, thread_map: Any, linger: bool) -> dict[str
     except BaseException as e:  # noqa: BLE001 - the test reports whatever ended the run
         error = e
     elapsed = time.monotonic() - start
-    if rank == 1 and linger:
-        time.sleep(PG_TIMEOUT_S * 2.5)  # stay connected: rank 0 must be ended by the timeout
+    if rank == 0:
+        peer_ended(marker)
+    elif linger:
+        linger_until_peer_ended(marker)  # stay connected: rank 0 must be ended by the timeout
     pipeline.close()
     return {
         "trained": trained,
@@ -68,8 +72,11 @@ def _rank(rank: int, world_size: int, thread_map: Any, linger: bool) -> dict[str
     [("main", False), ({"H2D": "io"}, False), ({"H2D": "io"}, True)],
     ids=["one thread, failed rank exits", "H2D on io, failed rank exits", "H2D on io, failed rank lingers"],
 )
-def test_one_rank_failing_ends_the_other_with_a_clear_error_not_a_hang(thread_map: Any, linger: bool) -> None:
-    healthy, failed = run_on_ranks(_rank, thread_map, linger, timeout_s=PG_TIMEOUT_S * 8, group_may_break=True)
+def test_one_rank_failing_ends_the_other_with_a_clear_error_not_a_hang(
+    thread_map: Any, linger: bool, tmp_path: Path
+) -> None:
+    marker = str(tmp_path / "healthy-rank-ended")
+    healthy, failed = run_on_ranks(_rank, thread_map, linger, marker, timeout_s=PG_TIMEOUT_S * 8, group_may_break=True)
     assert failed["type"] == "ValueError" and "injected failure" in failed["message"]
     assert (failed["task"], failed["batch"]) == ("Forward", 3)
     assert failed["trained"] == 3

@@ -187,16 +187,36 @@ def test_map_source_hands_out_the_dataloaders_batches_and_resumes_at_its_positio
         _assert_same_batch(batch, want)
 
 
-def test_map_batches_wait_inside_each_load_so_that_parallel_loads_wait_at_once() -> None:
+def test_map_batches_wait_inside_each_load_so_that_parallel_loads_wait_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     synthetic = SyntheticCriteo(batch_size=4, num_batches=4, num_embeddings=50, num_sparse=2)
     dataset = MapBatches(synthetic, latency_s=0.25)
-    start = time.perf_counter()
-    threads = [threading.Thread(target=dataset.__getitem__, args=(k,)) for k in range(4)]
+    # the loads' wait (a sleep) made a barrier that all four must reach together: loads that waited
+    # one after the other (under a lock, or before the threads) would break it instead of passing
+    together = threading.Barrier(4, timeout=30)
+    waited: list[float] = []
+
+    def wait(seconds: float) -> None:
+        waited.append(seconds)
+        together.wait()
+
+    monkeypatch.setattr(time, "sleep", wait)
+    loaded: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def load(k: int) -> None:
+        try:
+            loaded[k] = dataset[k]
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert time.perf_counter() - start < 0.75  # 1 s one after the other; a sleeping load holds no GIL
+        t.join(60)
+    assert not errors and sorted(loaded) == [0, 1, 2, 3] and waited == [0.25] * 4
 
 
 BAD_ARGUMENTS = {

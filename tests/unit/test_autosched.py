@@ -246,6 +246,8 @@ def test_cli_searches_the_overlap_from_every_ranks_profile(tmp_path: Path, capsy
     assert main(["--profile", str(paths[0]), "--profile", str(paths[1]), "--out", str(out), "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "profiles of rank(s) [0, 1] of 2" in text
+    # which file is which rank's, and whose table is printed
+    assert f"  rank 0: {paths[0]} (" in text and f"  rank 1: {paths[1]} (" in text and "rank 0's profile:" in text
     assert "the starting plan is bound by" in text and "the change:" in text and "now bound by" in text
     found, start = PipelinePlan.load(str(out)), sparse_dist_plan()
     assert found.task("H2D").thread_group != "default"  # the loader's wait leaves the training thread
@@ -255,6 +257,35 @@ def test_cli_searches_the_overlap_from_every_ranks_profile(tmp_path: Path, capsy
     assert "missing rank(s) [1]" in capsys.readouterr().err
     assert main(["--profile", str(paths[0]), "--out", str(out), "--quiet", "--fill-missing"]) == 0
     assert "rank(s) [1] taken to cost what rank 0 costs" in capsys.readouterr().out
+    # the file given may be any rank's: the CLI says which it read and whom it stands for
+    assert main(["--profile", str(paths[1]), "--out", str(out), "--quiet", "--fill-missing"]) == 0
+    text = capsys.readouterr().out
+    assert "profiles of rank(s) [1] of 2" in text and f"  rank 1: {paths[1]} (" in text and "rank 1's profile:" in text
+    assert "rank(s) [0] taken to cost what rank 1 costs (their profiles were not given)" in text
+    # the reordering search takes every rank's profile too, each task at its slowest rank
+    code = main(["--profile", str(paths[0]), "--profile", str(paths[1]), "--out", str(out), "--quiet", "--reorder"])
+    assert code == 0
+    assert "each task at its slowest median of rank(s) [0, 1]" in capsys.readouterr().out
+
+
+def test_the_reordering_problem_costs_each_task_on_its_slowest_rank() -> None:
+    import dataclasses
+
+    workload = torchrec_workloads()[0]
+    fast = profile_of(workload).with_where(rank=0, world_size=2)
+    slow = dataclasses.replace(
+        fast,
+        tasks=tuple(dataclasses.replace(s, median_s=3 * s.median_s) if s.task == "Forward" else s for s in fast.tasks),
+    ).with_where(rank=1)
+    problem = Problem.from_profiles([fast, slow], max_threads=2)
+    assert problem.durations["Forward"] == slow.stats("Forward").median_s > fast.stats("Forward").median_s
+    assert {t: d for t, d in problem.durations.items() if t != "Forward"} == {
+        t: d for t, d in fast.durations().items() if t != "Forward"
+    }
+    assert problem.max_threads == 2
+    other = profile_of(torchrec_workloads()[1])
+    with pytest.raises(PlanError, match="the ranks profiled different plans"):
+        Problem.from_profiles([fast, other])
 
 
 def test_cli_reorders_on_request_and_refuses_old_or_missing_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -263,7 +294,8 @@ def test_cli_reorders_on_request_and_refuses_old_or_missing_files(tmp_path: Path
     code = main(["--profile", str(path), "--out", str(out), "--quiet", "--reorder", "--exact", "--time-limit", "10"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "reordered (beam search, barrier model)" in text and "CP-SAT" in text
+    assert "reordered (beam search, barrier model; each task at its slowest median of rank(s) [0])" in text
+    assert "CP-SAT" in text
     assert "now bound by" in text or "no change is predicted to do better" in text
     workload = torchrec_workloads()[0]
     profile_of(workload).save(str(path))  # per-task statistics only: no measured iterations

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.engine_fixtures import THREAD_MAPS, S, Toy, toy_plan
+from tests.unit.engine_fixtures import THREAD_MAPS, S, Toy, drawing, run, toy_plan
 from torchrec_swp.engine import (
     CollectiveAborted,
     Engine,
@@ -162,15 +162,17 @@ def test_failure_aborts_later_collectives_on_other_threads() -> None:
     engine.close()
 
 
-def test_blocking_wait_times_out_with_a_diagnostic() -> None:
-    release = threading.Event()
+def test_a_deadlock_times_out_with_a_diagnostic() -> None:
+    """A timeout is a deadlock: every thread waits and nothing changes for timeout_s. Here H2D
+    of batch 3 waits on the board for what never comes, and the calling thread waits for H2D."""
+    never = threading.Event()
     toy = Toy(6)
     bindings = toy.bindings()
     inner = bindings["H2D"]
 
     def stuck(b: int) -> int:
-        if b == 3:
-            release.wait(5)
+        if b == 3:  # (interrupted when the engine gives up; its own timeout is far away)
+            engine.board.wait(never.is_set, lambda: "something never set", 60)
         return inner(b)
 
     bindings["H2D"] = stuck
@@ -183,17 +185,66 @@ def test_blocking_wait_times_out_with_a_diagnostic() -> None:
         name="waits",
     )
     engine = Engine(plan, bindings, timeout_s=0.3)
+    start = time.monotonic()
     with pytest.raises(EngineTimeout) as info:
         engine.run_to_end()
-    release.set()
-    # the report says what each thread was doing and marks the stuck cell in the schedule
+    assert time.monotonic() - start < 5  # about the timeout, not H2D's own 60 s
+    # the report says what each thread was doing, with the schedule
     message = str(info.value)
     assert "internal iteration 3 of plan waits did not finish within 0.3s" in message
-    assert "thread 'io': at run! H2D" in message
+    assert "thread 'io': parked (interrupted) at run! H2D" in message
     assert "thread 'default': failed in wait H2D" in message
-    assert "io       memcpy        | i0    i1    i2    i3*" in message
-    assert "waited 0.3s for task H2D" in str(info.value.__cause__)
+    assert "io       memcpy        | i0    i1    i2    i3" in message
+    assert "no thread made progress for 0.3s while waiting for task H2D (batch 3)" in str(info.value.__cause__)
     engine.close()
+
+
+SLOW_PLANS = {
+    "main": toy_plan(),
+    "H2D on a thread": toy_plan().with_thread_map({"H2D": "io"}),
+    "2 loads": toy_plan().with_loads(2),
+}
+
+
+@pytest.mark.parametrize("plan", SLOW_PLANS.values(), ids=SLOW_PLANS.keys())
+def test_a_slow_task_is_no_timeout_on_any_thread_map(plan: PipelinePlan) -> None:
+    """One H2D call blocks three times engine_timeout_s: it runs (progress), so no thread map
+    turns it into an EngineTimeout, as the plan on the calling thread alone never did."""
+    timeout = 0.2
+    bindings = drawing(Toy(6))
+    inner = bindings["H2D"]
+    blocked: list[float] = []
+
+    def slow(b: int, data: Any) -> int:
+        if b == 2:
+            release = threading.Event()
+            threading.Timer(3 * timeout, release.set).start()  # the slow loader's batch lands after 3 timeouts
+            start = time.monotonic()
+            assert release.wait(60)
+            blocked.append(time.monotonic() - start)
+        return inner(b, data)
+
+    bindings["H2D"] = slow
+    engine = Engine(plan, bindings, timeout_s=timeout)
+    try:
+        assert run(engine, n=6) == run(Engine(toy_plan(), drawing(Toy(6))), n=6)
+    finally:
+        engine.close()
+    assert len(blocked) == 1 and blocked[0] > timeout  # it did block longer than the timeout
+
+
+@pytest.mark.parametrize("plan", list(SLOW_PLANS.values())[1:], ids=list(SLOW_PLANS)[1:])
+def test_the_caller_away_between_calls_is_no_timeout(plan: PipelinePlan) -> None:
+    """Between two step() calls the workers wait for the caller (credit, its next request): the
+    caller's thread runs its own code meanwhile, which is progress, however long it takes."""
+    timeout = 0.2
+    engine = Engine(plan, drawing(Toy(6)), timeout_s=timeout)
+    try:
+        first = run(engine, 1, n=6)
+        time.sleep(3 * timeout)  # the caller's own work (evaluation, a checkpoint) between two calls
+        assert first + run(engine) == run(Engine(toy_plan(), drawing(Toy(6))), n=6)
+    finally:
+        engine.close()
 
 
 def test_unbound_or_extra_tasks_are_rejected() -> None:

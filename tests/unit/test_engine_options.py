@@ -5,6 +5,8 @@ bit for bit as with their default plan, over a plain iterator and over a MapSour
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -247,3 +249,27 @@ def test_a_plan_from_plans_with_parallel_loads_trains_the_same() -> None:
     )
     assert len(outputs) == len(ref_outputs) and all(torch.equal(x, y) for x, y in zip(outputs, ref_outputs))
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+@pytest.mark.parametrize("options", [{}, {"thread_map": "io"}, {"loads": 2}], ids=str)
+def test_a_slow_batch_is_no_timeout_whatever_the_thread_map(options: dict[str, Any]) -> None:
+    """One batch the loader takes three engine_timeout_s to give: a slow loader, not a timeout,
+    on the calling thread (it never was) and with the draw on threads of its own (it was)."""
+    timeout = 0.3
+    blocked: list[float] = []
+
+    def slow_fourth(items: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for k, x in enumerate(items):
+            if k == 4:
+                release = threading.Event()
+                threading.Timer(3 * timeout, release.set).start()
+                start = time.monotonic()
+                assert release.wait(60)
+                blocked.append(time.monotonic() - start)
+            yield x
+
+    mine = train(torchrec_swp.TrainPipelineBase, slow_fourth, engine_timeout_s=timeout, **options)
+    reference = train(torchrec_swp.TrainPipelineBase, iter)
+    assert len(blocked) == 1 and blocked[0] > timeout
+    assert len(mine[0]) == 13 and all(torch.equal(a, b) for a, b in zip(mine[0], reference[0]))
+    assert all(torch.equal(mine[1][k], reference[1][k]) for k in reference[1])

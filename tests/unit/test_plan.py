@@ -218,6 +218,85 @@ def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
         PipelinePlan.from_text("phases p\nphase 0\nplan p\ndepth 1\n")
 
 
+# Every error about a plan's text names its line the same way, ``line N: ... (in 'the line')``, and
+# holds N in PlanError.line: the header, task rows, deps, the checks run once the plan is built (on the
+# line that gave the culprit) and phased plans (line numbers of the whole text, not of one phase).
+_ROW = "task A 0 default default - - - x -\n"
+_PLAN = "plan p\ndepth 1\n" + _ROW
+_LINE_ERRORS = [
+    # (kind, text, line, words of the message)
+    ("header value not an int", "plan p\ndepth three\n" + _ROW, 2, "depth must be an int, got 'three'"),
+    ("lookahead not an int", "plan p\ndepth 1\nlookahead soon\n" + _ROW, 3, "lookahead must be an int"),
+    ("header key twice", "plan p\ndepth 1\ndepth 2\n" + _ROW, 3, "'depth' given twice"),
+    ("header line missing", "# a comment\nplan p\n" + _ROW, 2, "no 'depth' line"),
+    ("plan line missing", "\ndepth 1\n" + _ROW, 2, "no 'plan' line"),
+    ("empty text", "", 1, "no 'plan' line"),
+    ("plan name not an identifier", "plan p!\ndepth 1\n" + _ROW, 1, "plan name 'p!' is not an identifier"),
+    ("plan without tasks", "plan p\ndepth 1\n", 1, "plan p has no tasks"),
+    ("bad exhausted", "plan p\ndepth 1\nexhausted never\n" + _ROW, 3, "on_exhausted must be 'drain' or 'stop'"),
+    ("lookahead below 0", "plan p\ndepth 1\nlookahead -1\n" + _ROW, 3, "lookahead must be an int >= 0"),
+    ("loads without a source", "plan p\ndepth 1\nloads 2\n" + _ROW, 3, "loads 2 needs a source task"),
+    ("source not a task", "plan p\ndepth 1\nsource Q\n" + _ROW, 3, "source 'Q' is not a task"),
+    ("output never written", "plan p\ndepth 1\noutput q\n" + _ROW, 3, "output 'q' is not written"),
+    ("unknown keyword", _PLAN + "tsak B\n", 4, "unknown keyword 'tsak'"),
+    ("task row short", _PLAN + "task B 0 default\n", 4, "a task row has 9 columns"),
+    ("stage not an int", _PLAN + "task B one default default - - - - -\n", 4, "stage must be an int"),
+    ("unknown flag", _PLAN + "task B 0 default default - - - - fast\n", 4, "unknown flag 'fast'"),
+    ("unknown guard", _PLAN + "task B 0 default default - sometimes - - -\n", 4, "when must be one of"),
+    ("bad stream name", _PLAN + "task B 0 st-ream default - - - - -\n", 4, "stream name 'st-ream'"),
+    ("two comm groups", _PLAN + "task B 0 default default w,v - - - -\n", 4, "several comm groups"),
+    ("duplicate task", _PLAN + _ROW, 4, "duplicate task name A"),
+    ("old-form field", _PLAN + "task B stage=0 colour=red\n", 4, "bad task field 'colour=red'"),
+    ("reads what nobody writes", _PLAN + "task B 0 default default - - y - -\n", 4, "reads 'y', which no task writes"),
+    ("stage past the depth", _PLAN + "task B 1 default default - - x - -\n", 4, "smaller than the stage span"),
+    ("guard needs a source", _PLAN + "task B 0 default default - has_next x - -\n", 4, "needs a source task"),
+    ("guard below the source", "plan p\ndepth 1\nsource A\n" + _ROW + "task B 0 default default - has_next x - -\n",
+     5, "has not looked for batch"),
+    ("dep syntax", _PLAN + "task B 0 default default - - - - -\ndep A B\n", 5, "a dep line reads"),
+    ("dep distance", _PLAN + "task B 0 default default - - - - -\ndep A <- B @x\n", 5, "bad distance '@x'"),
+    ("dep on an unknown task", _PLAN + "dep A <- Z\n", 4, "unknown producer task 'Z'"),
+    ("dep on itself", _PLAN + "\ndep A <- A\n", 5, "cannot depend on itself"),
+    ("dep never satisfied", _PLAN.replace("depth 1", "depth 2") + "task B 1 default default - - - - -\ndep A <- B\n",
+     5, "cannot be satisfied"),
+    ("phased text read as a plan", "phases x\nphase 0\n" + _PLAN, 1, "this is a phased plan"),
+]
+_PHASED_LINE_ERRORS = [
+    ("phases line missing", "\n\nphase 0\n" + _PLAN, 3, "no 'phases' line"),
+    ("phases line twice", "phases x\nphases y\nphase 0\n" + _PLAN, 2, "'phases' must come first"),
+    ("line before the phases line", "plan p\nphases x\n", 1, "expected 'phases NAME'"),
+    ("bad clock", "phases x\nclock wrong\nphase 0\n" + _PLAN, 2, "clock must be one of"),
+    ("cycle syntax", "phases x\ncycle 1\nphase 0\n" + _PLAN, 2, "a cycle line reads 'cycle FIRST PERIOD'"),
+    ("cycle not fitting the phases", "phases x\ncycle 3 1\nphase 0\n" + _PLAN, 2, "period must be >= 1"),
+    ("phase start syntax", "phases x\nphase zero\n" + _PLAN, 2, "a phase line reads 'phase START'"),
+    ("no phase", "phases x\n", 1, "needs at least one phase"),
+    ("phase without a plan", "phases x\nphase 0\nphase 4\n" + _PLAN, 2, "no 'plan' line"),
+    ("phase start twice", "phases x\nphase 0\n" + _PLAN + "phase 0\n" + _PLAN, 6, "must begin at 0 and increase"),
+    ("phase starts out of order", "phases x\nphase 0\n" + _PLAN + "phase 5\n" + _PLAN + "phase 3\n" + _PLAN, 10,
+     "must begin at 0 and increase"),
+    ("phases that cannot take turns",
+     "phases x\nphase 0\n" + _PLAN + "phase 4\n" + _PLAN.replace("task A", "task B"), 6, "cannot take turns"),
+    ("error in a later phase's header",
+     "phases x\nphase 0\n" + _PLAN + "phase 5\n" + _PLAN.replace("depth 1", "depth one"), 8, "depth must be an int"),
+    ("error in a later phase's plan", "phases x\nphase 0\n" + _PLAN + "phase 5\n" + _PLAN + "dep A <- Q\n", 10,
+     "unknown producer task 'Q'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("read", "text", "line", "words"),
+    [(PipelinePlan.from_text, *case[1:]) for case in _LINE_ERRORS]
+    + [(PhasedPlan.from_text, *case[1:]) for case in _PHASED_LINE_ERRORS],
+    ids=[case[0] for case in _LINE_ERRORS + _PHASED_LINE_ERRORS],
+)
+def test_every_plan_text_error_names_its_line(read: object, text: str, line: int, words: str) -> None:
+    with pytest.raises(PlanError) as info:
+        read(text)  # type: ignore[operator]
+    message = str(info.value)
+    quoted = (text.splitlines()[line - 1] if text else "").strip()
+    assert message.startswith(f"line {line}: ") and message.endswith(f"(in {quoted!r})"), message
+    assert words in message and info.value.line == line and info.value.culprit, message
+
+
 def test_save_and_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "p.plan"
     three_stage().save(str(path))

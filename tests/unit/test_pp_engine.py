@@ -222,11 +222,13 @@ def test_a_failure_on_the_main_thread_wakes_the_comm_thread_waiting_for_it() -> 
 
 
 def test_a_timeout_reports_each_threads_position_and_never_hangs() -> None:
+    """A timeout is a deadlock (no thread made progress for timeout_s): here the receive waits on
+    the board for what never comes, and the thread that needs it waits for the receive."""
     program = maglev_1f1b(2, 2)
-    release = threading.Event()
+    never = threading.Event()
     rec = Recorder()
     bindings = rec.bindings()
-    bindings["RF"] = lambda s, m: release.wait(30)  # the receive never lands in time
+    bindings["RF"] = lambda s, m: engine.board.wait(never.is_set, lambda: "a receive that never lands", 60)
     engine = ProgramEngine(bindings, name="Maglev1F1B-rank1", timeout_s=0.3)
     try:
         start = time.monotonic()
@@ -236,11 +238,53 @@ def test_a_timeout_reports_each_threads_position_and_never_hangs() -> None:
         text = str(info.value)
         assert "step 0 of Maglev1F1B-rank1" in text
         assert "thread 'default': failed in wait 1RF0" in text or "thread 'default': at wait 1RF0" in text
-        assert "thread 'comm': at run 1RF0" in text
+        assert "thread 'comm': parked (interrupted) at run 1RF0" in text
         assert "> run 1RF0" in text and "> wait 1RF0" in text  # the program, stuck instructions marked
+        assert "no thread made progress for 0.3s while waiting for action 1RF0" in str(info.value.__cause__)
     finally:
-        release.set()
         engine.close()
+
+
+def test_threads_that_wait_on_each_other_time_out_and_a_slow_action_does_not() -> None:
+    """Two threads each waiting for the other's signal: a deadlock, an EngineTimeout within about
+    the timeout. The same program's order made acyclic, with one action blocking three timeouts
+    (it runs: progress), finishes."""
+    timeout = 0.3
+    cycle = IterationProgram((0,), (
+        ("default", (WaitTask("0B0"), RunAction("0F0", "F", 0, 0), Signal("0F0"))),
+        ("comm", (WaitTask("0F0"), RunAction("0B0", "B", 0, 0), Signal("0B0"))),
+    ))
+    engine = ProgramEngine(Recorder().bindings(), name="cycle", timeout_s=timeout)
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineTimeout, match="step 0 of cycle"):
+            engine.run_program(cycle)
+        assert time.monotonic() - start < 3
+    finally:
+        engine.close()
+    chain = IterationProgram((0,), (
+        ("default", (RunAction("0F0", "F", 0, 0), Signal("0F0"))),
+        ("comm", (WaitTask("0F0"), RunAction("0B0", "B", 0, 0), Signal("0B0"))),
+    ))
+    rec = Recorder()
+    bindings = rec.bindings()
+    backward = bindings["B"]
+    blocked: list[float] = []
+
+    def slow(stage: int, mb: int | None) -> None:
+        release = threading.Event()
+        threading.Timer(3 * timeout, release.set).start()
+        began = time.monotonic()
+        assert release.wait(60)
+        blocked.append(time.monotonic() - began)
+        backward(stage, mb)
+
+    engine = ProgramEngine(dict(bindings, B=slow), name="chain", timeout_s=timeout)
+    try:
+        engine.run_program(chain)  # the calling thread waits for 0B0 (to end the step) while it runs
+    finally:
+        engine.close()
+    assert [a for a, _ in rec.ran] == ["0F0", "0B0"] and blocked[0] > timeout
 
 
 def test_collectives_on_several_threads_take_tickets_in_program_order() -> None:

@@ -2,13 +2,15 @@
 
 Reads every rank's profile (``TaskProfiler`` / ``Profile.save``, one file per rank: collectives
 wait for the slowest rank, so the search needs them all; ``--fill-missing`` takes the ranks not
-given to cost what rank 0 costs), prints the profile of rank 0, runs the overlap search
+given to cost what the lowest rank given costs, and says so), says which ranks' profiles it read
+and each one's step, prints the lowest rank's table, runs the overlap search
 (``torchrec_swp.autosched.overlap``: threads, lookahead, parallel loads, the input dist's comm
 group - changes that keep every batch's numerics) with a progress bar, writes the best plan's text
 to ``Q`` (load it with ``PipelinePlan.load(Q)`` or pass ``plan=Q`` to a pipeline) and says why it
 wins. ``--reorder`` first runs the beam search over fire order and stages (the old barrier
-model's, which may change what a task sees of shared state: check the losses), and ``--exact``
-besides solves that with CP-SAT and reports the gap.
+model's, which may change what a task sees of shared state: check the losses; one rank's model,
+each task costing its slowest rank's median), and ``--exact`` besides solves that with CP-SAT
+and reports the gap.
 """
 
 from __future__ import annotations
@@ -89,22 +91,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no profile file matches {' '.join(args.profile)}", file=sys.stderr)
         return 2
     try:
-        profiles = [Profile.load(path) for path in paths]
+        files = sorted(((Profile.load(path), path) for path in paths), key=lambda pp: pp[0].where.rank)
+        profiles = [profile for profile, _ in files]
         inputs = from_profiles(
             profiles, wake=args.wake_us * 1e-6, gil=args.gil or None, cores=None, fill_missing=args.fill_missing
         )
     except (OSError, ProfileError, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    first = min(profiles, key=lambda p: p.where.rank)
+    first = profiles[0]
     plan = first.plan
     ms, unit = 1e3, " ms"
-    print(first.format_table())
-    print()
-    ranks = sorted(p.where.rank for p in profiles)
-    print(f"profiles of rank(s) {ranks} of {first.where.world_size}; machines {inputs.machine.machines}, {inputs.machine.cores} cores each")
+    ranks = [p.where.rank for p in profiles]
+    machine = inputs.machine
+    world = first.where.world_size
+    print(f"profiles of rank(s) {ranks} of {world}; machines {machine.machines}, {machine.cores} cores each")
+    for profile, path in files:
+        it = f"{profile.iterations} iterations, {profile.iteration_s * ms:.3f}{unit} median"
+        print(f"  rank {profile.where.rank}: {path} ({it})")
     for note in inputs.notes:
         print(f"note: {note}")
+    print()
+    print(f"rank {first.where.rank}'s profile:")
+    print(first.format_table())
+    print()
     loads = args.loads if plan.source in DRAW_TASKS and inputs.split_draws else (1,)
     if loads != args.loads and any(k > 1 for k in args.loads):
         why = (
@@ -128,9 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.reorder:
-        problem = Problem.from_profile(first, max_threads=args.max_threads, max_in_flight=args.max_in_flight)
+        problem = Problem.from_profiles(profiles, max_threads=args.max_threads, max_in_flight=args.max_in_flight)
         found = beam_search(problem, beam_width=8, funnel=2, max_passes=5)
-        print("reordered (beam search, barrier model):")
+        print(f"reordered (beam search, barrier model; each task at its slowest median of rank(s) {ranks}):")
         print(found.format(ms, unit))
         if args.exact:
             try:

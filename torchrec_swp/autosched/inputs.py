@@ -7,8 +7,8 @@ last rank's arrival on, the calling thread's overhead per step) and the ``Machin
 runs where (by host name), each machine's cores, the wake-up latency and the GIL share given.
 
 A rank whose profile is missing is a ProfileError naming the ranks missing, unless
-``fill_missing``: then each missing rank is taken to cost what rank 0 costs (said in
-``Inputs.notes``), for a quick look from one rank's file.
+``fill_missing``: then each missing rank is taken to cost what the lowest rank given costs (said
+in ``Inputs.notes``, naming both), for a quick look from one rank's file.
 """
 
 from __future__ import annotations
@@ -68,14 +68,15 @@ def from_profiles(
     notes: list[str] = []
     missing = [r for r in range(size) if r not in by_rank]
     if missing:
-        if not fill_missing or 0 not in by_rank:
+        if not fill_missing:
             raise ProfileError(
                 f"profiles of {size} ranks needed, missing rank(s) {missing}: pass every rank's profile "
                 "(collectives wait for the slowest rank)"
             )
-        notes.append(f"rank(s) {missing} taken to cost what rank 0 costs (their profiles were not given)")
+        given = min(by_rank)
+        notes.append(f"rank(s) {missing} taken to cost what rank {given} costs (their profiles were not given)")
         for r in missing:
-            by_rank[r] = by_rank[0].with_where(rank=r)
+            by_rank[r] = by_rank[given].with_where(rank=r)
     ordered = [by_rank[r] for r in range(size)]
     plans = {p.plan for p in ordered}
     if len(plans) != 1:

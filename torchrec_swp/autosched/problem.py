@@ -22,7 +22,7 @@ state the search optimizes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -92,6 +92,19 @@ class Problem:
     def from_profile(cls, profile: Profile, **options: object) -> Problem:
         """The profiled plan with the median durations (seconds) of the profile."""
         return cls(profile.plan, profile.durations(), **options)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_profiles(cls, profiles: Sequence[Profile], **options: object) -> Problem:
+        """The plan profiled on every rank, each task costing its median on its slowest rank: the
+        barrier model is one rank's, and collectives wait for the slowest rank."""
+        plans = {p.plan for p in profiles}
+        if len(plans) != 1:
+            raise PlanError(
+                f"the ranks profiled different plans: {sorted(p.name for p in plans)}", culprit="profiles"
+            )
+        durations = [p.durations() for p in profiles]
+        slowest = {t: max(d[t] for d in durations) for t in durations[0]}
+        return cls(profiles[0].plan, slowest, **options)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------- by index
     @cached_property

@@ -16,8 +16,19 @@ change checks every waiter. So a topic is a promise: nothing else that changes o
 topic's notification is read by any predicate outside that topic.
 
 A wait whose predicate already holds takes no lock: a thread that never waits (a plan on one
-thread) never touches the board.
-"""
+thread) never takes the board's lock.
+
+Timeouts: a wait gives up (EngineTimeout) only once no thread made progress for ``timeout_s``:
+every thread of the engine waited all that time and nothing on the board changed. A thread makes
+progress while it walks its program and does not wait on the board (a task that runs for long,
+on any thread, is progress, not a timeout), and the caller's thread (the one walking the plan's
+``default`` group) whenever it does not wait on the board, inside the engine or out of it (user
+code between two calls); a worker between walks waits for a job and is not counted. So a slow
+loader is no timeout whatever the thread map, as it is none on the calling thread alone; a
+timeout is a deadlock: threads waiting on each other, or on something the board never gets. A
+task stuck inside itself (a hung collective, a receive whose sender died) is bounded by that
+library's own timeout, not the engine's. ``wait_began`` / ``patience`` give the same rule to
+the engine's other waiting loops (turnstiles, waiting for workers to rest)."""
 
 from __future__ import annotations
 
@@ -45,6 +56,9 @@ class Board:
         self.latches: dict[Hashable, LatchState] = {}
         self.interrupt: str | None = None
         self.blocked: set[int] = set()  # threads waiting on the board right now
+        self._walking: dict[int, None] = {}  # worker threads walking a program (each adds and removes itself)
+        self._caller: int | None = None  # the thread that walks the calling thread's part
+        self._stirred = time.monotonic()  # the last sign of progress: a change, a walk ending, a wait beginning
         # sleeping threads: the lock each blocks on (held while it sleeps), what it waits for, its topic
         self._sleepers: list[tuple[threading.Lock, Callable[[], bool] | None, Hashable]] = []
 
@@ -70,6 +84,7 @@ class Board:
     def notify(self, topic: Hashable = None) -> None:
         """With the lock held: something changed (only what concerns ``topic``'s waiters, if
         given); wake the waiters it may concern."""
+        self._stirred = time.monotonic()
         if not self._sleepers:
             return
         everyone = self.interrupt is not None
@@ -89,19 +104,51 @@ class Board:
 
     def wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float, topic: Hashable = None) -> None:
         """Return once ``ready()`` holds. Raises Interrupted when the board is interrupted
-        first, EngineTimeout (saying ``what()`` it waited for) after ``timeout_s``. ``topic``:
-        the one kind of change, beyond the general ones, ``ready()`` depends on."""
+        first, EngineTimeout (saying ``what()`` it waited for) once no thread made progress for
+        ``timeout_s`` (see the module's docstring). ``topic``: the one kind of change, beyond
+        the general ones, ``ready()`` depends on."""
         if ready():
             return
-        deadline = time.monotonic() + timeout_s
         with self.lock:
+            began = self.wait_began()
             while not ready():
                 if self.interrupt is not None:
                     raise Interrupted(self.interrupt)
-                remaining = deadline - time.monotonic()
+                remaining = self.patience(began, timeout_s)
                 if remaining <= 0:
-                    raise EngineTimeout(f"waited {timeout_s:.1f}s for {what()}")
+                    raise EngineTimeout(f"no thread made progress for {timeout_s:.1f}s while waiting for {what()}")
                 self.sleep(remaining, ready, topic)
+
+    # ---------------------------------------------------------------- progress
+    def walk_began(self, caller: bool) -> None:
+        """The calling thread starts walking its program (``caller``: it is the caller's thread,
+        walking the ``default`` group's part). No lock: a thread adds and removes only itself."""
+        me = threading.get_ident()
+        if caller:
+            self._caller = me
+        else:
+            self._walking[me] = None
+
+    def walk_ended(self) -> None:
+        """The calling thread's walk ended (a worker then waits for its next job)."""
+        self._walking.pop(threading.get_ident(), None)
+        self._stirred = time.monotonic()
+
+    def wait_began(self) -> float:
+        """The calling thread begins a wait (it stops making progress): the time, for ``patience``."""
+        self._stirred = now = time.monotonic()
+        return now
+
+    def patience(self, began: float, timeout_s: float) -> float:
+        """With the lock held: how long a wait that began at ``began`` (``wait_began()``) may
+        still sleep before it gives up; <= 0: no thread made progress for ``timeout_s``. While
+        another thread makes progress, ``timeout_s`` (it looks again after that)."""
+        me, blocked, caller = threading.get_ident(), self.blocked, self._caller
+        if (caller is not None and caller != me and caller not in blocked) or any(
+            t != me and t not in blocked for t in list(self._walking)
+        ):
+            return timeout_s
+        return max(began, self._stirred) + timeout_s - time.monotonic()
 
     # ----------------------------------------------------------------- latches
     def set_latch(self, key: Hashable, state: LatchState = LatchState.DONE) -> None:

@@ -38,12 +38,13 @@ class Cuts(Epochs):
             running = [w for w in workers if w.state is WalkState.RUNNING]
             return all(self._workers[w.name].thread.ident in board.blocked for w in running)
 
-        deadline = time.monotonic() + self.timeout_s
+        began = board.wait_began()
         while True:  # threads do not announce that they block: look every millisecond
             with board.lock:
                 if quiet() or self.failures:
                     return
-            if time.monotonic() > deadline:
+                stalled = board.patience(began, self.timeout_s) <= 0  # no thread made progress
+            if stalled:
                 raise EngineTimeout(self._timeout_report())
             time.sleep(0.001)
 

@@ -28,7 +28,7 @@ of the current (or next) ``step()`` with its own type and a note naming task, ba
 internal iteration (attributes ``swp_task``, ``swp_batch``, ``swp_thread``, ``swp_iteration``).
 ``step()`` again resumes where every thread stopped: nothing runs twice, nothing is skipped (but
 a rank that failed issues no more collectives of a comm group spread over threads until
-``reset()``). Every blocking wait honours ``timeout_s``.
+``reset()``). A wait times out once no thread made progress for ``timeout_s`` (``engine.board``).
 
 Uneven data: with ``exhaustion`` (an ``ExhaustionSync``, the pipelines'
 ``sync_dataloader_exhaustion=True``) the ranks agree on every draw whether every rank has the

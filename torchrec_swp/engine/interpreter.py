@@ -35,7 +35,6 @@ import itertools
 import queue
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from torchrec_swp.engine.errors import (
 from torchrec_swp.engine.streams import NullStreamPool, StreamPool
 from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.engine.turnstile import Turnstile
+from torchrec_swp.plan import MAIN_THREAD
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -196,6 +196,7 @@ class Interpreter(abc.ABC):
         it goes). Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
         board = self.board
         w.state = WalkState.RUNNING
+        board.walk_began(w.thread == MAIN_THREAD)
         try:
             while until is None or w.P <= until:
                 P = w.P
@@ -221,6 +222,7 @@ class Interpreter(abc.ABC):
         except BaseException:  # noqa: BLE001 - every failure is recorded and re-raised by the caller
             self._fail(w)
         finally:
+            board.walk_ended()
             if self._checker is not None:  # what the walk did is ordered before who sees it resting
                 self._checker.cpu_release(("walk", self._uid, w.name))
             if len(self._walkers) > 1:
@@ -333,15 +335,16 @@ class Interpreter(abc.ABC):
 
     def _wait_idle(self, walkers: list[Walker]) -> None:
         """Wait until none of ``walkers`` is walking (interrupts do not end this wait); an
-        EngineTimeout with the report if one does not stop in time (stuck inside a task)."""
-        deadline = time.monotonic() + self.timeout_s
+        EngineTimeout with the report once no thread made progress for the timeout (a task that
+        runs on is progress: see ``torchrec_swp.engine.board``)."""
+        began = self.board.wait_began()
 
         def idle() -> bool:
             return all(w.state is not WalkState.RUNNING for w in walkers)
 
         with self.board.lock:
             while not idle():
-                remaining = deadline - time.monotonic()
+                remaining = self.board.patience(began, self.timeout_s)
                 if remaining <= 0:
                     cause = self.failures[0].exc if self.failures else None
                     raise EngineTimeout(self._timeout_report()) from cause

@@ -21,8 +21,8 @@ Failures: an exception in any action on any thread aborts the step: every waitin
 (``TaskAborted``), later tickets fail (``CollectiveAborted``) until ``reset()``, every worker
 returns to idle, and ``run_program`` re-raises the first exception, of its own type, with a
 note naming action, microbatch, thread and step (attributes ``swp_task`` = the action's text,
-``swp_batch`` = its microbatch or -1, ``swp_thread``, ``swp_iteration`` = the step). Every
-blocking wait of the engine honours ``timeout_s``; a timeout reports what each thread is at and
+``swp_batch`` = its microbatch or -1, ``swp_thread``, ``swp_iteration`` = the step). A wait
+times out once no thread made progress for ``timeout_s`` (``engine.board``); it reports what each thread is at and
 the program with those instructions marked. A binding that blocks inside a library call (a
 receive whose sender died) is bounded by that library's own timeout, not the engine's: bindings
 that wait on the network should pass ``timeout_s`` on (``torchrec_swp.integrations.torchrec.maglev``

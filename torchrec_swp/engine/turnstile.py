@@ -63,7 +63,7 @@ class Turnstile:
     def acquire(self, ticket: int, timeout_s: float, check: Callable[[], None] | None = None) -> None:
         """Wait for ``ticket``'s turn. ``check()``, called before every wait, may raise to give up
         (the engine's threads park when the plan stopped before their iteration)."""
-        deadline = time.monotonic() + timeout_s
+        began = self._board.wait_began() if self._board is not None else time.monotonic()
         me = threading.current_thread().name
 
         def turn() -> bool:  # what wakes it on the board: its turn, an abort, or check() giving up
@@ -90,11 +90,16 @@ class Turnstile:
                         raise Interrupted(self._board.interrupt)
                     if check is not None:
                         check()
-                    remaining = deadline - time.monotonic()
+                    # with a board: no thread made progress for timeout_s (torchrec_swp.engine.board)
+                    remaining = (
+                        self._board.patience(began, timeout_s)
+                        if self._board is not None
+                        else began + timeout_s - time.monotonic()
+                    )
                     if remaining <= 0:
                         raise EngineTimeout(
-                            f"waited {timeout_s:.1f}s for collective ticket {ticket} of comm group "
-                            f"{self.group!r}; the turnstile is at ticket {self._next}"
+                            f"no progress for {timeout_s:.1f}s while waiting for collective ticket {ticket} of comm "
+                            f"group {self.group!r}; the turnstile is at ticket {self._next}"
                         )
                     if self._board is not None:
                         self._board.sleep(remaining, turn)

@@ -29,7 +29,7 @@ from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
 from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import check_name
-from torchrec_swp.plan.text import is_phased_text, phased_args_from_text, phased_to_text
+from torchrec_swp.plan.text import is_phased_text, phased_from_text, phased_to_text
 
 #: How a PhasedPlan numbers batches (see the module docstring); the first is the default.
 CLOCKS = ("index", "drawn", "trained")
@@ -76,14 +76,15 @@ class PhasedPlan:
             if isinstance(start, bool) or not isinstance(start, int):
                 raise PlanError(f"phase start must be an int, got {start!r}", culprit=str(start))
         starts = [s for s, _ in phases]
-        if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
-            raise PlanError(f"phase starts must begin at 0 and increase, got {starts}", culprit="phases")
+        wrong = [s for s in starts[:1] if s != 0] + [b for a, b in zip(starts, starts[1:]) if b <= a]
+        if wrong:
+            raise PlanError(f"phase starts must begin at 0 and increase, got {starts}", culprit=str(wrong[0]))
         for (a, pa), (b, pb) in zip(phases, phases[1:]):
             problems = switch_problems(pa, pb)
             if problems:
                 raise PlanError(
                     f"phases {a} ({pa.name}) and {b} ({pb.name}) cannot take turns: " + "; ".join(problems),
-                    culprit=pb.name,
+                    culprit=str(b),
                 )
         if cycle is not None:
             cycle = _checked_cycle(cycle, phases)
@@ -130,8 +131,7 @@ class PhasedPlan:
 
     @classmethod
     def from_text(cls, text: str) -> PhasedPlan:
-        name, clock, cycle, phases = phased_args_from_text(text)
-        return cls([(start, PipelinePlan(**args)) for start, args in phases], name=name, clock=clock, cycle=cycle)
+        return phased_from_text(text, PipelinePlan, cls)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:

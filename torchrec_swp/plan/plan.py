@@ -40,7 +40,7 @@ from torchrec_swp.plan.task import (
     TaskSchedule,
     check_name,
 )
-from torchrec_swp.plan.text import plan_args_from_text, plan_to_text
+from torchrec_swp.plan.text import plan_from_text, plan_to_text
 from torchrec_swp.plan.threads import ThreadMap, resolve_thread_map
 from torchrec_swp.plan.validate import validate_plan
 
@@ -299,7 +299,7 @@ class PipelinePlan:
 
     @classmethod
     def from_text(cls, text: str) -> PipelinePlan:
-        return cls(**plan_args_from_text(text))
+        return plan_from_text(text, cls)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:

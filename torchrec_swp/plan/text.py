@@ -25,21 +25,30 @@ A phased plan (``PhasedPlan``) is ``phases NAME``, a ``clock CLOCK`` line where 
 the default ``index``, a ``cycle FIRST PERIOD`` line where its phases repeat, then ``phase START``
 lines, each followed by one plan.
 
-``PipelinePlan(**plan_args_from_text(plan_to_text(p))) == p`` (what ``PipelinePlan.from_text``
-does) and the text comes back unchanged from a plan read so (likewise for phased plans). This
-module reads and writes text only: it makes the plan's constructor arguments and reads a plan's
-attributes, so that the plan classes import it and not the other way round.
+``plan_from_text(plan_to_text(p), PipelinePlan) == p`` (what ``PipelinePlan.from_text`` does) and
+the text comes back unchanged from a plan read so (likewise for phased plans). Every error about a
+plan's text names its line, ``line N: what is wrong (in 'the line')``, whether it is found while
+reading the text or when the plan is built from it (a dep on an unknown task names the dep's line,
+a bad stage the task's row, a missing ``depth`` line the first line); ``PlanError.line`` holds N.
+This module reads and writes text only: it makes the plan's constructor arguments and reads a
+plan's attributes, so that the plan classes import it (and pass themselves in to be built) and not
+the other way round.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.task import Dep, PipelineTask, TaskSchedule, When
 
 if TYPE_CHECKING:
     from torchrec_swp.plan.view import PhasedView, PlanView
+
+_P = TypeVar("_P")
+_Q = TypeVar("_Q")
 
 _NONE = "-"
 COLUMNS = ("task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags")
@@ -81,62 +90,125 @@ def plan_to_text(plan: PlanView) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_args_from_text(text: str) -> dict[str, Any]:
-    """The constructor arguments of the PipelinePlan ``text`` describes."""
+class TextLines:
+    """Where in a plan's text each thing was given (header key, task, dep, phase, plan name), so that
+    every error about the text, found while reading it or once the plan is built from it, names its
+    line the same way: ``line N: what is wrong (in 'the line')``."""
+
+    def __init__(self, whole: tuple[int, str]) -> None:
+        self._whole = whole  # the line that stands for the whole text: its first, or a phase's line
+        self._tasks: dict[str, tuple[int, str]] = {}
+        self._others: dict[str, tuple[int, str]] = {}
+
+    def note(self, key: str, lineno: int, raw: str, *, task: bool = False, latest: bool = False) -> None:
+        """``key`` (a culprit an error may carry) was given on line ``lineno``: its first line, or its
+        latest where ``latest`` (a phase start given twice is wrong the second time)."""
+        book = self._tasks if task else self._others
+        if latest or key not in book:
+            book[key] = (lineno, raw.strip())
+
+    def error(self, e: PlanError) -> PlanError:
+        """``e`` naming the line its culprit was given on (the line standing for the whole text where
+        the culprit is the whole plan or was never written); ``e`` itself if it names its line already."""
+        if e.line is not None:
+            return e
+        consumer = e.culprit.partition(" <- ")[0]  # an inferred dep: the consumer's row reads the data
+        lineno, raw = (
+            self._tasks.get(e.culprit) or self._others.get(e.culprit) or self._tasks.get(consumer) or self._whole
+        )
+        return at_line(lineno, raw, e)
+
+    @contextmanager
+    def naming_lines(self) -> Iterator[None]:
+        """Raise every PlanError from the block as ``error()`` makes it."""
+        try:
+            yield
+        except PlanError as e:
+            raise self.error(e) from None
+
+
+def at_line(lineno: int, raw: str, e: PlanError) -> PlanError:
+    """``e`` as an error of line ``lineno`` (text ``raw``) of a plan's text."""
+    return PlanError(f"line {lineno}: {e} (in {raw.strip()!r})", culprit=e.culprit or raw.strip(), line=lineno)
+
+
+def plan_from_text(text: str, build: Callable[..., _P]) -> _P:
+    """``build(**constructor arguments)`` of the PipelinePlan ``text`` describes; every PlanError,
+    from reading the text or from ``build``, names its line."""
+    args, lines = _read_plan(list(enumerate(text.splitlines(), 1)), _first_line(text))
+    with lines.naming_lines():
+        return build(**args)
+
+
+_HEADER_ARGS = {"depth": "pipeline_depth", "exhausted": "on_exhausted"}  # header word -> constructor argument
+
+
+def _read_plan(numbered: list[tuple[int, str]], whole: tuple[int, str]) -> tuple[dict[str, Any], TextLines]:
+    """The constructor arguments of the plan on lines ``numbered`` (``(number, text)``), and where
+    each thing was given; ``whole``: the line standing for them all."""
     header: dict[str, str] = {}
+    ints: dict[str, int] = {}
     schedule: dict[str, TaskSchedule] = {}
     tasks: list[PipelineTask] = []
     deps: list[Dep] = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
+    lines = TextLines(whole)
+    for lineno, raw in numbered:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         word, _, rest = line.partition(" ")
+        rest = rest.strip()
         try:
             match word:
                 case "plan" | "depth" | "source" | "output" | "exhausted" | "lookahead" | "loads":
                     if word in header:
-                        raise PlanError(f"'{word}' given twice")
-                    header[word] = rest.strip()
+                        raise PlanError(f"'{word}' given twice", culprit=word)
+                    header[word] = rest
+                    lines.note(word, lineno, raw)
+                    lines.note(_HEADER_ARGS.get(word, word), lineno, raw)
+                    if word in ("plan", "source", "output"):
+                        lines.note(rest, lineno, raw)  # the plan's name, and the culprit of a source or output error
+                    if word in ("depth", "lookahead", "loads"):
+                        ints[word] = _int(word, rest)
                 case "task":
                     name, sched, io = _parse_task(rest)
                     if name in schedule:
                         raise PlanError(f"duplicate task name {name}", culprit=name)
                     schedule[name] = sched
                     tasks.append(io)
+                    lines.note(name, lineno, raw, task=True)
                 case "dep":
                     deps.append(_parse_dep(rest))
+                    lines.note(str(deps[-1]), lineno, raw)
                 case "phases" | "phase":
                     raise PlanError("this is a phased plan: read it with PhasedPlan.from_text or plan.load_plan")
                 case _:
                     raise PlanError(f"unknown keyword {word!r}")
         except PlanError as e:
-            raise PlanError(f"line {lineno}: {e} (in {raw.strip()!r})", culprit=e.culprit or raw.strip()) from None
+            raise at_line(lineno, raw, e) from None
     for key in ("plan", "depth"):
         if key not in header:
-            raise PlanError(f"plan text has no '{key}' line", culprit=key)
-    depth, lookahead, loads = (_int(header, key, default) for key, default in (("depth", 0), ("lookahead", 0), ("loads", 1)))
-    exhausted = header.get("exhausted", "drain")
+            raise lines.error(PlanError(f"plan text has no '{key}' line", culprit=key))
     return {
         "schedule": schedule,
         "intra_iter_deps": [d for d in deps if d.distance == 0],
         "inter_iter_deps": [d for d in deps if d.distance != 0],
-        "pipeline_depth": depth,
+        "pipeline_depth": ints["depth"],
         "tasks": tasks,
         "source": _opt(header.get("source")),
         "output": _opt(header.get("output")),
-        "on_exhausted": exhausted,
+        "on_exhausted": header.get("exhausted", "drain"),
         "name": header["plan"],
-        "lookahead": lookahead,
-        "loads": loads,
-    }
+        "lookahead": ints.get("lookahead", 0),
+        "loads": ints.get("loads", 1),
+    }, lines
 
 
-def _int(header: dict[str, str], key: str, default: int) -> int:
+def _int(key: str, value: str) -> int:
     try:
-        return int(header.get(key, default))
+        return int(value)
     except ValueError:
-        raise PlanError(f"{key} must be an int, got {header[key]!r}", culprit=key) from None
+        raise PlanError(f"{key} must be an int, got {value!r}", culprit=key) from None
 
 
 def phased_to_text(phased: PhasedView) -> str:
@@ -151,41 +223,69 @@ def phased_to_text(phased: PhasedView) -> str:
     return "\n".join(lines) + "\n"
 
 
-def phased_args_from_text(text: str) -> tuple[str, str, tuple[int, int] | None, list[tuple[int, dict[str, Any]]]]:
-    """The name, clock, cycle and phases ``(start, plan constructor arguments)`` of the
-    PhasedPlan ``text`` describes."""
+def phased_from_text(text: str, build_plan: Callable[..., _P], build: Callable[..., _Q]) -> _Q:
+    """``build(phases, name=, clock=, cycle=)`` of the PhasedPlan ``text`` describes, each phase's
+    plan made by ``build_plan(**constructor arguments)``; every PlanError, from reading the text or
+    from either builder, names its line."""
     name: str | None = None
     clock = "index"
     cycle: tuple[int, int] | None = None
-    phases: list[tuple[int, list[str]]] = []
+    bodies: list[tuple[int, tuple[int, str], list[tuple[int, str]]]] = []  # start, its line, the plan's lines
+    lines = TextLines(_first_line(text))
     for lineno, raw in enumerate(text.splitlines(), 1):
         word, _, rest = raw.split("#", 1)[0].strip().partition(" ")
-        if word == "phases":
-            if name is not None or phases:
-                raise PlanError(f"line {lineno}: 'phases' must come first, once", culprit="phases")
-            name = rest.strip()
-        elif word == "clock" and not phases:
-            clock = rest.strip()
-        elif word == "cycle" and not phases:
-            try:
-                first, period = (int(v) for v in rest.split())
-            except ValueError:
-                raise PlanError(
-                    f"line {lineno}: a cycle line reads 'cycle FIRST PERIOD', got {raw.strip()!r}"
-                ) from None
-            cycle = (first, period)
-        elif word == "phase":
-            try:
-                phases.append((int(rest), []))
-            except ValueError:
-                raise PlanError(f"line {lineno}: a phase line reads 'phase START', got {raw.strip()!r}") from None
-        elif phases:
-            phases[-1][1].append(raw)
-        elif word:
-            raise PlanError(f"line {lineno}: expected 'phases NAME' or 'phase START', got {raw.strip()!r}")
+        rest = rest.strip()
+        try:
+            if word == "phases":
+                if name is not None or bodies:
+                    raise PlanError("'phases' must come first, once", culprit="phases")
+                name = rest
+                lines.note("phases", lineno, raw)
+                lines.note(rest, lineno, raw)
+            elif word in ("clock", "cycle") and not bodies:
+                if word == "clock":
+                    clock = rest
+                else:
+                    cycle = _cycle(rest)
+                lines.note(word, lineno, raw)
+            elif word == "phase":
+                bodies.append((_phase_start(rest), (lineno, raw), []))
+                lines.note(str(bodies[-1][0]), lineno, raw, latest=True)
+            elif bodies:
+                bodies[-1][2].append((lineno, raw))
+            elif word:
+                raise PlanError("expected 'phases NAME' or 'phase START'")
+        except PlanError as e:
+            raise at_line(lineno, raw, e) from None
     if name is None:
-        raise PlanError("phased plan text has no 'phases' line", culprit="phases")
-    return name, clock, cycle, [(start, plan_args_from_text("\n".join(body))) for start, body in phases]
+        raise lines.error(PlanError("phased plan text has no 'phases' line", culprit="phases"))
+    phases = []
+    for start, at, body in bodies:
+        args, plan_lines = _read_plan(body, at)
+        with plan_lines.naming_lines():
+            phases.append((start, build_plan(**args)))
+    with lines.naming_lines():
+        return build(phases, name=name, clock=clock, cycle=cycle)
+
+
+def _cycle(rest: str) -> tuple[int, int]:
+    try:
+        first, period = (int(v) for v in rest.split())
+    except ValueError:
+        raise PlanError("a cycle line reads 'cycle FIRST PERIOD'", culprit="cycle") from None
+    return first, period
+
+
+def _phase_start(rest: str) -> int:
+    try:
+        return int(rest)
+    except ValueError:
+        raise PlanError("a phase line reads 'phase START'", culprit="phase") from None
+
+
+def _first_line(text: str) -> tuple[int, str]:
+    """The first line that is not blank or a comment (line 1 if none): where a missing line belongs."""
+    return next(((n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.split("#", 1)[0].strip()), (1, ""))
 
 
 def is_phased_text(text: str) -> bool:

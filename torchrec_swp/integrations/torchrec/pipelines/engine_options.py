@@ -14,7 +14,8 @@ them into the plan the engine runs, in this order:
 4. ``lookahead``: ``plans.with_lookahead(plan, lookahead)``, batches the source may draw beyond
    the plan's depth (None: the plan's own; after ``loads > 1``, ``loads``).
 
-``engine_timeout_s`` bounds every blocking wait of the engine. ``autotune`` (``True`` or
+``engine_timeout_s``: a wait of the engine gives up once no thread made progress for that long
+(a slow task is progress; ``torchrec_swp.engine.board``). ``autotune`` (``True`` or
 ``torchrec_swp.Autotune(...)``): the pipeline tunes itself while it trains
 (``torchrec_swp.autotune``), starting from the plan above run without lookahead and with its draw
 split off where it splits. ``sync_dataloader_exhaustion=True`` (the name of upstream's proposal):
