@@ -68,7 +68,9 @@ from torchrec_swp.pp.actions import P2P, Action, Kind
 from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, maglev_base
 from torchrec_swp.pp.lower import lower_rank
 
-ThreadMap = Literal["main", "comm", "send_recv"] | Mapping[str, str] | Callable[[Action], str]
+#: Which engine thread runs each action of the program: a preset name, ``{kind text: thread}`` or
+#: ``Action -> thread`` (not ``torchrec_swp.plan.ThreadMap``, which places a plan's tasks).
+ActionThreadMap = Literal["main", "comm", "send_recv"] | Mapping[str, str] | Callable[[Action], str]
 GradSync = Literal["wrapper", "explicit"]
 
 #: Builders the drop-ins accept by name: one stage per rank, so they run on a StageWrapper.
@@ -97,7 +99,7 @@ class _EngineDriven:
         schedule: str | None,
         program: Program | str | None,
         recv_ahead: int | None,
-        thread_map: ThreadMap,
+        thread_map: ActionThreadMap,
         grad_sync: GradSync,
         engine_timeout_s: float,
         sync_dataloader_exhaustion: bool,
@@ -226,7 +228,7 @@ class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
         no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
         *,
         program: Program | str | None = None,
-        thread_map: ThreadMap = "main",
+        thread_map: ActionThreadMap = "main",
         grad_sync: GradSync = "wrapper",
         engine_timeout_s: float = DEFAULT_TIMEOUT_S,
         sync_dataloader_exhaustion: bool = False,
@@ -264,7 +266,7 @@ class Maglev1F1B(MaglevPipelineBase, upstream.Maglev1F1B):
         schedule: str | None = None,
         program: Program | str | None = None,
         recv_ahead: int | None = None,
-        thread_map: ThreadMap = "main",
+        thread_map: ActionThreadMap = "main",
         grad_sync: GradSync = "wrapper",
         engine_timeout_s: float = DEFAULT_TIMEOUT_S,
         sync_dataloader_exhaustion: bool = False,
