@@ -45,8 +45,11 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         return plans.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        # the loader binds the first iterator given (until reset()), as upstream's loading thread
-        return self._swp_engine.step(dataloader_iter if self._swp_engine.draws is None else None)
+        # the loader binds the first iterator given (until reset()), as upstream's loading thread:
+        # later calls do not read theirs
+        binds = self._swp_engine.draws is None
+        self._swp_check_progress(dataloader_iter, read=binds)
+        return self._swp_engine.step(dataloader_iter if binds else None)
 
     def reset(self) -> None:
         super().reset()

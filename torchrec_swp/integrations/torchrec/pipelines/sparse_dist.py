@@ -60,6 +60,8 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
     ``integrations/torchrec/input_dist_group.py`` for what moves and its cost.
     """
 
+    _swp_keywords = (ASYNC_INPLACE_COPY,)  # TorchRec 1.8's constructor does not name it
+
     def __init__(self, *args: Any, input_dist_group: bool | dist.ProcessGroup = False, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
         self._swp_input_dist_group: dist.ProcessGroup | None = None
