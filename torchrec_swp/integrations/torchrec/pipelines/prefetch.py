@@ -15,6 +15,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["PrefetchTrainPipelineSparseDist"]
@@ -98,7 +99,4 @@ class PrefetchTrainPipelineSparseDist(
             with record_function("## backward ##"):
                 torch.sum(losses, dim=0).backward()
 
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()
+    _task_optimizer_step = TrainingTasks._task_optimizer_step

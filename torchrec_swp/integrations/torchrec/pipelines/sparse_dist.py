@@ -19,6 +19,7 @@ from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan
 
 __all__ = ["TrainPipelineSparseDist"]
@@ -33,7 +34,7 @@ def _upstream_name(cls: type) -> str:
     return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("torchrec."))
 
 
-class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, Out]):
+class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineSparseDist[In, Out]):
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``: ``plan``,
@@ -196,11 +197,6 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
 
     def _task_input_dist_wait(self, b: int, context: Any) -> None:
         self.wait_sparse_data_dist(context)
-
-    def _task_zero_grad(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
 
     def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
         self._set_module_context(context)
