@@ -70,16 +70,12 @@ from torchrec_swp.integrations.torchrec.maglev.program_options import (
     ProgramOptions,
 )
 from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, RankRuntime, StageWrapperWire, all_reduce_grads
-from torchrec_swp.pp import PPError, Program, build, validate
+from torchrec_swp.pp import PPError, Program, validate
 from torchrec_swp.pp.actions import Kind
-from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, maglev_base
+from torchrec_swp.pp.builders import maglev_1f1b, maglev_base
 from torchrec_swp.pp.lower import lower_rank
 
 __all__ = ["Maglev1F1B", "Maglev1F1BRecvAhead", "MaglevPipelineBase"]
-
-#: Builders the drop-ins accept by name: one stage per rank, so they run on a StageWrapper.
-ONE_STAGE_PER_RANK = ("1F1B", "GPipe", "ZB-H1", "1F1B-split")
-
 
 class ProgramDriven(EngineDriven):
     """What the three drop-ins share: the program, its lowering, the engine (``EngineDriven``:
@@ -94,34 +90,7 @@ class ProgramDriven(EngineDriven):
         owner = type(self).__name__
         self._num_microbatches = num_microbatches
         S, me = stage.num_stages, stage.stage_index
-        program = options.program
-        if isinstance(program, str):
-            program = Program.from_text(program)
-        if options.schedule is not None:
-            schedule = options.schedule
-            if schedule not in ONE_STAGE_PER_RANK:
-                raise ValueError(
-                    f"schedule {schedule!r}: a Maglev stage runs one stage per rank; choose one of "
-                    f"{', '.join(ONE_STAGE_PER_RANK)} (or pass a program=; interleaved and V schedules "
-                    "run on torchrec_swp.integrations.torchrec.maglev.PipelineRank)"
-                )
-            if not SCHEDULES[schedule].supports(S, num_microbatches):
-                raise ValueError(f"schedule {schedule!r} does not support {S} stages x {num_microbatches} microbatches")
-            recv_ahead = default_recv_ahead if options.recv_ahead is None else options.recv_ahead
-            program = build(schedule, S, num_microbatches, recv_ahead=recv_ahead)
-        elif program is None:
-            program = default
-        if not isinstance(program, Program):
-            raise TypeError(f"program must be a torchrec_swp.pp.Program or its text, got {type(program).__name__}")
-        if program.num_stages != S or program.placement != tuple(range(S)):
-            raise ValueError(
-                f"program {program.name} places stages {program.placement} on ranks; this pipeline has {S} "
-                "stages, one per rank (stage s on pipeline rank s)"
-            )
-        if program.num_microbatches != num_microbatches:
-            raise ValueError(
-                f"program {program.name} has {program.num_microbatches} microbatches, the pipeline {num_microbatches}"
-            )
+        program = options.program_for(default, S, num_microbatches, default_recv_ahead)
         validate(program)  # every rank checks the same program: a bad one fails everywhere, before any P2P
         grad_sync = options.grad_sync
         split = any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) for a in program.ranks[me])

@@ -24,8 +24,9 @@ from typing import Any, Literal, TypedDict
 from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import MAIN_THREAD
-from torchrec_swp.pp import Program
+from torchrec_swp.pp import Program, build
 from torchrec_swp.pp.actions import P2P, Action
+from torchrec_swp.pp.builders import SCHEDULES
 
 #: Which engine thread runs each action of the program: a preset name, ``{kind text: thread}`` or
 #: ``Action -> thread`` (not ``torchrec_swp.plan.ThreadMap``, which places a plan's tasks).
@@ -37,6 +38,9 @@ PRESETS: dict[str, Callable[[Action], str]] = {
     "comm": lambda a: "comm" if a.kind in P2P else MAIN_THREAD,
     "send_recv": lambda a: ("send" if a.kind.value.startswith("S") else "recv") if a.kind in P2P else MAIN_THREAD,
 }
+
+#: Builders the drop-ins accept by name: one stage per rank, so they run on a StageWrapper.
+ONE_STAGE_PER_RANK = ("1F1B", "GPipe", "ZB-H1", "1F1B-split")
 
 #: The options the plan-driven pipelines take too, with the same meaning (``EngineOptions``).
 SHARED = ("engine_timeout_s", "sync_dataloader_exhaustion")
@@ -73,6 +77,14 @@ class ProgramOptions:
     def __post_init__(self) -> None:
         if self.program is not None and self.schedule is not None:
             raise ValueError("give schedule= or program=, not both")
+        if not (self.program is None or isinstance(self.program, (Program, str))):
+            raise TypeError(f"program must be a torchrec_swp.pp.Program or its text, got {type(self.program).__name__}")
+        if self.schedule is not None and self.schedule not in ONE_STAGE_PER_RANK:
+            raise ValueError(
+                f"schedule {self.schedule!r}: a Maglev stage runs one stage per rank; choose one of "
+                f"{', '.join(ONE_STAGE_PER_RANK)} (or pass a program=; interleaved and V schedules "
+                "run on torchrec_swp.integrations.torchrec.maglev.PipelineRank)"
+            )
         if self.grad_sync not in ("wrapper", "explicit"):
             raise ValueError(f"grad_sync must be 'wrapper' or 'explicit', got {self.grad_sync!r}")
         tm = self.thread_map
@@ -95,6 +107,29 @@ class ProgramOptions:
             return cls(engine=engine, **own)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{owner}: {e}") from None
+
+    def program_for(self, default: Program, num_stages: int, num_microbatches: int, default_recv_ahead: int) -> Program:
+        """The program the pipeline runs: ``program`` (or its text), the builder's ``schedule``
+        (with ``recv_ahead``, else ``default_recv_ahead``), or ``default``; ValueError unless it
+        has ``num_stages`` stages, one per rank, and ``num_microbatches`` microbatches."""
+        S, M = num_stages, num_microbatches
+        if self.schedule is not None:
+            if not SCHEDULES[self.schedule].supports(S, M):
+                raise ValueError(f"schedule {self.schedule!r} does not support {S} stages x {M} microbatches")
+            recv_ahead = default_recv_ahead if self.recv_ahead is None else self.recv_ahead
+            program = build(self.schedule, S, M, recv_ahead=recv_ahead)
+        elif self.program is None:
+            program = default
+        else:
+            program = Program.from_text(self.program) if isinstance(self.program, str) else self.program
+        if program.num_stages != S or program.placement != tuple(range(S)):
+            raise ValueError(
+                f"program {program.name} places stages {program.placement} on ranks; this pipeline has {S} "
+                "stages, one per rank (stage s on pipeline rank s)"
+            )
+        if program.num_microbatches != M:
+            raise ValueError(f"program {program.name} has {program.num_microbatches} microbatches, the pipeline {M}")
+        return program
 
     @property
     def threads(self) -> Mapping[str, str] | Callable[[Action], str]:
