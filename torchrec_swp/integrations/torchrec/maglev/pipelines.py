@@ -19,7 +19,8 @@ order (``pp.builders.maglev_1f1b``; ``MaglevPipelineBase``: one microbatch) and 
 the call upstream makes (``runtime.StageWrapperWire``): results are bit-identical, which
 ``tests/dist/test_maglev_parity.py`` checks on CPU gloo ranks.
 
-Keyword-only options (the constructor is upstream's otherwise):
+Keyword-only options (the constructor is upstream's otherwise; defined once in
+``program_options.ProgramOptions``):
 
 * ``schedule``: a builder with one stage per rank (``"1F1B"``, ``"GPipe"``, ``"ZB-H1"``,
   ``"1F1B-split"``; ``recv_ahead`` = how many computes ahead receives are posted, default the

@@ -1,9 +1,11 @@
 """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
 
 Every pipeline class keeps its upstream constructor (every argument passes through unchanged)
-and adds the engine's keyword-only options, defined once in ``engine_options.EngineOptions``:
-``plan=``, ``thread_map=``, ``loads=``, ``lookahead=``, ``engine_timeout_s=`` (see
-``PlanDriven`` for what each does and the order they apply in).
+and adds the engine's keyword-only options, defined once in ``engine_options.EngineOptions``
+(``PlanDriven`` says what each does and the order they apply in). What it shares with the Maglev
+drop-ins (``close()``, ``with``, the check of ``progress()``'s argument) is
+``integrations/torchrec/engine_driven.py``'s ``EngineDriven``; the task functions several
+classes share are ``training_tasks.TrainingTasks``.
 
 Task functions call upstream's helpers through ``self`` (``enqueue_batch``,
 ``start_sparse_data_dist``, ``wait_sparse_data_dist``, ``_wait_for_batch``, ...), so user code

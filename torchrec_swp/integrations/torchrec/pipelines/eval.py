@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):
     """EvalPipelineSparseDist on the engine: H2D(i+2) on a loader thread || InputDist(i+1) || forward(i).
 
-    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
-    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``plans.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is
     the plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
     memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can move it

@@ -72,8 +72,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
     """TrainPipelineFusedSparseDist on the engine: EmbLookup(i) first, overlapping the end of the
     previous optimizer step; H2D(i+2) and InputDist(i+1) as in TrainPipelineSparseDist.
 
-    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
-    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``plans.fused_sparse_dist_plan(...)`` with this pipeline's
     ``emb_lookup_stream``, ``embedding_lookup_after_data_dist``, ``enqueue_batch_after_forward``,
     ``execute_all_batches`` and ``clear_data_dist_inputs``. As upstream's: no ``_state`` updates, no

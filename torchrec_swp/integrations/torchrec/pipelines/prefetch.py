@@ -27,8 +27,7 @@ class PrefetchTrainPipelineSparseDist(
     """PrefetchTrainPipelineSparseDist on the engine: H2D and InputDistStart(i+2),
     InputDistWait and EmbPrefetch(i+1), forward/backward/optimizer(i).
 
-    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
-    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``plans.prefetch_sparse_dist_plan(...)`` with this pipeline's
     ``execute_all_batches``. With ``execute_all_batches=False`` it stops at the first missing batch,
     as TrainPipelineSparseDist does (upstream's refills on every call and drops the last four

@@ -37,9 +37,8 @@ def _upstream_name(cls: type) -> str:
 class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineSparseDist[In, Out]):
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
-    Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``: ``plan``,
-    ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``), which this class's subclasses
-    share. The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``),
+    which this class's subclasses share. The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
     ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``. With
     ``loads=`` its source H2D is split: a Fetch task draws on the load threads, H2D copies.
 
