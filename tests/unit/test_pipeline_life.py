@@ -130,3 +130,17 @@ def test_the_maglev_drop_ins_share_the_surface() -> None:
         "closed True",
         "PipelineClosed: Maglev1F1BRecvAhead.progress(): the pipeline was closed (close() or its with block ended)",
     ]
+
+
+def test_the_accumulation_wrapper_closes_the_pipeline_it_wraps() -> None:
+    from torchrec_swp import GradientAccumulationConfig, GradientAccumulationWrapper
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = GradientAccumulationConfig(is_enabled=True, num_steps=2, num_warmup_steps=1)
+    with GradientAccumulationWrapper(build("TrainPipelineBase"), optimizer, model, config) as wrapper:
+        assert not wrapper.closed
+    assert wrapper.closed and wrapper._pipeline.closed
+    wrapper.close()  # harmless
+    with pytest.raises(PipelineClosed, match=r"^GradientAccumulationWrapper\.progress\(\): the pipeline was closed"):
+        wrapper.progress(iter([]))

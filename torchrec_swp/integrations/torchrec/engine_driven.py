@@ -4,10 +4,11 @@ Two kinds of drop-in drive an engine: the plan-driven pipelines (``pipelines._dr
 an ``Engine`` running a plan) and the Maglev ones (``maglev.pipelines``, a ``ProgramEngine``
 running the rank's program). Both take their engine from here (``_swp_drive``) and share:
 
-* the pipeline's life: ``close()`` stops the engine's threads and ends the pipeline (a later
-  ``progress()`` raises ``PipelineClosed`` naming the class; closing again does nothing), and
-  ``with pipeline:`` closes it at the end of the block (exceptions pass through). Upstream's
-  pipelines have neither, so nothing of theirs is replaced;
+* the pipeline's life (``PipelineLife``, also GradientAccumulationWrapper's): ``close()`` stops
+  the engine's threads and ends the pipeline (a later ``progress()`` raises ``PipelineClosed``
+  naming the class; closing again does nothing), and ``with pipeline:`` closes it at the end of
+  the block (exceptions pass through). Upstream's pipelines have neither, so nothing of theirs
+  is replaced;
 * the check of ``progress()``'s argument (``_swp_check_progress``): upstream's ``progress(None)``
   fails in ``next(None)`` with a TypeError; ours says so first, naming the class and the
   argument, instead of a StopIteration that a user's ``except StopIteration: break`` loop would
@@ -54,15 +55,53 @@ def _named_parameters(cls: type) -> frozenset[str]:
     return frozenset(names)
 
 
-class EngineDriven:
-    """The engine a drop-in drives and the pipeline's life around it (module docstring)."""
+class PipelineLife:
+    """A pipeline's life: ``close()`` ends it (``_swp_stop()`` stops what it runs on), a later
+    ``progress()`` raises PipelineClosed (``_swp_check_open()``), ``with pipeline:`` closes it at
+    the end of the block (exceptions pass through); closing again does nothing."""
+
+    _swp_closed = False  # until close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ended the pipeline."""
+        return self._swp_closed
+
+    def close(self) -> None:
+        """End the pipeline and stop its worker threads (they also stop when the pipeline is
+        collected); a later ``progress()`` raises PipelineClosed. Closing again does nothing."""
+        self._swp_closed = True
+        self._swp_stop()
+
+    def _swp_stop(self) -> None:
+        """Stop what the pipeline runs on (idempotent)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _swp_check_open(self) -> None:
+        """PipelineClosed, naming the class, after ``close()``."""
+        if self._swp_closed:
+            raise PipelineClosed(
+                f"{type(self).__name__}.progress(): the pipeline was closed (close() or its with block ended)"
+            )
+
+
+class EngineDriven(PipelineLife):
+    """The engine a drop-in drives, its life (``PipelineLife``) and the check of ``progress()``'s
+    argument (module docstring)."""
 
     _swp_engine: Engine | ProgramEngine
 
     def _swp_drive(self, engine: Engine | ProgramEngine) -> None:
         """Drive ``engine`` from now on (set once every check of the constructor passed)."""
         self._swp_engine = engine
-        self._swp_closed = False
 
     @property
     def engine(self) -> Any:
@@ -75,36 +114,17 @@ class EngineDriven:
         caller's to close)."""
         self._swp_engine = engine
 
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` ended the pipeline."""
-        return self._swp_closed
-
-    def close(self) -> None:
-        """Stop the engine's worker threads and end the pipeline: a later ``progress()`` raises
-        PipelineClosed (the threads also stop when the pipeline is collected). Closing again does
-        nothing."""
-        self._swp_closed = True
+    def _swp_stop(self) -> None:
         self._swp_engine.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self.close()
 
     def _swp_check_progress(self, dataloader_iter: Any, *, read: bool = True) -> None:
         """What ``progress(dataloader_iter)`` checks first: the pipeline is open (else
         PipelineClosed) and, where the call reads it (``read``), the argument is an iterator,
         something ``next()`` takes (else TypeError); each in one line naming the class."""
-        owner = type(self).__name__
-        if self._swp_closed:
-            raise PipelineClosed(f"{owner}.progress(): the pipeline was closed (close() or its with block ended)")
+        self._swp_check_open()
         if read and not hasattr(type(dataloader_iter), "__next__"):
             given = "None" if dataloader_iter is None else type(dataloader_iter).__name__
             raise TypeError(
-                f"{owner}.progress(dataloader_iter): dataloader_iter must be an iterator (e.g. iter(dataloader)), "
-                f"got {given}"
+                f"{type(self).__name__}.progress(dataloader_iter): dataloader_iter must be an iterator "
+                f"(e.g. iter(dataloader)), got {given}"
             )
