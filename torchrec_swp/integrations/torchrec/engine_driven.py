@@ -38,20 +38,28 @@ def check_keywords(cls: type, kwargs: Mapping[str, Any], also: Iterable[str] = (
     ``__init__`` among ``cls``'s bases names as a parameter and that is not in ``also`` (keywords
     a constructor takes from its ``**kwargs``)."""
     known = _named_parameters(cls)
+    if known is None:  # a constructor whose signature cannot be read: leave it to Python
+        return
     for name in kwargs:
         if name not in known and name not in also:
             raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}")
 
 
 @functools.cache
-def _named_parameters(cls: type) -> frozenset[str]:
-    """The parameters every ``__init__`` among ``cls``'s bases takes by name."""
+def _named_parameters(cls: type) -> frozenset[str] | None:
+    """The parameters every ``__init__`` among ``cls``'s bases takes by name (None where one's
+    signature cannot be read)."""
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     names: set[str] = set()
     for base in cls.__mro__:
         init = base.__dict__.get("__init__")
-        if init is not None:
-            names.update(n for n, p in inspect.signature(init).parameters.items() if p.kind in by_name)
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            return None
+        names.update(n for n, p in parameters.items() if p.kind in by_name)
     return frozenset(names)
 
 
