@@ -13,9 +13,10 @@ running the rank's program). Both take their engine from here (``_swp_drive``) a
   fails in ``next(None)`` with a TypeError; ours says so first, naming the class and the
   argument, instead of a StopIteration that a user's ``except StopIteration: break`` loop would
   take for the end of the data;
-* the check of the constructor's keywords (``check_keywords``): an unknown one is a TypeError
-  naming the class, raised before any constructor runs (upstream's logs an ERROR line before
-  Python's own TypeError).
+* an unknown constructor keyword is a TypeError naming the class, raised before any constructor
+  runs (upstream's logs an ERROR line before Python's own TypeError): ``check_keywords`` for the
+  plan-driven pipelines, whose keywords pass through to upstream's constructors; the Maglev
+  drop-ins name theirs (``maglev.program_options.ProgramOptions.take``).
 """
 
 from __future__ import annotations
