@@ -25,7 +25,9 @@ import functools
 import inspect
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, Self
+from typing import Any
+
+from typing_extensions import Self
 
 from torchrec_swp.engine import Engine, ProgramEngine
 

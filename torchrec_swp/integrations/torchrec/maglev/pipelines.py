@@ -78,6 +78,7 @@ from torchrec_swp.pp.lower import lower_rank
 
 __all__ = ["Maglev1F1B", "Maglev1F1BRecvAhead", "MaglevPipelineBase"]
 
+
 class ProgramDriven(EngineDriven):
     """What the three drop-ins share: the program, its lowering, the engine (``EngineDriven``:
     ``close()``, ``with``, the check of ``progress()``'s argument), the bindings."""
