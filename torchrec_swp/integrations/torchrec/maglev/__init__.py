@@ -1,9 +1,9 @@
 """TorchRec 1.9's Maglev pipeline-parallel schedules as programs on the engine.
 
 * ``pipelines``: drop-in subclasses of ``MaglevPipelineBase``, ``Maglev1F1B`` and
-  ``Maglev1F1BRecvAhead`` (same constructors; keyword-only ``schedule=``/``program=``,
-  ``thread_map=``, ``grad_sync=``, ``engine_timeout_s=``) whose ``progress()`` is
-  ``ProgramEngine.run_program`` of the builder's program for the rank.
+  ``Maglev1F1BRecvAhead`` (same constructors, plus keyword-only options defined in
+  ``program_options``) whose ``progress()`` is ``ProgramEngine.run_program`` of the builder's
+  program for the rank.
 * ``pipeline_rank``: ``PipelineRank``, a rank holding several stages (interleaved, V schedules) of the
   same authored model.
 * ``runtime``: the bindings of every action kind (``RankRuntime``) and the two wires.

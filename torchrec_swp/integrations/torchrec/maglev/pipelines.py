@@ -19,7 +19,8 @@ order (``pp.builders.maglev_1f1b``; ``MaglevPipelineBase``: one microbatch) and 
 the call upstream makes (``runtime.StageWrapperWire``): results are bit-identical, which
 ``tests/dist/test_maglev_parity.py`` checks on CPU gloo ranks.
 
-Keyword-only options (the constructor is upstream's otherwise):
+Keyword-only options (the constructor is upstream's otherwise; defined once in
+``program_options.ProgramOptions``):
 
 * ``schedule``: a builder with one stage per rank (``"1F1B"``, ``"GPipe"``, ``"ZB-H1"``,
   ``"1F1B-split"``; ``recv_ahead`` = how many computes ahead receives are posted, default the
@@ -50,112 +51,59 @@ and step named); like upstream's, the pipeline (and its process groups) must the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torchrec.distributed.maglev import pipeline as upstream
 from torchrec.distributed.maglev.stage import StageWrapper
+from typing_extensions import Unpack
 
 from torchrec_swp.compile import IterationProgram
-from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine, stream_pool_for
-from torchrec_swp.engine.exhaustion import ExhaustionSync, SyncedIterator
+from torchrec_swp.engine import ProgramEngine, stream_pool_for
+from torchrec_swp.engine.exhaustion import SyncedIterator
+from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven
 from torchrec_swp.integrations.torchrec.maglev.cpu import unwrap
+from torchrec_swp.integrations.torchrec.maglev.program_options import (
+    NAMES,
+    GradSync,
+    ProgramKeywords,
+    ProgramOptions,
+)
 from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, RankRuntime, StageWrapperWire, all_reduce_grads
-from torchrec_swp.plan import MAIN_THREAD
-from torchrec_swp.pp import PPError, Program, build, validate
-from torchrec_swp.pp.actions import P2P, Action, Kind
-from torchrec_swp.pp.builders import SCHEDULES, maglev_1f1b, maglev_base
+from torchrec_swp.pp import PPError, Program, validate
+from torchrec_swp.pp.actions import Kind
+from torchrec_swp.pp.builders import maglev_1f1b, maglev_base
 from torchrec_swp.pp.lower_rank import lower_rank
 
-ThreadMap = Literal["main", "comm", "send_recv"] | Mapping[str, str] | Callable[[Action], str]
-GradSync = Literal["wrapper", "explicit"]
-
-#: Builders the drop-ins accept by name: one stage per rank, so they run on a StageWrapper.
-ONE_STAGE_PER_RANK = ("1F1B", "GPipe", "ZB-H1", "1F1B-split")
-
-_PRESETS: dict[str, Callable[[Action], str]] = {
-    "main": lambda a: MAIN_THREAD,
-    "comm": lambda a: "comm" if a.kind in P2P else MAIN_THREAD,
-    "send_recv": lambda a: ("send" if a.kind.value.startswith("S") else "recv") if a.kind in P2P else MAIN_THREAD,
-}
+__all__ = ["Maglev1F1B", "Maglev1F1BRecvAhead", "MaglevPipelineBase"]
 
 
-class _EngineDriven:
-    """What the three drop-ins share: the program, its lowering, the engine, the bindings."""
+class ProgramDriven(EngineDriven):
+    """What the three drop-ins share: the program, its lowering, the engine (``EngineDriven``:
+    ``close()``, ``with``, the check of ``progress()``'s argument), the bindings."""
 
     stage: StageWrapper
     optimizer: torch.optim.Optimizer
     _no_sync: Callable[[], contextlib.AbstractContextManager[None]]
 
-    def _setup(
-        self,
-        num_microbatches: int,
-        default: Program,
-        default_recv_ahead: int,
-        *,
-        schedule: str | None,
-        program: Program | str | None,
-        recv_ahead: int | None,
-        thread_map: ThreadMap,
-        grad_sync: GradSync,
-        engine_timeout_s: float,
-        sync_dataloader_exhaustion: bool,
-    ) -> None:
+    def _setup(self, num_microbatches: int, default: Program, default_recv_ahead: int, options: ProgramOptions) -> None:
         stage = self.stage
-        if not isinstance(sync_dataloader_exhaustion, bool):
-            raise TypeError(f"sync_dataloader_exhaustion must be a bool, got {sync_dataloader_exhaustion!r}")
+        owner = type(self).__name__
         self._num_microbatches = num_microbatches
         S, me = stage.num_stages, stage.stage_index
-        if program is not None and schedule is not None:
-            raise ValueError("give schedule= or program=, not both")
-        if isinstance(program, str):
-            program = Program.from_text(program)
-        if schedule is not None:
-            if schedule not in ONE_STAGE_PER_RANK:
-                raise ValueError(
-                    f"schedule {schedule!r}: a Maglev stage runs one stage per rank; choose one of "
-                    f"{', '.join(ONE_STAGE_PER_RANK)} (or pass a program=; interleaved and V schedules "
-                    "run on torchrec_swp.integrations.torchrec.maglev.PipelineRank)"
-                )
-            if not SCHEDULES[schedule].supports(S, num_microbatches):
-                raise ValueError(f"schedule {schedule!r} does not support {S} stages x {num_microbatches} microbatches")
-            program = build(
-                schedule, S, num_microbatches, recv_ahead=default_recv_ahead if recv_ahead is None else recv_ahead
-            )
-        elif program is None:
-            program = default
-        if not isinstance(program, Program):
-            raise TypeError(f"program must be a torchrec_swp.pp.Program or its text, got {type(program).__name__}")
-        if program.num_stages != S or program.placement != tuple(range(S)):
-            raise ValueError(
-                f"program {program.name} places stages {program.placement} on ranks; this pipeline has {S} "
-                "stages, one per rank (stage s on pipeline rank s)"
-            )
-        if program.num_microbatches != num_microbatches:
-            raise ValueError(
-                f"program {program.name} has {program.num_microbatches} microbatches, the pipeline {num_microbatches}"
-            )
+        program = options.program_for(default, S, num_microbatches, default_recv_ahead)
         validate(program)  # every rank checks the same program: a bad one fails everywhere, before any P2P
-        if grad_sync not in ("wrapper", "explicit"):
-            raise ValueError(f"grad_sync must be 'wrapper' or 'explicit', got {grad_sync!r}")
+        grad_sync = options.grad_sync
         split = any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) for a in program.ranks[me])
         if split and grad_sync == "wrapper" and upstream._no_sync_modules(stage.module):
             raise ValueError(
                 f"program {program.name} splits backwards into I and W; with a data-parallel wrapper on the stage "
                 "module that needs grad_sync='explicit' (the wrapper's reducer expects whole backwards)"
             )
-        if isinstance(thread_map, str):
-            if thread_map not in _PRESETS:
-                raise ValueError(
-                    f"thread_map {thread_map!r}: use one of {', '.join(_PRESETS)}, a mapping or a callable"
-                )
-            threads: Any = _PRESETS[thread_map]
-        else:
-            threads = thread_map
         self.program: Program = program
         self.grad_sync: GradSync = grad_sync
-        self.lowered: IterationProgram = lower_rank(program, me, threads)
+        self.lowered: IterationProgram = lower_rank(program, me, options.threads)
         module = stage.module
         chunk = Chunk(
             me,
@@ -177,18 +125,18 @@ class _EngineDriven:
         )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         # made once every check passed (a collective: every rank builds the same pipelines)
-        self._exhaustion = (
-            ExhaustionSync.create(type(self).__name__, engine_timeout_s) if sync_dataloader_exhaustion else None
-        )
+        self._exhaustion = options.exhaustion_sync(owner)
         self._synced: SyncedIterator | None = None
-        self.engine = ProgramEngine(
+        engine = ProgramEngine(
             self.runtime.bindings(),
             streams=stream_pool_for(device),  # checked on the CPU with SWP_STREAM_CHECK=1
-            timeout_s=engine_timeout_s,
+            timeout_s=options.engine_timeout_s,
             name=f"{program.name}-stage{me}",
         )
+        self._swp_drive(engine)
 
     def _run_step(self, dataloader_iter: Iterator[Any]) -> dict[int, torch.Tensor]:
+        self._swp_check_progress(dataloader_iter)
         stage = self.stage
         if self._exhaustion is not None:
             if self._synced is None or self._synced.iterator is not dataloader_iter:
@@ -198,7 +146,7 @@ class _EngineDriven:
         self.optimizer.zero_grad()
         self.runtime.start_step({stage.stage_index: inputs})
         try:
-            self.engine.run_program(self.lowered)
+            self._swp_engine.run_program(self.lowered)
         except BaseException:
             self.runtime.finish_step(drain=False)
             raise
@@ -211,12 +159,8 @@ class _EngineDriven:
         (``sync_dataloader_exhaustion``): never trained."""
         return 0 if self._synced is None else self._synced.dropped
 
-    def close(self) -> None:
-        """Stop the engine's worker threads (also done when the pipeline is garbage-collected)."""
-        self.engine.close()
 
-
-class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
+class MaglevPipelineBase(ProgramDriven, upstream.MaglevPipelineBase):
     """Upstream's one-microbatch schedule on the engine; returns the loss on the last stage."""
 
     def __init__(
@@ -224,26 +168,14 @@ class MaglevPipelineBase(_EngineDriven, upstream.MaglevPipelineBase):
         stage: StageWrapper,
         optimizer: torch.optim.Optimizer,
         no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
-        *,
-        program: Program | str | None = None,
-        thread_map: ThreadMap = "main",
-        grad_sync: GradSync = "wrapper",
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        sync_dataloader_exhaustion: bool = False,
+        **options: Unpack[ProgramKeywords],
     ) -> None:
+        """Upstream's constructor; ``options``: ``program``, ``thread_map``, ``grad_sync``,
+        ``engine_timeout_s``, ``sync_dataloader_exhaustion`` (``ProgramOptions``)."""
+        names = ("program", "thread_map", "grad_sync", "engine_timeout_s", "sync_dataloader_exhaustion")
+        taken = ProgramOptions.take(options, type(self).__name__, names)
         upstream.MaglevPipelineBase.__init__(self, stage, optimizer, no_sync)
-        self._setup(
-            1,
-            maglev_base(stage.num_stages),
-            0,
-            schedule=None,
-            program=program,
-            recv_ahead=None,
-            thread_map=thread_map,
-            grad_sync=grad_sync,
-            engine_timeout_s=engine_timeout_s,
-            sync_dataloader_exhaustion=sync_dataloader_exhaustion,
-        )
+        self._setup(1, maglev_base(stage.num_stages), 0, taken)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
         return self._run_step(dataloader_iter).get(0)
@@ -260,32 +192,16 @@ class Maglev1F1B(MaglevPipelineBase, upstream.Maglev1F1B):
         optimizer: torch.optim.Optimizer,
         num_microbatches: int,
         no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
-        *,
-        schedule: str | None = None,
-        program: Program | str | None = None,
-        recv_ahead: int | None = None,
-        thread_map: ThreadMap = "main",
-        grad_sync: GradSync = "wrapper",
-        engine_timeout_s: float = DEFAULT_TIMEOUT_S,
-        sync_dataloader_exhaustion: bool = False,
+        **options: Unpack[ProgramKeywords],
     ) -> None:
+        """Upstream's constructor; ``options``: every one of ``ProgramOptions``'."""
+        taken = ProgramOptions.take(options, type(self).__name__, NAMES)
         upstream.Maglev1F1B.__init__(self, stage, optimizer, num_microbatches, no_sync)
         try:
             default = maglev_1f1b(stage.num_stages, num_microbatches, recv_ahead=self._recv_ahead)
         except PPError as e:  # upstream's constructor already refused what the builder refuses
             raise ValueError(str(e)) from None
-        self._setup(
-            num_microbatches,
-            default,
-            int(self._recv_ahead),
-            schedule=schedule,
-            program=program,
-            recv_ahead=recv_ahead,
-            thread_map=thread_map,
-            grad_sync=grad_sync,
-            engine_timeout_s=engine_timeout_s,
-            sync_dataloader_exhaustion=sync_dataloader_exhaustion,
-        )
+        self._setup(num_microbatches, default, int(self._recv_ahead), taken)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
         self._run_step(dataloader_iter)

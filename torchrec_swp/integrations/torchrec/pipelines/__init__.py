@@ -9,7 +9,8 @@ to change the schedule without changing code or numbers::
     pipeline.plan.print_schedule(5)
     pipeline = TrainPipelineSparseDist(model, optimizer, device, thread_map="io", loads=2, lookahead=2)
 
-One module per upstream family; ``_driven`` holds what they share, ``engine_options`` the options.
+One module per upstream family; ``_driven`` holds what they share, ``engine_options`` the options,
+``training_tasks`` the task functions several families run the same way.
 """
 
 from torchrec_swp import EXPERIMENTAL_PIPELINES

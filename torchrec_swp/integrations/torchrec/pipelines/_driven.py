@@ -1,9 +1,11 @@
 """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
 
 Every pipeline class keeps its upstream constructor (every argument passes through unchanged)
-and adds the engine's keyword-only options, defined once in ``engine_options.EngineOptions``:
-``plan=``, ``thread_map=``, ``loads=``, ``lookahead=``, ``engine_timeout_s=`` (see
-``PlanDriven`` for what each does and the order they apply in).
+and adds the engine's keyword-only options, defined once in ``engine_options.EngineOptions``
+(``PlanDriven`` says what each does and the order they apply in). What it shares with the Maglev
+drop-ins (``close()``, ``with``, the check of ``progress()``'s argument) is
+``integrations/torchrec/engine_driven.py``'s ``EngineDriven``; the task functions several
+classes share are ``training_tasks.TrainingTasks``.
 
 Task functions call upstream's helpers through ``self`` (``enqueue_batch``,
 ``start_sparse_data_dist``, ``wait_sparse_data_dist``, ``_wait_for_batch``, ...), so user code
@@ -18,16 +20,20 @@ from typing import Any
 
 from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
+from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven, check_keywords
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plans import DRAW_TASKS, with_lookahead, with_parallel_loads
 
 
-class PlanDriven:
+class PlanDriven(EngineDriven):
     """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
 
     It comes before the upstream class among the bases (``class X(PlanDriven, upstream.X)``),
-    so that its ``progress()`` and ``reset()`` replace upstream's.
+    so that its ``progress()`` and ``reset()`` replace upstream's; an unknown constructor keyword
+    is a TypeError naming the class before any constructor runs (``__new__``). The pipeline's
+    life (``close()``, ``with pipeline:``) and the check of ``progress()``'s argument are
+    ``EngineDriven``'s, shared with the Maglev drop-ins.
 
     The engine's options (keyword-only, after upstream's arguments; ``EngineOptions``) make the
     plan in this order:
@@ -65,6 +71,17 @@ class PlanDriven:
 
     _swp_engine: Engine
 
+    #: Keywords a class's constructor takes from ``**kwargs`` itself, beyond those its signature
+    #: and its bases' name and the engine's options (``check_keywords``).
+    _swp_keywords: tuple[str, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """The one place that sees the whole constructor call before any ``__init__`` runs: a
+        keyword that no constructor among the bases takes is a TypeError naming the class here,
+        before the class's own work (process groups) or upstream's constructor (which logs)."""
+        check_keywords(cls, kwargs, EngineOptions.names() + cls._swp_keywords)
+        return super().__new__(cls)
+
     def _swp_setup(self, default_plan: PipelinePlan | PhasedPlan, options: EngineOptions, streams: StreamPool) -> None:
         owner = type(self).__name__
         chosen = options.plan_for(default_plan, owner)
@@ -90,7 +107,7 @@ class PlanDriven:
             "training": self._swp_training_mode(),
             "exhaustion": options.exhaustion_sync(owner),
         }
-        self._swp_engine = self._swp_new_engine(chosen)
+        self._swp_drive(self._swp_new_engine(chosen))
         self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
 
     def _swp_new_engine(self, plan: PipelinePlan | PhasedPlan) -> Engine:
@@ -122,7 +139,7 @@ class PlanDriven:
             raise PlanError(f"{owner}.replan(): only before the first progress() or right after reset(), not when {why}")
         new = self._swp_new_engine(plan)
         self._swp_engine.close()
-        self._swp_engine = new
+        self.engine = new
 
     def _swp_training_mode(self) -> Callable[[], bool] | None:
         """What decides the plan's ``when=train`` guards at each ``progress()`` call (None: the
@@ -170,13 +187,14 @@ class PlanDriven:
         its ``data``. A new iterator, or the same one after StopIteration at the end of the data
         (a new epoch of a DataLoader whose iterator object is reused, e.g. with persistent
         workers), is new data: the upstream class's own end-of-data flag is cleared and nothing
-        in flight is lost (Engine.new_data)."""
+        in flight is lost (Engine.new_data). None or another non-iterator is a TypeError naming
+        the class, as upstream's ``next(dataloader_iter)`` would raise; after ``close()``,
+        PipelineClosed."""
+        self._swp_check_progress(dataloader_iter)
         self._swp_before_step()
         engine = self._swp_engine
         draws = engine.draws
-        if dataloader_iter is not None and (
-            engine.end_reported or (draws is not None and dataloader_iter is not draws.iterator)
-        ):
+        if engine.end_reported or (draws is not None and dataloader_iter is not draws.iterator):
             self._swp_on_new_data()
         if self._swp_tuner is not None:
             self._swp_tuner.before_step()
@@ -257,14 +275,6 @@ class PlanDriven:
         ``plan.print_schedule(n)``)."""
         engine = self._swp_engine
         return engine.phased if len(engine.phased.phases) > 1 else engine.plan
-
-    @property
-    def engine(self) -> Engine:
-        return self._swp_engine
-
-    def close(self) -> None:
-        """Stop the engine's worker threads (they also stop when the pipeline is collected)."""
-        self._swp_engine.close()
 
 
 def _plans(plan: PipelinePlan | PhasedPlan) -> tuple[PipelinePlan, ...]:

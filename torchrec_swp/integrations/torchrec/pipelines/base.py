@@ -14,11 +14,12 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 
 __all__ = ["TrainPipelineBase"]
 
 
-class TrainPipelineBase(PlanDriven, upstream.TrainPipelineBase[In, Out]):
+class TrainPipelineBase(PlanDriven, TrainingTasks, upstream.TrainPipelineBase[In, Out]):
     """TrainPipelineBase on the engine: LoadBatch(i+1), forward/backward(i), H2D(i+1), optimizer(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``).
@@ -60,11 +61,6 @@ class TrainPipelineBase(PlanDriven, upstream.TrainPipelineBase[In, Out]):
         self._copy_batch_to_gpu(host_batch)
         return self._cur_batch
 
-    def _task_zero_grad(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
-
     def _task_wait_batch(self, b: int, batch: Any) -> None:
         self._batch_count += 1
         self._wait_for_batch(batch)
@@ -74,11 +70,3 @@ class TrainPipelineBase(PlanDriven, upstream.TrainPipelineBase[In, Out]):
             losses, output = self._model(batch)
         return losses, output
 
-    def _task_backward(self, b: int, losses: torch.Tensor) -> None:
-        if self._model.training:
-            self._backward(losses)
-
-    def _task_optimizer_step(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()

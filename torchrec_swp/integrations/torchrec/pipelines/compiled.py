@@ -27,6 +27,7 @@ from torchrec_swp.engine import stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
@@ -34,7 +35,7 @@ __all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelinePT2(PlanDriven, upstream.TrainPipelinePT2[In, Out]):
+class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, Out]):
     """TrainPipelinePT2 on the engine: one batch per call, no overlap; the model is compiled right
     before the Forward of batch ``compile_configs.compile_on_iter`` (from 0, over the pipeline's
     life: the 4th by default).
@@ -88,11 +89,6 @@ class TrainPipelinePT2(PlanDriven, upstream.TrainPipelinePT2[In, Out]):
             self._cur_batch = self._input_transformer(batch)
         return self._cur_batch
 
-    def _task_zero_grad(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
-
     def _task_compile(self, b: int) -> None:
         with record_function("## forward ##"):  # upstream compiles inside its forward's range
             self._state = PipelineState.CALL_FWD
@@ -129,10 +125,6 @@ class TrainPipelinePT2(PlanDriven, upstream.TrainPipelinePT2[In, Out]):
                 self._state = PipelineState.CALL_BWD
                 torch.sum(losses).backward()
 
-    def _task_optimizer_step(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()
 
 
 class TrainPipelineSparseDistCompAutograd(
@@ -182,10 +174,7 @@ class TrainPipelineSparseDistCompAutograd(
             with ctx, torchrec_use_sync_collectives(), record_function("## backward ##"):
                 torch.sum(losses, dim=0).backward()
 
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()
+    _task_optimizer_step = TrainingTasks._task_optimizer_step  # upstream steps inline, not _optimizer_step()
 
 
 def _use_ddp_python_reducer(model: torch.nn.Module) -> None:

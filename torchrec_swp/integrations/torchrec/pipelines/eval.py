@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):
     """EvalPipelineSparseDist on the engine: H2D(i+2) on a loader thread || InputDist(i+1) || forward(i).
 
-    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
-    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``plans.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is
     the plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
     memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can move it
@@ -45,8 +44,11 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         return plans.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        # the loader binds the first iterator given (until reset()), as upstream's loading thread
-        return self._swp_engine.step(dataloader_iter if self._swp_engine.draws is None else None)
+        # the loader binds the first iterator given (until reset()), as upstream's loading thread:
+        # later calls do not read theirs
+        binds = self._swp_engine.draws is None
+        self._swp_check_progress(dataloader_iter, read=binds)
+        return self._swp_engine.step(dataloader_iter if binds else None)
 
     def reset(self) -> None:
         super().reset()

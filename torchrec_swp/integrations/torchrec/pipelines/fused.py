@@ -17,6 +17,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddingForward
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
 
 __all__ = ["EvalPipelineFusedSparseDist", "LookupOutput", "TrainPipelineFusedSparseDist"]
@@ -71,8 +72,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
     """TrainPipelineFusedSparseDist on the engine: EmbLookup(i) first, overlapping the end of the
     previous optimizer step; H2D(i+2) and InputDist(i+1) as in TrainPipelineSparseDist.
 
-    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
-    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``plans.fused_sparse_dist_plan(...)`` with this pipeline's
     ``emb_lookup_stream``, ``embedding_lookup_after_data_dist``, ``enqueue_batch_after_forward``,
     ``execute_all_batches`` and ``clear_data_dist_inputs``. As upstream's: no ``_state`` updates, no
@@ -155,14 +155,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
             losses, output = self._model_fwd(batch)
         return losses, output
 
-    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
-        if self._model.training:
-            self._backward(losses)
-
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()
+    # upstream's Fused: backward without the 2D embedding sync, the optimizer stepped inline
+    _task_backward = TrainingTasks._task_backward
+    _task_optimizer_step = TrainingTasks._task_optimizer_step
 
 
 class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstream.EvalPipelineFusedSparseDist[In, Out]):

@@ -30,7 +30,7 @@ such a model with one line saying which steps qualify.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torchrec.distributed.train_pipeline import gradient_accumulation as upstrea
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
 from torchrec_swp.catalog.accumulation import accumulation_phases, syncs
+from torchrec_swp.integrations.torchrec.engine_driven import PipelineLife
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.plan import PipelinePlan, PlanError
 
@@ -61,11 +62,12 @@ def _in_plan(pipeline: Any, optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(plan, PipelinePlan) and {"ZeroGrad", "OptimizerStep"} <= set(plan.schedule)
 
 
-class GradientAccumulationWrapper(upstream.GradientAccumulationWrapper[In, Out]):
+class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWrapper[In, Out]):
     """Upstream's GradientAccumulationWrapper, same constructor (``pipeline, optimizer, model,
     config``) and methods; over a torchrec_swp pipeline whose plan allows it, the window is phases
     of the plan (see the module docstring) and ``state_dict()`` / ``load_state_dict()`` carry the
-    gradients accumulated so far."""
+    gradients accumulated so far. ``close()`` (or the end of a ``with`` block) ends the wrapper
+    and closes the pipeline it wraps, where that one can be closed (``PipelineLife``)."""
 
     def __init__(
         self,
@@ -82,6 +84,16 @@ class GradientAccumulationWrapper(upstream.GradientAccumulationWrapper[In, Out])
             # that keep OptimizerStep (upstream's __init__ has just swapped in its interceptor)
             pipeline._optimizer = optimizer
             pipeline.replan(accumulation_phases(pipeline.plan, config.num_steps, config.num_warmup_steps))
+
+    def progress(self, dataloader_iter: Iterator[In], is_last_batch: bool | None = None) -> Out:
+        """Upstream's; after ``close()``, PipelineClosed naming the class."""
+        self._swp_check_open()
+        return super().progress(dataloader_iter, is_last_batch)
+
+    def _swp_stop(self) -> None:
+        close = getattr(self._pipeline, "close", None)  # upstream's pipelines have none
+        if close is not None:
+            close()
 
     @property
     def current_step(self) -> int:

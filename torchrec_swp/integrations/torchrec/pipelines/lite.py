@@ -15,9 +15,8 @@ __all__ = ["TrainPipelineSparseDistLite"]
 class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistLite[In, Out]):
     """TrainPipelineSparseDistLite on the engine: H2D(i+1) || input dist, fwd/bwd/opt(i).
 
-    Same constructor as upstream's Lite, plus the keyword-only engine options of
-    TrainPipelineSparseDist (``plan``, ``thread_map``, ``loads``, ``lookahead``,
-    ``engine_timeout_s``: ``PlanDriven``). The default plan is ``plans.sparse_dist_lite_plan()``;
+    Same constructor as upstream's Lite, plus the engine's keyword-only options
+    (``EngineOptions``). The default plan is ``plans.sparse_dist_lite_plan()``;
     upstream forces the options that would change it.
 
     Method resolution puts our TrainPipelineSparseDist (engine ``progress()``, task functions)

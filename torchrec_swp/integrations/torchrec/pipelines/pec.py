@@ -18,6 +18,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainPipelinePEC"]
@@ -201,9 +202,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         with record_function("## pec_nol_compute ##"):
             self._pec_nol_compute(context)
 
-    def _task_backward(self, b: int, losses: torch.Tensor) -> None:
-        if self._model.training:
-            self._backward(losses)
+    # upstream's PEC: backward through the hook without the 2D embedding sync, the optimizer
+    # stepped inline (TrainingTasks, not SparseDist's)
+    _task_backward = TrainingTasks._task_backward
+    _task_optimizer_step = TrainingTasks._task_optimizer_step
 
     def _task_wait_overlap_dist(self, b: int) -> None:
         # the last batch's backward partition is first needed by its OL gradient
@@ -215,11 +217,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             return {}
         with record_function("## pec_ol_grad_a2a ##"):
             return self._start_pec_ol_grad(context)
-
-    def _task_optimizer_step(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()
 
     def _task_ol_grad_apply(self, b: int, ol_grad: Any) -> None:
         if self._model.training:

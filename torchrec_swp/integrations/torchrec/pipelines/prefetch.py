@@ -15,6 +15,7 @@ from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["PrefetchTrainPipelineSparseDist"]
@@ -26,8 +27,7 @@ class PrefetchTrainPipelineSparseDist(
     """PrefetchTrainPipelineSparseDist on the engine: H2D and InputDistStart(i+2),
     InputDistWait and EmbPrefetch(i+1), forward/backward/optimizer(i).
 
-    Same constructor as upstream's, plus the keyword-only engine options of TrainPipelineSparseDist
-    (``plan``, ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``). The
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``plans.prefetch_sparse_dist_plan(...)`` with this pipeline's
     ``execute_all_batches``. With ``execute_all_batches=False`` it stops at the first missing batch,
     as TrainPipelineSparseDist does (upstream's refills on every call and drops the last four
@@ -98,7 +98,4 @@ class PrefetchTrainPipelineSparseDist(
             with record_function("## backward ##"):
                 torch.sum(losses, dim=0).backward()
 
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
-        if self._model.training:
-            with record_function("## optimizer ##"):
-                self._optimizer.step()
+    _task_optimizer_step = TrainingTasks._task_optimizer_step

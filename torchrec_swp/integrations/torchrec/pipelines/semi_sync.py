@@ -82,8 +82,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     """TrainPipelineSemiSync on the engine: H2D(i+3), InputDist(i+2), EmbLookup(i+1), fwd/bwd/opt(i).
 
     Same constructor as upstream's SemiSync (``start_batch``, ``stash_gradients``, ...), plus
-    the keyword-only engine options of TrainPipelineSparseDist (``plan``, ``thread_map``,
-    ``loads``, ``lookahead``, ``engine_timeout_s``: ``PlanDriven``).
+    the engine's keyword-only options (``EngineOptions``).
 
     The default plan is a PhasedPlan, ``plans.semi_sync_phases(start_batch=...)``: each
     ``progress()`` runs the phase of the batch it forwards, as upstream decides ``is_semi_sync``

@@ -19,6 +19,7 @@ from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan
 
 __all__ = ["TrainPipelineSparseDist"]
@@ -33,12 +34,11 @@ def _upstream_name(cls: type) -> str:
     return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("torchrec."))
 
 
-class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, Out]):
+class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineSparseDist[In, Out]):
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
-    Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``: ``plan``,
-    ``thread_map``, ``loads``, ``lookahead``, ``engine_timeout_s``), which this class's subclasses
-    share. The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
+    Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``),
+    which this class's subclasses share. The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
     ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``. With
     ``loads=`` its source H2D is split: a Fetch task draws on the load threads, H2D copies.
 
@@ -59,6 +59,8 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
     user's keeps its own comm groups). Same results; see
     ``integrations/torchrec/input_dist_group.py`` for what moves and its cost.
     """
+
+    _swp_keywords = (ASYNC_INPLACE_COPY,)  # TorchRec 1.8's constructor does not name it
 
     def __init__(self, *args: Any, input_dist_group: bool | dist.ProcessGroup = False, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
@@ -194,11 +196,6 @@ class TrainPipelineSparseDist(PlanDriven, upstream.TrainPipelineSparseDist[In, O
 
     def _task_input_dist_wait(self, b: int, context: Any) -> None:
         self.wait_sparse_data_dist(context)
-
-    def _task_zero_grad(self, b: int) -> None:
-        if self._model.training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
 
     def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
         self._set_module_context(context)

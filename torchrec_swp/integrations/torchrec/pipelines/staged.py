@@ -152,6 +152,7 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
         return names, streams
 
     def progress(self, dataloader_iter: Iterator[In]) -> StageOut | None:
+        self._swp_check_progress(dataloader_iter)
         out = self._swp_engine.step(dataloader_iter)
         while out is None and self._flushing:
             # Everything in flight has drained: end the flush and refill within this call (upstream
