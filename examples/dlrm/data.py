@@ -7,10 +7,11 @@ what TorchRec's DLRM and every train pipeline take. The feature counts and names
 * ``SyntheticCriteo``: 13 dense and (by default) 26 sparse features, generated batch by batch
   from a seed, so the example runs with no download. Each batch's ids, id counts and dense
   features are drawn by TorchRec's ``RandomRecDataset`` (``torchrec.datasets.random``, what
-  upstream's DLRM example uses for random data), seeded by the batch's rank and index. Two things
-  are ours: the ids are made heavy-tailed (a few ids are frequent, as in Criteo; RandomRecDataset's
-  are uniform), and the labels carry a learnable signal so the loss goes down (RandomRecDataset's
-  are coin flips). ``split="val"`` gives held-out batches: the same hidden model behind the
+  upstream's DLRM example uses for random data), seeded by the batch's rank and index. What is
+  ours makes them Criteo-like: the ids heavy-tailed (a few ids are frequent, as in Criteo;
+  RandomRecDataset's are uniform), the dense values log-transformed counts (RandomRecDataset's
+  are standard normal), and labels with a learnable signal so the loss goes down
+  (RandomRecDataset's are coin flips). ``split="val"`` gives held-out batches: the same hidden model behind the
   labels, never one of the training batches.
 * ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``), the format
   ``torchrec.datasets.criteo``'s ``criteo_kaggle`` / ``criteo_terabyte`` read: one example per
@@ -166,7 +167,10 @@ class SyntheticCriteo:
         u = (drawn.sparse_features.values().double() + 0.5) / self.num_embeddings
         values = (u.pow(4) * self.num_embeddings).long().clamp_(max=self.num_embeddings - 1)
         sparse = KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=values, lengths=lengths)
-        dense = drawn.dense_features
+        # RandomRecDataset's dense features are standard normal; Criteo's are counts, which models see as
+        # log(1 + count). The normal's CDF turns each into an exponential draw (-log(1 - Phi(z))), 20 times
+        # it a count: the shape Criteo's have, and one the example's DLRM learns from in a few hundred steps.
+        dense = torch.log1p((-20 * torch.special.log_ndtr(-drawn.dense_features)).floor())
         # RandomRecDataset's labels are fair coins, independent of the features: nothing to learn, a
         # validation AUC of 0.5. Ours come from a hidden model of the dense features and the parity of each
         # example's first id, drawn from a generator of their own (seeded apart from RandomRecDataset's).

@@ -1,8 +1,8 @@
 """The DLRM example's data (``examples/dlrm/data.py``) against TorchRec's ``torchrec.datasets``.
 
-* Synthetic batches: the ids' counts and the dense features of batch k are those of TorchRec's
-  RandomRecDataset seeded with the batch's seed, the ids its uniform ids made heavy-tailed, and the
-  labels follow the hidden model (not RandomRecDataset's coin flips); the same batch for the same
+* Synthetic batches: the ids' counts of batch k are those of TorchRec's RandomRecDataset seeded with
+  the batch's seed, the ids its uniform ids made heavy-tailed, the dense features its normal ones
+  made log counts, and the labels follow the hidden model (not RandomRecDataset's coin flips); the same batch for the same
   (seed, rank, k), whether asked for by index, in any order, or iterating.
 * Criteo TSV: on a well-formed file, the reader reads the values TorchRec's own reader of the format
   (``criteo_kaggle``, a CriteoIterDataPipe) reads, line by line; on lines that reader takes silently
@@ -22,7 +22,7 @@ from torchrec.datasets.random import RandomRecDataset
 from examples.dlrm.data import NUM_DENSE, CriteoTsv, SyntheticCriteo, sparse_names, write_sample_tsv
 
 
-def test_synthetic_batches_are_random_rec_datasets_ones_with_heavy_tailed_ids_and_learnable_labels() -> None:
+def test_synthetic_batches_are_random_rec_datasets_ones_made_criteo_like_with_learnable_labels() -> None:
     data = SyntheticCriteo(batch_size=64, num_batches=3, num_embeddings=1000, num_sparse=5, ids_per_feature=3, rank=1)
     for k, batch in enumerate(data):
         (drawn,) = RandomRecDataset(
@@ -36,7 +36,9 @@ def test_synthetic_batches_are_random_rec_datasets_ones_with_heavy_tailed_ids_an
             num_batches=1,
             num_generated_batches=-1,
         )
-        assert torch.equal(batch.dense_features, drawn.dense_features)
+        # its normal dense features as Criteo-like log counts: log(1 + floor(20 * Exp(1))), monotone in them
+        want = torch.log1p((-20 * torch.special.log_ndtr(-drawn.dense_features)).floor())
+        assert torch.equal(batch.dense_features, want) and bool((want >= 0).all())
         assert torch.equal(batch.sparse_features.lengths(), drawn.sparse_features.lengths())
         assert batch.sparse_features.keys() == drawn.sparse_features.keys() == DEFAULT_CAT_NAMES[:5]
         uniform = drawn.sparse_features.values()
