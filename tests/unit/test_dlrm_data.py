@@ -2,8 +2,8 @@
 
 * Synthetic batches: the ids' counts of batch k are those of TorchRec's RandomRecDataset seeded with
   the batch's seed, the ids its uniform ids made heavy-tailed, the dense features its normal ones
-  made log counts, and the labels follow the hidden model (not RandomRecDataset's coin flips); the same batch for the same
-  (seed, rank, k), whether asked for by index, in any order, or iterating.
+  made log counts, and the labels follow the hidden model (not RandomRecDataset's coin flips); the
+  same batch for the same (seed, rank, k), whether asked for by index, in any order, or iterating.
 * Criteo TSV: on a well-formed file, the reader reads the values TorchRec's own reader of the format
   (``criteo_kaggle``, a CriteoIterDataPipe) reads, line by line; on lines that reader takes silently
   (short, unreadable numbers, a quote), ours names the file and line.
