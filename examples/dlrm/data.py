@@ -11,8 +11,8 @@ what TorchRec's DLRM and every train pipeline take. The feature counts and names
   ours makes them Criteo-like: the ids heavy-tailed (a few ids are frequent, as in Criteo;
   RandomRecDataset's are uniform), the dense values log-transformed counts (RandomRecDataset's
   are standard normal), and labels with a learnable signal so the loss goes down
-  (RandomRecDataset's are coin flips). ``split="val"`` gives held-out batches: the same hidden model behind the
-  labels, never one of the training batches.
+  (RandomRecDataset's are coin flips). ``split="val"`` gives held-out batches: the same hidden
+  model behind the labels, never one of the training batches.
 * ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``), the format
   ``torchrec.datasets.criteo``'s ``criteo_kaggle`` / ``criteo_terabyte`` read: one example per
   line, tab-separated: label, 13 integer features, 26 categorical features in hex; any field may
