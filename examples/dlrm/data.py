@@ -1,19 +1,26 @@
 """Criteo-like batches for the DLRM example: synthetic ones made on the fly, or real Criteo TSV files.
 
 Both yield ``torchrec.datasets.utils.Batch`` (dense features, sparse features as a KJT, labels):
-what TorchRec's DLRM and every train pipeline take.
+what TorchRec's DLRM and every train pipeline take. The feature counts and names are those of
+``torchrec.datasets.criteo`` (13 integer features, 26 categorical ones named ``cat_0`` ...).
 
 * ``SyntheticCriteo``: 13 dense and (by default) 26 sparse features, generated batch by batch
-  from a seed, so the example runs with no download. Dense values look like Criteo's
-  log-transformed counts, ids are heavy-tailed (a few ids are frequent, as in Criteo), and the
-  labels carry a learnable signal so the loss goes down. ``split="val"`` gives held-out batches:
-  the same hidden model behind the labels, never one of the training batches.
-* ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``): one example
-  per line, tab-separated: label, 13 integer features, 26 categorical features in hex; any field
-  may be empty. Dense values become ``log(1 + max(x, 0))``, hex ids ``int(x, 16) % num_embeddings``,
+  from a seed, so the example runs with no download. Each batch's ids, id counts and dense
+  features are drawn by TorchRec's ``RandomRecDataset`` (``torchrec.datasets.random``, what
+  upstream's DLRM example uses for random data), seeded by the batch's rank and index. What is
+  ours makes them Criteo-like: the ids heavy-tailed (a few ids are frequent, as in Criteo;
+  RandomRecDataset's are uniform), the dense values log-transformed counts (RandomRecDataset's
+  are standard normal), and labels with a learnable signal so the loss goes down
+  (RandomRecDataset's are coin flips). ``split="val"`` gives held-out batches: the same hidden
+  model behind the labels, never one of the training batches.
+* ``CriteoTsv``: the raw Criteo format (Kaggle ``train.txt``, Terabyte ``day_N``), the format
+  ``torchrec.datasets.criteo``'s ``criteo_kaggle`` / ``criteo_terabyte`` read: one example per
+  line, tab-separated: label, 13 integer features, 26 categorical features in hex; any field may
+  be empty. Dense values become ``log(1 + max(x, 0))``, hex ids ``int(x, 16) % num_embeddings``,
   an empty categorical field no id. Read in order (iterating), or batch by batch in any order
   (``batch(k)``, after one pass over the files that notes where each of this rank's batches
-  starts), with the same batches either way.
+  starts), with the same batches either way. The reader is ours: see ``CriteoTsv`` for why
+  TorchRec's ``CriteoIterDataPipe`` does not do this job.
 * ``write_sample_tsv``: a small file in Criteo's format with random values, to try
   ``--criteo-tsv`` without the download (the tests write theirs with it).
 * ``with_latency``: wraps an iterable so that each batch arrives ``latency_s`` late, like a
@@ -37,24 +44,30 @@ from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import torch
+from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+from torchrec.datasets.random import RandomRecDataset
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
+NUM_DENSE = INT_FEATURE_COUNT  # 13
+NUM_SPARSE = CAT_FEATURE_COUNT  # 26
 SPLITS = ("train", "val")
 #: Where the held-out split's batches start among the generator's keys: batch ``k`` of ``"val"`` is
 #: made from key ``VAL_KEYS + k``. torch's CPU generator keeps only the low 32 bits of a seed, so
 #: the offset is half of that space: no rank's held-out batch is a training batch of a run of
 #: fewer than 2**31 - world_size * 1,000,003 steps (for 1,000 ranks, about a billion).
 VAL_KEYS = 1 << 31
+#: XORed into a batch's seed for its labels' draws: a generator apart from the one its features come from
+#: (a 32-bit constant, since torch keeps only the low 32 bits of a seed).
+LABEL_SALT = 0x9E3779B9
 
 T = TypeVar("T")
 
 
 def sparse_names(num_sparse: int = NUM_SPARSE) -> list[str]:
-    """Names of the sparse features (``cat_0`` ...), as in TorchRec's Criteo datasets."""
-    return [f"cat_{i}" for i in range(num_sparse)]
+    """Names of the sparse features: TorchRec's Criteo names (``cat_0`` ... ``cat_25``), numbered on
+    past 26 for synthetic data with more features."""
+    return [*DEFAULT_CAT_NAMES[:num_sparse], *(f"cat_{i}" for i in range(CAT_FEATURE_COUNT, num_sparse))]
 
 
 class SyntheticCriteo:
@@ -120,6 +133,8 @@ class SyntheticCriteo:
         key = k if self.distinct is None else k % self.distinct
         if self.split == "val":
             key += VAL_KEYS
+        # RandomRecDataset caches too (num_generated_batches), but fills its cache up front from its one
+        # generator and hands it out in order; this one is filled by index, as batches are asked for.
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -129,24 +144,45 @@ class SyntheticCriteo:
         return batch
 
     def _generate(self, key: int) -> Batch:
-        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.rank) * 1_000_003 + key) % 2**63)
-        n, f = self.batch_size, len(self.keys)
-        # Criteo's integer features are counts; models see log(1 + count).
-        counts = torch.empty(n, NUM_DENSE).exponential_(generator=g) * 20
-        dense = torch.log1p(counts.floor())
-        if self.ids_per_feature == 1:
-            lengths = torch.ones(f * n, dtype=torch.int32)
-        else:
-            lengths = torch.randint(1, self.ids_per_feature + 1, (f * n,), dtype=torch.int32, generator=g)
-        # u**4 piles ids up near 0: a few ids are very frequent, most are rare.
-        u = torch.rand(int(lengths.sum()), generator=g)
+        n = self.batch_size
+        # The ids, their counts and the dense features: TorchRec's RandomRecDataset (what upstream's DLRM
+        # example trains on without Criteo), one per batch, seeded by the batch's key. One per batch because
+        # its iterator draws every batch from a single generator in order: batch k could only be had by
+        # drawing the k before it, while the map-style dataset (a StatefulDataLoader's workers, the map
+        # source's parallel fetches, the held-out split) reads any batch by index, and a resume starts at one.
+        (drawn,) = RandomRecDataset(
+            keys=self.keys,
+            batch_size=n,
+            hash_size=self.num_embeddings,
+            ids_per_feature=self.ids_per_feature,
+            min_ids_per_feature=1,  # every example has 1 to ids_per_feature ids of each feature
+            num_dense=NUM_DENSE,
+            manual_seed=self._seed(key),
+            num_batches=1,
+            num_generated_batches=-1,  # draw on demand: no cache of its own (``distinct`` is ours)
+        )
+        lengths = drawn.sparse_features.lengths()
+        # RandomRecDataset's ids are uniform over the table; Criteo's are heavy-tailed (a few ids are very
+        # frequent, most are rare), which is what the embedding lookups meet: u**4 piles them up near 0.
+        u = (drawn.sparse_features.values().double() + 0.5) / self.num_embeddings
         values = (u.pow(4) * self.num_embeddings).long().clamp_(max=self.num_embeddings - 1)
         sparse = KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=values, lengths=lengths)
-        # Click probability from the dense features and the parity of each example's first id.
+        # RandomRecDataset's dense features are standard normal; Criteo's are counts, which models see as
+        # log(1 + count). The normal's CDF turns each into an exponential draw (-log(1 - Phi(z))), 20 times
+        # it a count: the shape Criteo's have, and one the example's DLRM learns from in a few hundred steps.
+        dense = torch.log1p((-20 * torch.special.log_ndtr(-drawn.dense_features)).floor())
+        # RandomRecDataset's labels are fair coins, independent of the features: nothing to learn, a
+        # validation AUC of 0.5. Ours come from a hidden model of the dense features and the parity of each
+        # example's first id, drawn from a generator of their own (seeded apart from RandomRecDataset's).
         first_ids = values[torch.cumsum(lengths[:n], 0) - lengths[:n]]
         logit = (dense - dense.mean(0)) @ self._dense_weight + (first_ids % 2).float() - 0.5
+        g = torch.Generator().manual_seed(self._seed(key) ^ LABEL_SALT)
         labels = torch.bernoulli(torch.sigmoid(2 * logit), generator=g).long()
         return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
+
+    def _seed(self, key: int) -> int:
+        """The seed of the batch with key ``key`` of this rank (torch keeps its low 32 bits)."""
+        return ((self.seed * 1_000_003 + self.rank) * 1_000_003 + key) % 2**63
 
 
 class LinePosition(NamedTuple):
@@ -168,6 +204,17 @@ class CriteoTsv:
     rank's batches starts (one position per batch, kept in memory), up to the last complete round
     or ``max_batches``; ``batch(k)`` then reads from there. Both give the same batches, and the
     same error for a bad line.
+
+    Why not TorchRec's reader of this format (``torchrec.datasets.criteo.CriteoIterDataPipe``, behind
+    ``criteo_kaggle`` and ``criteo_terabyte``; the tests check that both read the same values from a
+    well-formed file): it is a stream from the first line of the first file, with no position to
+    start at batch ``k``, which ``batch(k)`` (the map-style dataset: loader workers, the map source's
+    parallel fetches) and a resume need, and with two readers the two ways of reading could differ.
+    And it takes bad input silently: its row mapper reads a line's fields from the end, so a short
+    line becomes an example with its last fields as ``cat_25``, ``cat_24``... and no label, an
+    unreadable number becomes 0 (``safe_cast``), a blank line an empty row, and its ``csv`` reader
+    lets a ``"`` swallow the tabs and lines that follow. Here a blank line is skipped and each of the
+    others is an error naming the file and line.
     """
 
     def __init__(

@@ -69,7 +69,16 @@ class MapBatches(Dataset[Batch]):
 
 class SyntheticBatches(MapBatches):
     """``MapBatches`` over synthetic data: what the StatefulDataLoader reads (the DataLoader pins
-    the batches itself)."""
+    the batches itself).
+
+    Upstream's DLRM example hands TorchRec's ``RandomRecDataset`` to the DataLoader itself; here its
+    batches (``SyntheticCriteo`` draws each with one) go through this map-style dataset instead,
+    because ``RandomRecDataset`` is an IterableDataset that ignores the loader's workers (with
+    ``--num-workers 2`` each worker would hand out the whole stream: every batch twice), has no
+    item ``k`` for ``--data-source map``'s parallel fetches, and has no state of its own, so the
+    loader's state after ``k`` batches could only be given back by drawing the ``k`` again. Over
+    this dataset the loader's state is its sampler's position: the same batches at any resume,
+    with or without workers."""
 
     def __init__(self, synthetic: SyntheticCriteo, latency_s: float = 0.0) -> None:
         super().__init__(synthetic, latency_s)

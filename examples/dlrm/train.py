@@ -11,7 +11,8 @@ active: ``source .venv/bin/activate``; torchx's ``dist.ddp`` runs ``torchrun`` f
 ``python examples/dlrm/train.py --check ARGS`` validates the arguments, the plan file and the
 thread map without training.
 
-Data: Criteo-like synthetic batches made on the fly (13 dense, ``--num-sparse`` sparse features),
+Data: Criteo-like synthetic batches made on the fly (13 dense, ``--num-sparse`` sparse features;
+``data.py``: drawn by TorchRec's ``RandomRecDataset``, made Criteo-like, the labels learnable),
 or real Criteo TSV files with ``--criteo-tsv FILE ...``, handed out (``--data-source``, see
 ``loader.py``) by torchdata's StatefulDataLoader (``dataloader``, the default: ``--num-workers``
 worker processes, 0: in the training process) or by ``torchrec_swp.data.MapSource`` over a
