@@ -313,7 +313,7 @@ def test_a_failing_tasks_traceback_ends_in_its_own_function(thread_map: str, ins
     names = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
     walk = len(names) - 1 - names[::-1].index("_walk")
     # on one thread a plain call; spread over threads Dist holds a collective ticket
-    between = ["run"] if thread_map == "main" else ["run", "_ticketed"]
+    between = ["run"] if thread_map == "main" else ["run", "ticketed"]
     assert names[walk + 1 :] == [*between, "<task Dist>", "broken_dist"], names
     assert info.value.swp_task == "Dist"  # type: ignore[attr-defined]
     engine.close()
