@@ -56,7 +56,7 @@ def test_empty_data_raises_stop_iteration_at_once() -> None:
         engine = Engine(toy_plan().with_thread_map(thread_map), Toy(0).bindings())
         with pytest.raises(StopIteration):
             engine.step()
-        assert engine.delivered == 0 and engine.num_batches == 0
+        assert engine.book.returned == 0 and engine.book.num_batches == 0
         engine.close()
 
 

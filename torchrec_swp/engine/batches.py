@@ -155,6 +155,16 @@ class Batches:
                 events.pop((task, d - keep_events), None)
         return value
 
+    def observed_iteration(self, b: int, s: int) -> int:
+        """The iteration observers see for batch ``b``'s task of stage ``s`` (numbered on over epochs)."""
+        return self.book.first_iteration + b + s
+
+    def untrained(self) -> list[tuple[int, str]]:
+        """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
+        book = self.book
+        reason = "left in flight: the plan stopped at the end of data" if book.stopped else "in flight"
+        return [*self.ledger.dropped, *((book.serial(b), reason) for b in book.in_flight())]
+
     # ----------------------------------------------------------- the source
     def open_slot(self, b: int) -> None:
         """The source is about to draw batch ``b``: its slot, empty."""

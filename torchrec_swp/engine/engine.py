@@ -1,43 +1,15 @@
 """Engine: runs a plan (or a PhasedPlan) on threads and streams; ``step()`` is ``progress()``.
 
-Contract of ``step(data)``: return batch ``d``'s ``plan.output`` value once every task of batch
-``d`` is done (``d``: the batches returned so far this epoch; with ``lookahead`` 0, once every
-thread finished internal iteration ``d + top``, so that a call does exactly what it does on one
-thread, only concurrently), or raise StopIteration when no batch is left (after draining, or as
-soon as the source finds none under ``on_exhausted="stop"``). The calling thread runs its part of
-internal iteration ``d + top`` (and of the earlier ones it has not run), exactly what a plan on
-one thread runs in one call; the other threads walk on in the background between calls, each as
-far as its dependencies, its tickets and the source's credit let it: batches in flight at most
-``pipeline_depth + lookahead``, and the source draws a batch at most ``lookahead`` calls before
-the call a plan on one thread draws it in (so with lookahead 0, in that very call). A thread that
-issues collectives (a task in a comm group) never runs ahead of the call: every collective is
-issued while ``step()`` runs, as upstream's are, so none interleaves with what the caller does on
-the same process group between calls (an eval, a metric all-reduce, another pipeline). No thread
-starts the training step (the highest stage) of a batch ``step()`` was not asked for yet.
-
-``data``: the iterator the source draws from (its function gets it as keyword ``data``; see
-``torchrec_swp.engine.source``). A new iterator, or the same one again after StopIteration,
-is new data (``new_data()``): nothing in flight is lost.
-
-Phases: with a PhasedPlan, internal iteration ``P`` runs the plan of the phase of the batch it
-trains (``P - top``; the epoch's first batch during the fill).
-
-Failures: an exception in any task on any thread stops every thread where it is and comes out
-of the current (or next) ``step()`` with its own type and a note naming task, batch, thread and
-internal iteration (attributes ``swp_task``, ``swp_batch``, ``swp_thread``, ``swp_iteration``).
-``step()`` again resumes where every thread stopped: nothing runs twice, nothing is skipped (but
-a rank that failed issues no more collectives of a comm group spread over threads until
-``reset()``). Every blocking wait honours ``timeout_s``.
-
-Uneven data: with ``exhaustion`` (an ``ExhaustionSync``, the pipelines'
-``sync_dataloader_exhaustion=True``) the ranks agree on every draw whether every rank has the
-batch (``torchrec_swp.engine.exhaustion``): all of them find the end of data at the same batch.
-An item drawn there by a rank that had one is never trained (``ledger.past_end`` counts it).
-
-The parts (docs/engine.md has the map): the ``Interpreter`` base walks the threads; ``Engine``
-holds ``Batches`` (``batches.py``), the ``PlanOps`` its programs run (``ops.py``, with the
-source's ``Feed``), its ``Epochs`` (``epochs.py``) and its installed plans (``installed.py``);
-``state_dict()`` is a cut (``cuts.py``).
+``step(data)`` returns batch ``d``'s ``plan.output`` value once every task of batch ``d`` is done
+(``d``: the batches returned so far this epoch), or raises StopIteration when no batch is left.
+The calling thread runs its part of internal iteration ``d + top``, exactly what a plan on one
+thread runs in one call; the other threads walk on in the background, as far as their
+dependencies, their tickets and the source's credit let them (a thread that issues collectives
+never runs ahead of the call). ``data`` is the iterator the source draws from; a new one, or the
+same one after StopIteration, is new data. A failure in any task on any thread stops every
+thread where it is and comes out of ``step()`` with its own type and a note naming task, batch,
+thread and internal iteration; ``step()`` again resumes. docs/engine.md has the whole contract,
+the path of one batch through one call, the glossary and the parts ``Engine`` holds.
 """
 
 from __future__ import annotations
@@ -55,14 +27,14 @@ from torchrec_swp.engine.board import ITERATION
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import InstalledPlan, Plans, task_calls
+from torchrec_swp.engine.installed import InstalledPlan, Plans, check_bindings, task_calls
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
 from torchrec_swp.engine.ops import PlanOps
 from torchrec_swp.engine.source import Draws
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Observer
 from torchrec_swp.engine.walkers import Failure, Walker, WalkState
-from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan
 from torchrec_swp.plan.table import format_schedule
 
 MAX_THREADS = 16
@@ -92,28 +64,17 @@ class Engine(Interpreter):
     ) -> None:
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         self.plans = Plans(plan, streams=self.streams, device_type=device_type, max_threads=max_threads, max_in_flight=max_in_flight)
-        phased = self.plans.phased
-        tasks = list(dict.fromkeys(t for p in phased.plans for t in p.fire_order))
-        missing = [t for t in tasks if t not in bindings]
-        if missing:
-            raise PlanError(f"no function bound to task {missing[0]} of plan {phased.name}", culprit=missing[0])
-        extra = [t for t in bindings if t not in tasks]
-        if extra:
-            raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
-        for task, fn in bindings.items():
-            if not callable(fn):
-                raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
+        check_bindings(self.plans.phased, bindings)
         self.device_type = device_type
         self.exhaustion = exhaustion
         self.batches = Batches()
         self._ops = PlanOps(self, self.batches, self.plans, uid=self._uid, checker=self._checker, exhaustion=exhaustion)
         self._feed = self._ops.source.feed
-        self._epochs = Epochs(self, self.batches, self._feed, settle=self._settle, restart=self._restart_walkers)
+        self._epochs = Epochs(self, self.batches, self._feed, settle=self._settle, restart=self._restart)
         self._bindings = dict(bindings)
         self._training_mode = training
         self._labels = False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
-        self._failure_raised = False
         self._walk_plans()
         self.reset()
 
@@ -131,14 +92,10 @@ class Engine(Interpreter):
     def _bind(self, inst: InstalledPlan) -> None:
         """``inst``'s (instrumented) task calls, then its programs' ops, which hold them."""
         task_calls(
-            inst, self._bindings, self.batches.slots, self._feed.argument, self._observed_iteration,
+            inst, self._bindings, self.batches.slots, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
         )  # fmt: skip
         self._ops.compile(inst, self._observer)
-
-    def _observed_iteration(self, b: int, s: int) -> int:
-        """The iteration observers see for batch ``b``'s task of stage ``s`` (numbered on over epochs)."""
-        return self.batches.book.first_iteration + b + s
 
     @property
     def phased(self) -> PhasedPlan:
@@ -150,19 +107,11 @@ class Engine(Interpreter):
         return self.plans.current
 
     def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> bool:
-        """Run ``plan`` from a batch boundary every thread stands at; between steps only.
-
-        Where every thread that has tasks stands at the calling thread's internal iteration, none
-        in the middle of one (before the first step, or after a step of a plan without lookahead),
-        the switch happens now (True). Where threads ran ahead, they run ahead no more, and the
-        first ``step()`` that finds every thread at the calling thread's boundary switches, at
-        most ``lookahead`` steps later (False until then; ``switch_pending`` says so): a thread
-        that ran ahead has started iterations the new plan must not run again. ``plan`` keeps
-        every task, its stage and its stream (and the phases' batch numbers): only threads, fire
-        order, comm groups, lookahead and loads change, so every task instance runs once, in the
-        plan it falls in, and device events recorded before the switch are those the new
-        programs wait on. Raises EngineError naming what does not hold.
-        """
+        """Run ``plan`` from a batch boundary every thread stands at; between steps only: now (True)
+        where every thread stands at the calling thread's internal iteration, else (False,
+        ``switch_pending``) at the first ``step()`` that finds them there, at most ``lookahead``
+        steps later, threads no longer running ahead. ``plan`` keeps every task, its stage and its
+        stream (``installed.check_switch``; EngineError naming what does not hold)."""
         new = self.plans.checked(plan)
         if self.failures:
             raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
@@ -218,7 +167,6 @@ class Engine(Interpreter):
         self._ops.compile(inst, self._observer)
         return text
 
-    # ------------------------------------------------------------------ views
     @property
     def compiled(self) -> CompiledPlan:
         return self.plans.compiled
@@ -242,14 +190,6 @@ class Engine(Interpreter):
         return self._main.P
 
     @property
-    def delivered(self) -> int:
-        return self.batches.book.returned
-
-    @property
-    def num_batches(self) -> int | None:
-        return self.batches.book.num_batches
-
-    @property
     def end_reported(self) -> bool:
         """The last step() raised StopIteration because the data ended."""
         return self.batches.book.end_reported
@@ -265,30 +205,26 @@ class Engine(Interpreter):
 
     def untrained(self) -> list[tuple[int, str]]:
         """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
-        book = self.batches.book
-        reason = "left in flight: the plan stopped at the end of data" if book.stopped else "in flight"
-        return [*self.ledger.dropped, *((book.serial(b), reason) for b in book.in_flight())]
+        return self.batches.untrained()
 
     # ------------------------------------------------------------------- step
     def step(self, data: Iterator[Any] | None = None) -> Any:
         """Batch ``d``'s output (module docstring); StopIteration when no batch is left."""
         on_step = self._on_step
-        if on_step is not None:
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return self._step(data)
-            finally:
-                on_step(start, time.perf_counter(), cpu, time.thread_time())
-        return self._step(data)
+        if on_step is None:
+            return self._step(data)
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return self._step(data)
+        finally:
+            on_step(start, time.perf_counter(), cpu, time.thread_time())
 
     def _step(self, data: Iterator[Any] | None) -> Any:
         batches = self.batches
         if data is not None and (data is not self._feed.data or batches.book.end_reported):
             self._epochs.take_data(data)
         if self._failure_raised:  # step() again after a failure: go on where every thread stopped
-            self.failures.clear()
-            self._failure_raised = False
-            self.board.resume()
+            self._resume_after_failure()
         if self.plans.pending is not None:
             self._switch_if_ready()
         self._ops.begin_step(torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode()))
@@ -298,7 +234,7 @@ class Engine(Interpreter):
             if book.stopped or (book.num_batches is not None and book.returned >= book.num_batches):  # book.ended
                 if book.restart_after_drain:
                     self._settle()
-                    self._start_epoch()
+                    self._epochs.start()
                     continue
                 batches.report_end()
                 raise StopIteration
@@ -345,15 +281,7 @@ class Engine(Interpreter):
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
         iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
         batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
-        result = self._outcome(d)
-        if result is None:
-            try:
-                ready = lambda: self._outcome(d) is not None
-                self.board.wait(ready, lambda: f"batch {d} to be trained", self.timeout_s, ITERATION)
-            except BaseException as e:  # noqa: BLE001 - a timeout here is a failure like any other
-                if not self.failures:
-                    self.failures.append(Failure(e, "-", d, MAIN_THREAD, self._main.P))
-            result = self._outcome(d) or "failed"
+        result = self._await_outcome(lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION)
         if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
             top, base = self.plans.shape.top, self.batches.book.first_iteration
             for w in self._tasked:
@@ -382,16 +310,10 @@ class Engine(Interpreter):
         if book.stopped and resting:
             return "stopped"
         if resting:  # nobody can make batch d: a bug of the engine's, not a wait
-            self.failures.append(Failure(EngineError(f"no thread can go on:\n{self._timeout_report()}"), "-", d, MAIN_THREAD, self._main.P))
+            stuck = EngineError(f"no thread can go on:\n{self._timeout_report()}")
+            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self._main.P))
             return "failed"
         return None
-
-    def _raise_failure(self) -> None:
-        if self._threaded:
-            self.board.interrupt_all("a task failed")
-        self._wait_idle(list(self._walkers.values()))
-        self._failure_raised = True
-        raise self._first_failure()
 
     def _retire(self, d: int) -> Any:
         """Return batch ``d``'s output and forget what only it needed: its latches, its slot and
@@ -418,9 +340,8 @@ class Engine(Interpreter):
 
     # ----------------------------------------------------------- epochs, cuts
     def reset(self) -> None:
-        """Forget every batch in flight and start again at iteration 0 (workers are kept); batch
-        numbers (the phases' clock) and collective tickets start again at 0 too. The batches in
-        flight are recorded in ``ledger.dropped``: they were drawn, never trained."""
+        """Drop the batches in flight (``ledger.dropped``); start again at iteration 0, batch number
+        0 and ticket 0 (``Epochs.reset``)."""
         self._epochs.reset()
 
     def new_data(self) -> None:
@@ -444,22 +365,6 @@ class Engine(Interpreter):
     def count_trained_from(self, n: int) -> None:
         """Number the next batch to train ``n`` on the clock ``"trained"`` (``Epochs.count_trained_from``)."""
         self._epochs.count_trained_from(n)
-
-    def _start_epoch(self, start: int = 0, first_trained: int | None = None) -> None:
-        self._epochs.start(start, first_trained)
-
-    def _restart_walkers(self, start: int) -> int:
-        """Every thread placed at internal iteration ``start`` of a new epoch, failures and latches
-        forgotten; the first iteration of the new epoch counted on over the epochs before."""
-        self.failures.clear()
-        self._failure_raised = False
-        self.board.resume()
-        first_iteration = self.batches.book.first_iteration + max(w.P for w in self._walkers.values())
-        self.board.clear_latches()
-        bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
-        for w in self._walkers.values():
-            w.place(start, bases)
-        return first_iteration
 
     def state_dict(self) -> dict[str, Any]:
         """The cut at the first batch not yet returned (``torchrec_swp.engine.cuts``)."""

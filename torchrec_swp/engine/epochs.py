@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class Epochs:
     """The epochs of ``engine``: ``settle(interrupt)`` waits until no thread walks (interrupting
     them first when it says why); ``restart(start)`` places every thread at internal iteration
-    ``start`` of a new epoch and returns its first iteration counted over the epochs."""
+    ``start`` of a new epoch and returns the furthest iteration a thread had reached."""
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class Epochs:
     def start(self, start: int = 0, first_trained: int | None = None) -> None:
         """A new epoch, its threads at internal iteration ``start``; its batches trained count on
         from the last epoch's (``first_trained``: from that number instead)."""
-        first_iteration = self._restart(start)
+        first_iteration = self._batches.book.first_iteration + self._restart(start)
         self._batches.new_epoch(start, first_trained, first_iteration)
         self._feed.new_epoch()
 

@@ -107,6 +107,20 @@ def task_calls(
             inst.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
 
 
+def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:
+    """A callable bound to every task of every phase's plan, and to nothing else."""
+    tasks = list(dict.fromkeys(t for p in phased.plans for t in p.fire_order))
+    missing = [t for t in tasks if t not in bindings]
+    if missing:
+        raise PlanError(f"no function bound to task {missing[0]} of plan {phased.name}", culprit=missing[0])
+    extra = [t for t in bindings if t not in tasks]
+    if extra:
+        raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
+    for task, fn in bindings.items():
+        if not callable(fn):
+            raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
+
+
 def check_limits(plan: PipelinePlan, max_threads: int, max_in_flight: int) -> None:
     threads = len(plan.thread_groups) + plan.loads - 1
     if threads > max_threads:

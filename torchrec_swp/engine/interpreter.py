@@ -31,7 +31,6 @@ costs a call per instruction and nothing per iteration.
 from __future__ import annotations
 
 import itertools
-import queue
 import sys
 import threading
 import time
@@ -55,38 +54,13 @@ from torchrec_swp.engine.errors import (
 from torchrec_swp.engine.streams import NullStreamPool, StreamPool
 from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.engine.turnstile import Turnstile
-from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState
+from torchrec_swp.plan import MAIN_THREAD
+from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState, Worker, stop_workers
 
 DEFAULT_TIMEOUT_S = 600.0
 
 
 _INTERPRETER_IDS = itertools.count(1)
-
-
-class Worker:
-    """A persistent thread running the jobs put in its inbox (None stops it)."""
-
-    def __init__(self, name: str, streams: StreamPool) -> None:
-        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
-        streams.thread_init()
-        while (job := inbox.get()) is not None:
-            job()
-
-    def stop(self, timeout_s: float) -> None:
-        self.inbox.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout_s)
-
-
-def _stop_workers(workers: dict[str, Worker]) -> None:
-    for w in workers.values():
-        w.stop(5.0)
-    workers.clear()
 
 
 class Interpreter:
@@ -105,10 +79,11 @@ class Interpreter:
         self.name = name
         self.board = Board()
         self.failures: list[Failure] = []
+        self._failure_raised = False  # the first failure went to the caller; its next call resumes
         self._walkers: dict[str, Walker] = {}
         self._workers: dict[str, Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._observer: Observer | None = None
 
     def close(self) -> None:
@@ -319,7 +294,45 @@ class Interpreter:
             for w in walkers:
                 self._checker.cpu_acquire(("walk", self._uid, w.name))
 
+    def _await_outcome(self, outcome: Callable[[], str | None], what: Callable[[], str], batch: int, topic: Any) -> str:
+        """``outcome()`` once it is not None, waiting on the board (``topic``); a timeout is a
+        failure of the caller's thread at ``batch`` like any other ("failed")."""
+        result = outcome()
+        if result is None:
+            try:
+                self.board.wait(lambda: outcome() is not None, what, self.timeout_s, topic)
+            except BaseException as e:  # noqa: BLE001 - a timeout here is a failure like any other
+                if not self.failures:
+                    self.failures.append(Failure(e, "-", batch, MAIN_THREAD, self._walkers[MAIN_THREAD].P))
+            result = outcome() or "failed"
+        return result
+
     # -------------------------------------------------------------- failures
+    def _raise_failure(self) -> None:
+        """Stop every thread where it is and raise the first failure to the caller."""
+        if len(self._walkers) > 1:
+            self.board.interrupt_all("a task failed")
+        self._wait_idle(list(self._walkers.values()))
+        self._failure_raised = True
+        raise self._first_failure()
+
+    def _resume_after_failure(self) -> None:
+        """The caller calls again after a failure: every thread goes on where it stopped."""
+        self.failures.clear()
+        self._failure_raised = False
+        self.board.resume()
+
+    def _restart(self, start: int) -> int:
+        """Every walker placed at internal iteration ``start``, failures and latches forgotten;
+        the furthest iteration any walker had reached."""
+        self._resume_after_failure()
+        furthest = max(w.P for w in self._walkers.values())
+        self.board.clear_latches()
+        bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
+        for w in self._walkers.values():
+            w.place(start, bases)
+        return furthest
+
     def _first_failure(self) -> BaseException:
         """The first failure, annotated, with notes naming the others (an EngineTimeout is
         raised as one whose message is the full report)."""

@@ -1,16 +1,20 @@
-"""One thread's walk through its program: ``Walker`` (where it is, why it stopped), the ops that
-execute its instructions, and a ``Failure`` (where a task failed). Records of the interpreter
+"""The interpreter's threads: ``Walker`` (one thread's walk through its program: where it is,
+why it stopped), the ops that execute its instructions, a ``Failure`` (where a task failed) and
+the persistent ``Worker`` thread that walks in the background. Records of the interpreter
 (``torchrec_swp.engine.interpreter``); the ops the engine compiles set ``current`` and
 ``waited`` of the walker that executes them, and nothing else of it."""
 
 from __future__ import annotations
 
 import enum
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchrec_swp.compile import Instr
+from torchrec_swp.engine.streams import StreamPool
 
 
 class WalkState(enum.Enum):
@@ -84,3 +88,29 @@ class Failure:
     batch: int
     thread: str
     iteration: int
+
+
+class Worker:
+    """A persistent thread running the jobs put in its inbox (None stops it)."""
+
+    def __init__(self, name: str, streams: StreamPool) -> None:
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
+        streams.thread_init()
+        while (job := inbox.get()) is not None:
+            job()
+
+    def stop(self, timeout_s: float) -> None:
+        self.inbox.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+
+
+def stop_workers(workers: dict[str, Worker]) -> None:
+    for w in workers.values():
+        w.stop(5.0)
+    workers.clear()
