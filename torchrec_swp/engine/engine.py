@@ -281,7 +281,7 @@ class Engine(Interpreter):
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
         iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
         batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
-        result = self._await_outcome(lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION)
+        result = self._outcome(d) or self._await_outcome(lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION)
         if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
             top, base = self.plans.shape.top, self.batches.book.first_iteration
             for w in self._tasked:

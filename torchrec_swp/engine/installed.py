@@ -221,9 +221,10 @@ class Plans:
 
     def _install(self) -> None:
         self.installed = {id(p): InstalledPlan.compile(p, self._streams, self._device_type) for p in self.phased.plans}
-        installed = list(self.installed.values())
-        self.latched = tuple(dict.fromkeys([*self.latched, *(i.task for inst in installed for i in inst.instructions() if isinstance(i, Signal))]))
-        self.recorded = tuple(dict.fromkeys([*self.recorded, *(i.task for inst in installed for i in inst.instructions() if isinstance(i, RecordEvent))]))
+        instructions = [i for inst in self.installed.values() for i in inst.instructions()]
+        # those of the plans installed before too: batches of theirs may still leave
+        self.latched = tuple(dict.fromkeys([*self.latched, *(i.task for i in instructions if isinstance(i, Signal))]))
+        self.recorded = tuple(dict.fromkeys([*self.recorded, *(i.task for i in instructions if isinstance(i, RecordEvent))]))
 
     @property
     def compiled(self) -> CompiledPlan:

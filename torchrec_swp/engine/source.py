@@ -151,9 +151,11 @@ class Feed:
         return None
 
     def argument(self, b: int) -> dict[str, Any]:
-        """The source's keyword arguments for batch ``b``: ``data``, once there is some."""
-        draws = self.draws_for(b)
-        return {} if draws is None else {"data": draws}
+        """The source's keyword arguments for batch ``b``: ``data`` (``draws_for(b)``), once there is some."""
+        for first, draws in reversed(self._from):
+            if b >= first:
+                return {"data": draws}
+        return {}
 
     def new_epoch(self) -> None:
         """Batches are numbered from 0 again: the current iterator serves them all."""
@@ -196,10 +198,11 @@ class Source:
         plain = ticket is None and self._checker is None
 
         def draw(w: Walker, P: int) -> None:
-            gates.stop_check(P)
+            book = batches.book
+            if book.stopped:
+                gates.stop_check(P)
             b = P - stage
             w.current = (task, b)
-            book = batches.book
             if b < 0 or (lanes > 1 and b % lanes != w.lane) or b in book.held:
                 return
             if book.num_batches is not None:
