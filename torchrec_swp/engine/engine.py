@@ -27,7 +27,7 @@ from torchrec_swp.engine.board import ITERATION
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import InstalledPlan, Plans, check_bindings, task_calls
+from torchrec_swp.engine.installed import InstalledPlan, Plans, check_bindings
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
 from torchrec_swp.engine.ops import PlanOps
 from torchrec_swp.engine.source import Draws
@@ -91,8 +91,8 @@ class Engine(Interpreter):
 
     def _bind(self, inst: InstalledPlan) -> None:
         """``inst``'s (instrumented) task calls, then its programs' ops, which hold them."""
-        task_calls(
-            inst, self._bindings, self.batches.slots, self._feed.argument, self.batches.observed_iteration,
+        inst.bind(
+            self._bindings, self.batches.slots, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
         )  # fmt: skip
         self._ops.compile(inst, self._observer)

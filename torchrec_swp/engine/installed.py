@@ -4,8 +4,8 @@
 pending) and the walkers their programs need.
 ``PlanShape``: what every phase's plan together says (the highest stage ``top``, loads, lookahead,
 each task's stage, the source, how far back slots and events are read). ``InstalledPlan``: one
-plan compiled for the engine's streams, its tasks' calls (``task_calls``) and, per thread, each
-instruction with its op (``PlanOps.compile``). ``check_limits`` and ``check_switch`` are the
+plan compiled for the engine's streams, its tasks' calls (``bind``) and, per thread, each
+instruction with its op (``make_walks``, with ``PlanOps``' ops). ``check_limits`` and ``check_switch`` are the
 checks a plan passes before it is installed.
 """
 
@@ -20,7 +20,7 @@ from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, S
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Invoker, Observer, make_alias, make_invoker, task_context, task_timer
-from torchrec_swp.engine.walkers import Walk, Walker
+from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plan.task import parse_read
 
@@ -75,36 +75,40 @@ class InstalledPlan:
         steady = compiled.steady
         return cls(plan, compiled, {t: i for t, i in steady.threads if i}, steady.tickets)
 
+    def bind(
+        self,
+        bindings: Mapping[str, Binding],
+        slots: dict[int, dict[str, Any]],
+        data_argument: Callable[[int], dict[str, Any]],
+        iteration: Callable[[int, int], int],
+        *,
+        streams: StreamPool,
+        device_type: str | None,
+        observer: Observer | None,
+        labels: bool,
+    ) -> None:
+        """Its (instrumented) task calls, entering each task's stream where the device has
+        streams: the source's gets ``data_argument(b)``; ``iteration(b, stage)`` numbers an
+        instance for the observer."""
+        plan = self.plan
+        for task in plan.fire_order:
+            t = plan.task(task)
+            extra = data_argument if task == plan.source else None
+            stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
+            timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
+            around = task_context(task, labels, stream)
+            self.invokers[task] = make_invoker(t.io, bindings[task], slots, extra, around, timed)
+            if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
+                pairs = tuple(zip(t.io.writes, t.io.reads))
+                self.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
+
+    def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
+        """Every thread's program with its ops (``op(thread, instruction)``), made again whenever
+        the programs or the task calls change."""
+        self.walks = {thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()}
+
     def instructions(self) -> list[Instr]:
         return [i for instrs in self.programs.values() for i in instrs]
-
-
-def task_calls(
-    inst: InstalledPlan,
-    bindings: Mapping[str, Binding],
-    slots: dict[int, dict[str, Any]],
-    data_argument: Callable[[int], dict[str, Any]],
-    iteration: Callable[[int, int], int],
-    *,
-    streams: StreamPool,
-    device_type: str | None,
-    observer: Observer | None,
-    labels: bool,
-) -> None:
-    """``inst``'s (instrumented) task calls, entering each task's stream where the device has
-    streams: the source's gets ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance
-    for the observer."""
-    plan = inst.plan
-    for task in plan.fire_order:
-        t = plan.task(task)
-        extra = data_argument if task == plan.source else None
-        stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
-        timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
-        around = task_context(task, labels, stream)
-        inst.invokers[task] = make_invoker(t.io, bindings[task], slots, extra, around, timed)
-        if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
-            pairs = tuple(zip(t.io.writes, t.io.reads))
-            inst.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
 
 
 def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:

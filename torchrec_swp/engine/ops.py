@@ -154,10 +154,7 @@ class PlanOps:
     def compile(self, inst: InstalledPlan, observer: Observer | None) -> None:
         """Every thread's program of ``inst`` with its ops (told of ``observer``)."""
         self._observer = observer
-        inst.walks = {
-            thread: (instrs, tuple(self._op(inst, thread, i, observer) for i in instrs))
-            for thread, instrs in inst.programs.items()
-        }
+        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer))
 
     def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:
         match instr:

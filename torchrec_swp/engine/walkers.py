@@ -1,8 +1,10 @@
 """The interpreter's threads: ``Walker`` (one thread's walk through its program: where it is,
 why it stopped), the ops that execute its instructions, a ``Failure`` (where a task failed) and
 the persistent ``Worker`` thread that walks in the background. Records of the interpreter
-(``torchrec_swp.engine.interpreter``); the ops the engine compiles set ``current`` and
-``waited`` of the walker that executes them, and nothing else of it."""
+(``torchrec_swp.engine.interpreter``), which places and walks them; besides it, only the
+functions a walker walks with, on its own thread, write to it: the program function its
+iteration's ``inst`` and ``bases`` (``PlanOps.program`` / ``iteration_done``), the ops its
+``current`` and ``waited``."""
 
 from __future__ import annotations
 
