@@ -174,8 +174,8 @@ class Batches:
         """Batch ``b``'s draw found nothing or failed: no slot."""
         self.slots.pop(b, None)
 
-    def drawn(self, b: int) -> None:
-        """The source drew batch ``b``."""
+    def hold(self, b: int) -> None:
+        """The source drew batch ``b``: held, numbered, counted in the ledger."""
         book = self.book
         book.held.add(b)
         number = book.numbers[b] = book.number(b)

@@ -83,7 +83,7 @@ class Engine(Interpreter):
         """A walker for every thread of the installed plans, their task calls and ops."""
         self._walkers = self.plans.walkers()
         self._main = self._walkers[MAIN_THREAD]
-        self._tasked = [w for w in self._walkers.values() if w.top >= 0]
+        self._tasked = [w for w in self._walkers.values() if w.last_stage >= 0]
         self._threaded = len(self._walkers) > 1
         self._ops.reshape(self._main, self._threaded)
         for inst in self.plans.installed.values():
@@ -286,7 +286,7 @@ class Engine(Interpreter):
             top, base = self.plans.shape.top, self.batches.book.first_iteration
             for w in self._tasked:
                 if w is not self._main:
-                    self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.top if w.ahead else top)))
+                    self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
         return result
 
     def _outcome(self, d: int) -> str | None:
@@ -299,7 +299,7 @@ class Engine(Interpreter):
             # lookahead 0, every thread) finish iteration d + top, collectives included
             top = self.plans.shape.top
             for w in self._tasked:
-                if w.done_through < d + (w.top if w.ahead else top):
+                if w.done_through < d + (w.last_stage if w.ahead else top):
                     break
             else:
                 return "done"
@@ -335,7 +335,7 @@ class Engine(Interpreter):
                 latches.pop((task, d), None)
         draws = self._feed.draws
         if draws is not None and draws.positions:
-            draws.forget(d + 1)
+            draws.forget_positions(d + 1)
         return output
 
     # ----------------------------------------------------------- epochs, cuts

@@ -286,7 +286,7 @@ class Plans:
                 threads[thread] = max(threads.get(thread, -1), *stages)
                 if any(getattr(i, "comm_group", None) is not None for i in instrs):
                     collective.add(thread)
-        walkers = {MAIN_THREAD: Walker(MAIN_THREAD, MAIN_THREAD, top=threads[MAIN_THREAD])}
+        walkers = {MAIN_THREAD: Walker(MAIN_THREAD, MAIN_THREAD, last_stage=threads[MAIN_THREAD])}
         shape = self.shape
         source_thread = self.current.task(shape.source).thread_group if shape.source else None
         for thread, top in threads.items():
@@ -295,5 +295,5 @@ class Plans:
             for lane in range(shape.lanes if thread == source_thread else 1):
                 name = thread if lane == 0 else f"{thread}.{lane}"
                 ahead = 0 if thread in collective else shape.lookahead
-                walkers[name] = Walker(thread, name, lane=lane, top=top, ahead=ahead)
+                walkers[name] = Walker(thread, name, lane=lane, last_stage=top, ahead=ahead)
         return walkers

@@ -132,7 +132,7 @@ class PlanOps:
         if d < 0:
             return phased.plan_for(book.number(0))
         if shape.source is None or shape.stage[shape.source] < shape.top:
-            self.exists(d, P)  # drawn in an earlier iteration: wait for the number it got
+            self.await_exists(d, P)  # drawn in an earlier iteration: wait for the number it got
         # else the source draws batch d in this very iteration (a plan of one stage): its number is the next one
         return phased.plan_for(book.number_of(d))
 
@@ -190,7 +190,7 @@ class PlanOps:
                 stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if not (b in book.held or self.exists(b, P)) or (guarded and not self._admits(when, b, P)):
+            if not (b in book.held or self.await_exists(b, P)) or (guarded and not self._admits(when, b, P)):
                 if ticket is not None:
                     self._interpreter.skip_ticket(w, group, ticket)
                 return
@@ -224,13 +224,13 @@ class PlanOps:
             self.stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if self.exists(b, P):
+            if self.await_exists(b, P):
                 alias(b)
 
         return run_alias
 
     # --------------------------------------------------------------- gates
-    def exists(self, b: int, P: int) -> bool:
+    def await_exists(self, b: int, P: int) -> bool:
         """Whether batch ``b`` exists, waiting (at internal iteration ``P``) until the source has
         looked for it. Stopped when it never will while the plan is stopped."""
         book = self._batches.book
@@ -244,7 +244,7 @@ class PlanOps:
 
     def _admits(self, when: When, b: int, P: int) -> bool:
         if when.needs_next:
-            self.exists(b + 1, P)
+            self.await_exists(b + 1, P)
         if when is When.TRAIN:  # the mode of the step() that trains batch b: wait for that call
             self._requested(b, P)
         return when.admits(b, self._batches.book.num_batches, P, self._plans.shape.top, training=self._training)
@@ -290,7 +290,7 @@ class PlanOps:
         latches = self._board.latches
         batches, checker = self._batches, self._checker
 
-        def wait(w: Walker, P: int) -> None:
+        def wait_task(w: Walker, P: int) -> None:
             q, pb = P - lag, P - back
             if q < w.start or pb < 0:
                 return
@@ -323,7 +323,7 @@ class PlanOps:
             if not lanes:
                 w.waited[producer] = q
 
-        return wait
+        return wait_task
 
     def _signal_op(self, instr: Signal) -> Op:
         """``signal T``: T's instance of this iteration is done (a lane signals its own batches)."""

@@ -109,7 +109,7 @@ class Draws:
         if self._dropped is not None:
             self._dropped(b)
 
-    def forget(self, before: int) -> None:
+    def forget_positions(self, before: int) -> None:
         """Drop the positions of batches before ``before`` (trained)."""
         for b in [k for k in self.positions if k < before]:
             del self.positions[b]
@@ -246,10 +246,10 @@ class Source:
                 if draws is not None:
                     draws.drawing(None)
             if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
-                batches.drawn(b)
+                batches.hold(b)
                 return
             with board.lock:
-                batches.drawn(b)
+                batches.hold(b)
                 board.notify()
 
         return draw

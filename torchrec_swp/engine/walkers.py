@@ -29,8 +29,8 @@ class WalkState(enum.Enum):
 @dataclass(eq=False, slots=True)
 class Walker:
     """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
-    source with several loads: ``load.1``); ``top``: the highest stage of its tasks (it is done
-    with batch ``d`` once it finished iteration ``d + top``); ``ahead``: how many iterations it
+    source with several loads: ``load.1``); ``last_stage``: the highest stage of its tasks (it is
+    done with batch ``d`` once it finished iteration ``d + last_stage``; -1: it has no task); ``ahead``: how many iterations it
     may run beyond the current ``step()`` call's (the plan's lookahead; 0 for a thread that issues
     collectives: those are issued only while ``step()`` runs). ``prog``: the instructions of
     iteration ``P`` while it walks them, ``i`` the one it executes (or parked at)."""
@@ -38,7 +38,7 @@ class Walker:
     thread: str
     name: str
     lane: int = 0
-    top: int = 0
+    last_stage: int = 0
     ahead: int = 0
     P: int = 0
     i: int = 0
