@@ -178,7 +178,7 @@ class PlanOps:
         skipped); a training step on a worker waits for the ``step()`` that asks for it; then
         the call (holding its ticket; in checked mode inside the checker's label)."""
         task, stage, when, ticket, group = instr.task, instr.stage, instr.when, instr.ticket, instr.comm_group
-        guarded = when is not When.ALWAYS
+        guarded, needs_next = when is not When.ALWAYS, when.needs_next
         trains = not main and stage == self._plans.shape.top
         checked = self._checker is not None
         plain = ticket is None and not checked
@@ -190,7 +190,7 @@ class PlanOps:
                 stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if not (b in book.held or self.await_exists(b, P)) or (guarded and not self._admits(when, b, P)):
+            if not (b in book.held or self.await_exists(b, P)) or (guarded and not self._admits(when, needs_next, b, P)):
                 if ticket is not None:
                     self._interpreter.skip_ticket(w, group, ticket)
                 return
@@ -242,8 +242,8 @@ class PlanOps:
                 raise Stopped
         return known
 
-    def _admits(self, when: When, b: int, P: int) -> bool:
-        if when.needs_next:
+    def _admits(self, when: When, needs_next: bool, b: int, P: int) -> bool:
+        if needs_next:  # (``when.needs_next``, read once per op)
             self.await_exists(b + 1, P)
         if when is When.TRAIN:  # the mode of the step() that trains batch b: wait for that call
             self._requested(b, P)
