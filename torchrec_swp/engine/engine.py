@@ -65,16 +65,17 @@ class Engine(Interpreter):
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         self.plans = Plans(plan, streams=self.streams, device_type=device_type, max_threads=max_threads, max_in_flight=max_in_flight)
         check_bindings(self.plans.phased, bindings)
-        self.device_type = device_type
-        self.exhaustion = exhaustion
+        self.device_type, self.exhaustion = device_type, exhaustion
         self.batches = Batches()
         self._ops = PlanOps(self, self.batches, self.plans, uid=self._uid, checker=self._checker, exhaustion=exhaustion)
         self._feed = self._ops.source.feed
         self._epochs = Epochs(self, self.batches, self._feed, settle=self._settle, restart=self._restart)
         self._bindings = dict(bindings)
-        self._training_mode = training
-        self._labels = False
+        self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
+        self._main = Walker(MAIN_THREAD, MAIN_THREAD)  # the calling thread's: made again with every plan's walkers
+        self._tasked: list[Walker] = []  # the walkers of threads that have tasks
+        self._threaded = False  # threads other than the caller's walk
         self._walk_plans()
         self.reset()
 
@@ -326,8 +327,7 @@ class Engine(Interpreter):
         return output
 
     def _forget(self, d: int) -> Any:
-        plans = self.plans
-        shape = plans.shape
+        plans, shape = self.plans, self.plans.shape
         output = self.batches.retire(d, plans.current.output, shape.keep_slots, shape.keep_events, plans.recorded)
         latches = self.board.latches
         if latches:
