@@ -56,7 +56,7 @@ def test_empty_data_raises_stop_iteration_at_once() -> None:
         engine = Engine(toy_plan().with_thread_map(thread_map), Toy(0).bindings())
         with pytest.raises(StopIteration):
             engine.step()
-        assert engine.delivered == 0 and engine.num_batches == 0
+        assert engine.book.returned == 0 and engine.book.num_batches == 0
         engine.close()
 
 
@@ -191,7 +191,7 @@ def test_a_deadlock_times_out_with_a_diagnostic() -> None:
     assert time.monotonic() - start < 5  # about the timeout, not H2D's own 60 s
     # the report says what each thread was doing, with the schedule
     message = str(info.value)
-    assert "internal iteration 3 of plan waits did not finish within 0.3s" in message
+    assert "internal iteration 3 of plan waits did not finish: no thread made progress for 0.3s" in message
     assert "thread 'io': parked (interrupted) at run! H2D" in message
     assert "thread 'default': failed in wait H2D" in message
     assert "io       memcpy        | i0    i1    i2    i3" in message
@@ -364,7 +364,7 @@ def test_a_failing_tasks_traceback_ends_in_its_own_function(thread_map: str, ins
     names = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
     walk = len(names) - 1 - names[::-1].index("_walk")
     # on one thread a plain call; spread over threads Dist holds a collective ticket
-    between = ["run"] if thread_map == "main" else ["run", "_ticketed"]
+    between = ["run"] if thread_map == "main" else ["run", "ticketed"]
     assert names[walk + 1 :] == [*between, "<task Dist>", "broken_dist"], names
     assert info.value.swp_task == "Dist"  # type: ignore[attr-defined]
     engine.close()

@@ -20,28 +20,27 @@ reset: the others may not be where it is), and every thread is interrupted. The 
 caller re-raises it, of its own type, with a note naming task, batch, thread and iteration.
 
 What a ``run`` instruction does is the subclass's: ``Engine`` runs plan tasks
-(``torchrec_swp.engine.engine``), ``ProgramEngine`` pipeline-parallel actions
-(``torchrec_swp.engine.programs``). A walker executes each instruction by its op, ``op(walker,
-P)``, made once per program (``_program`` hands out both): by default a dispatch through
-``_execute``; the plan engine compiles its instructions into ops that know their task, stage
-and call, so that the loop below costs a call per instruction and nothing per iteration.
+(``torchrec_swp.engine.engine``, its ops in ``torchrec_swp.engine.ops``), ``ProgramEngine``
+pipeline-parallel actions (``torchrec_swp.engine.programs``). A walker executes each
+instruction by its op, ``op(walker, P)``, made once per program (the ``program`` function given
+to ``_walk`` hands out both): by default a dispatch through ``_execute``; the plan engine
+compiles its instructions into ops that know their task, stage and call, so that the loop below
+costs a call per instruction and nothing per iteration.
 """
 
 from __future__ import annotations
 
-import abc
-import enum
 import itertools
-import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
-from torchrec_swp.compile import Alias, Instr, RecordEvent, Run, RunAction, Signal, WaitStream, WaitTask
+from torchrec_swp.compile import Alias, Instr, Run, RunAction, Signal, WaitTask
 from torchrec_swp.engine.board import Board
 from torchrec_swp.engine.errors import (
     CollectiveAborted,
@@ -56,114 +55,17 @@ from torchrec_swp.engine.streams import NullStreamPool, StreamPool
 from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.engine.turnstile import Turnstile
 from torchrec_swp.plan import MAIN_THREAD
+from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState, Worker, stop_workers
 
 DEFAULT_TIMEOUT_S = 600.0
 
 
 _INTERPRETER_IDS = itertools.count(1)
 
-class WalkState(enum.Enum):
-    READY = "ready"  # positioned, not walking
-    RUNNING = "running"
-    PARKED = "parked"  # stopped where it is: interrupted, stopped at the end of data, or failed
-    FINISHED = "finished"  # walked every iteration of the epoch (or of the step)
 
-
-@dataclass(eq=False, slots=True)
-class Walker:
-    """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
-    source with several loads: ``load.1``); ``top``: the highest stage of its tasks (it is done
-    with batch ``d`` once it finished iteration ``d + top``); ``ahead``: how many iterations it
-    may run beyond the current ``step()`` call's (the plan's lookahead; 0 for a thread that issues
-    collectives: those are issued only while ``step()`` runs). ``prog``: the instructions of
-    iteration ``P`` while it walks them, ``i`` the one it executes (or parked at)."""
-
-    thread: str
-    name: str
-    lane: int = 0
-    top: int = 0
-    ahead: int = 0
-    P: int = 0
-    i: int = 0
-    start: int = 0
-    done_through: int = -1
-    state: WalkState = WalkState.READY
-    parked_by: str = ""
-    prog: tuple[Instr, ...] = ()
-    current: tuple[str, int] = ("-", 0)  # (task or instruction, batch) it works on
-    bases: dict[str, int] = field(default_factory=dict)  # comm group -> first ticket of iteration P
-    waited: dict[str, int] = field(default_factory=dict)  # producer -> latest iteration waited for
-    inst: Any = None  # what the engine runs in iteration P (its plan, for a plan engine)
-
-    @property
-    def at(self) -> Instr | None:
-        """The instruction it executes or parked at (None between iterations)."""
-        return self.prog[self.i] if self.i < len(self.prog) else None
-
-    def place(self, start: int, bases: dict[str, int]) -> None:
-        self.P, self.i, self.start, self.done_through = start, 0, start, start - 1
-        self.state, self.parked_by, self.prog, self.current = WalkState.READY, "", (), ("-", 0)
-        self.bases, self.waited = dict(bases), {}
-
-    def position(self) -> str:
-        """Where it is, for reports."""
-        match self.state:
-            case WalkState.PARKED if self.parked_by == "failed":
-                return f"failed in {self.current[0]} (internal iteration {self.P})"
-            case WalkState.PARKED:
-                return f"parked ({self.parked_by}) at {self.at} (internal iteration {self.P})"
-            case WalkState.FINISHED:
-                return "finished"
-            case _ if self.at is not None:
-                return f"at {self.at} (internal iteration {self.P})"
-            case _:
-                return f"not started (internal iteration {self.P})"
-
-
-#: How an instruction of a thread's program is executed: ``op(walker, P)`` at internal iteration ``P``.
-Op = Callable[[Walker, int], None]
-#: One iteration of one thread, ready to walk: its instructions and, position by position, their ops.
-Walk = tuple[tuple[Instr, ...], tuple[Op, ...]]
-
-
-@dataclass
-class Failure:
-    exc: BaseException
-    task: str
-    batch: int
-    thread: str
-    iteration: int
-
-
-class Worker:
-    """A persistent thread running the jobs put in its inbox (None stops it)."""
-
-    def __init__(self, name: str, streams: StreamPool) -> None:
-        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
-        streams.thread_init()
-        while (job := inbox.get()) is not None:
-            job()
-
-    def stop(self, timeout_s: float) -> None:
-        self.inbox.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout_s)
-
-
-def _stop_workers(workers: dict[str, Worker]) -> None:
-    for w in workers.values():
-        w.stop(5.0)
-    workers.clear()
-
-
-class Interpreter(abc.ABC):
+class Interpreter:
     """Walkers, workers, the board, turnstiles, failures and reports; subclasses say what the
-    programs are (``_program``, with their ops) and what their work instructions do (``_run``
+    programs are (the ``program`` they walk with) and what their work instructions do (``_run``
     behind the default op, or ops of their own)."""
 
     def __init__(self, *, streams: StreamPool | None, timeout_s: float, name: str) -> None:
@@ -177,13 +79,12 @@ class Interpreter(abc.ABC):
         self.name = name
         self.board = Board()
         self.failures: list[Failure] = []
+        self._failure_raised = False  # the first failure went to the caller; its next call resumes
         self._walkers: dict[str, Walker] = {}
         self._workers: dict[str, Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._observer: Observer | None = None
-        self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
-        self._labels = False
 
     def close(self) -> None:
         """Stop the worker threads (idempotent)."""
@@ -191,16 +92,24 @@ class Interpreter(abc.ABC):
         self._finalizer()
 
     # ------------------------------------------------------------- the walk
-    def _walk(self, w: Walker, until: int | None) -> None:
+    def _walk(
+        self,
+        w: Walker,
+        until: int | None,
+        program: Callable[[Walker, int], Walk | None],
+        done: Callable[[Walker, int], None] | None = None,
+    ) -> None:
         """Walk ``w``'s program from its position through iteration ``until`` (None: as far as
-        it goes). Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
+        it goes): ``program(w, P)`` gives its instructions of internal iteration ``P`` and their
+        ops (None: it has walked out); ``done(w, P)`` hears that it finished its part of ``P``.
+        Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
         board = self.board
         w.state = WalkState.RUNNING
         board.walk_began(w.thread == MAIN_THREAD)
         try:
             while until is None or w.P <= until:
                 P = w.P
-                walk = self._program(w, P)
+                walk = program(w, P)
                 if walk is None:
                     w.state = WalkState.FINISHED
                     break
@@ -212,7 +121,8 @@ class Interpreter(abc.ABC):
                     ops[i](w, P)
                 w.i, w.P, w.prog = 0, P + 1, ()
                 w.done_through = P
-                self._iteration_done(w, P)
+                if done is not None:
+                    done(w, P)
             else:
                 w.state = WalkState.READY
         except Interrupted:
@@ -253,8 +163,6 @@ class Interpreter(abc.ABC):
                 self._wait_task(w, P, instr)
             case Signal():
                 self._signal(w, P, instr)
-            case WaitStream() | RecordEvent():
-                self._device_sync(w, P, instr)
             case _:
                 raise EngineError(f"unknown instruction {instr!r}")
 
@@ -294,18 +202,27 @@ class Interpreter(abc.ABC):
             t = self._turnstiles[group] = Turnstile(group, self.board)
         return t
 
-    def _ticketed(
-        self, w: Walker, group: str | None, ticket: int | None, task: str, b: int, run: Callable[..., Any], *args: Any
+    def ticketed(
+        self,
+        w: Walker,
+        group: str | None,
+        ticket: int | None,
+        task: str,
+        b: int,
+        check: Callable[[int], None] | None,
+        run: Callable[..., Any],
+        *args: Any,
     ) -> None:
-        """``run(*args)``, holding ticket ``ticket`` of this iteration of ``group`` if it has one
-        (a turn not granted at once is waited for, under ``_ticket_check``)."""
+        """``run(*args)``, holding ticket ``ticket`` of this iteration of ``group`` if it has one;
+        a turn not granted at once is waited for, calling ``check(w.P)`` before each wait (it may
+        raise to give up: see ``Turnstile.acquire``)."""
         if ticket is None:
             run(*args)
             return
         turnstile = self.turnstile(group or "")
         number = w.bases.get(group or "", 0) + ticket
         if not turnstile.take(number):
-            turnstile.acquire(number, self.timeout_s, self._ticket_check(w))
+            turnstile.acquire(number, self.timeout_s, None if check is None else partial(check, w.P))
         try:
             run(*args)
         except BaseException:
@@ -313,11 +230,8 @@ class Interpreter(abc.ABC):
             raise
         turnstile.release(number)
 
-    def _ticket_check(self, w: Walker) -> Callable[[], None] | None:
-        """What a thread waiting for its turn checks before each wait (see ``Turnstile.acquire``)."""
-        return None
-
-    def _skip_ticket(self, w: Walker, group: str | None, ticket: int) -> None:
+    def skip_ticket(self, w: Walker, group: str | None, ticket: int) -> None:
+        """Ticket ``ticket`` of this iteration of ``group`` is not used (its task does not run)."""
         self.turnstile(group or "").skip(w.bases.get(group or "", 0) + ticket)
 
     # ------------------------------------------------------------- workers
@@ -332,6 +246,37 @@ class Interpreter(abc.ABC):
         if self._checker is not None:  # what the launcher did is ordered before the job
             self._checker.cpu_release(("launch", self._uid, w.name))
         self._worker(w.name).inbox.put(job)
+
+    def quiesce(self) -> None:
+        """Return once no thread can go on without a later call: every worker waits for something
+        only a later call provides (credit, the caller's request), or has stopped. Between calls
+        the workers otherwise keep running ahead within their credit."""
+        workers = [w for w in self._walkers.values() if w.name in self._workers]
+        board = self.board
+
+        def quiet() -> bool:
+            running = [w for w in workers if w.state is WalkState.RUNNING]
+            return all(self._workers[w.name].thread.ident in board.blocked for w in running)
+
+        began = board.wait_began()
+        while True:  # threads do not announce that they block: look every millisecond
+            with board.lock:
+                if quiet() or self.failures:
+                    return
+                stalled = board.patience(began, self.timeout_s) <= 0  # no thread made progress
+            if stalled:
+                raise EngineTimeout(self._timeout_report())
+            time.sleep(0.001)
+
+    def _settle(self, interrupt: str | None = None) -> None:
+        """Wait until no thread walks (interrupting them first if ``interrupt`` says why)."""
+        if interrupt is not None and len(self._walkers) > 1:
+            self.board.interrupt_all(interrupt)
+        try:
+            self._wait_idle(list(self._walkers.values()))
+        finally:
+            if interrupt is not None:
+                self.board.resume()
 
     def _wait_idle(self, walkers: list[Walker]) -> None:
         """Wait until none of ``walkers`` is walking (interrupts do not end this wait); an
@@ -353,7 +298,45 @@ class Interpreter(abc.ABC):
             for w in walkers:
                 self._checker.cpu_acquire(("walk", self._uid, w.name))
 
+    def _await_outcome(self, outcome: Callable[[], str | None], what: Callable[[], str], batch: int, topic: Any) -> str:
+        """``outcome()`` once it is not None, waiting on the board (``topic``); a timeout is a
+        failure of the caller's thread at ``batch`` like any other ("failed")."""
+        result = outcome()
+        if result is None:
+            try:
+                self.board.wait(lambda: outcome() is not None, what, self.timeout_s, topic)
+            except BaseException as e:  # noqa: BLE001 - a timeout here is a failure like any other
+                if not self.failures:
+                    self.failures.append(Failure(e, "-", batch, MAIN_THREAD, self._walkers[MAIN_THREAD].P))
+            result = outcome() or "failed"
+        return result
+
     # -------------------------------------------------------------- failures
+    def _raise_failure(self) -> None:
+        """Stop every thread where it is and raise the first failure to the caller."""
+        if len(self._walkers) > 1:
+            self.board.interrupt_all("a task failed")
+        self._wait_idle(list(self._walkers.values()))
+        self._failure_raised = True
+        raise self._first_failure()
+
+    def _resume_after_failure(self) -> None:
+        """The caller calls again after a failure: every thread goes on where it stopped."""
+        self.failures.clear()
+        self._failure_raised = False
+        self.board.resume()
+
+    def _restart(self, start: int) -> int:
+        """Every walker placed at internal iteration ``start``, failures and latches forgotten;
+        the furthest iteration any walker had reached."""
+        self._resume_after_failure()
+        furthest = max(w.P for w in self._walkers.values())
+        self.board.clear_latches()
+        bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
+        for w in self._walkers.values():
+            w.place(start, bases)
+        return furthest
+
     def _first_failure(self) -> BaseException:
         """The first failure, annotated, with notes naming the others (an EngineTimeout is
         raised as one whose message is the full report)."""
@@ -377,11 +360,6 @@ class Interpreter(abc.ABC):
         exc.add_note(f"torchrec_swp: {self._describe(f)}")
 
     # ------------------------------------------------------ what subclasses do
-    @abc.abstractmethod
-    def _program(self, w: Walker, P: int) -> Walk | None:
-        """Walker ``w``'s instructions of internal iteration ``P`` and their ops (None: it has
-        walked out)."""
-
     def _run(self, w: Walker, P: int, instr: Run | RunAction | Alias) -> None:
         raise EngineError(f"{type(self).__name__} cannot run `{instr}`")
 
@@ -391,17 +369,11 @@ class Interpreter(abc.ABC):
     def _signal(self, w: Walker, P: int, instr: Signal) -> None:
         raise EngineError(f"{type(self).__name__} cannot run `{instr}`")
 
-    def _device_sync(self, w: Walker, P: int, instr: WaitStream | RecordEvent) -> None:
-        raise EngineError(f"{type(self).__name__} has no device syncs between plan tasks: cannot run `{instr}`")
-
-    def _iteration_done(self, w: Walker, P: int) -> None:
-        """``w`` finished its part of iteration ``P``."""
-
     def _describe(self, f: Failure) -> str:
         return describe(f.task, f.batch, f.thread, f.iteration)
 
     def _timeout_report(self) -> str:
-        lines = [f"{self.name} did not finish within {self.timeout_s:.1f}s"]
+        lines = [f"{self.name} did not finish: no thread made progress for {self.timeout_s:.1f}s"]
         lines += [f"  thread {w.name!r}: {w.position()}" for w in self._walkers.values()]
         return "\n".join(lines)
 

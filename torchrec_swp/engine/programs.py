@@ -50,7 +50,8 @@ import torch
 
 from torchrec_swp.compile import Instr, IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Failure, Interpreter, Op, Walk, Walker, WalkState
+from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
+from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.plan import MAIN_THREAD
@@ -132,7 +133,7 @@ class ProgramEngine(Interpreter):
         grad = torch.is_grad_enabled()
         for w in walkers[1:]:
             self._launch(w, lambda w=w: self._background(w, step, grad))
-        self._walk(walkers[0], step)
+        self._walk(walkers[0], step, self._program)
         try:
             self.board.wait(
                 lambda: self.failures or all(w.state is not WalkState.RUNNING for w in walkers),
@@ -160,7 +161,7 @@ class ProgramEngine(Interpreter):
 
     def _background(self, w: Walker, step: int, grad: bool) -> None:
         with torch.set_grad_enabled(grad):
-            self._walk(w, step)
+            self._walk(w, step, self._program)
 
     def _program(self, w: Walker, P: int) -> Walk | None:
         program = self._program_now
@@ -176,7 +177,7 @@ class ProgramEngine(Interpreter):
         if instr.ticket is None:
             self._run_action(w, instr)
         else:
-            self._ticketed(w, instr.comm_group, instr.ticket, instr.action, mb, self._run_action, w, instr)
+            self.ticketed(w, instr.comm_group, instr.ticket, instr.action, mb, None, self._run_action, w, instr)
 
     def _run_action(self, w: Walker, instr: RunAction) -> None:
         try:
@@ -285,7 +286,7 @@ class ProgramEngine(Interpreter):
     def _timeout_report(self) -> str:
         program = self._program_now
         step = self.steps - 1
-        lines = [f"step {step} of {self.name} did not finish within {self.timeout_s:.1f}s"]
+        lines = [f"step {step} of {self.name} did not finish: no thread made progress for {self.timeout_s:.1f}s"]
         walkers = {w.thread: w for w in self._walkers.values()}
         for thread, _ in program.threads if program is not None else ():
             w = walkers.get(thread)

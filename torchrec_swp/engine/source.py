@@ -1,5 +1,6 @@
-"""How the source task sees the data: ``Draws``, the iterator given to ``step()``, drawn in
-batch order.
+"""The source: how its task sees the data (``Draws``, the iterator given to ``step()``, drawn in
+batch order), which iterator serves which batch (``Feed``), and when it may draw (``Source``:
+the credit, the turns of several loads, the end of data).
 
 The source's function gets it as keyword ``data`` (``fn(b, data=...)``) and draws one item per
 batch with ``next(data)``. With one load in flight that is the user's iterator's ``next()``. With
@@ -26,9 +27,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from torchrec_swp.compile import Run
+from torchrec_swp.engine.batches import Batches
+from torchrec_swp.engine.board import LatchState
+from torchrec_swp.engine.errors import Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
+from torchrec_swp.engine.walkers import Op, Walker
+from torchrec_swp.plan import PipelinePlan
+
+if TYPE_CHECKING:
+    from torchrec_swp.engine.interpreter import Interpreter
+    from torchrec_swp.engine.ops import PlanOps
 
 
 class Draws:
@@ -98,7 +109,194 @@ class Draws:
         if self._dropped is not None:
             self._dropped(b)
 
-    def forget(self, before: int) -> None:
+    def forget_positions(self, before: int) -> None:
         """Drop the positions of batches before ``before`` (trained)."""
         for b in [k for k in self.positions if k < before]:
             del self.positions[b]
+
+
+class Feed:
+    """The data the engine's source draws from: the iterator the last ``step(data)`` gave, and
+    which ``Draws`` serves which batch. A new iterator serves the batches no ``step()`` call had
+    made drawable yet (and the one that found a stop): a thread that draws an older batch after
+    that call still draws it from the iterator of the call that made it drawable, as a plan on one
+    thread would have. ``take_turn``, ``turn_taken``, ``sync`` and ``dropped`` go to every
+    ``Draws`` it makes."""
+
+    def __init__(
+        self,
+        *,
+        take_turn: Callable[[int], None],
+        turn_taken: Callable[[int, bool], None],
+        sync: ExhaustionSync | None,
+        dropped: Callable[[int], None],
+    ) -> None:
+        self._take_turn, self._turn_taken, self._sync, self._dropped = take_turn, turn_taken, sync, dropped
+        self.data: Iterator[Any] | None = None  # the iterator the last step(data) gave
+        self.draws: Draws | None = None  # its Draws
+        self._from: list[tuple[int, Draws]] = []  # (first batch, its Draws), in order
+
+    def take(self, data: Iterator[Any], first: int) -> None:
+        """``data`` serves batch ``first`` and the later ones."""
+        self.data = data
+        self.draws = Draws(data, take_turn=self._take_turn, turn_taken=self._turn_taken, sync=self._sync, dropped=self._dropped)
+        self._from = [(f, d) for f, d in self._from if f < first] + [(first, self.draws)]
+
+    def draws_for(self, b: int) -> Draws | None:
+        """The data batch ``b`` is drawn from: the iterator of the ``step()`` call that made it
+        drawable (a thread may draw it after that call returned)."""
+        for first, draws in reversed(self._from):
+            if b >= first:
+                return draws
+        return None
+
+    def argument(self, b: int) -> dict[str, Any]:
+        """The source's keyword arguments for batch ``b``: ``data`` (``draws_for(b)``), once there is some."""
+        for first, draws in reversed(self._from):
+            if b >= first:
+                return {"data": draws}
+        return {}
+
+    def new_epoch(self) -> None:
+        """Batches are numbered from 0 again: the current iterator serves them all."""
+        if self.draws is not None:
+            self.draws.positions.clear()
+            self._from = [(0, self.draws)]
+
+    def forget(self) -> None:
+        """Forget the iterator: the next ``step(data)`` takes ``data`` as the first one."""
+        self.data = self.draws = None
+        self._from = []
+
+
+class Source:
+    """The source task's side of the engine: the op of ``run! S`` (its lane, the ``credit``, the
+    draw into the batch's slot, the end of data), the turns several loads take, and the ``Feed``
+    it draws from. ``gates``: the plan ops' waits and stop checks (``PlanOps``)."""
+
+    def __init__(
+        self, interpreter: Interpreter, batches: Batches, gates: PlanOps, *, checker: Any, exhaustion: ExhaustionSync | None
+    ) -> None:
+        self._interpreter = interpreter
+        self._board = interpreter.board
+        self._batches = batches
+        self._gates = gates
+        self._checker = checker
+        self.feed = Feed(take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end)
+        self._top = 0  # the plans' highest stage and loads (reshape)
+        self._lanes = 1
+        self._threaded = False  # other threads than the caller's walk: the book is shared
+
+    def reshape(self, top: int, lanes: int, threaded: bool) -> None:
+        """New plans were installed (before their ops are made)."""
+        self._top, self._lanes, self._threaded = top, lanes, threaded
+
+    def op(self, instr: Run) -> Op:
+        """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
+        task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
+        batches, board, draws_for, gates = self._batches, self._board, self.feed.draws_for, self._gates
+        plain = ticket is None and self._checker is None
+
+        def draw(w: Walker, P: int) -> None:
+            book = batches.book
+            if book.stopped:
+                gates.stop_check(P)
+            b = P - stage
+            w.current = (task, b)
+            if b < 0 or (lanes > 1 and b % lanes != w.lane) or b in book.held:
+                return
+            if book.num_batches is not None:
+                if book.stopped:
+                    raise Stopped
+                if b >= book.num_batches:
+                    if ticket is not None:
+                        self._interpreter.skip_ticket(w, group, ticket)
+                    return
+            plan = w.inst.plan
+            if not self.credit(b, plan):
+                gates.wait(
+                    P,
+                    lambda: self.credit(b, plan) or book.num_batches is not None,
+                    lambda: f"credit to draw batch {b} (depth {plan.pipeline_depth}, lookahead {plan.lookahead})",
+                )
+                if book.stopped:
+                    raise Stopped
+                if book.num_batches is not None and b >= book.num_batches:
+                    return
+            invoke = w.inst.invokers[task]
+            batches.open_slot(b)
+            draws = draws_for(b)
+            if draws is not None:
+                draws.drawing(b)
+            try:
+                if plain:
+                    invoke(b)
+                elif self._checker is not None:
+                    self._interpreter.ticketed(w, group, ticket, task, b, gates.stop_check, gates.in_task, w, task, b, invoke)
+                else:
+                    self._interpreter.ticketed(w, group, ticket, task, b, gates.stop_check, invoke, b)
+            except StopIteration:
+                batches.drop_slot(b)
+                self._found_end(b, plan)
+                return
+            except BaseException:
+                batches.drop_slot(b)
+                raise
+            finally:
+                if draws is not None:
+                    draws.drawing(None)
+            if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+                batches.hold(b)
+                return
+            with board.lock:
+                batches.hold(b)
+                board.notify()
+
+        return draw
+
+    def credit(self, b: int, plan: PipelinePlan) -> bool:
+        """Whether the source may draw batch ``b``: at most ``pipeline_depth + lookahead`` batches
+        in flight, and no earlier than ``lookahead`` batches before the ``step()`` call that
+        single-thread order draws it in (with lookahead 0, in that very call)."""
+        book = self._batches.book
+        return b < book.returned + plan.pipeline_depth + plan.lookahead and b < book.requested + self._top + plan.lookahead
+
+    def _found_end(self, b: int, plan: PipelinePlan) -> None:
+        board = self._board
+        stop = plan.on_exhausted == "stop"
+        with board.lock:
+            self._batches.found_end(b, stop)
+            if stop:
+                board.latches[(plan.source, b)] = LatchState.STOPPED
+            board.notify()
+        if stop:
+            raise Stopped
+
+    def take_turn(self, b: int) -> None:
+        """Batch ``b`` may draw once batch ``b - 1`` drew (several loads take turns); StopIteration
+        when an earlier batch found the end."""
+        book = self._batches.book
+        if self._lanes > 1:
+            self._board.wait(
+                lambda: book.next_claim >= b or (book.num_batches is not None and book.num_batches < b),
+                lambda: f"batch {b - 1} to be drawn first",
+                self._interpreter.timeout_s,
+            )
+        if book.next_claim != b and book.num_batches is not None and book.num_batches < b:
+            raise StopIteration
+
+    def turn_taken(self, b: int, ended: bool) -> None:
+        if ended:
+            return
+        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+            self._batches.claimed(b)
+            return
+        with self._board.lock:
+            self._batches.claimed(b)
+            self._board.notify()
+
+    def past_common_end(self, b: int) -> None:
+        """This rank drew an item for batch ``b``, which another rank's data lacks (the common end
+        under ``exhaustion``): not a batch, never trained, counted in ``ledger.past_end``."""
+        with self._board.lock:
+            self._batches.count_past_end()

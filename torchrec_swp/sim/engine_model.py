@@ -1,7 +1,7 @@
 """The engine as it runs, for the multi-rank replay: walkers, the caller's calls, credit, loads.
 
 ``simulate_ranks(..., model="engine")`` replays a rank's compiled programs the way
-``torchrec_swp.engine`` walks them (``engine/engine.py``, ``engine/instructions.py``), not with
+``torchrec_swp.engine`` walks them (``engine/engine.py``, ``engine/ops.py``, ``engine/source.py``), not with
 an iteration barrier:
 
 * **Walkers.** The calling thread, every other thread group of the plan, and for a source with

@@ -1,0 +1,119 @@
+"""docs/engine.md stays a true map: every ``file:function`` it names is defined in that file, its
+numbered path stays within 15 calls and six engine files, and a task's call from ``step()`` goes
+through as few engine frames as the map says."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[2]
+MAP = ROOT / "docs" / "engine.md"
+ENGINE = ROOT / "torchrec_swp" / "engine"
+REF = re.compile(r"`((?:[\w.]+/)*[\w]+\.py):(\w+)`")
+
+
+def _defined(path: Path) -> set[str]:
+    """Every function and class name defined anywhere in ``path`` (nested ones included)."""
+    tree = ast.parse(path.read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def _refs() -> list[tuple[int, Path, str]]:
+    refs = []
+    for line_no, line in enumerate(MAP.read_text().splitlines(), 1):
+        for file, name in REF.findall(line):
+            path = ROOT / file if "/" in file else ENGINE / file  # a bare file name is an engine module
+            refs.append((line_no, path, name))
+    return refs
+
+
+def test_the_map_names_functions() -> None:
+    assert len(_refs()) >= 20
+
+
+@pytest.mark.parametrize("line_no, path, name", _refs(), ids=lambda x: str(x).rsplit("/", 1)[-1])
+def test_every_function_the_map_names_is_in_its_file(line_no: int, path: Path, name: str) -> None:
+    assert path.is_file(), f"docs/engine.md:{line_no}: {path.relative_to(ROOT)} does not exist"
+    assert name in _defined(path), f"docs/engine.md:{line_no}: {path.relative_to(ROOT)} defines no {name}"
+
+
+def test_the_path_of_one_batch_stays_short() -> None:
+    """The numbered list: at most 15 calls, at most six engine files besides the pipeline's."""
+    text = MAP.read_text()
+    section = text[text.index("## One batch through one `progress()`") : text.index("## What `step()` promises")]
+    steps = re.findall(r"^(\d+)\. (.*)$", section, re.MULTILINE)
+    assert [int(n) for n, _ in steps] == list(range(1, len(steps) + 1))
+    assert len(steps) <= 15
+    files = {f for _, line in steps for f, _ in REF.findall(line) if f.startswith("torchrec_swp/engine/")}
+    assert 1 <= len(files) <= 6, sorted(files)
+
+
+def _stand_ins(fail: str | None = None) -> dict[str, Any]:
+    """Task functions for the SparseDist plan that write their batch number; ``fail`` raises at batch 3."""
+    plan = catalog.sparse_dist_plan()
+    fns = {}
+    for t in plan.fire_order:
+        writes = plan.task(t).io.writes
+
+        def fn(b: int, *, _t: str = t, _w: tuple[str, ...] = writes, **kw: Any) -> Any:
+            if _t == fail and b == 3:
+                raise ValueError(f"{_t} failed")
+            if "data" in kw:
+                next(kw["data"])
+            return None if not _w else b if len(_w) == 1 else tuple(b for _ in _w)
+
+        fns[t] = fn
+    return fns
+
+
+def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_frames() -> None:
+    engine = Engine(catalog.sparse_dist_plan(), _stand_ins(fail="Forward"))
+    data = iter(range(100))
+    with pytest.raises(ValueError, match="Forward failed") as info:
+        for _ in range(10):
+            engine.step(data)
+    engine.close()
+    frames = traceback.extract_tb(info.value.__traceback__)
+    names = [f.name for f in frames]
+    assert names[-2:] == ["<task Forward>", "fn"]  # the task's call, named, then the task's own function
+    chain = frames[names.index("step") : -1]  # step() ... <task Forward>, re-raised where the caller stopped
+    engine_frames = [f for f in chain if Path(f.filename).is_relative_to(ENGINE)]
+    assert len(engine_frames) == len(chain)
+    assert len(engine_frames) <= 7, names
+    assert len({f.filename for f in engine_frames}) <= 4, names
+
+
+def test_one_step_calls_each_engine_function_of_its_path_once_or_per_task() -> None:
+    """One step of the SparseDist plan on one thread, profiled: the engine functions called
+    stay within the parts the map names (no file of the engine beyond six is entered)."""
+    engine = Engine(catalog.sparse_dist_plan(), _stand_ins())
+    data = iter(range(100))
+    for _ in range(4):
+        engine.step(data)
+    called: list[tuple[str, str]] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.is_relative_to(ENGINE):
+            called.append((path.name, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        engine.step(data)
+    finally:
+        sys.setprofile(None)
+    engine.close()
+    files = {f for f, _ in called}
+    assert files <= {"engine.py", "batches.py", "interpreter.py", "ops.py", "tasks.py", "source.py"}, files
+    assert ("engine.py", "step") in called and ("interpreter.py", "_walk") in called

@@ -1,0 +1,299 @@
+"""Plans installed on an engine: what the engine runs and the numbers it reads off the plans.
+
+``Plans``: the engine's part that holds them (the phases, the plan running now, a switch
+pending) and the walkers their programs need.
+``PlanShape``: what every phase's plan together says (the highest stage ``top``, loads, lookahead,
+each task's stage, the source, how far back slots and events are read). ``InstalledPlan``: one
+plan compiled for the engine's streams, its tasks' calls (``bind``) and, per thread, each
+instruction with its op (``make_walks``, with ``PlanOps``' ops). ``check_limits`` and ``check_switch`` are the
+checks a plan passes before it is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, Signal, WaitStream
+from torchrec_swp.engine.errors import EngineError
+from torchrec_swp.engine.streams import StreamPool
+from torchrec_swp.engine.tasks import Binding, Invoker, Observer, make_alias, make_invoker, task_context, task_timer
+from torchrec_swp.engine.walkers import Op, Walk, Walker
+from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plan.task import parse_read
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """The numbers the engine reads off its plans (every phase's together). ``keep_slots`` /
+    ``keep_events``: how many batches back values and events are read (kept that long); a switch
+    of plans keeps at least the running plan's (``after``)."""
+
+    top: int
+    lanes: int
+    lookahead: int
+    source: str | None
+    stage: Mapping[str, int]
+    keep_slots: int
+    keep_events: int
+
+    @classmethod
+    def of(cls, phased: PhasedPlan, after: PlanShape | None = None) -> PlanShape:
+        plans = phased.plans
+        reads = [parse_read(r)[1] for p in plans for io in p.tasks.values() for r in io.reads]
+        distances = [d.distance for p in plans for d in p.deps]
+        return cls(
+            top=phased.max_stage,
+            lanes=max(p.loads for p in plans),
+            lookahead=max(p.lookahead for p in plans),
+            source=plans[0].source,
+            stage={t: s.stage for p in plans for t, s in p.schedule.items()},
+            keep_slots=max([*reads, after.keep_slots if after else 0]),
+            keep_events=max([*distances, after.keep_events if after else 0]),
+        )
+
+
+@dataclass
+class InstalledPlan:
+    """One plan, ready to run: its compiled steady-state program per thread, tickets per
+    iteration, its tasks' calls, and per thread the program with each instruction's op (made
+    again whenever the programs or the calls change)."""
+
+    plan: PipelinePlan
+    compiled: CompiledPlan
+    programs: dict[str, tuple[Instr, ...]]
+    tickets: tuple[tuple[str, int], ...]
+    invokers: dict[str, Invoker] = field(default_factory=dict)
+    aliases: dict[str, Invoker] = field(default_factory=dict)
+    walks: dict[str, Walk] = field(default_factory=dict)
+
+    @classmethod
+    def compile(cls, plan: PipelinePlan, streams: StreamPool, device_type: str | None) -> InstalledPlan:
+        compiled = CompiledPlan(plan, device_streams=streams.has_streams, device_type=device_type)
+        steady = compiled.steady
+        return cls(plan, compiled, {t: i for t, i in steady.threads if i}, steady.tickets)
+
+    def bind(
+        self,
+        bindings: Mapping[str, Binding],
+        slots: dict[int, dict[str, Any]],
+        data_argument: Callable[[int], dict[str, Any]],
+        iteration: Callable[[int, int], int],
+        *,
+        streams: StreamPool,
+        device_type: str | None,
+        observer: Observer | None,
+        labels: bool,
+    ) -> None:
+        """Its (instrumented) task calls, entering each task's stream where the device has
+        streams: the source's gets ``data_argument(b)``; ``iteration(b, stage)`` numbers an
+        instance for the observer."""
+        plan = self.plan
+        for task in plan.fire_order:
+            t = plan.task(task)
+            extra = data_argument if task == plan.source else None
+            stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
+            timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
+            around = task_context(task, labels, stream)
+            self.invokers[task] = make_invoker(t.io, bindings[task], slots, extra, around, timed)
+            if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
+                pairs = tuple(zip(t.io.writes, t.io.reads))
+                self.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
+
+    def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
+        """Every thread's program with its ops (``op(thread, instruction)``), made again whenever
+        the programs or the task calls change."""
+        self.walks = {thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()}
+
+    def instructions(self) -> list[Instr]:
+        return [i for instrs in self.programs.values() for i in instrs]
+
+
+def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:
+    """A callable bound to every task of every phase's plan, and to nothing else."""
+    tasks = list(dict.fromkeys(t for p in phased.plans for t in p.fire_order))
+    missing = [t for t in tasks if t not in bindings]
+    if missing:
+        raise PlanError(f"no function bound to task {missing[0]} of plan {phased.name}", culprit=missing[0])
+    extra = [t for t in bindings if t not in tasks]
+    if extra:
+        raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
+    for task, fn in bindings.items():
+        if not callable(fn):
+            raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
+
+
+def check_limits(plan: PipelinePlan, max_threads: int, max_in_flight: int) -> None:
+    threads = len(plan.thread_groups) + plan.loads - 1
+    if threads > max_threads:
+        raise PlanError(
+            f"plan {plan.name} uses {threads} threads ({', '.join(plan.thread_groups)}"
+            f"{f', {plan.loads} loads' if plan.loads > 1 else ''}); at most {max_threads} are allowed (max_threads)",
+            culprit="thread_map",
+        )
+    in_flight = plan.pipeline_depth + plan.lookahead
+    if in_flight > max_in_flight:
+        raise PlanError(
+            f"plan {plan.name} keeps {in_flight} batches in flight (depth {plan.pipeline_depth} + lookahead "
+            f"{plan.lookahead}); at most {max_in_flight} are allowed (max_in_flight)",
+            culprit="pipeline_depth",
+        )
+    if plan.source is None:
+        raise PlanError(f"plan {plan.name} has no source task: the engine needs one to pull batches", culprit="source")
+
+
+def check_switch(old: PhasedPlan, new: PhasedPlan, max_threads: int, max_in_flight: int) -> None:
+    """What ``Engine.switch_plan`` requires of ``new`` (EngineError naming what does not hold)."""
+    if [n for n, _ in new.phases] != [n for n, _ in old.phases]:
+        raise EngineError(
+            f"switch_plan: the new plan's phases start at batches {[n for n, _ in new.phases]}, the running "
+            f"plan's at {[n for n, _ in old.phases]}"
+        )
+    if (new.clock, new.cycle) != (old.clock, old.cycle):
+        raise EngineError(
+            f"switch_plan: the new plan's phases run on clock {new.clock} with cycle {new.cycle}, the running "
+            f"plan's on clock {old.clock} with cycle {old.cycle}"
+        )
+    for before, after in zip(old.plans, new.plans, strict=True):
+        check_limits(after, max_threads, max_in_flight)
+        if set(after.fire_order) != set(before.fire_order):
+            raise EngineError(
+                f"switch_plan: plan {after.name} has tasks {sorted(after.fire_order)}, the running plan "
+                f"{sorted(before.fire_order)}: a switch keeps the tasks"
+            )
+        for t in before.fire_order:
+            a, b = before.task(t), after.task(t)
+            if (a.stage, a.stream) != (b.stage, b.stream):
+                raise EngineError(
+                    f"switch_plan: task {t} runs at stage {b.stage} on stream {b.stream} in plan {after.name}, at "
+                    f"stage {a.stage} on stream {a.stream} now: a switch keeps every task's stage and stream"
+                )
+
+
+def check_adoptable(plan: PipelinePlan, top: int, slots: list[dict[str, Any]]) -> None:
+    """``Engine.adopt``'s check: ``slots[j]`` holds every value batch ``j``'s remaining tasks read
+    (batch ``j`` placed at stage ``top - j``)."""
+    for j, values in enumerate(slots):
+        at = max(top - j, 0)
+        needed = {
+            name
+            for t in plan.scheduled()
+            if t.stage >= at
+            for name, k in map(parse_read, t.io.reads)
+            if k == 0 and (w := plan.writer_of(name)) is not None and plan.task(w).stage < at
+        }
+        lacking = sorted(needed - set(values))
+        if lacking:
+            raise EngineError(
+                f"cannot adopt batch {j} at stage {at} of plan {plan.name}: its remaining tasks read "
+                f"{', '.join(lacking)}, which the slot given for it lacks"
+            )
+
+
+def phased(plan: PipelinePlan | PhasedPlan) -> PhasedPlan:
+    """``plan`` as a PhasedPlan (a PipelinePlan is one phase from batch 0)."""
+    if isinstance(plan, PipelinePlan):
+        return PhasedPlan([(0, plan)])
+    if isinstance(plan, PhasedPlan):
+        return plan
+    raise TypeError(f"plan must be a PipelinePlan or a PhasedPlan, got {type(plan).__name__}")
+
+
+class Plans:
+    """The plans an engine runs: every phase's (``phased``), the one the calling thread's
+    iteration runs (``current``), what they say together (``shape``), each installed, the tasks
+    whose latches (``latched``) and events (``recorded``) batches leave behind, and a switch that
+    waits for threads that ran ahead (``pending``)."""
+
+    def __init__(
+        self, plan: PipelinePlan | PhasedPlan, *, streams: StreamPool, device_type: str | None, max_threads: int, max_in_flight: int
+    ) -> None:
+        self.phased = phased(plan)
+        for p in self.phased.plans:
+            check_limits(p, max_threads, max_in_flight)
+        self._streams, self._device_type = streams, device_type
+        self._limits = (max_threads, max_in_flight)
+        self.current: PipelinePlan = self.phased.plans[0]
+        self.shape = PlanShape.of(self.phased)
+        self.pending: PhasedPlan | None = None
+        self.latched: tuple[str, ...] = ()
+        self.recorded: tuple[str, ...] = ()
+        self.installed: dict[int, InstalledPlan] = {}
+        self._install()
+
+    def _install(self) -> None:
+        self.installed = {id(p): InstalledPlan.compile(p, self._streams, self._device_type) for p in self.phased.plans}
+        instructions = [i for inst in self.installed.values() for i in inst.instructions()]
+        # those of the plans installed before too: batches of theirs may still leave
+        self.latched = tuple(dict.fromkeys([*self.latched, *(i.task for i in instructions if isinstance(i, Signal))]))
+        self.recorded = tuple(dict.fromkeys([*self.recorded, *(i.task for i in instructions if isinstance(i, RecordEvent))]))
+
+    @property
+    def compiled(self) -> CompiledPlan:
+        return self.installed[id(self.current)].compiled
+
+    def run(self, plan: PipelinePlan) -> None:
+        """The calling thread's iteration runs ``plan`` (a phase's)."""
+        self.current = plan
+
+    def checked(self, plan: PipelinePlan | PhasedPlan) -> PhasedPlan:
+        """``plan`` as a PhasedPlan the running one may be switched to (``check_switch``)."""
+        new = phased(plan)
+        check_switch(self.phased, new, *self._limits)
+        return new
+
+    def request(self, new: PhasedPlan) -> None:
+        """Switch to ``new`` once every thread stands at the calling thread's boundary (``switch``)."""
+        self.pending = new
+
+    def switch(self) -> None:
+        """The pending plan replaces the running one, phase for phase."""
+        new = self.pending
+        assert new is not None
+        index = self.phased.plans.index(self.current)
+        self.pending = None
+        self.phased, self.current = new, new.plans[index]
+        self.shape = PlanShape.of(new, after=self.shape)
+        self._install()
+
+    def device_syncs(self) -> list[tuple[int, str, int, str]]:
+        """Every stream wait and event record of the installed programs, as ``(plan index,
+        thread, position, text)``."""
+        found = []
+        for k, inst in enumerate(self.installed.values()):
+            for thread, prog in inst.programs.items():
+                found += [(k, thread, i, str(x)) for i, x in enumerate(prog) if isinstance(x, (WaitStream, RecordEvent))]
+        return found
+
+    def drop_instruction(self, plan_index: int, thread: str, position: int) -> tuple[InstalledPlan, str]:
+        """Remove one instruction from an installed program (mutation testing); the plan it was
+        in (its ops are to be made again) and the instruction's text."""
+        inst = list(self.installed.values())[plan_index]
+        prog = inst.programs[thread]
+        inst.programs[thread] = prog[:position] + prog[position + 1 :]
+        return inst, str(prog[position])
+
+    def walkers(self) -> dict[str, Walker]:
+        """A walker for every thread of any installed plan's programs, the calling thread's first;
+        a thread of the source with several loads has one per lane (``load``, ``load.1``...)."""
+        threads: dict[str, int] = {MAIN_THREAD: -1}  # thread -> highest stage of its tasks
+        collective: set[str] = set()  # threads that issue collectives (a task in a comm group)
+        for inst in self.installed.values():
+            for thread, instrs in inst.programs.items():
+                stages = [i.stage for i in instrs if isinstance(i, (Run, Alias))]
+                threads[thread] = max(threads.get(thread, -1), *stages)
+                if any(getattr(i, "comm_group", None) is not None for i in instrs):
+                    collective.add(thread)
+        walkers = {MAIN_THREAD: Walker(MAIN_THREAD, MAIN_THREAD, last_stage=threads[MAIN_THREAD])}
+        shape = self.shape
+        source_thread = self.current.task(shape.source).thread_group if shape.source else None
+        for thread, top in threads.items():
+            if thread == MAIN_THREAD:
+                continue
+            for lane in range(shape.lanes if thread == source_thread else 1):
+                name = thread if lane == 0 else f"{thread}.{lane}"
+                ahead = 0 if thread in collective else shape.lookahead
+                walkers[name] = Walker(thread, name, lane=lane, last_stage=top, ahead=ahead)
+        return walkers

@@ -1,0 +1,365 @@
+"""What a plan's instructions do: the gates a task instance passes, the source's draw, the waits.
+
+``PlanOps`` compiles each instruction of an installed plan's programs once into an op
+(``compile``, again whenever the task calls or the programs change): a closure holding what the
+instruction needs (its task's call, stage, guard, ticket), so that a task instance on a thread is
+its op and its task's call, with a lambda built only when something must be waited for. For the
+walker at internal iteration ``P``:
+
+* ``run T`` for batch ``b = P - stage``: nothing if ``b`` does not exist (waiting until the
+  source has looked for it) or its guard says no (its ticket, if any, is skipped); a training
+  step (highest stage) on a worker only once ``step()`` asked for ``b``; then, holding its ticket
+  if it has one, the call - inside its stream.
+* ``run! S`` (the source, ``torchrec_swp.engine.source.Source``): on its lane, once the credit
+  allows, draws batch ``b`` into its slot, or finds the end of data (a stop parks every thread
+  where single-thread order would have stopped).
+* ``wait T@P-k`` / ``signal T``: the latches of the board, keyed ``(task, batch)``.
+* ``stream S <- T@k`` / ``record T``: device events, kept per ``(task, batch)`` in the book.
+
+Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and by the
+end of the epoch before its iteration (the thread finishes). The ops change batches only through
+``Batches``' methods; ``PlanOps`` owns the caller's mode for the step (``begin_step``) and the
+``Source``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchrec_swp.compile import Alias, Instr, RecordEvent, Run, Signal, WaitStream, WaitTask
+from torchrec_swp.engine.batches import Batches
+from torchrec_swp.engine.board import ITERATION, LatchState
+from torchrec_swp.engine.errors import EngineError, Stopped, describe
+from torchrec_swp.engine.exhaustion import ExhaustionSync
+from torchrec_swp.engine.installed import InstalledPlan, Plans
+from torchrec_swp.engine.source import Source
+from torchrec_swp.engine.tasks import Invoker, Observer
+from torchrec_swp.engine.walkers import Op, Walk, Walker
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, When
+
+if TYPE_CHECKING:
+    from torchrec_swp.engine.interpreter import Interpreter
+
+_NOTHING: Walk = ((), ())  # a thread with no part in a plan
+
+
+class PlanOps:
+    """The ops of ``plans``' programs, run by ``interpreter``'s walkers over ``batches``; what a
+    walker runs at each internal iteration (``program``) and what follows it (``iteration_done``)."""
+
+    def __init__(
+        self, interpreter: Interpreter, batches: Batches, plans: Plans, *, uid: int, checker: Any, exhaustion: ExhaustionSync | None
+    ) -> None:
+        self._interpreter = interpreter
+        self._board = interpreter.board
+        self._batches = batches
+        self._plans = plans
+        self._uid = uid  # names the interpreter's hand-offs to the checker
+        self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
+        self.source = Source(interpreter, batches, self, checker=checker, exhaustion=exhaustion)
+        self._main: Walker | None = None  # the calling thread's walker
+        self._threaded = False  # other threads than the caller's walk: the book is shared
+        self._observer: Observer | None = None
+        self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
+        self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
+        self._training = True
+
+    @property
+    def grad(self) -> bool:
+        """The grad mode of the current ``step()`` call (its workers take it)."""
+        return self._grad
+
+    def begin_step(self, grad: bool, training: bool) -> None:
+        """What this ``step()`` call's tasks run under: its grad mode, its model's training mode."""
+        self._grad, self._training = grad, training
+
+    def reshape(self, main: Walker, threaded: bool) -> None:
+        """New plans were installed and their walkers made (before the ops are compiled):
+        ``main`` is the calling thread's; ``threaded``: there are others (the book is shared)."""
+        self._main, self._threaded = main, threaded
+        shape = self._plans.shape
+        self.source.reshape(shape.top, shape.lanes, threaded)
+
+    # ------------------------------------------------------------ the walk
+    def program(self, w: Walker, P: int) -> Walk | None:
+        """Walker ``w``'s instructions of internal iteration ``P``: those of the phase's plan, once
+        the caller's gate lets it (a worker runs iteration ``P`` only once ``step()`` asked for
+        batch ``P - top - ahead``); None past the epoch's end."""
+        book, plans = self._batches.book, self._plans
+        top = plans.shape.top
+        if book.num_batches is not None:
+            if book.stopped:
+                if P > book.num_batches:
+                    raise Stopped
+            elif self.past_end(P):
+                return None
+        w.current = ("-", P - top)
+        main = w is self._main
+        if not main and P > book.requested - 1 + top + w.ahead:
+            self.wait(
+                P,
+                lambda: P <= book.requested - 1 + top + w.ahead or self.past_end(P),
+                lambda: f"step() to be called for batch {P - top - w.ahead} (internal iteration {P})",
+            )
+            if self.past_end(P):
+                return None
+        if len(plans.phased.phases) == 1:
+            plan = plans.current
+        else:
+            plan = self._plan_at(P)
+            if main:
+                plans.run(plan)
+        if main and self._observer is not None:
+            self._iteration_start = time.perf_counter()
+        inst = plans.installed[id(plan)]
+        w.inst = inst
+        return inst.walks.get(w.thread, _NOTHING)
+
+    def _plan_at(self, P: int) -> PipelinePlan:
+        """The plan internal iteration ``P`` runs: its phase's, by the batch it trains (numbered
+        by the phases' clock: its source call, its serial for ``clock="drawn"``, the batches
+        trained before it for ``clock="trained"``)."""
+        phased, shape, book = self._plans.phased, self._plans.shape, self._batches.book
+        d = P - shape.top
+        if phased.clock == "drawn":
+            return phased.plan_for(book.serial(max(d, 0)))
+        if phased.clock == "trained":  # batches of an epoch are trained in order
+            return phased.plan_for(book.first_trained + max(d, 0))
+        if d < 0:
+            return phased.plan_for(book.number(0))
+        if shape.source is None or shape.stage[shape.source] < shape.top:
+            self.await_exists(d, P)  # drawn in an earlier iteration: wait for the number it got
+        # else the source draws batch d in this very iteration (a plan of one stage): its number is the next one
+        return phased.plan_for(book.number_of(d))
+
+    def iteration_done(self, w: Walker, P: int) -> None:
+        """``w`` finished its part of internal iteration ``P``: its tickets counted on; the
+        observer told (the calling thread's), or the caller's wait for a batch (a worker's)."""
+        main = w is self._main
+        if self._checker is not None and not main:
+            self._checker.cpu_release(("iter", self._uid, w.name, self._batches.book.first_iteration + P))
+        for group, count in w.inst.tickets:
+            w.bases[group] = w.bases.get(group, 0) + count
+        if main:
+            if self._observer is not None:
+                self._observer.on_iteration(self._batches.book.first_iteration + P, self._iteration_start, time.perf_counter())
+        elif self._threaded:  # only the caller's wait for a batch reads how far threads got
+            self._board.changed(ITERATION)
+
+    # ------------------------------------------------------------ compiling
+    def compile(self, inst: InstalledPlan, observer: Observer | None) -> None:
+        """Every thread's program of ``inst`` with its ops (told of ``observer``)."""
+        self._observer = observer
+        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer))
+
+    def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:
+        match instr:
+            case Run(source=False):
+                return self._run_op(instr, inst.invokers[instr.task], main=thread == MAIN_THREAD)
+            case Run():
+                return self.source.op(instr)
+            case Alias():
+                return self._alias_op(instr, inst.aliases[instr.task])
+            case WaitTask():
+                return self._wait_op(instr, observer)
+            case Signal():
+                return self._signal_op(instr)
+            case WaitStream() | RecordEvent():
+                return lambda w, P: self._device_sync(w, P, instr)
+            case _:  # rejected when executed, as the interpreter's dispatch does
+                return lambda w, P: _unknown(instr)
+
+    def _run_op(self, instr: Run, invoke: Invoker, main: bool) -> Op:
+        """``run T``: nothing if batch ``b`` does not exist or the guard says no (its ticket
+        skipped); a training step on a worker waits for the ``step()`` that asks for it; then
+        the call (holding its ticket; in checked mode inside the checker's label)."""
+        task, stage, when, ticket, group = instr.task, instr.stage, instr.when, instr.ticket, instr.comm_group
+        guarded, needs_next = when is not When.ALWAYS, when.needs_next
+        trains = not main and stage == self._plans.shape.top
+        checked = self._checker is not None
+        plain = ticket is None and not checked
+        batches, ticketed, stop_check = self._batches, self._interpreter.ticketed, self.stop_check
+
+        def run(w: Walker, P: int) -> None:
+            book = batches.book
+            if book.stopped:
+                stop_check(P)
+            b = P - stage
+            w.current = (task, b)
+            if not (b in book.held or self.await_exists(b, P)) or (guarded and not self._admits(when, needs_next, b, P)):
+                if ticket is not None:
+                    self._interpreter.skip_ticket(w, group, ticket)
+                return
+            if not main:
+                if trains:
+                    self._requested(b, P)
+                if torch.is_grad_enabled() != self._grad:
+                    torch.set_grad_enabled(self._grad)
+            try:
+                if plain:
+                    invoke(b)
+                elif checked:
+                    ticketed(w, group, ticket, task, b, stop_check, self.in_task, w, task, b, invoke)
+                else:
+                    ticketed(w, group, ticket, task, b, stop_check, invoke, b)
+            except StopIteration as e:  # would end a generator up the stack silently
+                raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
+
+        return run
+
+    def in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None:
+        """``invoke(b)`` in checked mode: inside the checker's label of this task, so that every
+        tensor operation inside is recorded as this task's, on this thread."""
+        with self._checker.task(task, b, w.name):
+            invoke(b)
+
+    def _alias_op(self, instr: Alias, alias: Invoker) -> Op:
+        task, stage = instr.task, instr.stage
+
+        def run_alias(w: Walker, P: int) -> None:
+            self.stop_check(P)
+            b = P - stage
+            w.current = (task, b)
+            if self.await_exists(b, P):
+                alias(b)
+
+        return run_alias
+
+    # --------------------------------------------------------------- gates
+    def await_exists(self, b: int, P: int) -> bool:
+        """Whether batch ``b`` exists, waiting (at internal iteration ``P``) until the source has
+        looked for it. Stopped when it never will while the plan is stopped."""
+        book = self._batches.book
+        known = book.exists(b)
+        if known is None:
+            self.wait(P, lambda: book.exists(b) is not None or book.stopped, lambda: f"batch {b} to be drawn")
+            known = book.exists(b)
+            if known is None:
+                raise Stopped
+        return known
+
+    def _admits(self, when: When, needs_next: bool, b: int, P: int) -> bool:
+        if needs_next:  # (``when.needs_next``, read once per op)
+            self.await_exists(b + 1, P)
+        if when is When.TRAIN:  # the mode of the step() that trains batch b: wait for that call
+            self._requested(b, P)
+        return when.admits(b, self._batches.book.num_batches, P, self._plans.shape.top, training=self._training)
+
+    def _requested(self, b: int, P: int) -> None:
+        """The training step of batch ``b`` waits for the ``step()`` call that asks for it."""
+        book = self._batches.book
+        if b < book.requested and not book.stopped:  # asked for already: nothing to wait for
+            return
+        self.wait(P, lambda: b < book.requested, lambda: f"step() to be called for batch {b}")
+
+    def beyond_stop(self, P: int) -> bool:
+        """The plan stopped at the end of data before internal iteration ``P``."""
+        book = self._batches.book
+        return book.stopped and book.num_batches is not None and P > book.num_batches
+
+    def past_end(self, P: int) -> bool:
+        """Internal iteration ``P`` is past the epoch's last (the data ended, no stop)."""
+        book = self._batches.book
+        return book.num_batches is not None and not book.stopped and P >= book.num_batches + self._plans.shape.top
+
+    def stop_check(self, P: int) -> None:
+        """Park a thread at internal iteration ``P`` if the plan stopped before it: single-thread
+        order would not have got there."""
+        if self.beyond_stop(P):
+            raise Stopped
+
+    def wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str], topic: Hashable = None) -> None:
+        """Wait, at internal iteration ``P``, until ``ready()``; park if the plan stops before ``P``
+        (``topic``: see ``torchrec_swp.engine.board``)."""
+        self._board.wait(lambda: ready() or self.beyond_stop(P), what, self._interpreter.timeout_s, topic)
+        self.stop_check(P)
+
+    # ------------------------------------------------------ waits, signals
+    def _wait_op(self, instr: WaitTask, observer: Observer | None) -> Op:
+        """``wait T@P-k``: T's instance of iteration ``q = P - k`` (batch ``q - stage(T)``), unless
+        it does not exist, an earlier wait of this thread covered it, or it is ready already."""
+        producer, lag = instr.task, instr.lag
+        shape = self._plans.shape
+        back = lag + shape.stage[producer]  # its batch: P - back
+        lanes = shape.lanes > 1 and producer == shape.source
+        what = str(instr)
+        latches = self._board.latches
+        batches, checker = self._batches, self._checker
+
+        def wait_task(w: Walker, P: int) -> None:
+            q, pb = P - lag, P - back
+            if q < w.start or pb < 0:
+                return
+            if not lanes and w.waited.get(producer, -1) >= q:
+                return  # instances of one thread finish in order: an earlier wait covered it
+            book = batches.book
+            if book.num_batches is not None and pb >= book.num_batches and not book.stopped:
+                return  # no such batch
+            w.current = (what, pb)
+            key: Hashable = (producer, pb)
+            self.stop_check(P)
+            start = time.perf_counter() if observer is not None else 0.0
+            if key in latches or pb < book.returned:  # done already: no wait
+                self.stop_check(P)
+            else:
+                self.wait(
+                    P,
+                    lambda: key in latches or pb < book.returned or self.beyond_stop(q),
+                    lambda: f"task {producer} (batch {pb}) to finish",
+                    key,
+                )
+            if observer is not None:
+                observer.on_wait(producer, w.thread, book.first_iteration + P, start, time.perf_counter())
+            if latches.get(key) is LatchState.STOPPED or (key not in latches and self.beyond_stop(q)):
+                raise Stopped
+            if checker is not None and (key in latches or pb < book.returned):
+                # what the producer's thread did is ordered before us: through its latch, or through
+                # the batch's return (its latch already cleared), which came after every signal of it
+                checker.cpu_acquire(("latch", book.first_iteration, producer, pb))
+            if not lanes:
+                w.waited[producer] = q
+
+        return wait_task
+
+    def _signal_op(self, instr: Signal) -> Op:
+        """``signal T``: T's instance of this iteration is done (a lane signals its own batches)."""
+        shape = self._plans.shape
+        task, stage = instr.task, shape.stage[instr.task]
+        lanes = shape.lanes if shape.lanes > 1 and task == shape.source else 0
+        board, batches, checker = self._board, self._batches, self._checker
+
+        def signal(w: Walker, P: int) -> None:
+            book = batches.book
+            if book.stopped:
+                self.stop_check(P)
+            b = P - stage
+            if b < 0 or (lanes and b % lanes != w.lane):
+                return
+            if checker is not None:
+                checker.cpu_release(("latch", book.first_iteration, task, b))
+            board.set_latch((task, b))
+
+        return signal
+
+    def _device_sync(self, w: Walker, P: int, instr: Instr) -> None:
+        self.stop_check(P)
+        book, streams, shape = self._batches.book, self._interpreter.streams, self._plans.shape
+        if isinstance(instr, WaitStream):
+            event = book.events.get((instr.task, P - instr.consumer_stage - instr.distance))
+            if event is not None:
+                streams.wait(instr.stream, event)
+        elif isinstance(instr, RecordEvent):
+            b = P - instr.stage
+            if b not in book.held:  # not for a batch that was never loaded
+                return
+            if shape.lanes > 1 and instr.task == shape.source and b % shape.lanes != w.lane:
+                return  # another lane loaded it and records after it (as it signals)
+            self._batches.record_event(instr.task, b, streams.record(instr.stream))
+
+
+def _unknown(instr: Instr) -> None:
+    raise EngineError(f"unknown instruction {instr!r}")

@@ -1,0 +1,118 @@
+"""The interpreter's threads: ``Walker`` (one thread's walk through its program: where it is,
+why it stopped), the ops that execute its instructions, a ``Failure`` (where a task failed) and
+the persistent ``Worker`` thread that walks in the background. Records of the interpreter
+(``torchrec_swp.engine.interpreter``), which places and walks them; besides it, only the
+functions a walker walks with, on its own thread, write to it: the program function its
+iteration's ``inst`` and ``bases`` (``PlanOps.program`` / ``iteration_done``), the ops its
+``current`` and ``waited``."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchrec_swp.compile import Instr
+from torchrec_swp.engine.streams import StreamPool
+
+
+class WalkState(enum.Enum):
+    READY = "ready"  # positioned, not walking
+    RUNNING = "running"
+    PARKED = "parked"  # stopped where it is: interrupted, stopped at the end of data, or failed
+    FINISHED = "finished"  # walked every iteration of the epoch (or of the step)
+
+
+@dataclass(eq=False, slots=True)
+class Walker:
+    """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
+    source with several loads: ``load.1``); ``last_stage``: the highest stage of its tasks (it is
+    done with batch ``d`` once it finished iteration ``d + last_stage``; -1: it has no task); ``ahead``: how many iterations it
+    may run beyond the current ``step()`` call's (the plan's lookahead; 0 for a thread that issues
+    collectives: those are issued only while ``step()`` runs). ``prog``: the instructions of
+    iteration ``P`` while it walks them, ``i`` the one it executes (or parked at)."""
+
+    thread: str
+    name: str
+    lane: int = 0
+    last_stage: int = 0
+    ahead: int = 0
+    P: int = 0
+    i: int = 0
+    start: int = 0
+    done_through: int = -1
+    state: WalkState = WalkState.READY
+    parked_by: str = ""
+    prog: tuple[Instr, ...] = ()
+    current: tuple[str, int] = ("-", 0)  # (task or instruction, batch) it works on
+    bases: dict[str, int] = field(default_factory=dict)  # comm group -> first ticket of iteration P
+    waited: dict[str, int] = field(default_factory=dict)  # producer -> latest iteration waited for
+    inst: Any = None  # what the engine runs in iteration P (its plan, for a plan engine)
+
+    @property
+    def at(self) -> Instr | None:
+        """The instruction it executes or parked at (None between iterations)."""
+        return self.prog[self.i] if self.i < len(self.prog) else None
+
+    def place(self, start: int, bases: dict[str, int]) -> None:
+        self.P, self.i, self.start, self.done_through = start, 0, start, start - 1
+        self.state, self.parked_by, self.prog, self.current = WalkState.READY, "", (), ("-", 0)
+        self.bases, self.waited = dict(bases), {}
+
+    def position(self) -> str:
+        """Where it is, for reports."""
+        match self.state:
+            case WalkState.PARKED if self.parked_by == "failed":
+                return f"failed in {self.current[0]} (internal iteration {self.P})"
+            case WalkState.PARKED:
+                return f"parked ({self.parked_by}) at {self.at} (internal iteration {self.P})"
+            case WalkState.FINISHED:
+                return "finished"
+            case _ if self.at is not None:
+                return f"at {self.at} (internal iteration {self.P})"
+            case _:
+                return f"not started (internal iteration {self.P})"
+
+
+#: How an instruction of a thread's program is executed: ``op(walker, P)`` at internal iteration ``P``.
+Op = Callable[[Walker, int], None]
+#: One iteration of one thread, ready to walk: its instructions and, position by position, their ops.
+Walk = tuple[tuple[Instr, ...], tuple[Op, ...]]
+
+
+@dataclass
+class Failure:
+    exc: BaseException
+    task: str
+    batch: int
+    thread: str
+    iteration: int
+
+
+class Worker:
+    """A persistent thread running the jobs put in its inbox (None stops it)."""
+
+    def __init__(self, name: str, streams: StreamPool) -> None:
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
+        streams.thread_init()
+        while (job := inbox.get()) is not None:
+            job()
+
+    def stop(self, timeout_s: float) -> None:
+        self.inbox.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+
+
+def stop_workers(workers: dict[str, Worker]) -> None:
+    for w in workers.values():
+        w.stop(5.0)
+    workers.clear()
