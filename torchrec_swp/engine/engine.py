@@ -69,7 +69,7 @@ class Engine(Interpreter):
         self.batches = Batches()
         self._ops = PlanOps(self, self.batches, self.plans, uid=self._uid, checker=self._checker, exhaustion=exhaustion)
         self._feed = self._ops.source.feed
-        self._epochs = Epochs(self, self.batches, self._feed, settle=self._settle, restart=self._restart)
+        self._epochs = Epochs(self, self.plans, self.batches, self._feed, settle=self._settle, restart=self._restart)
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one

@@ -18,33 +18,31 @@ thread placed at the new epoch's first iteration; ``settle``: no thread walking)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchrec_swp.engine.batches import Batches, BatchLedger
 from torchrec_swp.engine.board import LatchState
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.installed import check_adoptable
+from torchrec_swp.engine.installed import Plans, check_adoptable
+from torchrec_swp.engine.interpreter import Interpreter
 from torchrec_swp.engine.source import Feed
 
-if TYPE_CHECKING:
-    from torchrec_swp.engine.engine import Engine
-
-
 class Epochs:
-    """The epochs of ``engine``: ``settle(interrupt)`` waits until no thread walks (interrupting
+    """The epochs of an engine (``interpreter``, running ``plans``): ``settle(interrupt)`` waits until no thread walks (interrupting
     them first when it says why); ``restart(start)`` places every thread at internal iteration
     ``start`` of a new epoch and returns the furthest iteration a thread had reached."""
 
     def __init__(
         self,
-        engine: Engine,
+        interpreter: Interpreter,
+        plans: Plans,
         batches: Batches,
         feed: Feed,
         *,
         settle: Callable[..., None],
         restart: Callable[[int], int],
     ) -> None:
-        self._engine = engine
+        self._interpreter, self._plans = interpreter, plans
         self._batches = batches
         self._feed = feed
         self._settle = settle
@@ -61,7 +59,7 @@ class Epochs:
         """``Engine.reset``: the batches in flight dropped, batch numbers and tickets from 0."""
         self._settle("reset() was called")
         self._batches.restart_numbers(0)
-        for t in self._engine.turnstiles.values():
+        for t in self._interpreter.turnstiles.values():
             t.restart()
         self.start(first_trained=0)
 
@@ -90,7 +88,7 @@ class Epochs:
         raising StopIteration in between. Otherwise nothing changes: the source reads the new
         data from its next batch on.
         """
-        book, board = self._batches.book, self._engine.board
+        book, board = self._batches.book, self._interpreter.board
         if book.stopped:
             with board.lock:
                 self._batches.resume_after_stop()
@@ -113,7 +111,7 @@ class Epochs:
                 self.new_data()
             return
         # the batches it serves: those no call made drawable yet, and the one that found a stop
-        book, shape = self._batches.book, self._engine.plans.shape
+        book, shape = self._batches.book, self._plans.shape
         first = 0 if book.requested == 0 else book.requested + shape.top + shape.lookahead
         if book.stopped and book.num_batches is not None:
             first = min(first, book.num_batches)
@@ -141,8 +139,8 @@ class Epochs:
             raise EngineError(f"cannot adopt batches while batches {in_flight} are in flight")
         if not slots:
             return
-        top = self._engine.plans.shape.top
-        check_adoptable(self._engine.plan, top, slots)
+        top = self._plans.shape.top
+        check_adoptable(self._plans.current, top, slots)
         self._settle()
         self.start(start=top)
         self._batches.adopt(slots)

@@ -105,7 +105,9 @@ class Interpreter:
         Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
         board = self.board
         w.state = WalkState.RUNNING
-        board.walk_began(w.thread == MAIN_THREAD)
+        threaded = len(self._walkers) > 1  # on one thread nothing else waits for this walk's progress
+        if threaded:
+            board.walk_began(w.thread == MAIN_THREAD)
         try:
             while until is None or w.P <= until:
                 P = w.P
@@ -132,10 +134,11 @@ class Interpreter:
         except BaseException:  # noqa: BLE001 - every failure is recorded and re-raised by the caller
             self._fail(w)
         finally:
-            board.walk_ended()
+            if threaded:
+                board.walk_ended()
             if self._checker is not None:  # what the walk did is ordered before who sees it resting
                 self._checker.cpu_release(("walk", self._uid, w.name))
-            if len(self._walkers) > 1:
+            if threaded:
                 board.changed()
 
     def _park(self, w: Walker, why: str) -> None:

@@ -26,8 +26,8 @@ rank, and an item this rank drew for it is dropped (``dropped(b)``) and never tr
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
@@ -39,7 +39,18 @@ from torchrec_swp.plan import PipelinePlan
 
 if TYPE_CHECKING:
     from torchrec_swp.engine.interpreter import Interpreter
-    from torchrec_swp.engine.ops import PlanOps
+    from torchrec_swp.engine.tasks import Invoker
+
+
+class Gates(Protocol):
+    """What the source's op needs of the plan's ops (``torchrec_swp.engine.ops.PlanOps``): park
+    past the plan's stop, wait at an internal iteration, run a task inside the checker's label."""
+
+    def stop_check(self, P: int) -> None: ...
+
+    def wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str], topic: Hashable = None) -> None: ...
+
+    def in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None: ...
 
 
 class Draws:
@@ -172,10 +183,10 @@ class Feed:
 class Source:
     """The source task's side of the engine: the op of ``run! S`` (its lane, the ``credit``, the
     draw into the batch's slot, the end of data), the turns several loads take, and the ``Feed``
-    it draws from. ``gates``: the plan ops' waits and stop checks (``PlanOps``)."""
+    it draws from. ``gates``: the plan ops' waits and stop checks (``Gates``)."""
 
     def __init__(
-        self, interpreter: Interpreter, batches: Batches, gates: PlanOps, *, checker: Any, exhaustion: ExhaustionSync | None
+        self, interpreter: Interpreter, batches: Batches, gates: Gates, *, checker: Any, exhaustion: ExhaustionSync | None
     ) -> None:
         self._interpreter = interpreter
         self._board = interpreter.board
