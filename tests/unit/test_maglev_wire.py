@@ -34,12 +34,31 @@ class FakeWork:
 
 
 class FakeStage:
-    """Upstream's StageWrapper's receive queues (stage 1 of 3 on ranks 0..2), one work per receive."""
+    """Upstream's StageWrapper's receive queues and sends in flight (stage 1 of 3 on ranks 0..2),
+    one work per transfer; as upstream's, a send's start puts a new list in flight."""
 
     def __init__(self, work: FakeWork) -> None:
         self.work = work
         self._recv_act: deque[tuple[list[Any], list[Any]]] = deque()
         self._recv_grad: deque[tuple[list[Any], list[Any]]] = deque()
+        self._send_act: list[tuple[Any, Any]] = []
+        self._send_grad: list[tuple[Any, Any]] = []
+
+    def start_send_act(self, outputs: tuple[Any, ...]) -> None:
+        self._send_act = [(self.work, t) for t in outputs]
+
+    def finish_send_act(self) -> None:
+        for w, _ in self._send_act:
+            w.wait()  # upstream's: no timeout
+        self._send_act.clear()
+
+    def start_send_grad(self, in_activations: tuple[Any, ...]) -> None:
+        self._send_grad = [(self.work, t) for t in in_activations]
+
+    def finish_send_grad(self) -> None:
+        for w, _ in self._send_grad:
+            w.wait()
+        self._send_grad.clear()
 
     def neighbor_rank(self, offset: int) -> int:
         return 1 + offset
@@ -76,12 +95,12 @@ def test_upstreams_untimed_wait_on_a_posted_receive_is_bounded_by_the_wire_timeo
 
 
 def test_a_receive_past_its_bound_raises_receive_timeout_naming_stage_microbatch_and_peer() -> None:
-    from torchrec_swp.integrations.torchrec.maglev.runtime import ReceiveTimeout, StageWrapperWire
+    from torchrec_swp.integrations.torchrec.maglev.runtime import TransferTimeout, StageWrapperWire
 
     wire = StageWrapperWire(FakeStage(FakeWork(fails="Timed out waiting 0ms for recv")), timeout_s=0.0)
     wire.post_recv_grad(1, 2)
-    expected = r"the gradient for stage 1, microbatch 2 from rank 2 did not come within 0s \(engine_timeout_s\)"
-    with pytest.raises(ReceiveTimeout, match=expected):
+    expected = r"receive of the gradient for stage 1, microbatch 2 from rank 2: not done within 0s \(engine_timeout_s\)"
+    with pytest.raises(TransferTimeout, match=expected):
         wire.await_grad(1, 2)
 
 
@@ -93,7 +112,24 @@ def test_a_receive_failing_before_its_bound_keeps_its_error_and_names_the_receiv
     with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
         wire.await_act(1, 0)
     assert not isinstance(info.value, TimeoutError)
-    assert any("the activation for stage 1, microbatch 0 from rank 0" in n for n in info.value.__notes__)
+    assert any("receive of the activation for stage 1, microbatch 0 from rank 0" in n for n in info.value.__notes__)
+
+
+def test_upstreams_untimed_wait_on_a_send_is_bounded_and_a_send_past_it_names_it() -> None:
+    from torchrec_swp.integrations.torchrec.maglev.runtime import StageWrapperWire, TransferTimeout
+
+    work = FakeWork()
+    wire = StageWrapperWire(FakeStage(work), timeout_s=7.0)
+    wire.send_act(1, 0, ("activation",))
+    wire.send_act(1, 1, ("activation",))  # finishes the send of microbatch 0
+    wire.send_grad(1, 0, ("input",))
+    wire.stage.finish_send_grad()
+    assert work.waits == [timedelta(seconds=7.0)] * 2
+
+    wire = StageWrapperWire(FakeStage(FakeWork(fails="Timed out waiting 0ms for send")), timeout_s=0.0)
+    wire.send_act(1, 4, ("activation",))
+    with pytest.raises(TransferTimeout, match=r"^send of the activation of stage 1, microbatch 4 to rank 2: not done"):
+        wire.send_act(1, 5, ("activation",))
 
 
 def test_a_bounded_work_waits_once() -> None:
@@ -108,5 +144,5 @@ def test_a_bounded_work_waits_once() -> None:
 def test_a_stage_without_upstreams_receive_queues_is_refused() -> None:
     from torchrec_swp.integrations.torchrec.maglev.runtime import StageWrapperWire
 
-    with pytest.raises(TypeError, match="has no receive queue _recv_act"):
+    with pytest.raises(TypeError, match="has no deque _recv_act of work handles"):
         StageWrapperWire(object(), timeout_s=1.0)
