@@ -121,7 +121,7 @@ class ProgramDriven(EngineDriven):
             forward_context = lambda s, m: self._no_sync()
             sync = lambda s: all_reduce_grads(chunk.parameters, stage.stage_pg)
         self.runtime = RankRuntime(
-            [chunk], S, StageWrapperWire(stage), {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
+            [chunk], S, StageWrapperWire(stage, timeout_s=engine_timeout_s), {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
         )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         # made once every check passed (a collective: every rank builds the same pipelines)

@@ -28,17 +28,33 @@ torch.distributed.pipelining does; numerically the same as a send.
 hand-off (a ``StageWrapper``'s receive queues and one send in flight per direction), used by
 the drop-in pipelines so that every transfer is the call upstream makes; ``P2PWire`` posts
 one ``irecv``/``isend`` per (stage, microbatch) on two direction-split groups for ranks that
-hold several stages, and drains its sends at the end of the step. Receives await with the
-engine's timeout, so a dead peer ends the step with an error instead of a hang.
+hold several stages, and drains its sends at the end of the step.
+
+Transfers are bounded on both wires: a receive waits for its peer at most ``timeout_s`` (the
+pipeline's ``engine_timeout_s``), and so does a send (gloo completes a send only once the peer
+posted the matching receive); past it the action waiting fails with ``TransferTimeout`` naming
+the direction, the stage, the microbatch and the peer rank, and the engine's failure path ends
+the step. So a peer that failed and stays connected ends this rank with a named error, not a
+hang (a peer that exits closes the connection: that error comes at once, with the same
+transfer named in a note). The bound is per transfer, not the engine's progress rule
+(``engine.board``): this rank cannot see its peer work, so a peer's work between two of its
+transfers (its computes, its own waits) must take less than ``engine_timeout_s``. Upstream's
+``StageWrapper`` waits (``wait_for_act``/``wait_for_grad``, ``finish_send_*``, ``drain_sends``)
+call ``work.wait()`` with no timeout, which gloo does not bound (the hand-off groups' timeout
+does not apply to it): ``StageWrapperWire`` wraps the works of each transfer it starts in
+``BoundedWork`` so that upstream's own waits are the bounded ones. ``P2PWire`` waits its sends
+with the bound at the step's end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -81,33 +97,107 @@ class Wire(Protocol):
     def drain(self) -> None: ...
 
 
+class TransferTimeout(TimeoutError):
+    """A receive or send whose peer did not take part within the wire's timeout (the engine's
+    ``engine_timeout_s``): gloo completes a send only once the peer posted its receive."""
+
+
+def bounded_wait(work: Any, timeout_s: float, what: str) -> None:
+    """Wait on one transfer's ``work`` at most ``timeout_s``: ``TransferTimeout`` naming ``what``
+    (the direction, stage, microbatch and peer) once the bound passed; another failure of the
+    wait (the peer closed the connection) keeps its type and gains a note naming ``what``."""
+    start = time.monotonic()
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        waited = time.monotonic() - start
+        if waited < timeout_s:
+            e.add_note(f"torchrec_swp: while waiting {waited:.1f}s for {what}")
+            raise
+        raise TransferTimeout(
+            f"{what}: not done within {timeout_s:g}s (engine_timeout_s): the peer failed, hangs, or its work "
+            "between two transfers takes longer than the timeout"
+        ) from e
+
+
+class BoundedWork:
+    """One transfer's work handle whose ``wait()`` is ``bounded_wait``: what ``StageWrapperWire``
+    puts in place of upstream's work handles, so that upstream's ``work.wait()`` is bounded.
+    Waits once (gloo's second wait on a finished receive would wait for another message)."""
+
+    def __init__(self, work: Any, timeout_s: float, what: str) -> None:
+        self.work, self.timeout_s, self.what = work, timeout_s, what
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._done:
+            bounded_wait(self.work, self.timeout_s, self.what)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self.work.is_completed())
+
+
 class StageWrapperWire:
     """Maglev's hand-off, call for call: ``start_recv_act``/``wait_for_act`` (a FIFO queue),
     ``finish_send_act`` then ``start_send_act`` (one send in flight), the same for gradients,
-    ``drain_sends``. Needs one stage per rank and microbatches in order per direction."""
+    ``drain_sends``. Needs one stage per rank and microbatches in order per direction.
 
-    def __init__(self, stage: Any) -> None:
+    Each transfer is bounded by ``timeout_s`` (module docstring): the work handles of the
+    receive upstream's ``start_recv_act``/``start_recv_grad`` just queued, and of the send its
+    ``start_send_act``/``start_send_grad`` just put in flight, become ``BoundedWork`` s, and
+    upstream's ``wait_for_*``/``finish_send_*``/``drain_sends`` wait on those."""
+
+    def __init__(self, stage: Any, *, timeout_s: float) -> None:
+        for name, kind in (("_recv_act", deque), ("_recv_grad", deque), ("_send_act", list), ("_send_grad", list)):
+            if not isinstance(getattr(stage, name, None), kind):
+                raise TypeError(
+                    f"{type(stage).__name__} has no {kind.__name__} {name} of work handles as TorchRec 1.9's "
+                    "StageWrapper does: its transfers cannot be bounded"
+                )
         self.stage = stage
+        self.timeout_s = timeout_s
+
+    def _post(self, queue: deque[Any], start: Callable[[], None], what: str, offset: int, stage: int, mb: int) -> None:
+        """Upstream's ``start``, then the receive it queued (none on the first/last stage) bounded."""
+        before = len(queue)
+        start()
+        if len(queue) > before:
+            works, peer = queue[-1][0], self.stage.neighbor_rank(offset)
+            label = f"receive of the {what} for stage {stage}, microbatch {mb} from rank {peer}"
+            works[:] = [BoundedWork(w, self.timeout_s, label) for w in works]
+
+    def _send(self, in_flight: str, start: Callable[[], None], what: str, offset: int, stage: int, mb: int) -> None:
+        """Upstream's ``start`` of a send, then the works it put in flight (its new list
+        ``in_flight``; none on the last/first stage) bounded: the next ``finish_send_*`` or
+        ``drain_sends`` waits on them."""
+        start()
+        sends = getattr(self.stage, in_flight)
+        if sends:
+            label = f"send of the {what} of stage {stage}, microbatch {mb} to rank {self.stage.neighbor_rank(offset)}"
+            sends[:] = [(BoundedWork(w, self.timeout_s, label), buf) for w, buf in sends]
 
     def post_recv_act(self, stage: int, mb: int) -> None:
-        self.stage.start_recv_act()
+        self._post(self.stage._recv_act, self.stage.start_recv_act, "activation", -1, stage, mb)
 
     def await_act(self, stage: int, mb: int) -> Activations:
         return self.stage.wait_for_act()
 
     def send_act(self, stage: int, mb: int, outputs: Activations) -> None:
         self.stage.finish_send_act()
-        self.stage.start_send_act(outputs)
+        self._send("_send_act", partial(self.stage.start_send_act, outputs), "activation", 1, stage, mb)
 
     def post_recv_grad(self, stage: int, mb: int) -> None:
-        self.stage.start_recv_grad()
+        self._post(self.stage._recv_grad, self.stage.start_recv_grad, "gradient", 1, stage, mb)
 
     def await_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
         return self.stage.wait_for_grad()
 
     def send_grad(self, stage: int, mb: int, in_activations: Activations) -> None:
         self.stage.finish_send_grad()
-        self.stage.start_send_grad(in_activations)
+        start = partial(self.stage.start_send_grad, in_activations)
+        self._send("_send_grad", start, "gradient", -1, stage, mb)
 
     def drain(self) -> None:
         self.stage.drain_sends()
@@ -130,6 +220,7 @@ class P2PWire:
     ) -> None:
         self.chunks, self.peer, self.act_pg, self.grad_pg = chunks, peer, act_pg, grad_pg
         self.device = device
+        self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self._recv: dict[tuple[str, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
@@ -172,8 +263,10 @@ class P2PWire:
         except KeyError:
             what = "activation" if direction == "F" else "gradient"
             raise RuntimeError(f"stage {stage}, microbatch {mb}: no {what} receive was posted") from None
+        kind, peer = ("activation", self.peer(stage - 1)) if direction == "F" else ("gradient", self.peer(stage + 1))
+        what = f"receive of the {kind} for stage {stage}, microbatch {mb} from rank {peer}"
         for w in works:
-            w.wait(self.timeout)
+            bounded_wait(w, self.timeout_s, what)
         return bufs
 
     def drain(self) -> None:
