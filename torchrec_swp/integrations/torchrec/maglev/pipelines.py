@@ -36,7 +36,8 @@ Keyword-only options (the constructor is upstream's otherwise; defined once in
   averages the stage's gradients over ``stage.stage_pg`` after the stage's last backward. They
   differ where the backward after the last forward is not the last one (every stage but the
   last: 1F1B's warm-up), see docs/pp.md.
-* ``engine_timeout_s``: bound on every wait of the engine and of the wire's receives.
+* ``engine_timeout_s``: the engine's timeout (no thread made progress that long) and the bound on each
+  transfer of the wire, receive or send (``runtime.StageWrapperWire``).
 * ``sync_dataloader_exhaustion`` (default False: upstream's behaviour, where a rank whose data
   ends first raises StopIteration alone and its peers' next input-dist round fails or hangs):
   every raw batch ``take_inputs`` draws is followed by a MIN all-reduce of "I have it" on a gloo
