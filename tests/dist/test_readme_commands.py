@@ -61,12 +61,15 @@ def copy_of_checkout(dest: Path) -> Path:
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
         cwd=ROOT, capture_output=True, check=True,
     ).stdout.decode().split("\0")
+    venvs = (".venv", ".venv-tr18")
     for rel in filter(None, listed):
+        if rel in venvs:  # a venv that is a link (git lists it as a file): linked below, like a folder
+            continue
         src = ROOT / rel
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    for venv in (".venv", ".venv-tr18"):
+    for venv in venvs:
         if (ROOT / venv).exists():
             (dest / venv).symlink_to(ROOT / venv)
     return dest
