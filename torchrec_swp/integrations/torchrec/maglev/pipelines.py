@@ -121,9 +121,8 @@ class ProgramDriven(EngineDriven):
         else:
             forward_context = lambda s, m: self._no_sync()
             sync = lambda s: all_reduce_grads(chunk.parameters, stage.stage_pg)
-        self.runtime = RankRuntime(
-            [chunk], S, StageWrapperWire(stage, timeout_s=engine_timeout_s), {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
-        )
+        wire = StageWrapperWire(stage, timeout_s=options.engine_timeout_s)
+        self.runtime = RankRuntime([chunk], S, wire, {me: self.optimizer}, forward_context=forward_context, grad_sync=sync)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         # made once every check passed (a collective: every rank builds the same pipelines)
         self._exhaustion = options.exhaustion_sync(owner)
