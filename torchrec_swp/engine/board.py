@@ -164,6 +164,16 @@ class Board:
         if latches[key] is LatchState.STOPPED:
             raise Stopped
 
+    def latch_stopped(self, key: Hashable) -> None:
+        """With the lock held: instance ``key`` stopped (the end of data under a stop); the
+        caller notifies once the rest of its change is in place."""
+        self.latches[key] = LatchState.STOPPED
+
+    def forget_stopped_latches(self) -> None:
+        """With the lock held: the stopped latches dropped (new data after a stop)."""
+        for key in [k for k, v in self.latches.items() if v is LatchState.STOPPED]:
+            del self.latches[key]
+
     def clear_latches(self, keep: Callable[[Hashable], bool] | None = None) -> None:
         with self.lock:
             if keep is None:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrec_swp.engine.batches import Batches, BatchLedger
-from torchrec_swp.engine.board import LatchState
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.installed import Plans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
@@ -92,9 +91,7 @@ class Epochs:
         if book.stopped:
             with board.lock:
                 self._batches.resume_after_stop()
-                stopped = [k for k, v in board.latches.items() if v is LatchState.STOPPED]
-                for key in stopped:
-                    del board.latches[key]
+                board.forget_stopped_latches()
         elif book.num_batches is None:
             return
         elif book.returned >= book.num_batches:

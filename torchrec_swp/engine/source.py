@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
-from torchrec_swp.engine.board import LatchState
 from torchrec_swp.engine.errors import Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.walkers import Op, Walker
@@ -278,7 +277,7 @@ class Source:
         with board.lock:
             self._batches.found_end(b, stop)
             if stop:
-                board.latches[(plan.source, b)] = LatchState.STOPPED
+                board.latch_stopped((plan.source, b))
             board.notify()
         if stop:
             raise Stopped
