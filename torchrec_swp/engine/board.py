@@ -143,12 +143,15 @@ class Board:
         """With the lock held: how long a wait that began at ``began`` (``wait_began()``) may
         still sleep before it gives up; <= 0: no thread made progress for ``timeout_s``. While
         another thread makes progress, ``timeout_s`` (it looks again after that)."""
+        left = max(began, self._stirred) + timeout_s - time.monotonic()
+        if left > 0:  # something changed lately (the common case): no need to look at the threads yet
+            return left
         me, blocked, caller = threading.get_ident(), self.blocked, self._caller
         if (caller is not None and caller != me and caller not in blocked) or any(
             t != me and t not in blocked for t in list(self._walking)
         ):
             return timeout_s
-        return max(began, self._stirred) + timeout_s - time.monotonic()
+        return left
 
     # ----------------------------------------------------------------- latches
     def set_latch(self, key: Hashable, state: LatchState = LatchState.DONE) -> None:
