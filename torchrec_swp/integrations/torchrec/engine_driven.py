@@ -67,9 +67,10 @@ def _named_parameters(cls: type) -> frozenset[str] | None:
 
 
 class PipelineLife:
-    """A pipeline's life: ``close()`` ends it (``_swp_stop()`` stops what it runs on), a later
-    ``progress()`` raises PipelineClosed (``_swp_check_open()``), ``with pipeline:`` closes it at
-    the end of the block (exceptions pass through); closing again does nothing."""
+    """A pipeline's life: ``close()`` ends it (a subclass's ``close()`` also stops what it runs on,
+    then calls this one), a later ``progress()`` raises PipelineClosed (``_swp_check_open()``),
+    ``with pipeline:`` closes it at the end of the block (exceptions pass through); closing again
+    does nothing."""
 
     _swp_closed = False  # until close()
 
@@ -79,14 +80,8 @@ class PipelineLife:
         return self._swp_closed
 
     def close(self) -> None:
-        """End the pipeline and stop its worker threads (they also stop when the pipeline is
-        collected); a later ``progress()`` raises PipelineClosed. Closing again does nothing."""
+        """End the pipeline: a later ``progress()`` raises PipelineClosed. Closing again does nothing."""
         self._swp_closed = True
-        self._swp_stop()
-
-    def _swp_stop(self) -> None:
-        """Stop what the pipeline runs on (idempotent)."""
-        raise NotImplementedError
 
     def __enter__(self) -> Self:
         return self
@@ -125,8 +120,11 @@ class EngineDriven(PipelineLife):
         caller's to close)."""
         self._swp_engine = engine
 
-    def _swp_stop(self) -> None:
+    def close(self) -> None:
+        """End the pipeline and stop its engine's worker threads (they also stop when the pipeline
+        is collected); a later ``progress()`` raises PipelineClosed. Closing again does nothing."""
         self._swp_engine.close()
+        super().close()
 
     def _swp_check_progress(self, dataloader_iter: Any, *, read: bool = True) -> None:
         """What ``progress(dataloader_iter)`` checks first: the pipeline is open (else

@@ -90,10 +90,12 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
         self._swp_check_open()
         return super().progress(dataloader_iter, is_last_batch)
 
-    def _swp_stop(self) -> None:
-        close = getattr(self._pipeline, "close", None)  # upstream's pipelines have none
+    def close(self) -> None:
+        """End the wrapper and the pipeline it wraps (if that has a ``close()``: upstream's have none)."""
+        close = getattr(self._pipeline, "close", None)
         if close is not None:
             close()
+        super().close()
 
     @property
     def current_step(self) -> int:
