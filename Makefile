@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make run` (the main job) and `make test` (the test suite).
-# Both create .venv and install the pinned CPU stack on first use.
+# Both build the venvs they need on first use (tests/install/stack_venv.py, below).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,27 +9,24 @@ VENV18 ?= .venv-tr18
 STAMP18 := $(VENV18)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run quickstart bench test test-1.8 test-fast upstream-suite gpu-check stream-check clean
+.PHONY: install run quickstart bench lint test test-1.8 test-fast upstream-suite gpu-check stream-check clean
 
 install: $(STAMP)
 
-# A venv with the pinned CPU stack and one TorchRec: $(call venv,DIR,TORCHREC_REQUIREMENTS).
-define venv
-	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet -r requirements/runtime.txt -r requirements/dev.txt
-	$(1)/bin/python -m pip install --quiet --no-deps -r $(2)
-	$(1)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(1)/bin/python -c "import torchrec_swp.integrations.torchrec.pipelines"
-	touch $(1)/.installed
-endef
+# Each venv holds one TorchRec release's own pairing (requirements/stack-*.txt, TorchRec with
+# --no-deps), then torchrec_swp's built wheel installed the way a user installs it, checked to
+# change none of torch, fbgemm and TorchRec, then the tools of requirements/dev.txt and the
+# checkout in editable mode (tests/install/stack_venv.py says each step as it runs).
+# .venv: TorchRec 1.9.2, torch 2.14.1 (PyPI's CUDA build, run on the CPU), fbgemm-gpu-cpu 1.9.0:
+# what `make run` and the whole suite use.
+VENV_INPUTS := setup.py pyproject.toml requirements/dev.txt tests/install/stack_venv.py
+$(STAMP): $(VENV_INPUTS) requirements/stack-1.9.txt requirements/torchrec-1.9.txt
+	$(PYTHON) tests/install/stack_venv.py $(VENV) --stack 1.9
 
-# The default stack (TorchRec 1.9.2): what `make run` and the whole suite use.
-$(STAMP): setup.py requirements/runtime.txt requirements/torchrec.txt requirements/dev.txt
-	$(call venv,$(VENV),requirements/torchrec.txt)
-
-# TorchRec 1.8.0, the older supported release: `make test` runs the parity tests against it too.
-$(STAMP18): setup.py requirements/runtime.txt requirements/torchrec-1.8.txt requirements/dev.txt
-	$(call venv,$(VENV18),requirements/torchrec-1.8.txt)
+# .venv-tr18: TorchRec 1.8.0, torch 2.13.0 (CPU build), fbgemm-gpu-cpu 1.8.0: `make test` runs the
+# parity tests against upstream 1.8.0 on it, and the fast tests that reach TorchRec.
+$(STAMP18): $(VENV_INPUTS) requirements/stack-1.8.txt requirements/torchrec-1.8.txt
+	$(PYTHON) tests/install/stack_venv.py $(VENV18) --stack 1.8
 
 # The main job: the DLRM example on 2 CPU ranks (gloo), launched through torchx, with
 # torchrec_swp's TrainPipelineSparseDist. ARGS go to examples/dlrm/train.py (see --help); they are
@@ -52,14 +49,20 @@ bench: $(STAMP)
 	$(PY) benchmarks/timeline.py && $(PY) benchmarks/pp.py && $(PY) benchmarks/sim_vs_real.py && \
 	$(PY) benchmarks/close_loop.py
 
-# The whole suite on the default stack, slow multi-process tests included (the parity tests of
-# CHECKED_PARITY under the CPU stream checker), then on TorchRec 1.8.0 the parity tests against
-# upstream 1.8.0 and the fast tests that reach TorchRec (as CI runs it; tests/conftest.py marks
-# those whose imports never reach it torchrec_free: another TorchRec cannot change their result).
-test: $(STAMP) $(STAMP18)
+# Lint, then the whole suite on TorchRec 1.9.2's pairing, slow multi-process tests included (the
+# parity tests of CHECKED_PARITY under the CPU stream checker), then on TorchRec 1.8.0's pairing the
+# parity tests against upstream 1.8.0 (CHECKED_PARITY under the checker there too) and the fast
+# tests that reach TorchRec (tests/conftest.py marks those whose imports never reach it
+# torchrec_free: another TorchRec cannot change their result).
+test: lint $(STAMP18)
 	$(PY) -m pytest $(addprefix --deselect=,$(CHECKED_PARITY))
 	SWP_STREAM_CHECK=1 $(PY) -m pytest -m parity $(CHECKED_PARITY)
-	$(VENV18)/bin/python -m pytest -m "$(TEST18)"
+	$(VENV18)/bin/python -m pytest -m "$(TEST18)" $(addprefix --deselect=,$(CHECKED_PARITY))
+	SWP_STREAM_CHECK=1 $(VENV18)/bin/python -m pytest -m parity $(CHECKED_PARITY)
+
+# ruff's rules and import order (pyproject.toml); a finding fails `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 TEST18 := parity or (not multiprocess and not slow and not torchrec_free)
 

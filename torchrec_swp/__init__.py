@@ -15,7 +15,7 @@ from typing import Any
 # ``import torchrec_swp.streamcheck`` must not load the plan layer)
 _PLAN_NAMES = ("PhasedPlan", "PipelinePlan", "PipelineTask", "PlanError", "TaskSchedule", "When", "load_plan")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: The pipelines upstream defines in ``experimental_pipelines.py`` (TorchRec 1.8.0 and 1.9.2 ship
 #: the same file): a train/eval hybrid, a background copy, the optimizer step in backward, memory

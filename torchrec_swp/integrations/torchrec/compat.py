@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -36,9 +37,32 @@ SUPPORTED_SERIES = ("1.8", "1.9")
 #: The releases CI tests against upstream (parity tests on 2 gloo ranks).
 TESTED_VERSIONS = ("1.8.0", "1.9.2")
 INSTALL_HINT = (
-    "pip install --no-deps torchrec==1.9.2 (requirements/torchrec.txt; for 1.8: torchrec==1.8.0, "
-    "requirements/torchrec-1.8.txt)"
+    "pip install torchrec==1.9.2 with the torch and fbgemm-gpu it was released with (torch 2.14; "
+    "for 1.8: torchrec==1.8.0 with torch 2.13); see docs/install.md"
 )
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """One TorchRec release with the torch series and fbgemm release it ships with (TorchRec and
+    fbgemm share version numbers, each for one torch): the stacks CI tests on."""
+
+    torchrec: str
+    torch: str  # a series: any 2.14.x
+    fbgemm: str
+
+    def __str__(self) -> str:
+        return f"torchrec {self.torchrec} + torch {self.torch}.x + fbgemm {self.fbgemm}"
+
+
+#: The tested stacks, one per supported series (requirements/stack-*.txt build them).
+TESTED_PAIRINGS = {"1.8": Pairing("1.8.0", "2.13", "1.8.0"), "1.9": Pairing("1.9.2", "2.14", "1.9.0")}
+#: The fbgemm distributions TorchRec runs on: the CUDA build, PyPI's CPU build, and others' names.
+FBGEMM_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")
+
+
+class UntestedStackWarning(UserWarning):
+    """The installed TorchRec, torch and fbgemm are supported but not a pairing CI tests."""
 
 #: The upstream classes whose 1.9 constructor takes ``async_inplace_copy`` (ours take it on 1.8 too).
 ASYNC_INPLACE_COPY_PIPELINES = frozenset(
@@ -111,8 +135,65 @@ def check_torchrec_version(found: str | None = None) -> str:
 
 
 def installed() -> TorchRecVersion:
-    """The installed TorchRec (checked: ImportError if unsupported)."""
-    return parse_version(check_torchrec_version())
+    """The installed TorchRec (checked: ImportError if unsupported; one UntestedStackWarning per
+    process where the stack around it is not a tested pairing)."""
+    version = parse_version(check_torchrec_version())
+    _warn_untested_once()
+    return version
+
+
+def found_stack() -> dict[str, str | None]:
+    """The installed torchrec, torch and fbgemm (name of the distribution included) versions."""
+    found: dict[str, str | None] = {}
+    for name in ("torchrec", "torch"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    found["fbgemm"] = None
+    for dist in FBGEMM_DISTRIBUTIONS:
+        try:
+            found["fbgemm"] = f"{dist} {metadata.version(dist)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def untested_stack(torchrec: str, torch: str | None, fbgemm: str | None) -> str | None:
+    """One line naming what was found and what is tested, or None for a tested pairing.
+
+    ``torchrec`` must be a supported version (check_torchrec_version); ``torch`` a version
+    (local part allowed: ``2.13.0+cpu``); ``fbgemm`` "DISTRIBUTION VERSION" or None.
+    """
+    version = parse_version(torchrec)
+    pairing = TESTED_PAIRINGS[version.series]
+    torch_release = _RELEASE.match(torch or "")
+    torch_series = f"{torch_release.group(1)}.{torch_release.group(2)}" if torch_release else None
+    fbgemm_version = fbgemm.split()[-1].split("+", 1)[0] if fbgemm else None
+    if torchrec.split("+", 1)[0] == pairing.torchrec and torch_series == pairing.torch and fbgemm_version == pairing.fbgemm:
+        return None
+    tested = "; ".join(str(p) for p in TESTED_PAIRINGS.values())
+    return (
+        f"untested stack: found torchrec {torchrec}, torch {torch or '(none)'}, "
+        f"{fbgemm or 'no fbgemm'}; tested: {tested} (it may work; parity with upstream is proven only there)"
+    )
+
+
+_warned = False
+
+
+def _warn_untested_once() -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    found = found_stack()
+    message = untested_stack(found["torchrec"] or "", found["torch"], found["fbgemm"])
+    if message is not None:
+        # Attributed to no source line, so that Python prints it as one line
+        # ("torchrec_swp:0: UntestedStackWarning: ..."); filter it by its category.
+        warnings.warn_explicit(message, UntestedStackWarning, filename="torchrec_swp", lineno=0, module="torchrec_swp")
 
 
 def take_argument(
