@@ -10,12 +10,14 @@ Steps (``benchmarks/gpu_check.py`` drives them):
 2. ``prepare_venv``: ``.venv-gpu``, a virtual environment whose site-packages sees that
    interpreter's packages after its own (a ``.pth`` file calls ``site.addsitedir`` on them), so
    its CUDA torch is reused instead of downloaded again.
-3. ``stack_status`` / ``install_stack``: TorchRec's CUDA stack in ``.venv-gpu``: the pins of
-   ``requirements/runtime.txt`` with ``fbgemm-gpu-cpu`` swapped for the CUDA ``fbgemm-gpu`` of
+3. ``stack_status`` / ``install_stack``: TorchRec 1.9's CUDA stack in ``.venv-gpu``: the pins of
+   ``requirements/stack-1.9.txt`` with ``fbgemm-gpu-cpu`` swapped for the CUDA ``fbgemm-gpu`` of
    the same version, torch only when the found one is another release, and
-   ``requirements/torchrec.txt`` with ``--no-deps``. pip is asked once, with short network
-   timeouts; where it cannot reach a package index (the lent GPU machines reach none) the stack
-   stays missing and only the parts that need no TorchRec run.
+   ``requirements/torchrec-1.9.txt`` with ``--no-deps``; then torchrec_swp's wheel, installed
+   the way a user installs it and checked to change none of torch, fbgemm and TorchRec
+   (``tests/install/stack_venv.py --add-wheel``, as for the CPU venvs). pip is asked once, with
+   short network timeouts; where it cannot reach a package index (the lent GPU machines reach
+   none) the stack stays missing and only the parts that need no TorchRec run.
 """
 
 from __future__ import annotations
@@ -223,12 +225,12 @@ def _release(version: str | None) -> str:
 def stack_requirements(base_torch: str | None, root: Path = ROOT) -> tuple[list[str], list[str]]:
     """``(with_deps, without_deps)``: what pip installs into ``.venv-gpu``.
 
-    The CPU pins (``requirements/runtime.txt``) with ``fbgemm-gpu-cpu`` replaced by ``fbgemm-gpu``
-    of the same version, without numpy and OR-Tools, and torch only where ``base_torch`` is
-    another release; TorchRec (``requirements/torchrec.txt``) goes without its dependencies, as on
-    the CPU.
+    TorchRec 1.9's pairing (``requirements/stack-1.9.txt``) with ``fbgemm-gpu-cpu`` replaced by
+    ``fbgemm-gpu`` of the same version, without numpy, and torch only where ``base_torch`` is
+    another release; TorchRec (``requirements/torchrec-1.9.txt``) goes without its dependencies,
+    as on the CPU.
     """
-    runtime = _pins(root / "requirements" / "runtime.txt")
+    runtime = _pins(root / "requirements" / "stack-1.9.txt")
     with_deps = []
     for name, version in runtime.items():
         if name in _SKIPPED_PINS:
@@ -238,13 +240,16 @@ def stack_requirements(base_torch: str | None, root: Path = ROOT) -> tuple[list[
         if name == "fbgemm-gpu-cpu":
             name = "fbgemm-gpu"
         with_deps.append(f"{name}=={version}")
-    without_deps = [f"{n}=={v}" for n, v in _pins(root / "requirements" / "torchrec.txt").items()]
+    without_deps = [f"{n}=={v}" for n, v in _pins(root / "requirements" / "torchrec-1.9.txt").items()]
     return with_deps, without_deps
 
 
 def _site_dirs(python: str) -> list[str]:
     """Where ``python`` finds installed packages (its site-packages folders), in order."""
-    code = "import json, site, sys; print(json.dumps([p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]))"
+    code = (
+        "import json, site, sys; "
+        "print(json.dumps([p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]))"
+    )
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -315,6 +320,11 @@ def install_stack(python: Path | str, base_torch: str | None, log: Path) -> tupl
             done = subprocess.run([*pip, *extra, *reqs], stdout=out, stderr=subprocess.STDOUT, check=False)
             if done.returncode != 0:
                 return with_deps + without_deps, f"pip install {' '.join(reqs)} failed: {_last_error(log)}"
+        # torchrec_swp itself, as a user adds it to that stack (fails if it would move the stack)
+        wheel = [sys.executable, str(ROOT / "tests" / "install" / "stack_venv.py"), str(Path(python).parent.parent)]
+        done = subprocess.run([*wheel, "--add-wheel"], stdout=out, stderr=subprocess.STDOUT, check=False)
+        if done.returncode != 0:
+            return with_deps + without_deps, f"installing torchrec_swp's wheel failed: {_last_error(log)}"
     return with_deps + without_deps, None
 
 

@@ -22,7 +22,8 @@ In order:
    wheel, for development; the stack is checked once more (a tool must not move it either).
 
 ``--check-only`` runs 3-5 as a dry run (``pip install --dry-run --report``) against a venv that
-already exists: what ``make test`` runs every time.
+already exists (tests/unit/test_packaging.py); ``--add-wheel`` runs 2-6 on an existing
+environment (``make gpu-check`` adds the wheel to the CUDA stack so).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def freeze(venv: Path) -> dict[str, str]:
-    """name -> version of every distribution in ``venv`` (editable installs by their version too)."""
-    out = run(venv / "bin/python", "-m", "pip", "list", "--format=json", "--disable-pip-version-check", capture=True)
+def freeze(python: Path) -> dict[str, str]:
+    """name -> version of every distribution ``python`` sees (editable installs by their version too)."""
+    out = run(python, "-m", "pip", "list", "--format=json", "--disable-pip-version-check", capture=True)
     return {canonical(d["name"]): d["version"] for d in json.loads(out)}
 
 
@@ -82,14 +83,19 @@ def check_unchanged(before: dict[str, str], after: dict[str, str], what: str) ->
     changed = diff(stack_of(before), stack_of(after))
     if changed:
         raise SystemExit(f"stack_venv: {what} changed the user's stack: " + "; ".join(changed))
-    log(f"{what}: torch, fbgemm and TorchRec unchanged ({', '.join(f'{n} {v}' for n, v in sorted(stack_of(after).items()))})")
+    kept = ", ".join(f"{n} {v}" for n, v in sorted(stack_of(after).items()))
+    log(f"{what}: torch, fbgemm and TorchRec unchanged ({kept})")
 
 
 def build_wheel(python: Path) -> Path:
-    """The wheel of this checkout, built in a temporary folder (pip's isolated build)."""
+    """The wheel of this checkout, built in a temporary folder."""
     out = Path(tempfile.mkdtemp(prefix="swp-wheel-"))
     started = time.monotonic()
-    run(python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", out, ROOT)
+    # With the environment's own setuptools where it has one (no index needed), else pip's
+    # isolated build (which fetches pyproject.toml's build requirements).
+    has_setuptools = subprocess.run([str(python), "-c", "import setuptools"], capture_output=True).returncode == 0
+    isolation = ["--no-build-isolation"] if has_setuptools else []
+    run(python, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", out, ROOT)
     (wheel,) = out.glob("torchrec_swp-*.whl")
     log(f"built {wheel.name} in {time.monotonic() - started:.0f} s")
     return wheel
@@ -110,58 +116,66 @@ def check_metadata(wheel: Path) -> list[str]:
     return requires
 
 
-def dry_run(venv: Path, wheel: Path) -> None:
-    """What ``pip install WHEEL`` would do in ``venv``: nothing of the stack may move."""
+def dry_run(python: Path, wheel: Path) -> None:
+    """What ``pip install WHEEL`` would do in ``python``'s environment: nothing of the stack may move."""
     report = Path(tempfile.mkdtemp(prefix="swp-report-")) / "report.json"
-    run(venv / "bin/python", "-m", "pip", "install", "--dry-run", "--quiet", "--report", report, wheel)
+    run(python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", report, wheel)
     items = json.loads(report.read_text())["install"]
     would = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
     touched = sorted(n for n in would if STACK.match(n))
     if touched:
-        raise SystemExit(f"stack_venv: pip install {wheel.name} would install {touched} into {venv}")
-    log(f"pip install {wheel.name} into {venv} would install: " + (", ".join(f"{n} {v}" for n, v in would.items()) or "nothing new"))
+        raise SystemExit(f"stack_venv: pip install {wheel.name} would install {touched} beside {python}")
+    listed = ", ".join(f"{n} {v}" for n, v in would.items()) or "nothing new"
+    log(f"pip install {wheel.name} beside {python} would install: {listed}")
 
 
-def check_import(venv: Path) -> None:
-    """The installed wheel imports from outside the checkout, with no version warning."""
+def check_import(python: Path) -> None:
+    """The installed wheel imports from outside the checkout (from the environment's own
+    site-packages), with no version warning."""
     code = (
-        "import warnings, torchrec_swp, torchrec_swp.integrations.torchrec.pipelines as p; "
-        "print(torchrec_swp.__file__)"
+        "import sys, torchrec_swp, torchrec_swp.integrations.torchrec.pipelines as p; "
+        "print(sys.prefix); print(torchrec_swp.__file__)"
     )
     with tempfile.TemporaryDirectory() as cwd:
-        proc = subprocess.run(
-            [str(venv / "bin/python"), "-W", "error::UserWarning:torchrec_swp", "-c", code],
-            cwd=cwd, text=True, capture_output=True,
-        )  # fmt: skip
-    if proc.returncode != 0 or str(ROOT) in proc.stdout or "torchrec_swp" in proc.stderr:
+        proc = subprocess.run([str(python), "-c", code], cwd=cwd, text=True, capture_output=True)
+    lines = proc.stdout.strip().splitlines()
+    prefix, imported = (Path(x).resolve() for x in lines[-2:]) if len(lines) >= 2 else (Path("/x"), Path("/"))
+    if proc.returncode != 0 or prefix not in imported.parents or "torchrec_swp" in proc.stderr:
         raise SystemExit(f"stack_venv: the installed wheel does not import cleanly:\n{proc.stdout}{proc.stderr}")
     log(f"import from the wheel: {proc.stdout.strip()}")
 
 
+def add_wheel(python: Path) -> dict[str, str]:
+    """Steps 2-6 on the environment of ``python``: the wheel installed as a user installs it
+    (with its dependencies), checked; returns the distributions found before it."""
+    before = freeze(python)
+    wheel = build_wheel(python)
+    check_metadata(wheel)
+    run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel)
+    after = freeze(python)
+    check_unchanged(before, after, f"pip install {wheel.name}")
+    log("the install added: " + "; ".join(diff(before, after)))
+    check_import(python)
+    return before
+
+
 def build(venv: Path, stack: str, fresh_python: str) -> None:
     started = time.monotonic()
+    venv = venv.absolute()
     if venv.is_symlink() or venv.exists():
         shutil.rmtree(venv) if not venv.is_symlink() else venv.unlink()
     log(f"{venv}: a fresh venv with TorchRec {stack}'s pairing ({REQ / f'stack-{stack}.txt'})")
     run(fresh_python, "-m", "venv", venv)
-    pip = [venv / "bin/python", "-m", "pip", "--disable-pip-version-check"]
+    python = venv / "bin/python"
+    pip = [python, "-m", "pip", "--disable-pip-version-check"]
     run(*pip, "install", "--quiet", "-r", REQ / f"stack-{stack}.txt")
     run(*pip, "install", "--quiet", "--no-deps", "-r", REQ / f"torchrec-{stack}.txt")
-    before = freeze(venv)
-    log(f"the user's environment: {len(before)} distributions, {time.monotonic() - started:.0f} s")
-
-    wheel = build_wheel(venv / "bin/python")
-    check_metadata(wheel)
-    run(*pip, "install", "--quiet", wheel)  # as a user installs it: with its dependencies
-    after = freeze(venv)
-    check_unchanged(before, after, f"pip install {wheel.name}")
-    added = diff({n: v for n, v in before.items()}, after)
-    log("the install added: " + "; ".join(added))
-    check_import(venv)
+    log(f"the user's environment: {len(freeze(python))} distributions, {time.monotonic() - started:.0f} s")
+    before = add_wheel(python)
 
     run(*pip, "install", "--quiet", "-r", REQ / "dev.txt")
     run(*pip, "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", ROOT)
-    check_unchanged(before, freeze(venv), "the development tools (requirements/dev.txt)")
+    check_unchanged(before, freeze(python), "the development tools (requirements/dev.txt)")
     (venv / ".installed").write_text(f"stack {stack}\n")
     log(f"{venv} ready in {time.monotonic() - started:.0f} s")
 
@@ -171,14 +185,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("venv", type=Path)
     parser.add_argument("--stack", choices=("1.8", "1.9"), help="the TorchRec release whose pairing to build")
     parser.add_argument("--check-only", action="store_true", help="dry-run the wheel against an existing venv")
+    parser.add_argument(
+        "--add-wheel", action="store_true",
+        help="install the wheel into the existing environment VENV (steps 2-6), as make gpu-check does",
+    )  # fmt: skip
     parser.add_argument("--python", default=sys.executable, help="the Python to make the venv with")
     args = parser.parse_args(argv)
+    args.venv = args.venv.absolute()
     if args.check_only:
         if not (args.venv / "bin/python").exists():
             raise SystemExit(f"stack_venv: {args.venv} has no bin/python: build it first (make install)")
         wheel = build_wheel(args.venv / "bin/python")
         check_metadata(wheel)
-        dry_run(args.venv, wheel)
+        dry_run(args.venv / "bin/python", wheel)
+        return
+    if args.add_wheel:
+        add_wheel(args.venv / "bin/python")
         return
     if args.stack is None:
         parser.error("--stack 1.8|1.9 is needed to build a venv")

@@ -25,7 +25,8 @@ def test_another_version_is_a_clear_import_error(found: str) -> None:
         check_torchrec_version(found)
     message = str(info.value)
     assert f"torchrec {found} is installed" in message
-    assert "supports torchrec 1.8.x and 1.9.x" in message and "pip install --no-deps torchrec==1.9.2" in message
+    assert "supports torchrec 1.8.x and 1.9.x" in message and "pip install torchrec==1.9.2" in message
+    assert "torch 2.14" in message and "docs/install.md" in message
 
 
 @pytest.mark.parametrize(

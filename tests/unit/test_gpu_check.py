@@ -97,10 +97,10 @@ def test_candidates_are_the_named_interpreter_alone_when_given() -> None:
 
 def test_stack_requirements_swap_fbgemm_and_keep_the_found_torch(tmp_path: Path) -> None:
     (tmp_path / "requirements").mkdir()
-    (tmp_path / "requirements" / "runtime.txt").write_text(
+    (tmp_path / "requirements" / "stack-1.9.txt").write_text(
         "# pins\ntorch==2.13.0\nfbgemm-gpu-cpu==1.8.0  # cpu\ntensordict==0.15.3\nnumpy==2.4.6\nortools==9.15.6755\n"
     )
-    (tmp_path / "requirements" / "torchrec.txt").write_text("# no deps\ntorchrec==1.9.2\n")
+    (tmp_path / "requirements" / "torchrec-1.9.txt").write_text("# no deps\ntorchrec==1.9.2\n")
     same, nodeps = env.stack_requirements("2.13.0+cu130", tmp_path)
     assert same == ["fbgemm-gpu==1.8.0", "tensordict==0.15.3"] and nodeps == ["torchrec==1.9.2"]
     other, _ = env.stack_requirements("2.11.0+cu130", tmp_path)

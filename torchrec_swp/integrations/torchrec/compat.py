@@ -120,7 +120,9 @@ def check_torchrec_version(found: str | None = None) -> str:
         try:
             found = metadata.version("torchrec")
         except metadata.PackageNotFoundError:
-            raise ImportError(f"torchrec_swp needs torchrec {supported}, which is not installed: {INSTALL_HINT}") from None
+            raise ImportError(
+                f"torchrec_swp needs torchrec {supported}, which is not installed: {INSTALL_HINT}"
+            ) from None
     try:
         version = parse_version(found)
     except ValueError:
@@ -171,7 +173,8 @@ def untested_stack(torchrec: str, torch: str | None, fbgemm: str | None) -> str 
     torch_release = _RELEASE.match(torch or "")
     torch_series = f"{torch_release.group(1)}.{torch_release.group(2)}" if torch_release else None
     fbgemm_version = fbgemm.split()[-1].split("+", 1)[0] if fbgemm else None
-    if torchrec.split("+", 1)[0] == pairing.torchrec and torch_series == pairing.torch and fbgemm_version == pairing.fbgemm:
+    found = (torchrec.split("+", 1)[0], torch_series, fbgemm_version)
+    if found == (pairing.torchrec, pairing.torch, pairing.fbgemm):
         return None
     tested = "; ".join(str(p) for p in TESTED_PAIRINGS.values())
     return (
