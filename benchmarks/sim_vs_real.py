@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import rank_setup, size_arg
 from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
 from benchmarks.report import run_meta, write_report
-from harness.dlrm_data import SIZES
 from harness.dlrm import INFO, PIPELINES
+from harness.dlrm_data import SIZES
 
 QUICK_PIPELINES = [n for n in PIPELINES if not INFO[n].compiles]
 CONFIGS = ("default", "io", "io+ahead", "2loads")
@@ -68,9 +68,9 @@ def _runner(name: str, config: str, rank: int, world: int, size_name: str, total
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
     from torchrec_swp import plans
-    from torchrec_swp.plans import splits_draw
     from torchrec_swp.data import MapSource
     from torchrec_swp.plan import MAIN_THREAD
+    from torchrec_swp.plans import splits_draw
 
     size = SIZES[size_name]
     build = lambda: build_dlrm(rank, world, size)  # noqa: E731

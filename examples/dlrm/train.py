@@ -109,10 +109,10 @@ from harness.dlrm import (
     unknown_options,
     upstream_unavailable,
 )
-from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
-from torchrec_swp.plans import default_plans
 from torchrec_swp.data import MapSource
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
+from torchrec_swp.plans import default_plans
 
 THREAD_MAPS = ("main", "by_stream", "per_task", "io")
 #: The pipeline without --pipeline, and the one --eval-mode hybrid evaluates through.

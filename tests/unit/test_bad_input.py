@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from torchrec_swp.engine import Engine
 from torchrec_swp.catalog.torchrec import staged_plan
-from torchrec_swp.plans import with_parallel_loads
+from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
+from torchrec_swp.plans import with_parallel_loads
 
 S = TaskSchedule
 

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+# after the importorskip: without torch.distributed.pipelining the module skips instead of failing
+from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping  # noqa: E402
 
-from torchrec_swp.pp.builders import (
+from torchrec_swp.pp.builders import (  # noqa: E402 (after the importorskip above)
     dualpipev,
     gpipe,
     interleaved_1f1b,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchrec_swp.engine.batches import BatchLedger, Batches
+from torchrec_swp.engine.batches import Batches, BatchLedger
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.source import Feed
 

@@ -22,7 +22,7 @@ import torch
 
 from torchrec_swp.compile import CompiledPlan, Run
 from torchrec_swp.engine import cuts
-from torchrec_swp.engine.batches import BatchBook, BatchLedger, Batches
+from torchrec_swp.engine.batches import BatchBook, Batches, BatchLedger
 from torchrec_swp.engine.board import ITERATION
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe

@@ -26,6 +26,7 @@ from torchrec_swp.engine.installed import Plans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
 from torchrec_swp.engine.source import Feed
 
+
 class Epochs:
     """The epochs of an engine (``interpreter``, running ``plans``): ``settle(interrupt)`` waits until no thread walks (interrupting
     them first when it says why); ``restart(start)`` places every thread at internal iteration

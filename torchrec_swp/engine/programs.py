@@ -51,9 +51,9 @@ import torch
 from torchrec_swp.compile import Instr, IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
-from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Observer
+from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState
 from torchrec_swp.plan import MAIN_THREAD
 
 ActionBinding = Callable[[int, "int | None"], Any]
