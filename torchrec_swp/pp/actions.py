@@ -55,9 +55,10 @@ class Kind(str, Enum):
     STEP = "O"
 
 
-F, E, B, I, W = Kind.FORWARD, Kind.SPARSE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+# the one-letter names are the action letters of the zero-bubble paper and of torch's schedules
+F, E, B, I, W = Kind.FORWARD, Kind.SPARSE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 SF, RF, SB, RB = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-G, O = Kind.GRAD_SYNC, Kind.STEP
+G, O = Kind.GRAD_SYNC, Kind.STEP  # noqa: E741
 
 COMPUTE = frozenset({F, E, B, I, W})
 P2P = frozenset({SF, RF, SB, RB})
