@@ -84,7 +84,11 @@ def _assign_heights(problem: Problem, layout: Layout) -> tuple[int, ...] | None:
         for k in reversed(list(chosen)):
             rest = [c for c in chosen if c != k]
             trial = _solve(problem, {*forced, *rest})
-            if trial is not None and max(trial) < max(best) and iteration_time(problem, layout, _stages(trial)) <= time + _EPS:
+            if (
+                trial is not None
+                and max(trial) < max(best)
+                and iteration_time(problem, layout, _stages(trial)) <= time + _EPS
+            ):
                 chosen, best = rest, trial
     return best
 
@@ -140,8 +144,8 @@ def auto_assign_stages(
     stages = assign_stages(problem, layout)
     if stages is None:
         raise PlanError(
-            f"no stages for plan {plan.name} with its fire order: anchors {sorted(problem.anchors)} at the highest stage "
-            f"and at most {max_in_flight} batches in flight cannot satisfy every dependency",
+            f"no stages for plan {plan.name} with its fire order: anchors {sorted(problem.anchors)} "
+            f"at the highest stage and at most {max_in_flight} batches in flight cannot satisfy every dependency",
             culprit=plan.name,
         )
     return to_plan(problem, layout, stages)

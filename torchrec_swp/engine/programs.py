@@ -126,7 +126,9 @@ class ProgramEngine(Interpreter):
         self.failures.clear()
         self.board.resume()
         self.board.clear_latches()
-        walkers = [self._walker(MAIN_THREAD)] + [self._walker(t) for t, instrs in program.threads if t != MAIN_THREAD and instrs]
+        walkers = [self._walker(MAIN_THREAD)] + [
+            self._walker(t) for t, instrs in program.threads if t != MAIN_THREAD and instrs
+        ]
         for w in walkers:
             w.place(step, self._bases)
         start = time.perf_counter() if self._observer is not None else 0.0

@@ -163,7 +163,10 @@ def to_torch_text(action: Action) -> str:
     ``0SF1`` -> ``0SEND_F1``, ``1G`` -> ``1REDUCE_GRAD``. PPError for ``E`` and ``O``."""
     text = TORCH_KINDS.get(action.kind)
     if text is None:
-        raise PPError(f"action {action} has no torch.distributed.pipelining counterpart (kind {action.kind.value})", action=str(action))
+        raise PPError(
+            f"action {action} has no torch.distributed.pipelining counterpart (kind {action.kind.value})",
+            action=str(action),
+        )
     return f"{action.stage}{text}{'' if action.microbatch is None else action.microbatch}"
 
 
