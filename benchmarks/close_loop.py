@@ -159,7 +159,8 @@ def _markdown(r: dict[str, Any], meta: dict[str, Any], found: Any) -> str:
             "",
             f"{meta['date']}; `{meta['command']}`",
             "",
-            f"Search: {r['candidates']} candidates simulated in {r['search_seconds']:.1f} s; the change: {r['change']}.",
+            f"Search: {r['candidates']} candidates simulated in {r['search_seconds']:.1f} s; "
+            f"the change: {r['change']}.",
             "",
             *(f"- {line}" for line in r["why"]),
             "",
@@ -168,11 +169,13 @@ def _markdown(r: dict[str, Any], meta: dict[str, Any], found: Any) -> str:
             f"| default plan, measured in the profiling run | {r['measured_before_profile_ms']:.2f} |",
             f"| default plan, predicted | {r['predicted_default_ms']:.2f} |",
             f"| default plan, measured in the final run | {r['measured_default_ms']:.2f} |",
-            f"| found plan, predicted from the default's profiles | **{r['predicted_found_ms']:.2f}** ({100 * r['error']:+.1f}%) |",
+            f"| found plan, predicted from the default's profiles "
+            f"| **{r['predicted_found_ms']:.2f}** ({100 * r['error']:+.1f}%) |",
             f"| found plan, its own final-run profiles replayed (the model alone) | {r['own_profile_replay_ms']:.2f} |",
             f"| found plan, measured | **{r['measured_found_ms']:.2f}** |",
             "",
-            f"Speed-up measured: {r['speedup']:.2f}x; same losses at every step: " + ("yes." if r["same_losses"] else "NO."),
+            f"Speed-up measured: {r['speedup']:.2f}x; same losses at every step: "
+            + ("yes." if r["same_losses"] else "NO."),
             "",
             "```",
             found.format_schedule(found.max_stage + 3),

@@ -50,8 +50,8 @@ from benchmarks.common import (
     step_stats,
     write_json,
 )
-from harness.dlrm_data import SIZES, batches
 from harness.dlrm import INFO, PIPELINES
+from harness.dlrm_data import SIZES, batches
 
 SHORTCUT_PIPELINE = "TrainPipelineSparseDist"
 

@@ -206,7 +206,10 @@ def _fmt(x: float | None) -> str:
 def markdown(report: dict[str, Any]) -> str:
     rows, meta = report["rows"], report["meta"]
     has_base = any("baseline" in r for r in rows)
-    head = "| tasks | threads | waits / signals per iteration | us per step, best (median) | us per task | us per hand-off |"
+    head = (
+        "| tasks | threads | waits / signals per iteration | us per step, best (median) | us per task "
+        "| us per hand-off |"
+    )
     sep = "|---|---|---|---|---|---|"
     if has_base:
         head += " baseline: us per step, best (median) | baseline: us per task | baseline: us per hand-off |"
@@ -298,7 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="a folder holding another torchrec_swp to time too")
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
     parser.add_argument(
-        "--svg", type=Path, default=None, help="also draw the plot as SVG there (docs/engine_cost.svg: the docs' figure)"
+        "--svg",
+        type=Path,
+        default=None,
+        help="also draw the plot as SVG there (docs/engine_cost.svg: the docs' figure)",
     )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-root", type=Path, default=None, help=argparse.SUPPRESS)

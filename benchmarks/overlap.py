@@ -415,7 +415,8 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
             f"threads {t['threads']}, lookahead {t['lookahead']}, loads {t['loads']}"
             + (", the input dist in its own comm group" if t["input_dist_group"] else "")
             + f" ({'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
-            f"{t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds ({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
+            f"{t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds "
+            f"({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
             if t["switched"]
             else f"to keep its plan ({t['why'][-1]})"
         )
@@ -452,7 +453,8 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"## {r['ranks']} rank(s), {r['size']} DLRM, loader {r['latency_ms']:g} ms"
             + (f" ({100 * share:.0f}% of upstream's step)" if share else ""),
             "",
-            "| contender | mean ms | median ms | QPS | vs upstream | bound ms (busiest thread) | eff | peak RSS MiB/rank |",
+            "| contender | mean ms | median ms | QPS | vs upstream | bound ms (busiest thread) | eff "
+            "| peak RSS MiB/rank |",
             "|---|---|---|---|---|---|---|---|",
         ]
         up = r.get("upstream")
@@ -466,9 +468,13 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 bound = f"{b['bound_ms']:.2f} ({busiest})"
             eff = f"{r['efficiency'][label]:.2f}" if label in r["efficiency"] else "-"
             m = r.get("memory", {}).get(label)
-            rss = "-" if m is None else f"{m['rss_mib']:,.0f}" + (f" (+ worker {m['worker_rss_mib']:,.0f})" if "dataloader" in label else "")
+            rss = "-"
+            if m is not None:
+                worker = f" (+ worker {m['worker_rss_mib']:,.0f})" if "dataloader" in label else ""
+                rss = f"{m['rss_mib']:,.0f}{worker}"
             lines.append(
-                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s['qps']:,.0f} | {vs} | {bound} | {eff} | {rss} |"
+                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s['qps']:,.0f} "
+                f"| {vs} | {bound} | {eff} | {rss} |"
             )
         lines.append("")
         for ours, peer, ratio, verdict in comparisons(r, labels, meta["tolerance"]):

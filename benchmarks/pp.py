@@ -344,7 +344,8 @@ def _markdown(report: dict[str, Any]) -> str:
             "`simulated` is `pp.simulate(program).makespan`, `measured` the engine's `run_program` time in those steps."
         ),
         "",
-        "| contender | median step ms | p90 ms | simulated program ms | measured program ms | sim / measured | simulated bubble |",
+        "| contender | median step ms | p90 ms | simulated program ms | measured program ms | sim / measured "
+        "| simulated bubble |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:

@@ -117,7 +117,9 @@ def inputs_of(runs: Sequence[ProfiledRun], *, wake: float = DEFAULT_WAKE_S, gil:
     return from_profiles([r.profile() for r in runs], wake=wake, gil=gil)
 
 
-def predicted_step(inputs: Inputs, *, mode: str = "mean", plan: PipelinePlan | None = None, batches: int | None = None) -> float:
+def predicted_step(
+    inputs: Inputs, *, mode: str = "mean", plan: PipelinePlan | None = None, batches: int | None = None
+) -> float:
     """The engine model's mean step of the calibrated ranks (running ``plan`` if given, else what
     they ran), over ``batches`` batches (default: replay as many as were measured, 40 for means)."""
     cal = inputs.calibration

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import rank_setup, size_arg
 from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
 from benchmarks.report import run_meta, write_report
-from harness.dlrm_data import SIZES
 from harness.dlrm import INFO, PIPELINES
+from harness.dlrm_data import SIZES
 
 QUICK_PIPELINES = [n for n in PIPELINES if not INFO[n].compiles]
 CONFIGS = ("default", "io", "io+ahead", "2loads")
@@ -63,14 +63,16 @@ def configs_of(name: str) -> list[str]:
     return [c for c in CONFIGS if c != "2loads" or splits_draw(first)]
 
 
-def _runner(name: str, config: str, rank: int, world: int, size_name: str, total: int, latency_s: float) -> tuple[Any, Any]:
+def _runner(
+    name: str, config: str, rank: int, world: int, size_name: str, total: int, latency_s: float
+) -> tuple[Any, Any]:
     from benchmarks.peers import latency_dataset
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
     from torchrec_swp import plans
-    from torchrec_swp.plans import splits_draw
     from torchrec_swp.data import MapSource
     from torchrec_swp.plan import MAIN_THREAD
+    from torchrec_swp.plans import splits_draw
 
     size = SIZES[size_name]
     build = lambda: build_dlrm(rank, world, size)  # noqa: E731
@@ -122,7 +124,13 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, lis
 
                 def where(r: Any) -> dict[str, Any]:
                     draws = r.pipeline.engine.draws
-                    return dict(rank=rank, world_size=world_size, host=host, cores=cores, split_draws=bool(draws and draws.splits))
+                    return dict(
+                        rank=rank,
+                        world_size=world_size,
+                        host=host,
+                        cores=cores,
+                        split_draws=bool(draws and draws.splits),
+                    )
 
                 out[name] = profile_blocks(
                     configs,
@@ -234,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="comma-separated (default: all 12; with --quick the 10 that do not compile)",
     )
-    parser.add_argument("--quick", action="store_true", help="2 ranks only, 2 rounds of 40 steps, no compiled pipelines")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 ranks only, 2 rounds of 40 steps, no compiled pipelines"
+    )
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=None, help="(default: 2,1)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default: 3, --quick 2)")
     parser.add_argument("--block", type=int, default=None, help="consecutive steps per block (default: 60, --quick 40)")

@@ -30,8 +30,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import rank_setup, run_ranks
-from harness.dlrm_data import SIZES, batches
 from harness.dlrm import INFO
+from harness.dlrm_data import SIZES, batches
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any] | None:

@@ -43,13 +43,15 @@ class LoopReport:
         return "\n".join(
             [
                 (
-                    f"measured before: {self.before.iteration_s * ms:.3f} ms per iteration (plan {self.before.plan.name}, "
-                    f"{len(self.before.plan.thread_groups)} thread(s), depth {self.before.plan.pipeline_depth})"
+                    f"measured before: {self.before.iteration_s * ms:.3f} ms per iteration "
+                    f"(plan {self.before.plan.name}, {len(self.before.plan.thread_groups)} thread(s), "
+                    f"depth {self.before.plan.pipeline_depth})"
                 ),
                 f"search: {self.search.format(ms, ' ms')}",
                 (
-                    f"measured after:  {self.measured * ms:.3f} ms per iteration; predicted {self.predicted * ms:.3f} ms, "
-                    f"error {100 * self.error:+.1f}%; speed-up x{self.before.iteration_s / self.measured:.2f}"
+                    f"measured after:  {self.measured * ms:.3f} ms per iteration; "
+                    f"predicted {self.predicted * ms:.3f} ms, error {100 * self.error:+.1f}%; "
+                    f"speed-up x{self.before.iteration_s / self.measured:.2f}"
                 ),
             ]
         )

@@ -308,7 +308,7 @@ def train_pipeline_run(
     iterator already in use (default: a fresh ``iter(batches)``). Other exceptions propagate.
     """
     if model is None:
-        model = getattr(pipeline, "_model")
+        model = pipeline._model
     if max_calls is None:
         max_calls = len(batches) + 2
     it = iter(batches) if iterator is None else iterator

@@ -45,14 +45,18 @@ def build_pec_model(seed: int, num_batches: int) -> tuple[torch.nn.Module, torch
     tables: list[Any] = [
         EmbeddingBagConfig(name="ebc_table_0", feature_names=["ebc_feature_0"], embedding_dim=8, num_embeddings=100),
         *(
-            EmbeddingConfig(name=f"ec_table_{i}", feature_names=[f"ec_feature_{i}"], embedding_dim=8, num_embeddings=100)
+            EmbeddingConfig(
+                name=f"ec_table_{i}", feature_names=[f"ec_feature_{i}"], embedding_dim=8, num_embeddings=100
+            )
             for i in range(2)
         ),
     ]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         data = [
-            ModelInput.generate(tables=tables, weighted_tables=[], batch_size=10, world_size=world, num_float_features=10)
+            ModelInput.generate(
+                tables=tables, weighted_tables=[], batch_size=10, world_size=world, num_float_features=10
+            )
             for _ in range(num_batches)
         ]
         skeleton = TestPECMixedEmbeddingSparseArch(tables=tables, dense_device=CPU, sparse_device=torch.device("meta"))

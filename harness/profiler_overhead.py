@@ -37,8 +37,8 @@ class Overhead:
 
     def format(self) -> str:
         return (
-            f"per task call ({self.tasks} trivial tasks x {self.iterations} iterations): plain loop {self.plain_us:.2f} us, "
-            f"engine {self.off_us:.2f} us, engine + profiler {self.on_us:.2f} us "
+            f"per task call ({self.tasks} trivial tasks x {self.iterations} iterations): "
+            f"plain loop {self.plain_us:.2f} us, engine {self.off_us:.2f} us, engine + profiler {self.on_us:.2f} us "
             f"(+{self.profiler_us:.2f} us); two threads: {self.threaded_off_us:.2f} us off, "
             f"{self.threaded_on_us:.2f} us on (+{self.threaded_on_us - self.threaded_off_us:.2f} us)"
         )

@@ -357,7 +357,9 @@ def train_upstream_checked(
 
 
 # ------------------------------------------------------------------------------ Maglev
-def _counted(checker: Any, counts: dict[str, int], fn: Callable[[int, int | None], Any]) -> Callable[[int, int | None], Any]:
+def _counted(
+    checker: Any, counts: dict[str, int], fn: Callable[[int, int | None], Any]
+) -> Callable[[int, int | None], Any]:
     """``fn`` with the aten ops it runs counted per emulated stream."""
 
     def run(stage: int, microbatch: int | None) -> Any:
@@ -406,7 +408,9 @@ def train_maglev_checked(
     bindings = pipeline.runtime.bindings()
     if ops_per_stream is not None:
         bindings = {kind: _counted(checker, ops_per_stream, fn) for kind, fn in bindings.items()}
-    pipeline.engine = ProgramEngine(bindings, streams=CheckedStreamPool(checker), timeout_s=old.timeout_s, name=old.name)
+    pipeline.engine = ProgramEngine(
+        bindings, streams=CheckedStreamPool(checker), timeout_s=old.timeout_s, name=old.name
+    )
     old.close()
     take_inputs = stage.take_inputs
 
@@ -426,7 +430,9 @@ def train_maglev_checked(
     return done
 
 
-def maglev_rank_checked(rank: int, world_size: int, name: str, thread_map: Any = "main", steps: int = 2) -> dict[str, Any]:
+def maglev_rank_checked(
+    rank: int, world_size: int, name: str, thread_map: Any = "main", steps: int = 2
+) -> dict[str, Any]:
     """One rank of a ``world_size``-stage Maglev run (``harness.ranks.run_on_ranks``), under a
     checker of its own: ``{"steps", "ops_per_stream", "findings": [str], "counts"}``. A checker
     sees one process: it checks each rank's streams and threads, not what crosses ranks."""

@@ -1,7 +1,8 @@
 """Workloads to test and compare the searches on: plans with made-up task durations.
 
-* ``torchrec_workloads()``: four TorchRec pipelines' plans (``catalog.torchrec``, pure data) with CPU durations in milliseconds typical of a small DLRM step. Their plans leave
-  one ordering to fire order that a search must keep: ``ZeroGrad(b)`` after
+* ``torchrec_workloads()``: four TorchRec pipelines' plans (``catalog.torchrec``, pure data)
+  with CPU durations in milliseconds typical of a small DLRM step. Their plans leave one
+  ordering to fire order that a search must keep: ``ZeroGrad(b)`` after
   ``OptimizerStep(b - 1)``; it is added as a dependency.
 * ``random_workload(seed)``: a random task graph: a source, random same-batch dependencies,
   dependencies on earlier batches, a comm group, and the three anchors Forward -> Backward ->

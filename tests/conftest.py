@@ -55,7 +55,9 @@ def _imports(f: Path, module: str) -> set[str]:
     names: set[str] = set()
     package = module if f.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(f.read_text())
-    lazy_bodies = {id(n) for d in tree.body if isinstance(d, ast.FunctionDef) and d.name == "__getattr__" for n in ast.walk(d)}
+    lazy_bodies = {
+        id(n) for d in tree.body if isinstance(d, ast.FunctionDef) and d.name == "__getattr__" for n in ast.walk(d)
+    }
     for node in ast.walk(tree):
         if id(node) in lazy_bodies:
             continue

@@ -375,11 +375,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines = [
         f"# Upstream pipeline tests, upstream vs torchrec_swp: torchrec {env['torchrec']}",
         "",
-        f"- tests from `{report['torchrec_repo']}` at `{report['rev']}` = `{report['commit'][:12]}` ({report['commit_date']})",
+        f"- tests from `{report['torchrec_repo']}` at `{report['rev']}` = `{report['commit'][:12]}` "
+        f"({report['commit_date']})",
         f"- torch {env['torch']}, python {env['python']}, fbgemm-gpu-cpu {env.get('fbgemm_gpu', '?')}",
-        f"- ours: torchrec_swp of `{report['ours']['source']}` at {report['ours'].get('rev', 'HEAD')} = `{report['ours']['commit']}`"
+        f"- ours: torchrec_swp of `{report['ours']['source']}` at {report['ours'].get('rev', 'HEAD')} "
+        f"= `{report['ours']['commit']}`"
         + (" + uncommitted changes" if report["ours"]["dirty"] else ""),
-        f"- force CPU: {'yes' if report['force_cpu'] else 'no (as shipped)'}; per-test timeout {report['timeout_s']} s; "
+        f"- force CPU: {'yes' if report['force_cpu'] else 'no (as shipped)'}; "
+        f"per-test timeout {report['timeout_s']} s; "
         f"hypothesis seed {report.get('hypothesis_seed', '-')}; started {report['started']}"
         + (f"; only `-k {report['keyword']}`" if report.get("keyword") else ""),
         "",
@@ -680,9 +683,8 @@ def probe_python(python: str) -> dict[str, str]:
     )
     result = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise SuiteError(
-            f"{python} cannot import torch and torchrec: {first_line(result.stderr.splitlines()[-1] if result.stderr else '')}"
-        )
+        last = result.stderr.splitlines()[-1] if result.stderr else ""
+        raise SuiteError(f"{python} cannot import torch and torchrec: {first_line(last)}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -785,9 +787,8 @@ def _probe_imports(python: str, ws: Workspace, deps_dir: Path, modules: Sequence
         check=False,
     )
     if result.returncode != 0:
-        raise SuiteError(
-            f"importing the extracted tests failed: {first_line(result.stderr.splitlines()[-1] if result.stderr else '')}"
-        )
+        last = result.stderr.splitlines()[-1] if result.stderr else ""
+        raise SuiteError(f"importing the extracted tests failed: {first_line(last)}")
     return set(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
@@ -1090,7 +1091,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ours-rev",
         default="HEAD",
-        help="commit of this checkout whose torchrec_swp to test (default HEAD), or 'worktree' for the files as they are",
+        help=(
+            "commit of this checkout whose torchrec_swp to test (default HEAD), "
+            "or 'worktree' for the files as they are"
+        ),
     )
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temporary directory of rewritten tests")
     parser.add_argument("--render", metavar="REPORT_JSON", help="only re-render report.md from a report.json")

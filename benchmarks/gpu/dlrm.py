@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from harness.dlrm_data import DISTINCT_BATCHES, batches
 from examples.dlrm.model import DlrmSize, build_dlrm
+from harness.dlrm_data import DISTINCT_BATCHES, batches
 
 GPU_SIZE = DlrmSize(
     batch_size=8192, num_embeddings=100_000, embedding_dim=64, dense_arch=(512, 256), over_arch=(512, 256)

@@ -304,7 +304,9 @@ def run(
             "seconds": time.perf_counter() - start,
             "steps": steps,
             "cases": rows,
-            "reason": f"{type(e).__name__}: {reason[-1] if reason else ''} (after {len(rows)} runs; see {PARTIAL_NAME})",
+            "reason": (
+                f"{type(e).__name__}: {reason[-1] if reason else ''} (after {len(rows)} runs; see {PARTIAL_NAME})"
+            ),
         }
     partial.unlink(missing_ok=True)
     return {"status": status_of(rows), "seconds": time.perf_counter() - start, "steps": steps, "cases": rows}

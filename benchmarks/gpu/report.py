@@ -123,8 +123,8 @@ def _parity_section(part: Mapping[str, Any]) -> list[str]:
     lines = [
         (
             f"{part.get('steps', '?')} steps per run on one GPU (nccl, world size 1), the test model of "
-            "harness/ranks.py and harness/parity.py; outputs, losses, final weights, batch count and StopIteration call compared "
-            "bit for bit with upstream's run of the same options."
+            "harness/ranks.py and harness/parity.py; outputs, losses, final weights, batch count and StopIteration "
+            "call compared bit for bit with upstream's run of the same options."
         ),
         "",
         "| pipeline | ours | batches | result | ours s | upstream s |",

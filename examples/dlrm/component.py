@@ -51,7 +51,7 @@ def dlrm(
     cpu: int = 2,
     memMB: int = 4096,
 ) -> specs.AppDef:
-    """Train TorchRec's DLRM on synthetic Criteo-like data with one of the 12 train pipelines (TrainPipelinePEC on TorchRec 1.9 only).
+    """Train TorchRec's DLRM on synthetic Criteo-like data with one of the 12 train pipelines.
 
     Args:
         script_args: further arguments for train.py (after --)
@@ -59,19 +59,24 @@ def dlrm(
         nnodes: nodes (one torchrun each; they meet through the c10d rendezvous on the first node)
         max_retries: restarts after a failure (the scheduler's retries and torchrun's --max-restarts)
         rdzv_port: port of the rendezvous on the first node (nnodes > 1)
-        pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase ("": train.py's default, TrainPipelineSparseDist, or TrainEvalHybridPipelineBase with eval_mode hybrid)
+        pipeline: pipeline class name, e.g. TrainPipelineSparseDist or TrainPipelineBase ("": train.py's default,
+            TrainPipelineSparseDist, or TrainEvalHybridPipelineBase with eval_mode hybrid); TrainPipelinePEC on
+            TorchRec 1.9 only
         impl: ours (torchrec_swp) or upstream (TorchRec)
         steps: batches per rank
         thread_map: ours: main, by_stream, per_task, io, or a JSON object {task: thread} ("": the plan's own)
-        data_source: dataloader (torchdata's StatefulDataLoader) or map (torchrec_swp's MapSource); "": map with autotune, else dataloader
+        data_source: dataloader (torchdata's StatefulDataLoader) or map (torchrec_swp's MapSource); "": map with
+            autotune, else dataloader
         loads: ours, with data_source map: batches loaded at once, on the pipeline's threads
         lookahead: ours: batches the source may draw ahead of the pipeline's depth (default: loads when loads > 1)
         input_dist_group: ours, the SparseDist family: a process group of its own for the sparse input dist
-        autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group); torchx takes a bool as a value: --autotune True
+        autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group);
+            torchx takes a bool as a value: --autotune True
         loader_latency_ms: the loader waits this long per batch (storage latency)
         eval_every: evaluate after every N-th step and the last: validation AUC and NE on held-out batches (0: never)
         eval_batches: held-out batches per rank of each evaluation (default: train.py's, 10); with eval_every only
-        eval_mode: pipeline (an EvalPipelineSparseDist beside the training pipeline) or hybrid (the training pipeline, TrainEvalHybridPipelineBase, in eval mode); "": train.py's default
+        eval_mode: pipeline (an EvalPipelineSparseDist beside the training pipeline) or hybrid (the training
+            pipeline, TrainEvalHybridPipelineBase, in eval mode); "": train.py's default
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
         memMB: memory of the job in MB (a resource request; local_cwd does not enforce it)

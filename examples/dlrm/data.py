@@ -194,6 +194,10 @@ class LinePosition(NamedTuple):
     line: int
 
 
+#: The start of the first file.
+_FIRST_LINE = LinePosition(0, 0, 0)
+
+
 class CriteoTsv:
     """Batches read from Criteo TSV files (see the module docstring), this rank's share.
 
@@ -311,7 +315,7 @@ class CriteoTsv:
             produced += 1
             chunk = []
 
-    def _lines(self, start: LinePosition = LinePosition(0, 0, 0)) -> Iterator[tuple[str, str]]:
+    def _lines(self, start: LinePosition = _FIRST_LINE) -> Iterator[tuple[str, str]]:
         """Every non-empty line from ``start`` on, with where it is (``path:line``) for error messages."""
         for index in range(start.file, len(self.paths)):
             path = self.paths[index]

@@ -45,10 +45,11 @@ device, so their plans run on real streams; on the CPU, gloo.
 Long jobs: ``--checkpoint-dir DIR`` saves checkpoints through torch.distributed.checkpoint every
 ``--checkpoint-every N`` steps and at the end (model with its sharded tables, dense and fused
 optimizer state, the pipeline's state with the loader's position; written atomically, see
-``checkpoint.py``; either data source, any ``--loads``); ``--resume`` continues from the latest one (or starts at step 0 when there is
-none yet, so a restarted job runs the same command). ``--stop-after N`` ends the run after step N
-(after its checkpoint), as a job's time limit would. ``--kill-rank-at RANK:STEP`` is a fault
-drill: that rank kills itself with SIGKILL after that step, on the launcher's first attempt only.
+``checkpoint.py``; either data source, any ``--loads``); ``--resume`` continues from the latest
+one (or starts at step 0 when there is none yet, so a restarted job runs the same command).
+``--stop-after N`` ends the run after step N (after its checkpoint), as a job's time limit
+would. ``--kill-rank-at RANK:STEP`` is a fault drill: that rank kills itself with SIGKILL after
+that step, on the launcher's first attempt only.
 
 Validation: ``--eval-every N --eval-batches M`` evaluates after every N-th step and after the
 last one on M held-out batches per rank (the synthetic data's held-out split, or ``--eval-tsv``
@@ -109,10 +110,10 @@ from harness.dlrm import (
     unknown_options,
     upstream_unavailable,
 )
-from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
-from torchrec_swp.plans import default_plans
 from torchrec_swp.data import MapSource
+from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
+from torchrec_swp.plans import default_plans
 
 THREAD_MAPS = ("main", "by_stream", "per_task", "io")
 #: The pipeline without --pipeline, and the one --eval-mode hybrid evaluates through.
@@ -785,7 +786,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ),
         plan=args.plan_value,
         thread_map=args.thread_map_value,
-        options={**args.options, **engine_keywords(args), **({"input_dist_group": True} if args.input_dist_group else {})},
+        options={
+            **args.options,
+            **engine_keywords(args),
+            **({"input_dist_group": True} if args.input_dist_group else {}),
+        },
         upstream_patch=args.upstream_cpu_patch,
         device=device,
     )

@@ -60,7 +60,9 @@ def upstream_cpu_patch() -> Iterator[None]:
         device = getattr(stream, "device", None)
         return stream if device is not None and torch.device(device).type != "cpu" else None
 
-    def start_embedding_lookup(module: Any, context: Any, source_stream: Any, target_stream: Any, stream_context: Any) -> None:
+    def start_embedding_lookup(
+        module: Any, context: Any, source_stream: Any, target_stream: Any, stream_context: Any
+    ) -> None:
         original_lookup(module, context, device_stream(source_stream), device_stream(target_stream), stream_context)
 
     cuda_event = torch.cuda.Event

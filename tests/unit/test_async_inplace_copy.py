@@ -29,7 +29,11 @@ def build(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 @pytest.mark.parametrize(
     "cls",
-    [torchrec_swp.TrainPipelineSparseDist, torchrec_swp.TrainPipelineSparseDistLite, torchrec_swp.PrefetchTrainPipelineSparseDist],
+    [
+        torchrec_swp.TrainPipelineSparseDist,
+        torchrec_swp.TrainPipelineSparseDistLite,
+        torchrec_swp.PrefetchTrainPipelineSparseDist,
+    ],
 )
 def test_async_inplace_copy_moves_the_in_place_h2d_to_its_own_thread(cls: type) -> None:
     on = build(cls, enable_inplace_copy_batch=True, async_inplace_copy=True)
@@ -61,7 +65,9 @@ def test_async_inplace_copy_given_by_position_as_upstream_allows() -> None:
     params = list(inspect.signature(upstream.TrainPipelineSparseDist.__init__).parameters)
     position = params.index("async_inplace_copy") - 4  # after self, model, optimizer, device
     inplace = params.index("enable_inplace_copy_batch") - 4
-    args: list[Any] = [p.default for p in list(inspect.signature(upstream.TrainPipelineSparseDist.__init__).parameters.values())[4:]]
+    args: list[Any] = [
+        p.default for p in list(inspect.signature(upstream.TrainPipelineSparseDist.__init__).parameters.values())[4:]
+    ]
     args[position] = True
     args[inplace] = True
     pipeline = build(torchrec_swp.TrainPipelineSparseDist, *args)

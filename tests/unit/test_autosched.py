@@ -288,7 +288,9 @@ def test_the_reordering_problem_costs_each_task_on_its_slowest_rank() -> None:
         Problem.from_profiles([fast, other])
 
 
-def test_cli_reorders_on_request_and_refuses_old_or_missing_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reorders_on_request_and_refuses_old_or_missing_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, out = tmp_path / "run.profile.json", tmp_path / "best.plan"
     sleep_profile().save(str(path))
     code = main(["--profile", str(path), "--out", str(out), "--quiet", "--reorder", "--exact", "--time-limit", "10"])

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from torchrec_swp.engine import Engine
 from torchrec_swp.catalog.torchrec import staged_plan
-from torchrec_swp.plans import with_parallel_loads
+from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
+from torchrec_swp.plans import with_parallel_loads
 
 S = TaskSchedule
 
@@ -41,7 +41,9 @@ def base_pipeline(**kwargs: Any) -> Any:
     import torchrec_swp
 
     model = torch.nn.Linear(2, 2)
-    return torchrec_swp.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), **kwargs)
+    return torchrec_swp.TrainPipelineBase(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), **kwargs
+    )
 
 
 def hybrid_pipeline(**kwargs: Any) -> Any:
@@ -61,27 +63,87 @@ def plan_file(tmp: Path, text: str) -> str:
 # (kind, how to provoke it, error type, text the message must contain: the culprit)
 CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ("empty plan", lambda t: PipelinePlan(schedule={}), PlanError, "no tasks"),
-    ("duplicate task", lambda t: plan(tasks=[PipelineTask("H2D"), PipelineTask("H2D")], output=None), PlanError, "duplicate task name H2D"),
+    (
+        "duplicate task",
+        lambda t: plan(tasks=[PipelineTask("H2D"), PipelineTask("H2D")], output=None),
+        PlanError,
+        "duplicate task name H2D",
+    ),
     ("unknown task in a dep", lambda t: plan(intra_iter_deps=[("Fwd", "Loss")]), PlanError, "'Loss'"),
-    ("dependency cycle", lambda t: plan(intra_iter_deps=[("H2D", "Fwd")], schedule={"Fwd": S(0), "Dist": S(0), "H2D": S(0)}), PlanError, "cycle"),
-    ("dep against the stages", lambda t: plan(schedule={"Fwd": S(0), "Dist": S(1, "data_dist"), "H2D": S(0, "memcpy")}), PlanError, "Fwd <- Dist"),
-    ("dep against the fire order", lambda t: plan(fire_order=["Fwd", "Dist", "H2D"], schedule={"Fwd": S(1), "Dist": S(1), "H2D": S(0)}), PlanError, "Dist must come before Fwd"),
+    (
+        "dependency cycle",
+        lambda t: plan(intra_iter_deps=[("H2D", "Fwd")], schedule={"Fwd": S(0), "Dist": S(0), "H2D": S(0)}),
+        PlanError,
+        "cycle",
+    ),
+    (
+        "dep against the stages",
+        lambda t: plan(schedule={"Fwd": S(0), "Dist": S(1, "data_dist"), "H2D": S(0, "memcpy")}),
+        PlanError,
+        "Fwd <- Dist",
+    ),
+    (
+        "dep against the fire order",
+        lambda t: plan(fire_order=["Fwd", "Dist", "H2D"], schedule={"Fwd": S(1), "Dist": S(1), "H2D": S(0)}),
+        PlanError,
+        "Dist must come before Fwd",
+    ),
     ("depth below the stage span", lambda t: plan(pipeline_depth=1), PlanError, "task Fwd is at stage 2"),
-    ("read nobody writes", lambda t: plan(tasks=[PipelineTask("Fwd", reads=("loss",))], output=None), PlanError, "'loss'"),
-    ("two writers of one name", lambda t: plan(tasks=[PipelineTask("H2D", writes=("x",)), PipelineTask("Dist", writes=("x",))], output=None), PlanError, "'x'"),
+    (
+        "read nobody writes",
+        lambda t: plan(tasks=[PipelineTask("Fwd", reads=("loss",))], output=None),
+        PlanError,
+        "'loss'",
+    ),
+    (
+        "two writers of one name",
+        lambda t: plan(tasks=[PipelineTask("H2D", writes=("x",)), PipelineTask("Dist", writes=("x",))], output=None),
+        PlanError,
+        "'x'",
+    ),
     ("source not at stage 0", lambda t: plan(source="Fwd"), PlanError, "source Fwd"),
-    ("stage-0 task not fed by the source", lambda t: plan(schedule={"Fwd": S(2), "Dist": S(1), "H2D": S(0), "Log": S(0)}), PlanError, "task Log"),
+    (
+        "stage-0 task not fed by the source",
+        lambda t: plan(schedule={"Fwd": S(2), "Dist": S(1), "H2D": S(0), "Log": S(0)}),
+        PlanError,
+        "task Log",
+    ),
     ("negative stage", lambda t: S(-1), PlanError, "stage must be >= 0"),
     ("stage of the wrong type", lambda t: S(1.5), PlanError, "stage must be an int"),  # type: ignore[arg-type]
     ("name with a space", lambda t: S(0, stream="mem copy"), PlanError, "'mem copy'"),
-    ("schedule of the wrong type", lambda t: PipelinePlan(schedule=[("A", S(0))]), PlanError, "schedule must be a mapping"),  # type: ignore[arg-type]
+    (
+        "schedule of the wrong type",
+        lambda t: PipelinePlan(schedule=[("A", S(0))]),  # type: ignore[arg-type]
+        PlanError,
+        "schedule must be a mapping",
+    ),
     ("thread_map naming an unknown task", lambda t: plan().with_thread_map({"h2d": "io"}), PlanError, "'h2d'"),
     ("unknown thread_map strategy", lambda t: plan().with_thread_map("by_threads"), PlanError, "'by_threads'"),
     ("thread_map of the wrong type", lambda t: plan().with_thread_map(["io"]), PlanError, "list"),  # type: ignore[arg-type]
-    ("more threads than allowed", lambda t: Engine(plan().with_thread_map("per_task"), BINDINGS, max_threads=2), PlanError, "3 threads"),
-    ("more batches in flight than allowed", lambda t: Engine(plan(pipeline_depth=6), BINDINGS, max_in_flight=5), PlanError, "6 batches in flight"),
-    ("a task on two comm groups", lambda t: PipelinePlan.from_text("plan p\ndepth 1\ntask A stage=0 comm=world,pg2\n"), PlanError, "world,pg2"),
-    ("unknown keyword in a plan file", lambda t: PipelinePlan.from_text("plan p\ndepth 1\ntsak A\n"), PlanError, "'tsak'"),
+    (
+        "more threads than allowed",
+        lambda t: Engine(plan().with_thread_map("per_task"), BINDINGS, max_threads=2),
+        PlanError,
+        "3 threads",
+    ),
+    (
+        "more batches in flight than allowed",
+        lambda t: Engine(plan(pipeline_depth=6), BINDINGS, max_in_flight=5),
+        PlanError,
+        "6 batches in flight",
+    ),
+    (
+        "a task on two comm groups",
+        lambda t: PipelinePlan.from_text("plan p\ndepth 1\ntask A stage=0 comm=world,pg2\n"),
+        PlanError,
+        "world,pg2",
+    ),
+    (
+        "unknown keyword in a plan file",
+        lambda t: PipelinePlan.from_text("plan p\ndepth 1\ntsak A\n"),
+        PlanError,
+        "'tsak'",
+    ),
     ("task with no function", lambda t: Engine(plan(), {"H2D": BINDINGS["H2D"]}), PlanError, "task Fwd"),
     ("function that is not callable", lambda t: Engine(plan(), {**BINDINGS, "Fwd": 42}), TypeError, "task Fwd"),
     ("timeout that is not positive", lambda t: Engine(plan(), BINDINGS, timeout_s=0), ValueError, "timeout_s"),
@@ -89,18 +151,58 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ("engine given something else than a plan", lambda t: Engine("plan", BINDINGS), TypeError, "str"),  # type: ignore[arg-type]
     ("pipeline plan with a task it does not have", lambda t: base_pipeline(plan=plan()), PlanError, "'Fwd'"),
     ("pipeline plan of the wrong type", lambda t: base_pipeline(plan=3), TypeError, "int"),
-    ("pipeline plan file that does not exist", lambda t: base_pipeline(plan=str(t / "missing.plan")), FileNotFoundError, "missing.plan"),
-    ("pipeline plan file with a bad line", lambda t: base_pipeline(plan=plan_file(t, "plan p\ndepth 1\ntask A stage=x\n")), PlanError, "line 3"),
-    ("pipeline thread_map naming an unknown task", lambda t: base_pipeline(thread_map={"Fwd": "io"}), PlanError, "'Fwd'"),
-    ("pipeline thread_map of an unknown strategy", lambda t: base_pipeline(thread_map="by_threads"), PlanError, "'by_threads'"),
+    (
+        "pipeline plan file that does not exist",
+        lambda t: base_pipeline(plan=str(t / "missing.plan")),
+        FileNotFoundError,
+        "missing.plan",
+    ),
+    (
+        "pipeline plan file with a bad line",
+        lambda t: base_pipeline(plan=plan_file(t, "plan p\ndepth 1\ntask A stage=x\n")),
+        PlanError,
+        "line 3",
+    ),
+    (
+        "pipeline thread_map naming an unknown task",
+        lambda t: base_pipeline(thread_map={"Fwd": "io"}),
+        PlanError,
+        "'Fwd'",
+    ),
+    (
+        "pipeline thread_map of an unknown strategy",
+        lambda t: base_pipeline(thread_map="by_threads"),
+        PlanError,
+        "'by_threads'",
+    ),
     ("pipeline loads below 1", lambda t: base_pipeline(loads=0), ValueError, "loads must be an int >= 1, got 0"),
     ("pipeline loads given as a bool", lambda t: base_pipeline(loads=True), TypeError, "got True"),
-    ("pipeline lookahead below 0", lambda t: base_pipeline(lookahead=-2), ValueError, "lookahead must be an int >= 0, got -2"),
+    (
+        "pipeline lookahead below 0",
+        lambda t: base_pipeline(lookahead=-2),
+        ValueError,
+        "lookahead must be an int >= 0, got -2",
+    ),
     ("pipeline lookahead given as a bool", lambda t: base_pipeline(lookahead=True), TypeError, "got True"),
-    ("loads on a source that cannot be split", lambda t: with_parallel_loads(staged_plan(["copy"]), 2), ValueError, "source is copy"),
+    (
+        "loads on a source that cannot be split",
+        lambda t: with_parallel_loads(staged_plan(["copy"]), 2),
+        ValueError,
+        "source is copy",
+    ),
     ("loads on a source on the calling thread", lambda t: plan(loads=2), PlanError, "`plan.with_loads(2)`"),
-    ("train guard below the highest stage", lambda t: plan(schedule={"Fwd": S(2), "Dist": S(1, "data_dist", when="train"), "H2D": S(0, "memcpy")}), PlanError, "task Dist runs when=train at stage 1"),
-    ("hybrid pipeline that would stop early", lambda t: hybrid_pipeline(execute_all_batches=False), ValueError, "execute_all_batches=False"),
+    (
+        "train guard below the highest stage",
+        lambda t: plan(schedule={"Fwd": S(2), "Dist": S(1, "data_dist", when="train"), "H2D": S(0, "memcpy")}),
+        PlanError,
+        "task Dist runs when=train at stage 1",
+    ),
+    (
+        "hybrid pipeline that would stop early",
+        lambda t: hybrid_pipeline(execute_all_batches=False),
+        ValueError,
+        "execute_all_batches=False",
+    ),
 ]
 
 

@@ -32,7 +32,10 @@ def small_plan() -> PipelinePlan:
         },
         intra_iter_deps=[("Prep", "Load"), ("Forward", "Prep"), ("Backward", "Forward"), ("OptimizerStep", "Backward")],
         inter_iter_deps=[("Forward", "OptimizerStep", 1), ("Prep", "Backward", 2)],
-        tasks=[PipelineTask("Load", writes=("batch",)), *(PipelineTask(t, anchor=True) for t in ("Forward", "Backward", "OptimizerStep"))],
+        tasks=[
+            PipelineTask("Load", writes=("batch",)),
+            *(PipelineTask(t, anchor=True) for t in ("Forward", "Backward", "OptimizerStep")),
+        ],
         source="Load",
         name="small",
     )

@@ -105,7 +105,11 @@ def test_collectives_on_two_threads_take_tickets_in_fire_order() -> None:
 def test_same_iteration_dep_across_threads_gets_wait_and_signal() -> None:
     plan = PipelinePlan(
         schedule={"Load": S(0, "memcpy"), "Prep": S(0), "Fwd": S(1)},
-        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Prep", reads=("x",), writes=("y",)), PipelineTask("Fwd", reads=("y",))],
+        tasks=[
+            PipelineTask("Load", writes=("x",)),
+            PipelineTask("Prep", reads=("x",), writes=("y",)),
+            PipelineTask("Fwd", reads=("y",)),
+        ],
         source="Load",
     ).with_thread_map({"Load": "io"})
     prog = compile_iteration(plan, [0, 1])
@@ -184,7 +188,11 @@ def test_a_source_with_several_loads_runs_on_lanes_that_everyone_waits_for() -> 
     # thread group would not share its thread: every consumer waits, the source signals
     plan = PipelinePlan(
         schedule={"Load": S(0, thread_group="load"), "Prep": S(0, thread_group="io"), "Fwd": S(1)},
-        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Prep", reads=("x",), writes=("y",)), PipelineTask("Fwd", reads=("y",))],
+        tasks=[
+            PipelineTask("Load", writes=("x",)),
+            PipelineTask("Prep", reads=("x",), writes=("y",)),
+            PipelineTask("Fwd", reads=("y",)),
+        ],
         source="Load",
         loads=2,
         lookahead=1,

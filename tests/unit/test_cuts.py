@@ -40,7 +40,11 @@ class Stateful:
 
 def plan(**changes: Any) -> PipelinePlan:
     """Load(0) -> Dist(1) -> Train(2); Train folds every batch into the model in order."""
-    schedule = {"Load": S(0, "memcpy"), "Dist": S(1, "data_dist", comm_group="world"), "Train": S(2, comm_group="world")}
+    schedule = {
+        "Load": S(0, "memcpy"),
+        "Dist": S(1, "data_dist", comm_group="world"),
+        "Train": S(2, comm_group="world"),
+    }
     return load_dist_train_plan(schedule, **{"name": "cut_toy", **changes})
 
 

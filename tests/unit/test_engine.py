@@ -294,7 +294,8 @@ def test_one_stage_plan_delivers_every_batch_and_stops() -> None:
     )
     for p in (plan, plan.with_thread_map("main")):
         data = iter(range(4))
-        engine = Engine(p, {"Load": lambda b: next(data), "Step": lambda b, x: x * 2})
+        # the engine runs and is closed within this iteration: no late binding (B023)
+        engine = Engine(p, {"Load": lambda b: next(data), "Step": lambda b, x: x * 2})  # noqa: B023
         assert engine.run_to_end() == [0, 2, 4, 6]
         engine.close()
 
@@ -319,7 +320,11 @@ class Recorder:
 def test_instrumentation_reports_runs_waits_and_iterations_and_detaches() -> None:
     plan = PipelinePlan(
         schedule={"Load": S(0, "memcpy", thread_group="io"), "Prep": S(0), "Fwd": S(1)},
-        tasks=[PipelineTask("Load", writes=("x",)), PipelineTask("Prep", reads=("x",), writes=("y",)), PipelineTask("Fwd", reads=("y",), writes=("out",))],
+        tasks=[
+            PipelineTask("Load", writes=("x",)),
+            PipelineTask("Prep", reads=("x",), writes=("y",)),
+            PipelineTask("Fwd", reads=("y",), writes=("out",)),
+        ],
         source="Load",
         output="out",
     )
@@ -499,7 +504,12 @@ def _tagging(phases: list[tuple[int, str]], data: list[Any], **options: Any) -> 
     assert PhasedPlan.from_text(phased.to_text()) == phased
     engine = Engine(
         phased,
-        {"Load": lambda n: next(data[0]), "Fwd": lambda n, x: x, "Tag": lambda n: seen.append("a"), "Other": lambda n: seen.append("b")},
+        {
+            "Load": lambda n: next(data[0]),
+            "Fwd": lambda n, x: x,
+            "Tag": lambda n: seen.append("a"),
+            "Other": lambda n: seen.append("b"),
+        },
     )
     return engine, seen
 
@@ -570,7 +580,9 @@ def test_phases_of_a_one_stage_plan_switch_where_the_source_draws(clock: str) ->
         source="Load", output="out", name="a",
     )
     b = a.replace(
-        schedule={"Load": S(0), "Fwd": S(0), "Other": S(0)}, tasks=[load, fwd, PipelineTask("Other", reads=("x",))], name="b"
+        schedule={"Load": S(0), "Fwd": S(0), "Other": S(0)},
+        tasks=[load, fwd, PipelineTask("Other", reads=("x",))],
+        name="b",
     )
     seen: list[str] = []
     data = iter(range(4))

@@ -61,7 +61,9 @@ def test_the_options_apply_in_order_plan_thread_map_loads_lookahead(tmp_path: Pa
     from_file = EngineOptions(plan=path, thread_map="io").plan_for(default, "X")
     assert from_file == mine.with_thread_map("io") and from_file.source_lanes() == ("load", "load.1", "load.2")
     # a thread map that puts the loads' source back on the calling thread is refused, naming the option
-    with pytest.raises(PlanError, match=r"^X\(thread_map='main'\): loads 3: the source Fetch runs on the calling thread"):
+    with pytest.raises(
+        PlanError, match=r"^X\(thread_map='main'\): loads 3: the source Fetch runs on the calling thread"
+    ):
         EngineOptions(plan=mine, thread_map="main").plan_for(default, "X")
 
 
@@ -80,10 +82,14 @@ BAD: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
     ("loads 0", lambda: base(loads=0), ValueError, "TrainPipelineBase: loads must be an int >= 1, got 0"),
     ("loads a bool", lambda: base(loads=True), TypeError, "TrainPipelineBase: loads must be an int >= 1, got True"),
     ("loads a float", lambda: base(loads=2.0), TypeError, "TrainPipelineBase: loads must be an int >= 1, got 2.0"),
-    ("lookahead < 0", lambda: base(lookahead=-1), ValueError, "TrainPipelineBase: lookahead must be an int >= 0, got -1"),
-    ("lookahead a bool", lambda: base(lookahead=False), TypeError, "TrainPipelineBase: lookahead must be an int >= 0, got False"),
-    ("timeout 0", lambda: base(engine_timeout_s=0), ValueError, "TrainPipelineBase: engine_timeout_s must be a number > 0, got 0"),
-    ("timeout a bool", lambda: base(engine_timeout_s=True), TypeError, "TrainPipelineBase: engine_timeout_s must be a number > 0, got True"),
+    ("lookahead < 0", lambda: base(lookahead=-1), ValueError,
+     "TrainPipelineBase: lookahead must be an int >= 0, got -1"),
+    ("lookahead a bool", lambda: base(lookahead=False), TypeError,
+     "TrainPipelineBase: lookahead must be an int >= 0, got False"),
+    ("timeout 0", lambda: base(engine_timeout_s=0), ValueError,
+     "TrainPipelineBase: engine_timeout_s must be a number > 0, got 0"),
+    ("timeout a bool", lambda: base(engine_timeout_s=True), TypeError,
+     "TrainPipelineBase: engine_timeout_s must be a number > 0, got True"),
     ("plan of the wrong type", lambda: base(plan=3), TypeError,
      "TrainPipelineBase: plan must be a PipelinePlan, a PhasedPlan or a path to a plan file, got int"),
     ("thread_map of the wrong type", lambda: base(thread_map=["io"]), TypeError,
@@ -172,7 +178,8 @@ def test_every_plan_driven_pipeline_takes_loads_lookahead_and_the_io_thread_map(
             return  # its source runs the user's stage after the draw: no loads (tested above)
         loaded = build(name, loads=2)
         for p in _plans(loaded.plan):
-            assert (p.source in catalog.DRAW_TASKS, p.loads, p.lookahead, p.source_lanes()) == (True, 2, 2, ("load", "load.1"))
+            expected = (True, 2, 2, ("load", "load.1"))
+            assert (p.source in catalog.DRAW_TASKS, p.loads, p.lookahead, p.source_lanes()) == expected
         loaded.close()
     finally:
         pipeline.close()
@@ -204,7 +211,9 @@ def batches(n: int) -> list[torch.Tensor]:
         return [torch.randn(5, 4) for _ in range(n)]
 
 
-def train(make: Callable[..., Any], data: Callable[[list[torch.Tensor]], Iterator[torch.Tensor]], **options: Any) -> Any:
+def train(
+    make: Callable[..., Any], data: Callable[[list[torch.Tensor]], Iterator[torch.Tensor]], **options: Any
+) -> Any:
     model = Summing()
     pipeline = make(model, torch.optim.SGD(model.parameters(), lr=0.05), CPU, **options)
     outputs = []

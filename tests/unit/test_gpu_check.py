@@ -267,7 +267,8 @@ def test_report_json_markdown_and_verdict(tmp_path: Path) -> None:
         "| (a) CUDA stream tests | passed | 12 s | 1/1 tests passed |",
         "| (b) parity with upstream on one GPU | failed | 95 s | 1/2 runs bit-identical to upstream |",
         "| TrainPipelineSemiSync (start_batch=10) | default | 20 | differs: loss of step 3: max abs diff 1e-07 |",
-        "| TrainPipelineSparseDist | 4.00 / 4.50 | 4.00 / 4.50 | 2,048,000 | 2,048,000 | **1.000** (0.980-1.020) | yes |",
+        "| TrainPipelineSparseDist | 4.00 / 4.50 | 4.00 / 4.50 | 2,048,000 | 2,048,000 "
+        "| **1.000** (0.980-1.020) | yes |",
         "| H2D on io | 4.20 | 600 us | 100 us | 50 us (50%) | 200 us | 150 us (75%) | `trace_H2D_on_io.json.gz` |",
     ):
         assert expected in md, f"missing {expected!r} in\n{md}"
@@ -283,10 +284,11 @@ def test_report_json_markdown_and_verdict(tmp_path: Path) -> None:
 
 def test_report_of_a_machine_without_the_torchrec_stack() -> None:
     reason = "TorchRec's CUDA stack is not usable: ModuleNotFoundError: No module named 'fbgemm_gpu'"
+    install_error = "pip install ... failed: ERROR: No matching distribution found for fbgemm-gpu==1.8.0"
     doc = {
         "meta": {"device": "NVIDIA H100"},
         "stack": {"ok": False, "versions": {}, "error": "ModuleNotFoundError: No module named 'fbgemm_gpu'",
-                  "install_error": "pip install ... failed: ERROR: No matching distribution found for fbgemm-gpu==1.8.0"},
+                  "install_error": install_error},
         "parts": {"a": sample_report()["parts"]["a"], **{p: report.skipped(reason) for p in "bcd"}},
     }  # fmt: skip
     md = report.markdown(doc)

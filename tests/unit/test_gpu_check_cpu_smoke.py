@@ -17,8 +17,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_parity_bench_and_trace_parts_run_on_the_cpu(tmp_path: Path) -> None:
-    from harness.dlrm_data import SIZES
     from benchmarks.gpu import bench, parity, trace
+    from harness.dlrm_data import SIZES
 
     b = parity.run(tmp_path, 600, steps=4, pipelines=["TrainPipelineSparseDist"], device_type="cpu")
     assert b["status"] == "passed", b

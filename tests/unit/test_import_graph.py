@@ -136,7 +136,13 @@ def test_harness_does_not_import_benchmarks() -> None:
 
 def test_pp_does_not_import_autosched() -> None:
     graph = import_graph()
-    offenders = sorted(m for m, targets in graph.items() if m.startswith("torchrec_swp.pp") for t in targets if t.startswith("torchrec_swp.autosched"))
+    offenders = sorted(
+        m
+        for m, targets in graph.items()
+        if m.startswith("torchrec_swp.pp")
+        for t in targets
+        if t.startswith("torchrec_swp.autosched")
+    )
     assert offenders == []
 
 

@@ -95,7 +95,7 @@ def test_upstreams_untimed_wait_on_a_posted_receive_is_bounded_by_the_wire_timeo
 
 
 def test_a_receive_past_its_bound_raises_receive_timeout_naming_stage_microbatch_and_peer() -> None:
-    from torchrec_swp.integrations.torchrec.maglev.runtime import TransferTimeout, StageWrapperWire
+    from torchrec_swp.integrations.torchrec.maglev.runtime import StageWrapperWire, TransferTimeout
 
     wire = StageWrapperWire(FakeStage(FakeWork(fails="Timed out waiting 0ms for recv")), timeout_s=0.0)
     wire.post_recv_grad(1, 2)

@@ -19,7 +19,9 @@ def start_plan() -> PipelinePlan:
     return with_parallel_loads(sparse_dist_plan(), 1, lookahead=0, thread=MAIN_THREAD)  # type: ignore[return-value]
 
 
-def costs(plan: PipelinePlan, *, fetch_off: float, fetch_cpu: float = 0.05 * MS, h2d: float = 0.2 * MS) -> dict[str, tuple[float, float]]:
+def costs(
+    plan: PipelinePlan, *, fetch_off: float, fetch_cpu: float = 0.05 * MS, h2d: float = 0.2 * MS
+) -> dict[str, tuple[float, float]]:
     """(cpu, off) per task: 1 ms of CPU for most tasks, the loader's wait off the CPU."""
     out = {t: (1 * MS, 0.0) for t in plan.fire_order}
     out["Fetch"] = (fetch_cpu, fetch_off)

@@ -89,8 +89,16 @@ BAD_PLANS: list[tuple[str, dict[str, object], str]] = [
     ("unknown task in fire order", {"fire_order": ["Fwd", "Dist", "H2D", "X"]}, "unknown task 'X'"),
     ("self dep in one batch", {"intra_iter_deps": [("Fwd", "Fwd")]}, "cannot depend on itself"),
     # a dep on a later batch (Dist(b+1) runs one stage lower in the same iteration) must follow fire order
-    ("later batch fired after", {"inter_iter_deps": [("Fwd", "Dist", -1)]}, "both run in the same iteration, so Dist must come before Fwd"),
-    ("later batch too far", {"inter_iter_deps": [("Fwd", "Dist", -2)]}, "Dist (stage 1) works on batch b+2 at iteration b+3"),
+    (
+        "later batch fired after",
+        {"inter_iter_deps": [("Fwd", "Dist", -1)]},
+        "both run in the same iteration, so Dist must come before Fwd",
+    ),
+    (
+        "later batch too far",
+        {"inter_iter_deps": [("Fwd", "Dist", -2)]},
+        "Dist (stage 1) works on batch b+2 at iteration b+3",
+    ),
     ("distance not an int", {"inter_iter_deps": [("Fwd", "Dist", 1.5)]}, "dependency must be"),
     (
         "read that nobody writes",
@@ -116,7 +124,9 @@ BAD_PLANS: list[tuple[str, dict[str, object], str]] = [
 
 
 @pytest.mark.parametrize("what,changes,message", BAD_PLANS, ids=[b[0] for b in BAD_PLANS])
-def test_plans_that_cannot_run_are_rejected_with_a_named_culprit(what: str, changes: dict[str, object], message: str) -> None:
+def test_plans_that_cannot_run_are_rejected_with_a_named_culprit(
+    what: str, changes: dict[str, object], message: str
+) -> None:
     with pytest.raises(PlanError, match=re.escape(message)) as info:
         three_stage(**changes)
     assert info.value.culprit, f"{what}: the error names no culprit"
@@ -128,7 +138,11 @@ def test_cycle_message_shows_the_path() -> None:
             schedule={"A": S(0), "B": S(0), "C": S(0)},
             intra_iter_deps=[("B", "A"), ("C", "B"), ("A", "C")],
         )
-    assert "A -> C -> B -> A" in str(info.value) or "B -> A -> C -> B" in str(info.value) or "C -> B -> A -> C" in str(info.value)
+    assert (
+        "A -> C -> B -> A" in str(info.value)
+        or "B -> A -> C -> B" in str(info.value)
+        or "C -> B -> A -> C" in str(info.value)
+    )
 
 
 def test_bad_schedule_fields_and_names() -> None:
@@ -201,7 +215,9 @@ def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
     text = three_stage().to_text().replace("depth 3", "depth 3   # three batches in flight") + "\n# the end\n"
     assert PipelinePlan.from_text(text) == three_stage()
     with pytest.raises(PlanError, match="line 6: bad task field 'colour=red'"):
-        PipelinePlan.from_text("plan p\ndepth 3\nsource H2D\noutput out\nexhausted drain\ntask Fwd stage=2 colour=red\n")
+        PipelinePlan.from_text(
+            "plan p\ndepth 3\nsource H2D\noutput out\nexhausted drain\ntask Fwd stage=2 colour=red\n"
+        )
     with pytest.raises(PlanError, match="a task row has 9 columns"):
         PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default - -\n")
     with pytest.raises(PlanError, match="unknown flag 'fast' of task A"):
@@ -337,7 +353,12 @@ def test_io_strategy_puts_the_stage_0_tasks_on_thread_io() -> None:
         intra_iter_deps=[("Log", "H2D")],
     ).with_thread_map({"Dist": "dist"})
     io = plan.with_thread_map("io")
-    assert {t: io.task(t).thread_group for t in io.fire_order} == {"Fwd": "default", "Dist": "dist", "H2D": "io", "Log": "io"}
+    assert {t: io.task(t).thread_group for t in io.fire_order} == {
+        "Fwd": "default",
+        "Dist": "dist",
+        "H2D": "io",
+        "Log": "io",
+    }
     assert [s.stream for s in io.schedule.values()] == [s.stream for s in plan.schedule.values()]
     # a source with loads keeps its own lanes; the other stage-0 tasks still move
     loaded = plan.with_loads(2).with_thread_map("io")
@@ -353,7 +374,8 @@ def test_with_loads_moves_a_source_that_is_not_alone_on_a_worker_thread() -> Non
     assert (on_caller.loads, on_caller.lookahead, on_caller.source_lanes()) == (2, 0, ("load", "load.1"))
     assert on_caller.task("H2D").schedule == plan.task("H2D").schedule.replace(thread_group="load")
     shared = plan.with_thread_map({"H2D": "io", "Dist": "io"}).with_loads(3, lookahead=1, thread="src")
-    assert (shared.source_lanes(), shared.lookahead, shared.task("Dist").thread_group) == (("src", "src.1", "src.2"), 1, "io")
+    expected = (("src", "src.1", "src.2"), 1, "io")
+    assert (shared.source_lanes(), shared.lookahead, shared.task("Dist").thread_group) == expected
     alone = plan.with_thread_map({"H2D": "io"}).with_loads(2)
     assert alone.source_lanes() == ("io", "io.1")
     assert on_caller.with_loads(1).loads == 1 and on_caller.with_loads(1).task("H2D").thread_group == "load"
@@ -403,7 +425,10 @@ def test_every_loads_error_shows_code_that_builds_a_valid_plan(thread_map: objec
 # ------------------------------------------------------------------ table
 def test_the_table_header_shows_batches_in_flight_and_the_source_loads() -> None:
     plan = three_stage()
-    assert plan.format_schedule(2).splitlines()[0] == "depth 3 + lookahead 0 = 3 batches in flight; loads 1: H2D on thread default"
+    assert (
+        plan.format_schedule(2).splitlines()[0]
+        == "depth 3 + lookahead 0 = 3 batches in flight; loads 1: H2D on thread default"
+    )
     ahead = plan.with_loads(2, lookahead=2)
     assert ahead.format_schedule(2).splitlines()[0] == (
         "depth 3 + lookahead 2 = 5 batches in flight; loads 2: H2D on threads load, load.1"
@@ -466,7 +491,9 @@ def test_phased_plans_take_turns_and_must_agree_on_what_is_in_flight() -> None:
     with pytest.raises(PlanError, match="must begin at 0 and increase"):
         PhasedPlan([(1, a)])
     with pytest.raises(PlanError, match="task Extra, in only one plan, writes data"):
-        PhasedPlan([(0, a), (3, a.with_task(PipelineTask("Extra", writes=("z",)), S(2), after="Fwd").replace(name="x"))])
+        PhasedPlan(
+            [(0, a), (3, a.with_task(PipelineTask("Extra", writes=("z",)), S(2), after="Fwd").replace(name="x"))]
+        )
     with pytest.raises(PlanError, match="source, output and highest stage must stay the same"):
         PhasedPlan([(0, a), (3, a.replace(output=None, name="y"))])
 

@@ -102,7 +102,9 @@ def test_semi_sync_table_shows_the_optimizer_skip_at_start_batch() -> None:
     ("start_batch", "stash", "starts"),
     [(10, False, [0, 10]), (0, True, [0, 1]), (-1, True, [0]), (0, False, [0]), (-3, False, [0])],
 )
-def test_semi_sync_phases_skip_the_step_only_where_upstream_does(start_batch: int, stash: bool, starts: list[int]) -> None:
+def test_semi_sync_phases_skip_the_step_only_where_upstream_does(
+    start_batch: int, stash: bool, starts: list[int]
+) -> None:
     # upstream: skip iff context.index == start_batch and stash_gradients (indices are >= 0)
     phased = plans.semi_sync_phases(start_batch=start_batch, stash_gradients=stash)
     assert [s for s, _ in phased.phases] == starts

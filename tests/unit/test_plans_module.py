@@ -17,12 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "statement",
-    ["import torchrec_swp.plans as plans", "from torchrec_swp import plans", "import torchrec_swp; plans = torchrec_swp.plans"],
+    [
+        "import torchrec_swp.plans as plans",
+        "from torchrec_swp import plans",
+        "import torchrec_swp; plans = torchrec_swp.plans",
+    ],
 )
 def test_plans_imports_as_documented_without_torch(statement: str) -> None:
     code = (
         f"import sys\n{statement}\n"
-        "assert plans.with_parallel_loads and plans.with_lookahead and plans.with_input_dist_group and plans.default_plans\n"
+        "assert plans.with_parallel_loads and plans.with_lookahead and plans.with_input_dist_group"
+        " and plans.default_plans\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'torchrec', 'fbgemm_gpu')]\n"
         "assert not bad, bad\n"
         "print(plans.__file__)"
@@ -35,7 +40,14 @@ def test_plans_imports_as_documented_without_torch(statement: str) -> None:
 def test_the_edits_are_the_catalogs_own() -> None:
     from torchrec_swp import plans
 
-    for name in ("default_plans", "with_parallel_loads", "with_input_dist_group", "DRAW_TASKS", "FETCH", "INPUT_DIST_TASKS"):
+    for name in (
+        "default_plans",
+        "with_parallel_loads",
+        "with_input_dist_group",
+        "DRAW_TASKS",
+        "FETCH",
+        "INPUT_DIST_TASKS",
+    ):
         assert getattr(plans, name) is getattr(catalog, name), name
     assert set(plans.__all__) == {name for name in dir(plans) if not name.startswith("_")} - {
         "annotations", "PhasedPlan", "PipelinePlan"

@@ -17,7 +17,8 @@ def test_golden_lowered_maglev_1f1b() -> None:
     text = program.to_text() + "".join(
         f"\n# rank {r}, P2P on 'comm'\n{format_program(lower_rank(program, r))}\n" for r in range(2)
     )
-    text += f"\n# rank 1, receives on 'recv', sends on 'send'\n{format_program(lower_rank(program, 1, {'RF': 'recv', 'RB': 'recv', 'SF': 'send', 'SB': 'send'}))}\n"
+    split = {"RF": "recv", "RB": "recv", "SF": "send", "SB": "send"}
+    text += f"\n# rank 1, receives on 'recv', sends on 'send'\n{format_program(lower_rank(program, 1, split))}\n"
     check_golden("lower_Maglev1F1BRecvAhead_r2_m2", text)
 
 
@@ -36,12 +37,23 @@ def test_every_builder_lowers_without_blocking(name: str) -> None:
                 at = {x: k for k, x in enumerate(ran)}
                 for a in program.ranks[r]:
                     if a.is_p2p and a.kind.value.startswith("S"):  # a send after its compute
-                        producer = next(str(x) for x in program.ranks[r] if x.stage == a.stage
-                                        and x.microbatch == a.microbatch and x.kind.value in ("BI" if a.direction == "B" else "F"))  # fmt: skip
+                        producer = next(
+                            str(x)
+                            for x in program.ranks[r]
+                            if x.stage == a.stage
+                            and x.microbatch == a.microbatch
+                            and x.kind.value in ("BI" if a.direction == "B" else "F")
+                        )
                         assert at[producer] < at[str(a)], (name, r, a)
                     if a.is_p2p and a.kind.value.startswith("R"):  # a compute after its receive
-                        consumer = next(str(x) for x in program.ranks[r] if x.is_compute and x.stage == a.stage
-                                        and x.microbatch == a.microbatch and x.kind.value in ("BI" if a.direction == "B" else "F"))  # fmt: skip
+                        consumer = next(
+                            str(x)
+                            for x in program.ranks[r]
+                            if x.is_compute
+                            and x.stage == a.stage
+                            and x.microbatch == a.microbatch
+                            and x.kind.value in ("BI" if a.direction == "B" else "F")
+                        )
                         assert at[str(a)] < at[consumer], (name, r, a)
                 if threads is None:  # compute stays on one thread, in program order
                     compute = [str(a) for a in program.ranks[r] if not a.is_p2p]

@@ -53,7 +53,7 @@ def test_interleaved_bubble_is_divided_by_the_virtual_stages(fb: tuple[int, int]
 def test_zb_h1_bubble_is_s_minus_1_times_f_plus_i_minus_w(fiw: tuple[int, int, int]) -> None:
     """ZB paper: ZB-H1's bubble is (S - 1)(F + I - W) per rank (1F1B: (S - 1)(F + I + W)), for
     W no longer than F and I; with W = 2 > F = I = 1 the held-back W's no longer fit."""
-    F, I, W = fiw
+    F, I, W = fiw  # noqa: E741 - the ZB paper's names (forward, input grad, weight grad)
     d = ActionDurations(F=F, I=I, W=W)
     for S in range(1, 7):
         for M in range(S, 13):

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+# after the importorskip: without torch.distributed.pipelining the module skips instead of failing
+from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping  # noqa: E402
 
-from torchrec_swp.pp.builders import (
+from torchrec_swp.pp.builders import (  # noqa: E402 (after the importorskip above)
     dualpipev,
     gpipe,
     interleaved_1f1b,
@@ -70,8 +71,10 @@ def ours(program) -> list[list[str]]:
 
 CASES = [
     ("GPipe", schedules.ScheduleGPipe, gpipe, 1, "loop", lambda R, M: True),
-    ("Interleaved1F1B", schedules.ScheduleInterleaved1F1B, interleaved_1f1b, 2, "loop", lambda R, M: M % max(1, M // R) == 0),
-    ("InterleavedZB", schedules.ScheduleInterleavedZeroBubble, interleaved_zero_bubble, 2, "loop", lambda R, M: M % max(1, M // R) == 0),
+    ("Interleaved1F1B", schedules.ScheduleInterleaved1F1B, interleaved_1f1b, 2, "loop",
+     lambda R, M: M % max(1, M // R) == 0),
+    ("InterleavedZB", schedules.ScheduleInterleavedZeroBubble, interleaved_zero_bubble, 2, "loop",
+     lambda R, M: M % max(1, M // R) == 0),
     ("ZB-H1", schedules.ScheduleInterleavedZeroBubble, zb_h1, 1, "loop", lambda R, M: M % max(1, M // R) == 0),
     ("ZBV", schedules.ScheduleZBVZeroBubble, zbv, 2, "v", lambda R, M: True),
     ("DualPipeV", schedules.ScheduleDualPipeV, dualpipev, 2, "v", lambda R, M: M >= 2 * R),

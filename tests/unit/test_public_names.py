@@ -27,7 +27,8 @@ def test_dir_lists_every_public_name() -> None:
 def test_importing_the_package_loads_neither_the_plan_layer_nor_torch() -> None:
     code = (
         "import sys, torchrec_swp\n"
-        "bad = [m for m in sys.modules if m in ('torch', 'torchrec_swp.plan') or m.startswith(('torch.', 'torchrec_swp.plan.'))]\n"
+        "bad = [m for m in sys.modules\n"
+        "       if m in ('torch', 'torchrec_swp.plan') or m.startswith(('torch.', 'torchrec_swp.plan.'))]\n"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -145,7 +145,9 @@ def counting_plan_bindings(source: list[Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("thread_map", ["main", {"H2D": "io"}, "by_stream", "per_task"], ids=str)
 def test_new_data_after_a_stop_trains_what_was_left_in_flight(thread_map: Any) -> None:
     source: list[Any] = [iter(range(6))]
-    engine = Engine(toy_plan(on_exhausted="stop").with_thread_map(thread_map), counting_plan_bindings(source), timeout_s=5)
+    engine = Engine(
+        toy_plan(on_exhausted="stop").with_thread_map(thread_map), counting_plan_bindings(source), timeout_s=5
+    )
     first = engine.run_to_end()
     assert first == [0, 1, 2, 3]  # batches 4 and 5 stayed in flight
     source[0] = iter(range(100, 103))

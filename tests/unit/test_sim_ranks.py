@@ -151,7 +151,9 @@ def test_a_rendezvous_no_rank_joins_is_a_deadlock_naming_the_missing_rank() -> N
 
     compiled = CompiledPlan(plan)
     with pytest.raises(SimDeadlock) as info:
-        simulate_rank_programs([(Rank(plan, d), compiled.iterations(3)), (Rank(plan, d), compiled.iterations(2))], model="barrier")
+        simulate_rank_programs(
+            [(Rank(plan, d), compiled.iterations(3)), (Rank(plan, d), compiled.iterations(2))], model="barrier"
+        )
     (stuck,) = info.value.blocked
     assert stuck.rank == 0 and stuck.thread == "default"
     assert "collective 2 of comm group 'world' (Reduce, batch 2) waits for rank(s) [1], which never join it" in str(

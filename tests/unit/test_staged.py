@@ -206,7 +206,15 @@ def test_plan_and_names() -> None:
     try:
         plan = pipeline.plan
         # each stage with a fill callback is followed by its NAME.fill task, run during the fill
-        assert plan.fire_order == ("Emit", "stage_0", "stage_0.fill", "stage_1", "stage_1.fill", "stage_2", "stage_2.fill")
+        assert plan.fire_order == (
+            "Emit",
+            "stage_0",
+            "stage_0.fill",
+            "stage_1",
+            "stage_1.fill",
+            "stage_2",
+            "stage_2.fill",
+        )
         assert [plan.task(t).stage for t in plan.fire_order] == [3, 0, 0, 1, 1, 2, 2]
         assert {plan.task(t).when.value for t in plan.fire_order if t.endswith(".fill")} == {"fill"}
         assert plan.pipeline_depth == 4

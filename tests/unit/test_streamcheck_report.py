@@ -59,7 +59,9 @@ def test_checked_mode_reports_by_itself(program: str) -> None:
         return
     first = [i for i, line in enumerate(lines) if "first finding" in line]
     assert len(first) == 1, done.stderr  # once, though there are two
-    assert re.match(rf"stream check \({pid}\): first finding: unsynchronised W/R: read of self \[4\] by aten.mul", lines[first[0]])
+    assert re.match(
+        rf"stream check \({pid}\): first finding: unsynchronised W/R: read of self \[4\] by aten.mul", lines[first[0]]
+    )
     assert "task Use batch 0" in lines[first[0]] and "task Fill batch 0" in done.stderr
     assert "active_checker().check()" in done.stderr
     assert first[0] < lines.index("after the race")  # when it happened, not at exit

@@ -112,7 +112,15 @@ class Model:
             self._pause()
             self.w = (self.w * 31 + grad) % 1_000_003
 
-        return {"H2D": h2d, "DistStart": dist_start, "DistWait": dist_wait, "Lookup": lookup, "Fwd": fwd, "Bwd": bwd, "Opt": opt}
+        return {
+            "H2D": h2d,
+            "DistStart": dist_start,
+            "DistWait": dist_wait,
+            "Lookup": lookup,
+            "Fwd": fwd,
+            "Bwd": bwd,
+            "Opt": opt,
+        }
 
 
 def random_thread_map(rng: random.Random, plan: PipelinePlan) -> dict[str, str]:

@@ -32,7 +32,9 @@ def targets() -> list[PipelinePlan]:
 
 
 @pytest.mark.parametrize("after", [4, 0])
-@pytest.mark.parametrize("target", targets(), ids=lambda p: repr(p.thread_groups) + f"/ahead{p.lookahead}/loads{p.loads}")
+@pytest.mark.parametrize(
+    "target", targets(), ids=lambda p: repr(p.thread_groups) + f"/ahead{p.lookahead}/loads{p.loads}"
+)
 def test_a_switch_between_steps_trains_exactly_as_one_plan(target: PipelinePlan, after: int) -> None:
     outputs, collectives, state = reference()
     toy = Toy(N, jitter_s=0.002, seed=after)
@@ -110,7 +112,9 @@ def test_what_a_switch_keeps_is_checked() -> None:
         with pytest.raises(EngineError, match=r"phases start at batches \[0, 5\], the running plan's at \[0\]"):
             engine.switch_plan(phased)
         cycled = PhasedPlan([(0, toy_plan())], clock="trained", cycle=(0, 1))
-        with pytest.raises(EngineError, match="on clock trained with cycle \\(0, 1\\), the running plan's on clock index"):
+        with pytest.raises(
+            EngineError, match="on clock trained with cycle \\(0, 1\\), the running plan's on clock index"
+        ):
             engine.switch_plan(cycled)
         with pytest.raises(TypeError, match="plan must be a PipelinePlan or a PhasedPlan"):
             engine.switch_plan("toy")  # type: ignore[arg-type]

@@ -38,7 +38,9 @@ def test_tests_that_can_reach_torchrec_are_not(name: str, why: str) -> None:
     ],
     ids=["attribute of a first-use package", "name from a first-use package", "submodule of it"],
 )
-def test_a_name_from_a_first_use_package_counts_as_reaching_torchrec(body: str, free: bool, request: pytest.FixtureRequest) -> None:
+def test_a_name_from_a_first_use_package_counts_as_reaching_torchrec(
+    body: str, free: bool, request: pytest.FixtureRequest
+) -> None:
     # the probe must lie in the checkout to be resolved; one module name per case (results are cached)
     probe = UNIT / f"_probe_torchrec_free_{abs(hash(request.node.name))}.py"
     try:

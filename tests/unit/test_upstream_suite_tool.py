@@ -89,15 +89,21 @@ def test_torchrec_imports() -> None:
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
 <testcase classname="upstream_tests.test_x.A" name="test_pass" time="0.1"/>
-<testcase classname="upstream_tests.test_x.A" name="test_skip"><skipped type="pytest.skip" message="no GPU">x</skipped></testcase>
-<testcase classname="upstream_tests.test_x.A" name="test_fail"><failure message="RuntimeError: boom&#10;more">tb</failure></testcase>
-<testcase classname="upstream_tests.test_x.A" name="test_fail"><error message="failed on teardown with &quot;AssertionError: 1 != 3&quot;">tb</error></testcase>
-<testcase classname="upstream_tests.test_x.B" name="test_group"><failure message="ExceptionGroup: Hypothesis found 2 distinct failures. (2 sub-exceptions)">  +-+---
+<testcase classname="upstream_tests.test_x.A" name="test_skip"><skipped type="pytest.skip"
+  message="no GPU">x</skipped></testcase>
+<testcase classname="upstream_tests.test_x.A" name="test_fail"><failure
+  message="RuntimeError: boom&#10;more">tb</failure></testcase>
+<testcase classname="upstream_tests.test_x.A" name="test_fail"><error
+  message="failed on teardown with &quot;AssertionError: 1 != 3&quot;">tb</error></testcase>
+<testcase classname="upstream_tests.test_x.B" name="test_group"><failure
+  message="ExceptionGroup: Hypothesis found 2 distinct failures. (2 sub-exceptions)">  +-+---
     | ValueError: keys must be unique
     | RuntimeError: unknown parameter type
     | RuntimeError: unknown parameter type
 </failure></testcase>
-<testcase classname="upstream_tests.test_x.B" name="test_ranks"><failure message="AssertionError: 2 != 0 : Detected at least one unsuccessful run, example errors are: ">E   RuntimeError: Worker raised AssertionError: Tensor-likes are not close!
+<testcase classname="upstream_tests.test_x.B" name="test_ranks"><failure
+  message="AssertionError: 2 != 0 : Detected at least one unsuccessful run, example errors are: "
+  >E   RuntimeError: Worker raised AssertionError: Tensor-likes are not close!
 E   AssertionError: Tensor-likes are not close!</failure></testcase>
 </testsuite></testsuites>"""
 

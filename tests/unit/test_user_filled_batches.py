@@ -26,7 +26,14 @@ import torchrec_swp
 
 pytestmark = pytest.mark.parity
 
-MOCKED = ["fill_pipeline", "_wait_for_batch", "enqueue_batch", "dequeue_batch", "start_sparse_data_dist", "wait_sparse_data_dist"]
+MOCKED = [
+    "fill_pipeline",
+    "_wait_for_batch",
+    "enqueue_batch",
+    "dequeue_batch",
+    "start_sparse_data_dist",
+    "wait_sparse_data_dist",
+]
 
 
 @contextmanager
@@ -56,7 +63,9 @@ def filled(cls: type, model: MagicMock, interval: int | None) -> Any:
     return pipeline
 
 
-@pytest.mark.parametrize("cls", [upstream.TrainPipelineSparseDist, torchrec_swp.TrainPipelineSparseDist], ids=["upstream", "ours"])
+@pytest.mark.parametrize(
+    "cls", [upstream.TrainPipelineSparseDist, torchrec_swp.TrainPipelineSparseDist], ids=["upstream", "ours"]
+)
 @pytest.mark.parametrize(("interval", "synced"), [(None, False), (10, True)])
 def test_pre_filled_batches_train_and_sync_like_upstream(cls: type, interval: int | None, synced: bool) -> None:
     dmp = model_mock(DMPCollection)
@@ -68,7 +77,9 @@ def test_pre_filled_batches_train_and_sync_like_upstream(cls: type, interval: in
     assert dmp.sync.called == synced
 
 
-@pytest.mark.parametrize("cls", [upstream.TrainPipelineSparseDist, torchrec_swp.TrainPipelineSparseDist], ids=["upstream", "ours"])
+@pytest.mark.parametrize(
+    "cls", [upstream.TrainPipelineSparseDist, torchrec_swp.TrainPipelineSparseDist], ids=["upstream", "ours"]
+)
 def test_sync_interval_is_ignored_without_a_dmp_collection(cls: type) -> None:
     dmp = model_mock(DistributedModelParallel)
     pipeline = filled(cls, dmp, 10)

@@ -56,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=6, help="batches in flight at most (depth + lookahead)")
     p.add_argument("--lookahead", type=_ints, default=(0, 1, 2, 3), help="lookahead choices (default: 0,1,2,3)")
     p.add_argument(
-        "--loads", type=_ints, default=(1, 2, 3), help="parallel loads choices, where the data splits draws (default: 1,2,3)"
+        "--loads",
+        type=_ints,
+        default=(1, 2, 3),
+        help="parallel loads choices, where the data splits draws (default: 1,2,3)",
     )
     p.add_argument(
         "--input-dist-group",
@@ -65,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--memory-cap-mib", type=float, default=None, help="at most this much held by the batches in flight")
     p.add_argument(
-        "--wake-us", type=float, default=DEFAULT_WAKE_S * 1e6, help="a blocked thread's wake-up latency (default: %(default)g)"
+        "--wake-us",
+        type=float,
+        default=DEFAULT_WAKE_S * 1e6,
+        help="a blocked thread's wake-up latency (default: %(default)g)",
     )
     p.add_argument(
         "--gil",
@@ -86,7 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.exact and not args.reorder:
         parser.error("--exact solves the reordering search: give --reorder too")
-    paths = [p for pattern in args.profile for p in (sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])]
+    paths = [
+        p for pattern in args.profile for p in (sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])
+    ]
     if not paths:
         print(f"error: no profile file matches {' '.join(args.profile)}", file=sys.stderr)
         return 2

@@ -147,8 +147,8 @@ def beam_search(
     beam = _initial_beam(search)
     if not beam:
         raise PlanError(
-            f"no starting layout of plan {problem.plan.name} can be staged with its anchors at the highest stage and at most "
-            f"{problem.max_in_flight} batches in flight",
+            f"no starting layout of plan {problem.plan.name} can be staged with its anchors at the highest stage "
+            f"and at most {problem.max_in_flight} batches in flight",
             culprit=problem.plan.name,
         )
     levels = sorted(range(len(problem.tasks)), key=lambda i: (-problem.cpu[i], i))

@@ -70,7 +70,8 @@ def check_constraints(plan: PipelinePlan, problem: Problem, *, simulate_run: boo
             Violation(
                 "threads",
                 plan.thread_groups[problem.max_threads],
-                f"{len(plan.thread_groups)} thread groups {list(plan.thread_groups)}, at most {problem.max_threads} allowed",
+                f"{len(plan.thread_groups)} thread groups {list(plan.thread_groups)}, "
+                f"at most {problem.max_threads} allowed",
             )
         )
     if plan.pipeline_depth > problem.max_in_flight:
@@ -86,7 +87,9 @@ def check_constraints(plan: PipelinePlan, problem: Problem, *, simulate_run: boo
         if s.stream != DEFAULT_STREAM:
             out.append(Violation("anchor", a, f"anchor {a} is on stream {s.stream}, not {DEFAULT_STREAM}"))
         if s.stage != plan.max_stage:
-            out.append(Violation("anchor", a, f"anchor {a} is at stage {s.stage}, not the highest stage {plan.max_stage}"))
+            out.append(
+                Violation("anchor", a, f"anchor {a} is at stage {s.stage}, not the highest stage {plan.max_stage}")
+            )
     if simulate_run and not out:
         try:
             result = simulate(

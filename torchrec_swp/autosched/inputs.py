@@ -84,7 +84,8 @@ def from_profiles(
     lacking = [p.where.rank for p in ordered if not p.records]
     if lacking:
         raise ProfileError(
-            f"the profile of rank {lacking[0]} has no measured iterations (a format 1 file): profile again with this version"
+            f"the profile of rank {lacking[0]} has no measured iterations (a format 1 file): "
+            "profile again with this version"
         )
     hosts = list(dict.fromkeys(p.where.host for p in ordered))
     machines = tuple(hosts.index(p.where.host) for p in ordered)

@@ -116,7 +116,11 @@ class Candidate:
         if self.lookahead != base.lookahead:
             parts.append(f"lookahead {self.lookahead}")
         if self.own_group != base.own_group:
-            parts.append("the input dist in a comm group of its own" if self.own_group else "the input dist back in its comm group")
+            parts.append(
+                "the input dist in a comm group of its own"
+                if self.own_group
+                else "the input dist back in its comm group"
+            )
         return ", ".join(parts) or "the plan as it is"
 
 
@@ -173,10 +177,13 @@ class OverlapResult:
         old = {(x.kind, x.what): x.value for x in self.start.bounds.bounds}
         if (s.kind, s.what) in {(x.kind, x.what) for x in self.best.bounds.bounds}:
             now = next(x.value for x in self.best.bounds.bounds if (x.kind, x.what) == (s.kind, s.what))
-            lines.append(f"{s.kind} {s.what}: {old[(s.kind, s.what)] * scale:.3g}{unit} -> {now * scale:.3g}{unit} per step")
+            lines.append(
+                f"{s.kind} {s.what}: {old[(s.kind, s.what)] * scale:.3g}{unit} -> {now * scale:.3g}{unit} per step"
+            )
         lines.append(
-            f"now bound by {b.kind} {b.what} ({b.value * scale:.3g}{unit}); predicted {self.best.step * scale:.3g}{unit} "
-            f"(x{self.speedup:.2f}), {self.best.in_flight} batches in flight"
+            f"now bound by {b.kind} {b.what} ({b.value * scale:.3g}{unit}); "
+            f"predicted {self.best.step * scale:.3g}{unit} (x{self.speedup:.2f}), "
+            f"{self.best.in_flight} batches in flight"
             + (f" ({self.best.memory / 2**20:,.1f} MiB)" if self.best.memory else "")
         )
         return lines
@@ -223,7 +230,9 @@ class OverlapSearch:
         self.movable = {
             t
             for t in self.tasks
-            if t not in self.anchors and self.plan.task(t).stage < self.plan.max_stage and self.plan.task(t).when.in_steady_state
+            if t not in self.anchors
+            and self.plan.task(t).stage < self.plan.max_stage
+            and self.plan.task(t).when.in_steady_state
         }
         self.source = self.plan.source
         self.top = self.plan.max_stage
@@ -244,7 +253,9 @@ class OverlapSearch:
     def build(self, c: Candidate) -> PipelinePlan:
         """The plan of candidate ``c`` (validated: PlanError if it cannot run)."""
         plan = self.plan
-        schedule = {t: plan.task(t).schedule.replace(thread_group=th) for t, th in zip(self.tasks, c.threads, strict=True)}
+        schedule = {
+            t: plan.task(t).schedule.replace(thread_group=th) for t, th in zip(self.tasks, c.threads, strict=True)
+        }
         if c.own_group:
             for t in self._own_tasks():
                 schedule[t] = schedule[t].replace(comm_group=OWN_GROUP)
@@ -283,7 +294,10 @@ class OverlapSearch:
         """``threads`` with the source alone on the load thread when it has several loads."""
         if loads == 1 or self.source is None:
             return threads
-        return tuple(LOAD_THREAD if t == self.source else (MAIN_THREAD if th == LOAD_THREAD else th) for t, th in zip(self.tasks, threads, strict=True))
+        return tuple(
+            LOAD_THREAD if t == self.source else (MAIN_THREAD if th == LOAD_THREAD else th)
+            for t, th in zip(self.tasks, threads, strict=True)
+        )
 
     # ------------------------------------------------------------------ scoring
     def score(self, c: Candidate) -> Scored | None:
@@ -345,13 +359,18 @@ class OverlapSearch:
                 if not s.when.in_steady_state:
                     continue
                 busy = cpu.get(t, 0.0) + off.get(t, 0.0)
-                threads[s.thread_group] = threads.get(s.thread_group, 0.0) + (busy / c.loads if t == plan.source else busy)
+                share = busy / c.loads if t == plan.source else busy
+                threads[s.thread_group] = threads.get(s.thread_group, 0.0) + share
                 if s.comm_group is not None:
                     groups[s.comm_group] = groups.get(s.comm_group, 0.0) + busy
             threads[MAIN_THREAD] = threads.get(MAIN_THREAD, 0.0) + costs.overhead
             work = sum(cpu.get(t, 0.0) for t in plan.fire_order if plan.task(t).when.in_steady_state) + costs.overhead
             for th, v in threads.items():
-                label = "the calling thread" if th == MAIN_THREAD else f"thread {th}" + (f" ({c.loads} loads)" if th == plan.task(plan.source).thread_group and c.loads > 1 else "")
+                if th == MAIN_THREAD:
+                    label = "the calling thread"
+                else:
+                    suffix = f" ({c.loads} loads)" if th == plan.task(plan.source).thread_group and c.loads > 1 else ""
+                    label = f"thread {th}{suffix}"
                 found.append(Bound("thread", f"{label}, rank {k}", v))
             for g, v in groups.items():
                 found.append(Bound("comm", f"group {g}, rank {k}", v))
@@ -373,7 +392,8 @@ class OverlapSearch:
             c = s.candidate
             if s.step > best * (1 + self.space.tie):
                 return (1, s.step)
-            changes = sum(a != b for a, b in zip(c.threads, start.threads, strict=True)) + (c.own_group != start.own_group)
+            changes = sum(a != b for a, b in zip(c.threads, start.threads, strict=True))
+            changes += c.own_group != start.own_group
             return (0, s.in_flight, len(set(c.threads)), c.loads, changes, s.step)
 
         return sorted(scored, key=key)
@@ -392,7 +412,9 @@ class OverlapSearch:
                 + ")",
                 culprit=self.plan.name,
             )
-        probe = max((k for k in space.lookahead if self.plan.pipeline_depth + k <= space.max_in_flight), default=start.lookahead)
+        probe = max(
+            (k for k in space.lookahead if self.plan.pipeline_depth + k <= space.max_in_flight), default=start.lookahead
+        )
         layouts: dict[tuple[str, ...], float] = {}
 
         def layout_score(threads: tuple[str, ...]) -> float:

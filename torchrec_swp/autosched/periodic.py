@@ -8,13 +8,13 @@ on first use): proven-optimal schedules.
 one instance of every task, iterations are separated by a barrier; see
 ``estimate.iteration_time``). Per task: a start time, a thread (optional intervals, NoOverlap
 per thread, at most ``max_threads``), a height (stages below the highest) in
-``[0, max_in_flight - 1]`` (anchors 0, the source the largest, rule 1 of ``stages``). A dependency either shares the iteration
-(``lead == 0``: the consumer starts after the producer ends) or is cut (``lead >= 1``: free);
-each comm group is a NoOverlap resource (its tickets serialize it across threads); with
-``on_exhausted="stop"`` whatever fires after the source starts after it ends. The objective is
-the iteration time, then the batches in flight. Fire order is the order of start times.
-Streams keep the problem's plan (they only matter with a device model, which exact mode does
-not have: it raises for a problem with device durations).
+``[0, max_in_flight - 1]`` (anchors 0, the source the largest, rule 1 of ``stages``). A
+dependency either shares the iteration (``lead == 0``: the consumer starts after the producer
+ends) or is cut (``lead >= 1``: free); each comm group is a NoOverlap resource (its tickets
+serialize it across threads); with ``on_exhausted="stop"`` whatever fires after the source
+starts after it ends. The objective is the iteration time, then the batches in flight. Fire
+order is the order of start times. Streams keep the problem's plan (they only matter with a
+device model, which exact mode does not have: it raises for a problem with device durations).
 
 Durations are scaled to integers (the longest task becomes ``resolution`` units, every task at
 least one unit): "optimal" is exact for the scaled durations. Both solvers honour
@@ -52,8 +52,9 @@ class PeriodicSolution:
     def format(self, scale: float = 1.0, unit: str = "") -> str:
         proof = "proven optimal" if self.optimal else f"not proven (bound {self.lower_bound * scale:.4g}{unit})"
         return (
-            f"CP-SAT: iteration {self.iteration * scale:.4g}{unit}, {proof}, {self.plan.pipeline_depth} batches in flight, "
-            f"{len(self.plan.thread_groups)} threads, {self.seconds:.2f}s ({self.status})"
+            f"CP-SAT: iteration {self.iteration * scale:.4g}{unit}, {proof}, "
+            f"{self.plan.pipeline_depth} batches in flight, {len(self.plan.thread_groups)} threads, "
+            f"{self.seconds:.2f}s ({self.status})"
         )
 
 

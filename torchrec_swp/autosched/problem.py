@@ -85,7 +85,8 @@ class Problem:
             )
         if self.plan.source in self.anchors:
             raise PlanError(
-                f"the source {self.plan.source} (stage 0) cannot be an anchor (the highest stage)", culprit=self.plan.source
+                f"the source {self.plan.source} (stage 0) cannot be an anchor (the highest stage)",
+                culprit=self.plan.source,
             )
 
     @classmethod

@@ -84,7 +84,11 @@ def _assign_heights(problem: Problem, layout: Layout) -> tuple[int, ...] | None:
         for k in reversed(list(chosen)):
             rest = [c for c in chosen if c != k]
             trial = _solve(problem, {*forced, *rest})
-            if trial is not None and max(trial) < max(best) and iteration_time(problem, layout, _stages(trial)) <= time + _EPS:
+            if (
+                trial is not None
+                and max(trial) < max(best)
+                and iteration_time(problem, layout, _stages(trial)) <= time + _EPS
+            ):
                 chosen, best = rest, trial
     return best
 
@@ -97,29 +101,29 @@ def _solve(problem: Problem, cuts: set[int]) -> tuple[int, ...] | None:
     src = problem.source_index
     on_source = problem.on_source
     edges = [(d.consumer, d.producer, (1 if k in cuts else 0) - d.distance) for k, d in enumerate(problem.deps)]
-    l = [0] * n
+    heights = [0] * n
     for _ in range(limit + 2):
         for _ in range(n + 1):
             changed = False
             for c, p, w in edges:
-                if l[c] + w > l[p]:
-                    l[p] = l[c] + w
+                if heights[c] + w > heights[p]:
+                    heights[p] = heights[c] + w
                     changed = True
             if not changed:
                 break
         else:
             return None  # a cycle that keeps growing: some cut cannot hold
-        if max(l) > limit:
+        if max(heights) > limit:
             return None
-        top = max(v if on_source[i] else v + 1 for i, v in enumerate(l))
-        if l[src] >= top:
+        top = max(v if on_source[i] else v + 1 for i, v in enumerate(heights))
+        if heights[src] >= top:
             break
-        l[src] = top
+        heights[src] = top
     else:
         return None
-    if any(l[a] for a in problem.anchor_index):
+    if any(heights[a] for a in problem.anchor_index):
         return None
-    return tuple(l)
+    return tuple(heights)
 
 
 def auto_assign_stages(
@@ -140,8 +144,8 @@ def auto_assign_stages(
     stages = assign_stages(problem, layout)
     if stages is None:
         raise PlanError(
-            f"no stages for plan {plan.name} with its fire order: anchors {sorted(problem.anchors)} at the highest stage "
-            f"and at most {max_in_flight} batches in flight cannot satisfy every dependency",
+            f"no stages for plan {plan.name} with its fire order: anchors {sorted(problem.anchors)} "
+            f"at the highest stage and at most {max_in_flight} batches in flight cannot satisfy every dependency",
             culprit=plan.name,
         )
     return to_plan(problem, layout, stages)

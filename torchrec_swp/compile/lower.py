@@ -80,7 +80,9 @@ def producers(plan: PipelinePlan, consumer: str) -> list[tuple[str, int]]:
             found.append((src, 0))  # the source's instance of the same iteration
         if c.when.needs_next and plan.task(src).stage + 1 == c.stage:
             found.append((src, 0))  # its look for batch b + 1, in the same iteration
-    found += [(d.producer, c.stage + d.distance - plan.task(d.producer).stage) for d in plan.deps if d.consumer == consumer]
+    found += [
+        (d.producer, c.stage + d.distance - plan.task(d.producer).stage) for d in plan.deps if d.consumer == consumer
+    ]
     return list(dict.fromkeys(found))
 
 
@@ -182,7 +184,13 @@ def _drop_noops(plan: PipelinePlan, per_thread: dict[str, list[Instr]], device_t
         new: list[Instr] = []
         for i in instrs:
             io = plan.tasks[i.task] if isinstance(i, Run) else None
-            if isinstance(i, Run) and io is not None and device_type in io.noop_on and not i.source and i.ticket is None:
+            if (
+                isinstance(i, Run)
+                and io is not None
+                and device_type in io.noop_on
+                and not i.source
+                and i.ticket is None
+            ):
                 new.append(Alias(i.task, i.stage, tuple(zip(io.writes, io.reads))))
             else:
                 new.append(i)
@@ -217,7 +225,9 @@ class CompiledPlan:
     def _compiled(self, stages: tuple[int, ...]) -> IterationProgram:
         prog = self._cache.get(stages)
         if prog is None:
-            prog = compile_iteration(self.plan, stages, device_streams=self.device_streams, device_type=self.device_type)
+            prog = compile_iteration(
+                self.plan, stages, device_streams=self.device_streams, device_type=self.device_type
+            )
             self._cache[stages] = prog
         return prog
 

@@ -25,7 +25,6 @@ Roughly:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from torchrec_swp.plan import MAIN_THREAD, When
 
@@ -121,7 +120,7 @@ class RunAction:
         return f"run {self.action}{ticket}"
 
 
-Instr = Union[Run, Alias, WaitTask, Signal, WaitStream, RecordEvent, RunAction]
+Instr = Run | Alias | WaitTask | Signal | WaitStream | RecordEvent | RunAction
 
 
 @dataclass(frozen=True, slots=True)

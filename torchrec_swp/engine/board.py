@@ -102,7 +102,9 @@ class Board:
         with self.lock:
             self.notify(topic)
 
-    def wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float, topic: Hashable = None) -> None:
+    def wait(
+        self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float, topic: Hashable = None
+    ) -> None:
         """Return once ``ready()`` holds. Raises Interrupted when the board is interrupted
         first, EngineTimeout (saying ``what()`` it waited for) once no thread made progress for
         ``timeout_s`` (see the module's docstring). ``topic``: the one kind of change, beyond

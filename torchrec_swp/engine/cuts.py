@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchrec_swp.engine.batches import BatchLedger, Batches
+from torchrec_swp.engine.batches import Batches, BatchLedger
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.source import Feed
 
@@ -67,9 +67,13 @@ def read(state: dict[str, Any], plan: str) -> tuple[BatchLedger, int, int]:
     """The ledger, batch number and trained number of a cut taken from plan ``plan``
     (EngineError when it is not one)."""
     if not isinstance(state, dict) or "batch_number" not in state or "ledger" not in state:
-        raise EngineError(f"load_state_dict(): not an engine state (a dict from state_dict()), got {type(state).__name__}")
+        raise EngineError(
+            f"load_state_dict(): not an engine state (a dict from state_dict()), got {type(state).__name__}"
+        )
     if state.get("version") != STATE_VERSION:
-        raise EngineError(f"load_state_dict(): state version {state.get('version')!r}, this engine reads {STATE_VERSION}")
+        raise EngineError(
+            f"load_state_dict(): state version {state.get('version')!r}, this engine reads {STATE_VERSION}"
+        )
     if state.get("plan") != plan:
         raise EngineError(
             f"load_state_dict(): the state was cut from plan {state.get('plan')!r}, this pipeline runs plan {plan!r}"

@@ -22,7 +22,7 @@ import torch
 
 from torchrec_swp.compile import CompiledPlan, Run
 from torchrec_swp.engine import cuts
-from torchrec_swp.engine.batches import BatchBook, BatchLedger, Batches
+from torchrec_swp.engine.batches import BatchBook, Batches, BatchLedger
 from torchrec_swp.engine.board import ITERATION
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
@@ -63,7 +63,9 @@ class Engine(Interpreter):
         exhaustion: ExhaustionSync | None = None,
     ) -> None:
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
-        self.plans = Plans(plan, streams=self.streams, device_type=device_type, max_threads=max_threads, max_in_flight=max_in_flight)
+        self.plans = Plans(
+            plan, streams=self.streams, device_type=device_type, max_threads=max_threads, max_in_flight=max_in_flight
+        )
         check_bindings(self.plans.phased, bindings)
         self.device_type, self.exhaustion = device_type, exhaustion
         self.batches = Batches()
@@ -228,7 +230,9 @@ class Engine(Interpreter):
             self._resume_after_failure()
         if self.plans.pending is not None:
             self._switch_if_ready()
-        self._ops.begin_step(torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode()))
+        self._ops.begin_step(
+            torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
+        )
         main, threaded = self._main, self._threaded
         while True:
             book = batches.book
@@ -282,12 +286,16 @@ class Engine(Interpreter):
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
         iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
         batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
-        result = self._outcome(d) or self._await_outcome(lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION)
+        result = self._outcome(d) or self._await_outcome(
+            lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION
+        )
         if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
             top, base = self.plans.shape.top, self.batches.book.first_iteration
             for w in self._tasked:
                 if w is not self._main:
-                    self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
+                    self._checker.cpu_acquire(
+                        ("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top))
+                    )
         return result
 
     def _outcome(self, d: int) -> str | None:
@@ -369,7 +377,9 @@ class Engine(Interpreter):
     def state_dict(self) -> dict[str, Any]:
         """The cut at the first batch not yet returned (``torchrec_swp.engine.cuts``)."""
         if self.failures or self._failure_raised:
-            raise EngineError("state_dict(): a task failed and its step was not resumed; the batches in flight are not at a cut")
+            raise EngineError(
+                "state_dict(): a task failed and its step was not resumed; the batches in flight are not at a cut"
+            )
         self.quiesce()
         with self.board.lock:
             return cuts.take(self.batches, self._feed, self.phased.name)
@@ -388,12 +398,17 @@ class Engine(Interpreter):
 
     def _timeout_report(self) -> str:
         main, walkers = self._main, self._walkers.values()
-        lines = [f"internal iteration {main.P} of plan {self.plan.name} did not finish: no thread made progress for {self.timeout_s:.1f}s"]
+        lines = [
+            f"internal iteration {main.P} of plan {self.plan.name} did not finish: "
+            f"no thread made progress for {self.timeout_s:.1f}s"
+        ]
         lines += [f"  thread {w.name!r}: {w.position()}" for w in walkers]
         for group, t in self._turnstiles.items():
             lines.append(f"  comm group {group!r}: next ticket {t.next_ticket}, waiting {t.waiting or 'none'}")
         running = [(w.at.task, w.P) for w in walkers if w.state is WalkState.RUNNING and isinstance(w.at, Run)]
         last = max(w.P for w in walkers)
-        lines.append(format_schedule(self.plan, last + 2, self.batches.book.num_batches, mark=running[0] if running else None))
+        lines.append(
+            format_schedule(self.plan, last + 2, self.batches.book.num_batches, mark=running[0] if running else None)
+        )
         return "\n".join(lines)
 

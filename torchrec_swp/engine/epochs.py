@@ -26,10 +26,12 @@ from torchrec_swp.engine.installed import Plans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
 from torchrec_swp.engine.source import Feed
 
+
 class Epochs:
-    """The epochs of an engine (``interpreter``, running ``plans``): ``settle(interrupt)`` waits until no thread walks (interrupting
-    them first when it says why); ``restart(start)`` places every thread at internal iteration
-    ``start`` of a new epoch and returns the furthest iteration a thread had reached."""
+    """The epochs of an engine (``interpreter``, running ``plans``): ``settle(interrupt)`` waits
+    until no thread walks (interrupting them first when it says why); ``restart(start)`` places
+    every thread at internal iteration ``start`` of a new epoch and returns the furthest
+    iteration a thread had reached."""
 
     def __init__(
         self,

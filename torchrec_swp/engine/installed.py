@@ -105,7 +105,9 @@ class InstalledPlan:
     def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
         """Every thread's program with its ops (``op(thread, instruction)``), made again whenever
         the programs or the task calls change."""
-        self.walks = {thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()}
+        self.walks = {
+            thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()
+        }
 
     def instructions(self) -> list[Instr]:
         return [i for instrs in self.programs.values() for i in instrs]
@@ -119,7 +121,9 @@ def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:
         raise PlanError(f"no function bound to task {missing[0]} of plan {phased.name}", culprit=missing[0])
     extra = [t for t in bindings if t not in tasks]
     if extra:
-        raise PlanError(f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0])
+        raise PlanError(
+            f"a function is bound to {extra[0]!r}, which is not a task of plan {phased.name}", culprit=extra[0]
+        )
     for task, fn in bindings.items():
         if not callable(fn):
             raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
@@ -208,7 +212,13 @@ class Plans:
     waits for threads that ran ahead (``pending``)."""
 
     def __init__(
-        self, plan: PipelinePlan | PhasedPlan, *, streams: StreamPool, device_type: str | None, max_threads: int, max_in_flight: int
+        self,
+        plan: PipelinePlan | PhasedPlan,
+        *,
+        streams: StreamPool,
+        device_type: str | None,
+        max_threads: int,
+        max_in_flight: int,
     ) -> None:
         self.phased = phased(plan)
         for p in self.phased.plans:
@@ -228,7 +238,9 @@ class Plans:
         instructions = [i for inst in self.installed.values() for i in inst.instructions()]
         # those of the plans installed before too: batches of theirs may still leave
         self.latched = tuple(dict.fromkeys([*self.latched, *(i.task for i in instructions if isinstance(i, Signal))]))
-        self.recorded = tuple(dict.fromkeys([*self.recorded, *(i.task for i in instructions if isinstance(i, RecordEvent))]))
+        self.recorded = tuple(
+            dict.fromkeys([*self.recorded, *(i.task for i in instructions if isinstance(i, RecordEvent))])
+        )
 
     @property
     def compiled(self) -> CompiledPlan:
@@ -264,7 +276,9 @@ class Plans:
         found = []
         for k, inst in enumerate(self.installed.values()):
             for thread, prog in inst.programs.items():
-                found += [(k, thread, i, str(x)) for i, x in enumerate(prog) if isinstance(x, (WaitStream, RecordEvent))]
+                found += [
+                    (k, thread, i, str(x)) for i, x in enumerate(prog) if isinstance(x, (WaitStream, RecordEvent))
+                ]
         return found
 
     def drop_instruction(self, plan_index: int, thread: str, position: int) -> tuple[InstalledPlan, str]:

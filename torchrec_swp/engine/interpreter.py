@@ -54,8 +54,8 @@ from torchrec_swp.engine.errors import (
 from torchrec_swp.engine.streams import NullStreamPool, StreamPool
 from torchrec_swp.engine.tasks import Observer
 from torchrec_swp.engine.turnstile import Turnstile
-from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState, Worker, stop_workers
+from torchrec_swp.plan import MAIN_THREAD
 
 DEFAULT_TIMEOUT_S = 600.0
 

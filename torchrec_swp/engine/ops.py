@@ -52,7 +52,14 @@ class PlanOps:
     walker runs at each internal iteration (``program``) and what follows it (``iteration_done``)."""
 
     def __init__(
-        self, interpreter: Interpreter, batches: Batches, plans: Plans, *, uid: int, checker: Any, exhaustion: ExhaustionSync | None
+        self,
+        interpreter: Interpreter,
+        batches: Batches,
+        plans: Plans,
+        *,
+        uid: int,
+        checker: Any,
+        exhaustion: ExhaustionSync | None,
     ) -> None:
         self._interpreter = interpreter
         self._board = interpreter.board
@@ -146,7 +153,9 @@ class PlanOps:
             w.bases[group] = w.bases.get(group, 0) + count
         if main:
             if self._observer is not None:
-                self._observer.on_iteration(self._batches.book.first_iteration + P, self._iteration_start, time.perf_counter())
+                self._observer.on_iteration(
+                    self._batches.book.first_iteration + P, self._iteration_start, time.perf_counter()
+                )
         elif self._threaded:  # only the caller's wait for a batch reads how far threads got
             self._board.changed(ITERATION)
 
@@ -190,7 +199,10 @@ class PlanOps:
                 stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if not (b in book.held or self.await_exists(b, P)) or (guarded and not self._admits(when, needs_next, b, P)):
+            if (
+                not (b in book.held or self.await_exists(b, P))
+                or (guarded and not self._admits(when, needs_next, b, P))
+            ):
                 if ticket is not None:
                     self._interpreter.skip_ticket(w, group, ticket)
                 return

@@ -51,9 +51,9 @@ import torch
 from torchrec_swp.compile import Instr, IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
-from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Observer
+from torchrec_swp.engine.walkers import Failure, Op, Walk, Walker, WalkState
 from torchrec_swp.plan import MAIN_THREAD
 
 ActionBinding = Callable[[int, "int | None"], Any]
@@ -126,7 +126,9 @@ class ProgramEngine(Interpreter):
         self.failures.clear()
         self.board.resume()
         self.board.clear_latches()
-        walkers = [self._walker(MAIN_THREAD)] + [self._walker(t) for t, instrs in program.threads if t != MAIN_THREAD and instrs]
+        walkers = [self._walker(MAIN_THREAD)] + [
+            self._walker(t) for t, instrs in program.threads if t != MAIN_THREAD and instrs
+        ]
         for w in walkers:
             w.place(step, self._bases)
         start = time.perf_counter() if self._observer is not None else 0.0

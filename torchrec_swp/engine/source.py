@@ -149,7 +149,9 @@ class Feed:
     def take(self, data: Iterator[Any], first: int) -> None:
         """``data`` serves batch ``first`` and the later ones."""
         self.data = data
-        self.draws = Draws(data, take_turn=self._take_turn, turn_taken=self._turn_taken, sync=self._sync, dropped=self._dropped)
+        self.draws = Draws(
+            data, take_turn=self._take_turn, turn_taken=self._turn_taken, sync=self._sync, dropped=self._dropped
+        )
         self._from = [(f, d) for f, d in self._from if f < first] + [(first, self.draws)]
 
     def draws_for(self, b: int) -> Draws | None:
@@ -185,14 +187,22 @@ class Source:
     it draws from. ``gates``: the plan ops' waits and stop checks (``Gates``)."""
 
     def __init__(
-        self, interpreter: Interpreter, batches: Batches, gates: Gates, *, checker: Any, exhaustion: ExhaustionSync | None
+        self,
+        interpreter: Interpreter,
+        batches: Batches,
+        gates: Gates,
+        *,
+        checker: Any,
+        exhaustion: ExhaustionSync | None,
     ) -> None:
         self._interpreter = interpreter
         self._board = interpreter.board
         self._batches = batches
         self._gates = gates
         self._checker = checker
-        self.feed = Feed(take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end)
+        self.feed = Feed(
+            take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end
+        )
         self._top = 0  # the plans' highest stage and loads (reshape)
         self._lanes = 1
         self._threaded = False  # other threads than the caller's walk: the book is shared
@@ -242,7 +252,9 @@ class Source:
                 if plain:
                     invoke(b)
                 elif self._checker is not None:
-                    self._interpreter.ticketed(w, group, ticket, task, b, gates.stop_check, gates.in_task, w, task, b, invoke)
+                    self._interpreter.ticketed(
+                        w, group, ticket, task, b, gates.stop_check, gates.in_task, w, task, b, invoke
+                    )
                 else:
                     self._interpreter.ticketed(w, group, ticket, task, b, gates.stop_check, invoke, b)
             except StopIteration:
@@ -269,7 +281,10 @@ class Source:
         in flight, and no earlier than ``lookahead`` batches before the ``step()`` call that
         single-thread order draws it in (with lookahead 0, in that very call)."""
         book = self._batches.book
-        return b < book.returned + plan.pipeline_depth + plan.lookahead and b < book.requested + self._top + plan.lookahead
+        return (
+            b < book.returned + plan.pipeline_depth + plan.lookahead
+            and b < book.requested + self._top + plan.lookahead
+        )
 
     def _found_end(self, b: int, plan: PipelinePlan) -> None:
         board = self._board

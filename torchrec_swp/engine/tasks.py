@@ -84,7 +84,9 @@ def make_invoker(
     return _named(invoke, task)
 
 
-def _arguments(io: PipelineTask, slots: Slots, extra: Callable[[int], dict[str, Any]] | None) -> Callable[[int], dict[str, Any]] | None:
+def _arguments(
+    io: PipelineTask, slots: Slots, extra: Callable[[int], dict[str, Any]] | None
+) -> Callable[[int], dict[str, Any]] | None:
     """``arguments(b)``: the keyword arguments of ``io``'s call for batch ``b`` (None: it takes none)."""
     task = io.name
     reads = tuple((read_argument(r), *parse_read(r)) for r in io.reads)  # (keyword, data name, batches back)
@@ -131,7 +133,9 @@ def _named(invoke: Invoker, task: str) -> Invoker:
     return invoke
 
 
-def make_alias(pairs: tuple[tuple[str, str], ...], slots: Slots, around: Around | None = None, timed: TaskTimer | None = None) -> Invoker:
+def make_alias(
+    pairs: tuple[tuple[str, str], ...], slots: Slots, around: Around | None = None, timed: TaskTimer | None = None
+) -> Invoker:
     """The call-free stand-in of a task that is a no-op on this device: ``write = read``."""
 
     def alias(b: int) -> None:
@@ -158,7 +162,9 @@ def _copy(pairs: tuple[tuple[str, str], ...], slot: dict[str, Any]) -> None:
 Around = Callable[[int], contextlib.AbstractContextManager[Any]]
 
 
-def task_context(task: str, labels: bool, stream: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Around | None:
+def task_context(
+    task: str, labels: bool, stream: Callable[[], contextlib.AbstractContextManager[Any]] | None
+) -> Around | None:
     """What a task's calls run in: ``stream()`` (its device stream), inside
     ``record_function("## task b ##")`` with ``labels`` (for profiler traces); None for nothing."""
     if not labels:

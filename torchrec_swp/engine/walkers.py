@@ -30,10 +30,11 @@ class WalkState(enum.Enum):
 class Walker:
     """One thread's walk: ``thread`` names its program, ``name`` the thread itself (a lane of a
     source with several loads: ``load.1``); ``last_stage``: the highest stage of its tasks (it is
-    done with batch ``d`` once it finished iteration ``d + last_stage``; -1: it has no task); ``ahead``: how many iterations it
-    may run beyond the current ``step()`` call's (the plan's lookahead; 0 for a thread that issues
-    collectives: those are issued only while ``step()`` runs). ``prog``: the instructions of
-    iteration ``P`` while it walks them, ``i`` the one it executes (or parked at)."""
+    done with batch ``d`` once it finished iteration ``d + last_stage``; -1: it has no task);
+    ``ahead``: how many iterations it may run beyond the current ``step()`` call's (the plan's
+    lookahead; 0 for a thread that issues collectives: those are issued only while ``step()`` runs).
+    ``prog``: the instructions of iteration ``P`` while it walks them, ``i`` the one it executes (or
+    parked at)."""
 
     thread: str
     name: str

@@ -72,7 +72,9 @@ class PhasedPlan:
             raise PlanError("a phased plan needs at least one phase", culprit="phases")
         for start, plan in phases:
             if not isinstance(plan, PipelinePlan):
-                raise PlanError(f"phase {start}: expected a PipelinePlan, got {type(plan).__name__}", culprit=str(start))
+                raise PlanError(
+                    f"phase {start}: expected a PipelinePlan, got {type(plan).__name__}", culprit=str(start)
+                )
             if isinstance(start, bool) or not isinstance(start, int):
                 raise PlanError(f"phase start must be an int, got {start!r}", culprit=str(start))
         starts = [s for s, _ in phases]

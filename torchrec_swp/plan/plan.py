@@ -94,7 +94,9 @@ class PipelinePlan:
     ) -> None:
         self.name = check_name(name, "plan")
         if not isinstance(schedule, Mapping):
-            raise PlanError(f"schedule must be a mapping task -> TaskSchedule, got {type(schedule).__name__}", culprit="schedule")
+            raise PlanError(
+                f"schedule must be a mapping task -> TaskSchedule, got {type(schedule).__name__}", culprit="schedule"
+            )
         for task, sched in schedule.items():
             check_name(task, "task")
             if not isinstance(sched, TaskSchedule):
@@ -338,7 +340,8 @@ class PipelinePlan:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        extra = (f", lookahead={self.lookahead}" if self.lookahead else "") + (f", loads={self.loads}" if self.loads > 1 else "")
+        extra = f", lookahead={self.lookahead}" if self.lookahead else ""
+        extra += f", loads={self.loads}" if self.loads > 1 else ""
         return f"PipelinePlan({self.name}, tasks={list(self.fire_order)}, depth={self.pipeline_depth}{extra})"
 
     def __str__(self) -> str:

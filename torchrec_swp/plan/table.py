@@ -8,7 +8,8 @@ Then one row per task in fire order (``#`` is its position: the CPU submission o
 iteration), with its stage, thread and stream, then one column per internal iteration showing
 the batch the task works on (``i3``) or ``--`` when it does not run: outside the stage mask,
 or for a batch its ``when`` excludes (``first``: batch 0 only; ``fill``: iterations before batch 0
-reaches the highest stage; ``last``: the last batch, known only when ``num_batches`` is given). A ``When`` column appears when some task has a guard.
+reaches the highest stage; ``last``: the last batch, known only when ``num_batches`` is given).
+A ``When`` column appears when some task has a guard.
 """
 
 from __future__ import annotations
@@ -64,12 +65,16 @@ def format_schedule(
     def line(num: str, task: str, stage: str, thread: str, stream: str, when: str, sep: str, cells: list[str]) -> str:
         body = " ".join(c.ljust(_CELL) for c in cells).rstrip()
         guard = f"{when:<{w_when}}  " if guards else ""
-        return f"{num:>4}  {task:<{w_task}}  {stage:>5}  {thread:<{w_thread}}  {stream:<{w_stream}}  {guard}{sep} {body}"
+        return (
+            f"{num:>4}  {task:<{w_task}}  {stage:>5}  {thread:<{w_thread}}  {stream:<{w_stream}}  {guard}{sep} {body}"
+        )
 
     out = [
         header(plan),
         line("#", "Task", "Stage", "Thread", "Stream", "When", "|", [f"P{p}" for p in cols]),
-        line("--", "-" * w_task, "-" * 5, "-" * w_thread, "-" * w_stream, "-" * w_when, "+", ["-" * _CELL for _ in cols]),
+        line(
+            "--", "-" * w_task, "-" * 5, "-" * w_thread, "-" * w_stream, "-" * w_when, "+", ["-" * _CELL for _ in cols]
+        ),
     ]
     for i, task in enumerate(rows):
         sched = plan.task(task).schedule

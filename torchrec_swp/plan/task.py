@@ -203,8 +203,10 @@ class PipelineTask:
                 culprit=self.name,
             )
         if self.noop_on and any(parse_read(r)[1] for r in self.reads):
-            raise PlanError(f"task {self.name} is a no-op on {', '.join(self.noop_on)}: it cannot read a previous batch",
-                            culprit=self.name)
+            raise PlanError(
+                f"task {self.name} is a no-op on {', '.join(self.noop_on)}: it cannot read a previous batch",
+                culprit=self.name,
+            )
         for device in self.noop_on:
             check_name(device, f"device type (in task {self.name})")
         for data in self.reads:

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.task import DEFAULT_STREAM, MAIN_THREAD, ScheduledTask, check_name
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torchrec_swp.plan.view import PlanView
 
 #: How tasks map to threads: a strategy name, ``{task: thread}``, or a function of the task.
-ThreadMap = Union[str, Mapping[str, str], Callable[[ScheduledTask], str]]
+ThreadMap = str | Mapping[str, str] | Callable[[ScheduledTask], str]
 
 STRATEGIES = ("by_stream", "per_task", "main", "io")
 #: The thread the ``"io"`` strategy puts the stage-0 tasks on.

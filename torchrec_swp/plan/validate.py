@@ -221,7 +221,8 @@ def _check_satisfiable(plan: PlanView, dep: Dep) -> None:
         return
     if lead < 0:
         raise PlanError(
-            f"dependency {dep} cannot be satisfied: {dep.producer} (stage {s_p}) works on batch {_batch(-dep.distance)} "
+            f"dependency {dep} cannot be satisfied: {dep.producer} (stage {s_p}) "
+            f"works on batch {_batch(-dep.distance)} "
             f"at iteration b{s_p - dep.distance:+d}, after {dep.consumer} (stage {s_c}) works on batch b "
             f"at iteration b{s_c:+d}",
             culprit=str(dep),

@@ -55,9 +55,10 @@ class Kind(str, Enum):
     STEP = "O"
 
 
-F, E, B, I, W = Kind.FORWARD, Kind.SPARSE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+# the one-letter names are the action letters of the zero-bubble paper and of torch's schedules
+F, E, B, I, W = Kind.FORWARD, Kind.SPARSE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 SF, RF, SB, RB = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-G, O = Kind.GRAD_SYNC, Kind.STEP
+G, O = Kind.GRAD_SYNC, Kind.STEP  # noqa: E741
 
 COMPUTE = frozenset({F, E, B, I, W})
 P2P = frozenset({SF, RF, SB, RB})
@@ -162,7 +163,10 @@ def to_torch_text(action: Action) -> str:
     ``0SF1`` -> ``0SEND_F1``, ``1G`` -> ``1REDUCE_GRAD``. PPError for ``E`` and ``O``."""
     text = TORCH_KINDS.get(action.kind)
     if text is None:
-        raise PPError(f"action {action} has no torch.distributed.pipelining counterpart (kind {action.kind.value})", action=str(action))
+        raise PPError(
+            f"action {action} has no torch.distributed.pipelining counterpart (kind {action.kind.value})",
+            action=str(action),
+        )
     return f"{action.stage}{text}{'' if action.microbatch is None else action.microbatch}"
 
 

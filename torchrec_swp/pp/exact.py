@@ -1,12 +1,12 @@
 """Exact mode: makespan-optimal PP programs with OR-Tools CP-SAT (imported on first use).
 
 The problem is a one-shot DAG (``pp_dag``) solved by ``torchrec_swp.solve.cpsat.solve_dag``
-(interval variables, NoOverlap per rank, a Cumulative per rank for activations): the same
-model that reproduces the 285 of docs/autosched.md's interleaved example for the plan-level DAG, not a second one. Per (stage,
-microbatch): ``F``, then ``B`` or (``split_backward``) ``I`` and ``W``; edges ``F(s-1) -> F(s)``,
-``F(S-1) -> B/I(S-1)``, ``B/I(s+1) -> B/I(s)``, ``I -> W``; an activation is held from its ``F``'s
-start to the end of its ``B``/``W``. A cross-rank edge with ``latency > 0`` goes through a
-transfer task of that length on a resource of its own.
+(interval variables, NoOverlap per rank, a Cumulative per rank for activations): the same model
+that reproduces the 285 of docs/autosched.md's interleaved example for the plan-level DAG, not a
+second one. Per (stage, microbatch): ``F``, then ``B`` or (``split_backward``) ``I`` and ``W``;
+edges ``F(s-1) -> F(s)``, ``F(S-1) -> B/I(S-1)``, ``B/I(s+1) -> B/I(s)``, ``I -> W``; an
+activation is held from its ``F``'s start to the end of its ``B``/``W``. A cross-rank edge with
+``latency > 0`` goes through a transfer task of that length on a resource of its own.
 
 Per-rank activation caps ride on ``solve_dag``'s single ``memory_limit``: with ``L`` the least
 common multiple of the caps, an activation on rank ``r`` weighs ``L / cap[r]``, so the shared

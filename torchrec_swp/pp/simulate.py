@@ -49,11 +49,11 @@ class ActionDurations:
     F: float = 1.0
     E: float = 1.0
     B: float = 2.0
-    I: float = 1.0
+    I: float = 1.0  # noqa: E741 - the action letters (Kind) name the fields, as in the text form
     W: float = 1.0
     P2P: float = 0.0
     G: float = 0.0
-    O: float = 0.0
+    O: float = 0.0  # noqa: E741
     latency: float = 0.0
     stage_scale: tuple[float, ...] = ()
 

@@ -165,7 +165,10 @@ class TaskProfiler:
             for t in plan.fire_order
         )
         times = [r.duration for r in measured]
-        cpu = {t: [r.cpu for rec in measured for r in rec.runs if r.task == t and r.cpu is not None] for t in plan.fire_order}
+        cpu = {
+            t: [r.cpu for rec in measured for r in rec.runs if r.task == t and r.cpu is not None]
+            for t in plan.fire_order
+        }
         stats = tuple(replace(s, cpu_mean_s=statistics.fmean(cpu[s.task]) if cpu[s.task] else None) for s in stats)
         return Profile(
             plan=plan,

@@ -23,7 +23,10 @@ from collections.abc import Mapping
 
 
 def fair_rates(
-    runnable: Mapping[int, int], cores: int | None, background: float = 0.0, gil: Mapping[int, float | None] | None = None
+    runnable: Mapping[int, int],
+    cores: int | None,
+    background: float = 0.0,
+    gil: Mapping[int, float | None] | None = None,
 ) -> dict[int, float]:
     """The rate of each runnable thread of each process: ``runnable[p]`` threads of process ``p``
     want a core; returns ``{p: rate}`` for every ``p`` with at least one (rules above)."""

@@ -129,8 +129,19 @@ class EngineModel:
         self.phases = phases
         stage = {t: s.stage for t, s in plan.schedule.items()}
         threads = dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)])
-        collective = {t for _, prog in phases for t, instrs in prog.threads for i in instrs if isinstance(i, Run) and i.comm_group is not None}
-        top_of = {t: max((stage[i.task] for _, prog in phases for i in prog.instructions(t) if isinstance(i, Run)), default=-1) for t in threads}
+        collective = {
+            t
+            for _, prog in phases
+            for t, instrs in prog.threads
+            for i in instrs
+            if isinstance(i, Run) and i.comm_group is not None
+        }
+        top_of = {
+            t: max(
+                (stage[i.task] for _, prog in phases for i in prog.instructions(t) if isinstance(i, Run)), default=-1
+            )
+            for t in threads
+        }
         source_thread = plan.task(plan.source).thread_group if plan.source is not None else None
         walkers: list[WalkerSpec] = []
         for t in threads:
@@ -194,7 +205,10 @@ class EngineModel:
                             return f"{other.name} to finish internal iteration {need}"
             case Run(task=task, stage=stage) if task == self.source:
                 b = p - stage
-                if not (b < self.returned + self.depth + self.lookahead and b < self.requested + self.top + self.lookahead):
+                if not (
+                    b < self.returned + self.depth + self.lookahead
+                    and b < self.requested + self.top + self.lookahead
+                ):
                     return f"credit to draw batch {b} (depth {self.depth}, lookahead {self.lookahead})"
                 if self.claimed < b:
                     return f"batch {b - 1} to be drawn first"

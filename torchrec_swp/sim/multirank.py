@@ -401,7 +401,8 @@ class _EngineRankState(_RankState):
             self.done = True
             return
         self.segment = 1
-        for name, todo in self.walkers.todo(self.num_batches, self.spec.overhead > 0 or self.spec.overhead_off > 0).items():
+        overhead = self.spec.overhead > 0 or self.spec.overhead_off > 0
+        for name, todo in self.walkers.todo(self.num_batches, overhead).items():
             lane = self.lanes[name]
             lane.todo, lane.at = todo, 0
 

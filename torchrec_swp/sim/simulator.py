@@ -202,7 +202,9 @@ class Replay:
         self.threads = tuple(dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)]))
         self.lanes = {t: ReplayLane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.signals: dict[tuple[int, str], Step] = {}
-        self.will_signal = {(p, i.task) for p, prog in phases for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)}
+        self.will_signal = {
+            (p, i.task) for p, prog in phases for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)
+        }
         # tickets: runs holding one per (group, iteration); iterations of a group not fully
         # released yet, in order; released count per (group, iteration); last holder per group
         self.ticket_runs: dict[tuple[str, int], int] = {}

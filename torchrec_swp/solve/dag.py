@@ -203,12 +203,12 @@ def interleaved_pipeline(
     edges: list[tuple[str, str]] = []
     memory: list[Memory] = []
     for m in range(microbatches):
-        for l in range(layers):
-            tasks.append(DagTask(f"F{m}.L{l}", f"D{l % devices}", forward))
-            if l:
-                edges.append((f"F{m}.L{l - 1}", f"F{m}.L{l}"))
-        for l in reversed(range(layers)):
-            tasks.append(DagTask(f"B{m}.L{l}", f"D{l % devices}", backward))
-            edges.append((f"F{m}.L{l}" if l == layers - 1 else f"B{m}.L{l + 1}", f"B{m}.L{l}"))
-            memory.append(Memory(f"F{m}.L{l}", f"B{m}.L{l}"))
+        for layer in range(layers):
+            tasks.append(DagTask(f"F{m}.L{layer}", f"D{layer % devices}", forward))
+            if layer:
+                edges.append((f"F{m}.L{layer - 1}", f"F{m}.L{layer}"))
+        for layer in reversed(range(layers)):
+            tasks.append(DagTask(f"B{m}.L{layer}", f"D{layer % devices}", backward))
+            edges.append((f"F{m}.L{layer}" if layer == layers - 1 else f"B{m}.L{layer + 1}", f"B{m}.L{layer}"))
+            memory.append(Memory(f"F{m}.L{layer}", f"B{m}.L{layer}"))
     return Dag(tuple(tasks), tuple(edges), tuple(memory))

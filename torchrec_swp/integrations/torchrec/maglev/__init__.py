@@ -23,8 +23,9 @@ if not TORCHREC.has_maglev:
         f"{TORCHREC.text} is installed (pip install --no-deps torchrec==1.9.2)"
     )
 
-from torchrec_swp.integrations.torchrec.maglev.pipeline_rank import PipelineRank
-from torchrec_swp.integrations.torchrec.maglev.pipelines import (
+# after the version check: on TorchRec 1.8 the ImportError above names 1.9, not a missing module
+from torchrec_swp.integrations.torchrec.maglev.pipeline_rank import PipelineRank  # noqa: E402
+from torchrec_swp.integrations.torchrec.maglev.pipelines import (  # noqa: E402
     Maglev1F1B,
     Maglev1F1BRecvAhead,
     MaglevPipelineBase,

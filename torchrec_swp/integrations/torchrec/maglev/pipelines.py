@@ -122,7 +122,9 @@ class ProgramDriven(EngineDriven):
             forward_context = lambda s, m: self._no_sync()
             sync = lambda s: all_reduce_grads(chunk.parameters, stage.stage_pg)
         wire = StageWrapperWire(stage, timeout_s=options.engine_timeout_s)
-        self.runtime = RankRuntime([chunk], S, wire, {me: self.optimizer}, forward_context=forward_context, grad_sync=sync)
+        self.runtime = RankRuntime(
+            [chunk], S, wire, {me: self.optimizer}, forward_context=forward_context, grad_sync=sync
+        )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         # made once every check passed (a collective: every rank builds the same pipelines)
         self._exhaustion = options.exhaustion_sync(owner)

@@ -18,12 +18,20 @@ from torchrec_swp.integrations.torchrec.compat import installed
 
 TORCHREC = installed()  # ImportError naming the supported versions if another is installed
 
+# The experimental pipelines (upstream's experimental_pipelines.py, in TorchRec 1.8.0 and 1.9.2
+# alike) are imported ``X as X``: __all__ names them through EXPERIMENTAL_PIPELINES, which a
+# linter cannot read, and torchrec_swp.__getattr__ takes them from this module.
+from torchrec_swp.integrations.torchrec.pipelines.backward_optimizer import (  # noqa: E402
+    TrainPipelineSparseDistBwdOpt as TrainPipelineSparseDistBwdOpt,
+)
 from torchrec_swp.integrations.torchrec.pipelines.base import TrainPipelineBase  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.compiled import (  # noqa: E402
     TrainPipelinePT2,
     TrainPipelineSparseDistCompAutograd,
 )
-from torchrec_swp.integrations.torchrec.pipelines.cpu_sparse import EvalPipelineCPUSparse  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.cpu_sparse import (  # noqa: E402
+    EvalPipelineCPUSparse as EvalPipelineCPUSparse,
+)
 from torchrec_swp.integrations.torchrec.pipelines.eval import EvalPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.fused import (  # noqa: E402
     EvalPipelineFusedSparseDist,
@@ -35,15 +43,20 @@ from torchrec_swp.integrations.torchrec.pipelines.semi_sync import TrainPipeline
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.staged import StagedTrainPipeline  # noqa: E402
 from torchrec_swp.integrations.torchrec.pipelines.stashing import (  # noqa: E402
-    TrainPipelinePrefetchEMS,
-    TrainPipelineSparseDistEmbStash,
-    TrainPipelineSparseDistOptStash,
+    TrainPipelinePrefetchEMS as TrainPipelinePrefetchEMS,
 )
-
-# experimental_pipelines.py (in TorchRec 1.8.0 and 1.9.2 alike)
-from torchrec_swp.integrations.torchrec.pipelines.backward_optimizer import TrainPipelineSparseDistBwdOpt  # noqa: E402
-from torchrec_swp.integrations.torchrec.pipelines.threaded_copy import TrainPipelineSparseDistT  # noqa: E402
-from torchrec_swp.integrations.torchrec.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase  # noqa: E402
+from torchrec_swp.integrations.torchrec.pipelines.stashing import (  # noqa: E402
+    TrainPipelineSparseDistEmbStash as TrainPipelineSparseDistEmbStash,
+)
+from torchrec_swp.integrations.torchrec.pipelines.stashing import (  # noqa: E402
+    TrainPipelineSparseDistOptStash as TrainPipelineSparseDistOptStash,
+)
+from torchrec_swp.integrations.torchrec.pipelines.threaded_copy import (  # noqa: E402
+    TrainPipelineSparseDistT as TrainPipelineSparseDistT,
+)
+from torchrec_swp.integrations.torchrec.pipelines.train_eval_hybrid import (  # noqa: E402
+    TrainEvalHybridPipelineBase as TrainEvalHybridPipelineBase,
+)
 
 if TORCHREC.has_pec:
     from torchrec_swp.integrations.torchrec.pipelines.pec import TrainPipelinePEC  # noqa: E402, F401

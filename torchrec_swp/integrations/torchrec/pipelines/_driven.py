@@ -103,7 +103,11 @@ class PlanDriven(EngineDriven):
             "timeout_s": options.engine_timeout_s,
             "name": f"swp-{owner}",
             # checked mode runs what a CUDA run would: no task is a no-op for the CPU there
-            "device_type": None if getattr(streams, "checker", None) is not None else getattr(getattr(self, "_device", None), "type", None),
+            "device_type": (
+                None
+                if getattr(streams, "checker", None) is not None
+                else getattr(getattr(self, "_device", None), "type", None)
+            ),
             "training": self._swp_training_mode(),
             "exhaustion": options.exhaustion_sync(owner),
         }
@@ -136,7 +140,9 @@ class PlanDriven(EngineDriven):
         owner = type(self).__name__
         if not self.can_replan:
             why = "it tunes its own plan (autotune=)" if self._swp_tuner is not None else "it has run"
-            raise PlanError(f"{owner}.replan(): only before the first progress() or right after reset(), not when {why}")
+            raise PlanError(
+                f"{owner}.replan(): only before the first progress() or right after reset(), not when {why}"
+            )
         new = self._swp_new_engine(plan)
         self._swp_engine.close()
         self.engine = new

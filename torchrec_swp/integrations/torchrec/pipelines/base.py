@@ -29,7 +29,9 @@ class TrainPipelineBase(PlanDriven, TrainingTasks, upstream.TrainPipelineBase[In
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
-        streams = self._swp_checked(stream_pool_for(self._device, {"memcpy": self._memcpy_stream}), {"_memcpy_stream": "memcpy"})
+        streams = self._swp_checked(
+            stream_pool_for(self._device, {"memcpy": self._memcpy_stream}), {"_memcpy_stream": "memcpy"}
+        )
         self._swp_setup(plans.train_pipeline_base_plan(), options, streams)
 
     def _swp_before_step(self) -> None:

@@ -59,7 +59,8 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 
     def _swp_before_step(self) -> None:
-        self._state = PipelineState.IDLE  # as upstream's progress() (a call after StopIteration asks the iterator again)
+        # as upstream's progress() (a call after StopIteration asks the iterator again)
+        self._state = PipelineState.IDLE
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

@@ -91,7 +91,9 @@ class EngineOptions:
             _check_number("lookahead", self.lookahead, int, 0)
         _check_number("engine_timeout_s", self.engine_timeout_s, (int, float), 0, above=True)
         if not isinstance(self.autotune, (bool, Autotune)):
-            raise TypeError(f"autotune must be a bool or torchrec_swp.Autotune(...), got {type(self.autotune).__name__}")
+            raise TypeError(
+                f"autotune must be a bool or torchrec_swp.Autotune(...), got {type(self.autotune).__name__}"
+            )
         if not isinstance(self.sync_dataloader_exhaustion, bool):
             raise TypeError(f"sync_dataloader_exhaustion must be a bool, got {self.sync_dataloader_exhaustion!r}")
 

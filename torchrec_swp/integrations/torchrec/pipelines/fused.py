@@ -50,7 +50,9 @@ class LookupOutput(Awaitable[Any]):
     Same ops, same values; the consumer waits for the lookup's output only, as before.
     """
 
-    def __init__(self, inner: Awaitable[Any], stream: Any, stream_context: Callable[[Any], Any], device: torch.device) -> None:
+    def __init__(
+        self, inner: Awaitable[Any], stream: Any, stream_context: Callable[[Any], Any], device: torch.device
+    ) -> None:
         super().__init__()
         self._inner, self._stream, self._stream_context, self._device = inner, stream, stream_context, device
 
@@ -141,7 +143,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
                 requests = context.embedding_a2a_requests
                 for name, request in requests.items():
                     if isinstance(request, Awaitable):  # not an MC module's (embeddings, kjts) pair
-                        requests[name] = LookupOutput(request, self._emb_lookup_stream, self._stream_context, self._device)
+                        requests[name] = LookupOutput(
+                            request, self._emb_lookup_stream, self._stream_context, self._device
+                        )
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

@@ -110,7 +110,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             waited = {m.forward.name: context.input_dist_tensors_requests[m.forward.name].wait() for m in modules}
         for m in modules:
             name = m.forward.name
-            context.embedding_a2a_requests[name] = m.compute_and_output_dist(context.module_contexts[name], waited[name])
+            context.embedding_a2a_requests[name] = m.compute_and_output_dist(
+                context.module_contexts[name], waited[name]
+            )
 
     # ------------------------------------------------------------ task functions
     def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:

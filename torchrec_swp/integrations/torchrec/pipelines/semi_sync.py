@@ -187,10 +187,16 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
             requests = getattr(context, "embedding_a2a_requests", None) or {}
             for name, awaitable in list(requests.items()):
                 if not isinstance(awaitable, Awaitable):
-                    raise TypeError(f"TrainPipelineSemiSync.state_dict(): module {name} looks up more than embeddings (a managed-collision module), which a checkpoint does not carry yet")
+                    raise TypeError(
+                        f"TrainPipelineSemiSync.state_dict(): module {name} looks up more than embeddings "
+                        "(a managed-collision module), which a checkpoint does not carry yet"
+                    )
                 embeddings = awaitable.wait()
                 if not isinstance(embeddings, KeyedTensor):
-                    raise TypeError(f"TrainPipelineSemiSync.state_dict(): module {name} returns {type(embeddings).__name__}, a checkpoint carries KeyedTensor lookups only")
+                    raise TypeError(
+                        f"TrainPipelineSemiSync.state_dict(): module {name} returns {type(embeddings).__name__}, "
+                        "a checkpoint carries KeyedTensor lookups only"
+                    )
                 requests[name] = NoWait(embeddings)
                 looked[(context.index, name)] = embeddings.values().detach().cpu().clone()
         state: dict[str, Any] = {"looked_up": looked}

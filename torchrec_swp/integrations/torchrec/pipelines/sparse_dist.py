@@ -12,9 +12,9 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
+from torchrec_swp.autotune import Hooks
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
-from torchrec_swp.autotune import Hooks
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven

@@ -144,7 +144,11 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
             # Every CPU stream object compares equal to every other (the CPU has one stream);
             # there, stages are told apart by object so that "by_stream" still separates them.
             name = next(
-                (n for n, s in streams.items() if s is stage.stream or (self._swp_device_streams and s == stage.stream)),
+                (
+                    n
+                    for n, s in streams.items()
+                    if s is stage.stream or (self._swp_device_streams and s == stage.stream)
+                ),
                 task,
             )
             streams.setdefault(name, stage.stream)
