@@ -1,14 +1,18 @@
-"""The README's commands run as written.
+"""The commands of the README and of the docs pages run as written.
 
-Every fenced ```bash block of README.md runs, in order, as one bash script (``set -e``, so
-``source .venv/bin/activate`` carries to the next line) from the root of a temporary copy of the
-checkout (its files as git sees them, the venvs linked in), so that what the commands write
-(``out/``, checkpoints) never lands in, or overwrites, the user's checkout. ``make test`` lines are left out: CI runs exactly that command (``.ci/run``),
-and here it would run this test again. A block right after a
+Every fenced ```bash block of README.md, then of each docs/*.md page (in name order), runs, in
+order, each block as one bash script (``set -e``, so ``source .venv/bin/activate`` carries to the
+next line of its block) from the root of a temporary copy of the checkout (its files as git sees
+them, the venvs linked in), so that what the commands write (``out/``, checkpoints) never lands
+in, or overwrites, the user's checkout. ``make test`` lines are left out: CI runs exactly that
+command (``.ci/run``), and here it would run this test again. A block right after a
 ``<!-- not run by tests: REASON -->`` line is skipped, with its reason. Sample output lives in
 ```text blocks, which are not run.
 
-The blocks include the profile -> plan -> run loop of the auto-scheduler on the DLRM example.
+The blocks include the README's ``make run``, the DLRM example's other launches and the profile
+-> plan -> run loop of the auto-scheduler (docs/dlrm_example.md), training with evaluation
+(docs/train_and_eval.md), checkpoints, resume and a fault drill (docs/long_jobs.md) and 4 ranks
+(docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SKIP = re.compile(r"<!-- not run by tests: (?P<reason>[^>]+) -->")
 
 
-def bash_blocks(readme: str) -> list[tuple[str, str | None]]:
-    """``(script, skip reason or None)`` for every ```bash block, in order."""
+def pages() -> list[Path]:
+    """README.md, then every docs page, in the order their blocks run."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def bash_blocks(text: str) -> list[tuple[str, str | None]]:
+    """``(script, skip reason or None)`` for every ```bash block of a page, in order."""
     blocks = []
-    lines = readme.splitlines()
+    lines = text.splitlines()
     i = 0
     while i < len(lines):
         if lines[i].strip() == "```bash":
@@ -48,10 +57,11 @@ def bash_blocks(readme: str) -> list[tuple[str, str | None]]:
 def test_the_readme_has_the_two_set_up_commands_and_runs_the_rest() -> None:
     readme = (ROOT / "README.md").read_text()
     blocks = bash_blocks(readme)
-    scripts = "\n".join(script for script, _ in blocks)
+    scripts = "\n".join(script for script, skip in blocks if skip is None)
     assert any(line.split("#")[0].strip() == "make run" for line in scripts.splitlines())
     assert "\nmake test" in readme
-    assert all(reason for _, reason in blocks if reason is not None)
+    for page in pages():
+        assert all(reason for _, reason in bash_blocks(page.read_text()) if reason is not None), page.name
 
 
 def copy_of_checkout(dest: Path) -> Path:
@@ -77,19 +87,26 @@ def copy_of_checkout(dest: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_readme_bash_blocks_run_as_written(tmp_path: Path) -> None:
+def test_the_bash_blocks_of_the_readme_and_the_docs_run_as_written(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     checkout = copy_of_checkout(tmp_path / "checkout")
     out_before = sorted(p.name for p in (ROOT / "out").iterdir()) if (ROOT / "out").exists() else None
-    ran = 0
-    for script, skip in bash_blocks((ROOT / "README.md").read_text()):
-        if skip is not None:
-            continue
-        done = subprocess.run(
-            ["bash", "-e", "-c", script], cwd=checkout, env=env, capture_output=True, text=True, timeout=600, check=False
-        )
-        assert done.returncode == 0, f"README block failed ({done.returncode}):\n{script}\n--- output ---\n{(done.stdout + done.stderr)[-4000:]}"
-        ran += 1
-    assert ran >= 3
+    ran = {}
+    for page in pages():
+        name = page.relative_to(ROOT).as_posix()
+        for script, skip in bash_blocks(page.read_text()):
+            if skip is not None:
+                continue
+            done = subprocess.run(
+                ["bash", "-e", "-c", script],
+                cwd=checkout, env=env, capture_output=True, text=True, timeout=600, check=False,
+            )
+            output = (done.stdout + done.stderr)[-4000:]
+            why = f"{name}: block failed ({done.returncode}):\n{script}\n--- output ---\n{output}"
+            assert done.returncode == 0, why
+            ran[name] = ran.get(name, 0) + 1
+    # the README's make run, and the pages the README's manual parts moved to
+    for name in ("README.md", "docs/dlrm_example.md", "docs/train_and_eval.md", "docs/long_jobs.md", "docs/cluster.md"):
+        assert ran.get(name), f"no block of {name} ran"
     assert (checkout / "out").exists()  # the commands wrote there, and not into the checkout:
     assert (sorted(p.name for p in (ROOT / "out").iterdir()) if (ROOT / "out").exists() else None) == out_before

@@ -1,5 +1,5 @@
 """Catalogue of bad input: every kind is rejected before anything runs, with a typed error that
-names the culprit. The README's reliability section counts the kinds listed here."""
+names the culprit. docs/reliability.md ("Bad input fails before anything runs") points here."""
 
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert offenders == []
 
 
-# The README's layout calls these rooms pure: no torch or torchrec at runtime, and imports only
+# docs/layout.md calls these rooms pure: no torch or torchrec at runtime, and imports only
 # from each other (OR-Tools on demand).
 PURE_ROOMS = ("plan", "plans", "catalog", "compile", "solve", "sim", "pp", "profiler", "autosched")
 
