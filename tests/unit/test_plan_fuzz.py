@@ -29,9 +29,12 @@ must be, by class:
   a comment or whitespace (the line's words before ``#`` unchanged, or a comment line duplicated),
   or the order of the names on a declaration line (a set).
 
-No other exception, no other kind of equivalent mutant. The same mutants read without a
+No other exception, no other kind of equivalent mutant. Every second mutant read again without a
 vocabulary (``PipelinePlan.from_text(text)``, a plan not yet given to a pipeline) must be refused
-naming the mutated line among ``lines``, or read as above; the counts of both are printed (``-s``).
+naming the mutated line among ``lines``, or read as above: there a name written on one row and on
+one other line (a task and the one dep naming it, a write and the one read or ``output``) is a coin
+toss, settled for the declaration, and those may name their line second (at most 1 in 60 of the
+refused). The counts of both runs are printed per golden (``-s``).
 """
 
 from __future__ import annotations
@@ -238,9 +241,12 @@ def test_without_a_pipeline_every_mutant_is_refused_naming_its_line_or_visibly_d
         failures[:30]
     )
     total = sum(c["mutants"] for c in counts.values())
-    right = sum(c[RIGHT] + c[REMOVED_RIGHT] for c in counts.values())
-    assert right >= 0.95 * sum(c[RIGHT] + c[SECOND] + c[REMOVED_RIGHT] for c in counts.values()), right
-    assert total > 3_000
+    seconds = sum(c[SECOND] for c in counts.values())
+    refused = sum(c[RIGHT] + c[SECOND] + c[REMOVED_RIGHT] for c in counts.values())
+    # without the pipeline's names, a name on one row and on one other line is a coin toss (which is
+    # the slip?): the declaration is taken, both lines named; about 1 in 90 of the refused mutants
+    assert seconds <= refused // 60, f"{seconds} of {refused} refused mutants refused at another line first"
+    assert total > 5_000
 
 
 # ------------------------------------------------------------------ the two cases of issue 30
