@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchrec_swp.catalog.torchrec import staged_plan
+from torchrec_swp.catalog.torchrec import staged_plan, train_pipeline_base_plan
 from torchrec_swp.engine import Engine
 from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
 from torchrec_swp.plans import with_parallel_loads
@@ -35,6 +35,12 @@ def plan(**changes: Any) -> PipelinePlan:
 
 
 BINDINGS: dict[str, Any] = {"H2D": lambda b: b, "Dist": lambda b, x: x, "Fwd": lambda b, y: y}
+
+
+def _base_text(row: str, word: str, slip: str) -> str:
+    """TrainPipelineBase's plan text with ``word`` of the row beginning ``row`` misspelt ``slip``."""
+    lines = train_pipeline_base_plan().to_text().splitlines()
+    return "\n".join(ln.replace(word, slip, 1) if ln.startswith(row) else ln for ln in lines) + "\n"
 
 
 def base_pipeline(**kwargs: Any) -> Any:
@@ -162,6 +168,19 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         lambda t: base_pipeline(plan=plan_file(t, "plan p\ndepth 1\ntask A stage=x\n")),
         PlanError,
         "line 3",
+    ),
+    (  # issue 30: the comm group misspelt in the pipeline's own plan, spread over threads by stream
+        "pipeline plan file with a misspelt comm group",
+        lambda t: base_pipeline(plan=plan_file(t, _base_text("task Backward ", "world", "wrold")),
+                                thread_map="by_stream"),
+        PlanError,
+        "comm group 'wrold' is not declared",
+    ),
+    (
+        "pipeline plan file with a task it has no function for",
+        lambda t: base_pipeline(plan=plan_file(t, _base_text("task ZeroGrad ", "ZeroGrad", "ZeroGard"))),
+        PlanError,
+        "task 'ZeroGard' is not one of the pipeline's tasks; did you mean 'ZeroGrad'?",
     ),
     (
         "pipeline thread_map naming an unknown task",

@@ -214,7 +214,7 @@ def test_text_form_reads_the_older_key_value_rows() -> None:
 def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
     text = three_stage().to_text().replace("depth 3", "depth 3   # three batches in flight") + "\n# the end\n"
     assert PipelinePlan.from_text(text) == three_stage()
-    with pytest.raises(PlanError, match="line 6: bad task field 'colour=red'"):
+    with pytest.raises(PlanError, match="line 6, column 18: bad task field 'colour=red'"):
         PipelinePlan.from_text(
             "plan p\ndepth 3\nsource H2D\noutput out\nexhausted drain\ntask Fwd stage=2 colour=red\n"
         )
@@ -290,7 +290,7 @@ _PHASED_LINE_ERRORS = [
     ("phase starts out of order", "phases x\nphase 0\n" + _PLAN + "phase 5\n" + _PLAN + "phase 3\n" + _PLAN, 10,
      "must begin at 0 and increase"),
     ("phases that cannot take turns",
-     "phases x\nphase 0\n" + _PLAN + "phase 4\n" + _PLAN.replace("task A", "task B"), 6, "cannot take turns"),
+     "phases x\nphase 0\n" + _PLAN + "phase 4\n" + _PLAN.replace("task A", "task B"), 5, "cannot take turns"),
     ("error in a later phase's header",
      "phases x\nphase 0\n" + _PLAN + "phase 5\n" + _PLAN.replace("depth 1", "depth one"), 8, "depth must be an int"),
     ("error in a later phase's plan", "phases x\nphase 0\n" + _PLAN + "phase 5\n" + _PLAN + "dep A <- Q\n", 10,
@@ -309,8 +309,11 @@ def test_every_plan_text_error_names_its_line(read: object, text: str, line: int
         read(text)  # type: ignore[operator]
     message = str(info.value)
     quoted = (text.splitlines()[line - 1] if text else "").strip()
-    assert message.startswith(f"line {line}: ") and message.endswith(f"(in {quoted!r})"), message
+    column = info.value.column
+    assert message.startswith(f"line {line}, column {column}: " if column else f"line {line}: "), message
+    assert message.endswith(f"(in {quoted!r})"), message
     assert words in message and info.value.line == line and info.value.culprit, message
+    assert info.value.lines[0] == line, info.value.lines
 
 
 def test_save_and_load(tmp_path) -> None:  # type: ignore[no-untyped-def]

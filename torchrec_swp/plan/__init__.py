@@ -1,6 +1,7 @@
 """The plan language (pure Python, no torch): tasks, schedules, dependencies, plans, phases."""
 
 from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.names import Vocabulary
 from torchrec_swp.plan.phases import PhasedPlan, load_plan
 from torchrec_swp.plan.plan import Dep, PipelinePlan, ThreadMap
 from torchrec_swp.plan.task import (
@@ -25,6 +26,7 @@ __all__ = [
     "ScheduledTask",
     "TaskSchedule",
     "ThreadMap",
+    "Vocabulary",
     "When",
     "load_plan",
 ]

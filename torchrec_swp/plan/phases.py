@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.names import Vocabulary
 from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
 from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import check_name
@@ -78,9 +79,13 @@ class PhasedPlan:
             if isinstance(start, bool) or not isinstance(start, int):
                 raise PlanError(f"phase start must be an int, got {start!r}", culprit=str(start))
         starts = [s for s, _ in phases]
-        wrong = [s for s in starts[:1] if s != 0] + [b for a, b in zip(starts, starts[1:]) if b <= a]
+        wrong = [(s, s) for s in starts[:1] if s != 0] + [(b, a) for a, b in zip(starts, starts[1:]) if b <= a]
         if wrong:
-            raise PlanError(f"phase starts must begin at 0 and increase, got {starts}", culprit=str(wrong[0]))
+            raise PlanError(
+                f"phase starts must begin at 0 and increase, got {starts}",
+                culprit=str(wrong[0][0]),
+                also=(str(wrong[0][1]),),
+            )
         for (a, pa), (b, pb) in zip(phases, phases[1:]):
             problems = switch_problems(pa, pb)
             if problems:
@@ -132,8 +137,8 @@ class PhasedPlan:
         return phased_to_text(self)
 
     @classmethod
-    def from_text(cls, text: str) -> PhasedPlan:
-        return phased_from_text(text, PipelinePlan, cls)
+    def from_text(cls, text: str, vocabulary: Vocabulary | None = None) -> PhasedPlan:
+        return phased_from_text(text, PipelinePlan, cls, vocabulary)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -211,8 +216,11 @@ def _checked_cycle(cycle: object, phases: tuple[tuple[int, PipelinePlan], ...]) 
     return first, period
 
 
-def load_plan(path: str) -> PipelinePlan | PhasedPlan:
-    """A plan file written by ``save()``: a PipelinePlan, or a PhasedPlan."""
+def load_plan(path: str, vocabulary: Vocabulary | None = None) -> PipelinePlan | PhasedPlan:
+    """A plan file written by ``save()``: a PipelinePlan, or a PhasedPlan. ``vocabulary``: the names
+    the pipeline it is for declares (``Vocabulary.of``; its tasks are then the only ones allowed)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    return PhasedPlan.from_text(text) if is_phased_text(text) else PipelinePlan.from_text(text)
+    if is_phased_text(text):
+        return PhasedPlan.from_text(text, vocabulary)
+    return PipelinePlan.from_text(text, vocabulary)

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Union
 
 from torchrec_swp.plan.errors import PlanError
+from torchrec_swp.plan.names import Vocabulary
 from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import (
     MAIN_THREAD,
@@ -115,7 +116,8 @@ class PipelinePlan:
         self._tasks = {t: declared.get(t, PipelineTask(t)) for t in self._schedule}
         self.fire_order: tuple[str, ...] = tuple(fire_order) if fire_order is not None else tuple(self._schedule)
         deps = [_as_dep(d, 0) for d in intra_iter_deps] + [_as_dep(d, 1) for d in inter_iter_deps]
-        self.explicit_deps: tuple[Dep, ...] = tuple(deps)
+        # a dep given twice is one dep (its text has it once: a text giving it twice is refused)
+        self.explicit_deps: tuple[Dep, ...] = tuple(dict.fromkeys(deps))
         if pipeline_depth is None:
             pipeline_depth = max((s.stage for s in self._schedule.values()), default=0) + 1
         self.pipeline_depth = pipeline_depth
@@ -300,17 +302,19 @@ class PipelinePlan:
         return plan_to_text(self)
 
     @classmethod
-    def from_text(cls, text: str) -> PipelinePlan:
-        return plan_from_text(text, cls)
+    def from_text(cls, text: str, vocabulary: Vocabulary | None = None) -> PipelinePlan:
+        """The plan ``text`` describes (``torchrec_swp.plan.text``); ``vocabulary``: the names the
+        pipeline it is for declares (``Vocabulary.of``), else TorchRec's streams and comm groups."""
+        return plan_from_text(text, cls, vocabulary)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.to_text())
 
     @classmethod
-    def load(cls, path: str) -> PipelinePlan:
+    def load(cls, path: str, vocabulary: Vocabulary | None = None) -> PipelinePlan:
         with open(path, encoding="utf-8") as f:
-            return cls.from_text(f.read())
+            return cls.from_text(f.read(), vocabulary)
 
     def format_schedule(self, num_iterations: int, num_batches: int | None = None) -> str:
         return format_schedule(self, num_iterations, num_batches)

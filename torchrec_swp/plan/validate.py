@@ -51,10 +51,14 @@ def validate_plan(plan: PlanView) -> tuple[Dep, ...]:
         raise PlanError(f"pipeline_depth must be an int >= 1, got {depth!r}", culprit="pipeline_depth")
     top = max(sched, key=lambda t: sched[t].stage)
     if depth < sched[top].stage + 1:
+        over = [t for t in plan.fire_order if sched[t].stage >= depth]
+        # one task above the depth: its stage is the slip; several: the depth is
         raise PlanError(
             f"pipeline_depth {depth} is smaller than the stage span {sched[top].stage + 1} "
-            f"(task {top} is at stage {sched[top].stage})",
-            culprit=top,
+            f"(task {top} is at stage {sched[top].stage}"
+            + (f"; {', '.join(over)} are above stage {depth - 1}" if len(over) > 1 else "") + ")",
+            culprit=over[0] if len(over) == 1 else "pipeline_depth",
+            also=("pipeline_depth",) if len(over) == 1 else tuple(over),
         )
 
     for dep in plan.explicit_deps:
@@ -69,8 +73,7 @@ def validate_plan(plan: PlanView) -> tuple[Dep, ...]:
     inferred = _infer_io_deps(plan, Dep)
     merged = list(dict.fromkeys([*plan.explicit_deps, *inferred]))
     _check_acyclic(plan, [d for d in merged if d.distance == 0])
-    for dep in merged:
-        _check_satisfiable(plan, dep)
+    _check_all_satisfiable(plan, merged)
     _check_source_and_output(plan, merged)
     _check_guards(plan)
     _check_loads(plan)
@@ -201,7 +204,8 @@ def _check_acyclic(plan: PlanView, deps: list[Dep]) -> None:
                     cycle = path[path.index(nxt):] + [nxt]
                     raise PlanError(
                         "dependency cycle in one batch: " + " -> ".join(cycle) + " (read 'A -> B' as A after B)",
-                        culprit=nxt,
+                        culprit=_backwards(plan, cycle) or nxt,
+                        also=tuple(cycle[:-1]),
                     )
                 if nxt not in state:
                     state[nxt] = 1
@@ -211,6 +215,63 @@ def _check_acyclic(plan: PlanView, deps: list[Dep]) -> None:
                 state[node] = 2
                 stack.pop()
                 path.pop()
+
+
+def _backwards(plan: PlanView, cycle: list[str]) -> str | None:
+    """Of a cycle ``a -> b -> ... -> a`` (``a`` after ``b``), its one dep that runs against stages and
+    fire order (the producer later than the consumer), as text, where only one does: the slip."""
+    key = lambda t: (plan.schedule[t].stage, plan.fire_index(t))  # noqa: E731
+    against = [Dep(c, p) for c, p in zip(cycle, cycle[1:]) if key(p) > key(c)]
+    return str(against[0]) if len(against) == 1 else None
+
+
+def _check_all_satisfiable(plan: PlanView, deps: list[Dep]) -> None:
+    """``_check_satisfiable`` for every dep; where several fail and all involve one task, its stage
+    or place in the fire order is the slip, and the error names that task."""
+    failed: list[tuple[Dep, PlanError]] = []
+    for dep in deps:
+        try:
+            _check_satisfiable(plan, dep)
+        except PlanError as e:
+            failed.append((dep, e))
+    if not failed:
+        return
+    dep, e = failed[0]
+    if len(failed) == 1:  # a task whose stage alone, moved, would satisfy every dep is the slip
+        fixable = [t for t in dict.fromkeys((dep.consumer, dep.producer)) if _movable(plan, t, deps)]
+        if len(fixable) == 1:
+            raise PlanError(
+                f"task {fixable[0]} is at stage {plan.schedule[fixable[0]].stage}, where {e}",
+                culprit=fixable[0],
+                also=(str(dep),),
+            )
+    common = set.intersection(*({d.consumer, d.producer} for d, _ in failed))
+    if len(failed) > 1 and len(common) == 1:
+        (task,) = common
+        raise PlanError(
+            f"task {task} (stage {plan.schedule[task].stage}, fire position {plan.fire_index(task)}) breaks "
+            f"{len(failed)} dependencies, the first: {e}",
+            culprit=task,
+            also=tuple(str(d) for d, _ in failed),
+        )
+    raise PlanError(str(e), culprit=e.culprit, also=(dep.consumer, dep.producer))
+
+
+def _movable(plan: PlanView, task: str, deps: list[Dep]) -> bool:
+    """Whether some other stage of ``task`` (within the depth) satisfies every dep."""
+    stages = {t: s.stage for t, s in plan.schedule.items()}
+    for stage in range(plan.pipeline_depth):
+        if stage == stages[task]:
+            continue
+        moved = {**stages, task: stage}
+        if all(_order_ok(plan, d, moved) for d in deps):
+            return True
+    return False
+
+
+def _order_ok(plan: PlanView, dep: Dep, stages: dict[str, int]) -> bool:
+    lead = stages[dep.consumer] - (stages[dep.producer] - dep.distance)
+    return lead > 0 or (lead == 0 and plan.fire_index(dep.producer) < plan.fire_index(dep.consumer))
 
 
 def _check_satisfiable(plan: PlanView, dep: Dep) -> None:

@@ -84,7 +84,7 @@ class PlanDriven(EngineDriven):
 
     def _swp_setup(self, default_plan: PipelinePlan | PhasedPlan, options: EngineOptions, streams: StreamPool) -> None:
         owner = type(self).__name__
-        chosen = options.plan_for(default_plan, owner)
+        chosen = options.plan_for(default_plan, owner, tasks=self._swp_task_functions())
         for p in _plans(chosen):
             if p.loads > 1 and p.source not in DRAW_TASKS:
                 fix = f": pass the plan with one load and loads={p.loads}, which splits the draw off"

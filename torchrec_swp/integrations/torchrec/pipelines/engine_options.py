@@ -28,14 +28,14 @@ its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict
 
 from torchrec_swp.autotune import Autotune
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, load_plan
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, Vocabulary, load_plan
 from torchrec_swp.plans import with_lookahead, with_parallel_loads
 
 PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
@@ -123,17 +123,23 @@ class EngineOptions:
         naming ``owner``."""
         return ExhaustionSync.create(owner, self.engine_timeout_s) if self.sync_dataloader_exhaustion else None
 
-    def plan_for(self, default: PipelinePlan | PhasedPlan, owner: str) -> PipelinePlan | PhasedPlan:
+    def plan_for(
+        self, default: PipelinePlan | PhasedPlan, owner: str, tasks: Iterable[str] | None = None
+    ) -> PipelinePlan | PhasedPlan:
         """The plan the engine runs: ``plan`` (or ``default``), then ``thread_map``, ``loads``
         and ``lookahead`` applied in this order. A plan these cannot be applied to raises the
         edit's error (PlanError, or ValueError for a source whose draws cannot be split), in one
-        line naming ``owner`` and the option."""
+        line naming ``owner`` and the option. A plan file is read with the names the pipeline
+        declares (``Vocabulary.of`` ``default`` and ``tasks``, its task functions), so that a task
+        it has no function for is refused at its row."""
         if self.plan is None:
             plan = default
         elif isinstance(self.plan, (PipelinePlan, PhasedPlan)):
             plan = self.plan
         else:
-            plan = load_plan(os.fspath(self.plan))
+            defaults = default.plans if isinstance(default, PhasedPlan) else (default,)
+            names = Vocabulary.of(*defaults, tasks=tasks)
+            plan = load_plan(os.fspath(self.plan), names if tasks is not None else replace(names, tasks=None))
         steps = (
             ("thread_map", self.thread_map, lambda p: p.with_thread_map(self.thread_map)),
             ("loads", self.loads if self.loads > 1 else None,
