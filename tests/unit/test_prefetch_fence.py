@@ -7,9 +7,10 @@ read it in the plan text and golden, in the compiled programs (``stream data_dis
 EmbPrefetch@1``, and a CPU wait where the two tasks are on different threads), and check with the
 CPU stream checker that the engine turns it into a real order, on the real plan with stand-in
 tasks. TorchRec's own tasks cannot show the race on the CPU: there the prefetch does no tensor
-work (only tables with a UVM-caching or key-value kernel are prefetched, and fbgemm's CPU build
-has no UVM cache), so the stand-ins do what the PR says the GPU run does: the prefetch updates a
-cache and reads blocks the input dist allocated on data_dist.
+work (TorchRec prefetches only tables with a UVM-caching or key-value kernel; the CPU test models
+use the FUSED kernel, and UVM caching needs CUDA): in a checked run of the DLRM example its 48 ops
+on the prefetch stream are profiler labels. So the stand-ins do what the PR says the GPU run
+does: the prefetch updates a cache and reads blocks the input dist allocated on data_dist.
 """
 
 from __future__ import annotations
