@@ -324,6 +324,10 @@ PREFETCH_SPARSE_DIST = """
 # H2D and InputDistStart(i+2), InputDistWait and the embedding cache prefetch (i+1) on a
 # prefetch stream, forward/backward/optimizer (i). EmbPrefetch(i+1) refills the cache Forward(i)
 # reads from (EmbPrefetch <- Forward @1).
+# NOT UPSTREAM (TorchRec PR #4191, open): InputDistStart(i+2) follows EmbPrefetch(i+1)
+# (InputDistStart <- EmbPrefetch @1, the last dep): the data_dist stream waits for the prefetch
+# stream before the next input dist, as the PR's data_dist_stream.wait_stream(prefetch_stream)
+# (see prefetch_sparse_dist_plan).
 # UPSTREAM: the design table says this pipeline uses the deprecated _batch_i/_ip1/_ip2 window; since 1.8
 # it uses the batches/contexts deques and pops with dequeue_batch() (the Dequeue task). With
 # execute_all_batches=False upstream refills on every call and drops the last four batches; the
@@ -357,6 +361,7 @@ dep Dequeue <- OptimizerStep
 dep EmbPrefetch <- Forward @1
 dep Forward <- OptimizerStep @1
 dep ZeroGrad <- OptimizerStep @1
+dep InputDistStart <- EmbPrefetch @1
 """
 
 EVAL_SPARSE_DIST = """
@@ -726,7 +731,29 @@ def semi_sync_phases(
 
 
 def prefetch_sparse_dist_plan(*, execute_all_batches: bool = True, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
-    """PrefetchTrainPipelineSparseDist (``PREFETCH_SPARSE_DIST``)."""
+    """PrefetchTrainPipelineSparseDist (``PREFETCH_SPARSE_DIST``), with the prefetch fence of
+    TorchRec's open PR #4191, which upstream's release does not have.
+
+    The fence is one dependency, ``dep InputDistStart <- EmbPrefetch @1``: the input dist of
+    batch i+2 (``start_sparse_data_dist``, data_dist stream) comes after the prefetch of batch
+    i+1 (prefetch stream), in the same internal iteration, both in ``fill_pipeline`` (batch 1
+    after batch 0's prefetch) and in ``progress()``, the PR's two call sites. It is already
+    upstream's CPU order, so the calls and the numbers stay upstream's; the compiler turns the
+    cross-stream dep into ``record EmbPrefetch`` after the prefetch and
+    ``stream data_dist <- EmbPrefetch@1`` before InputDistStart (an event wait: the PR's
+    ``data_dist_stream.wait_stream(prefetch_stream)``, a device-side order, no host stall), and
+    into a CPU ``wait EmbPrefetch`` where a thread map puts the two on different threads. Batch
+    0's input dist (InitPipelinedModules) has no prefetch before it and is not fenced, as in the PR.
+
+    Why (the PR reports device-side asserts and NaNs on UVM-caching jobs): upstream leaves the
+    data_dist stream unordered with the prefetch stream, which works on the same TBE cache and
+    reads the input dist's outputs and module contexts, blocks data_dist allocated. With the wait,
+    all later data_dist work, and so any reuse of those blocks by data_dist's allocator, comes
+    after the prefetch. The PR's other half, ``record_stream(data_dist_stream)`` of those
+    tensors, is no task edit here: they are allocated on data_dist (every one, in the checked CPU
+    run), and CUDA's caching allocator ignores ``record_stream`` on a block's own allocation
+    stream; the wait is what keeps them alive for the prefetch as far as data_dist is concerned.
+    """
     return _stopping(_h2d_on(_table(PREFETCH_SPARSE_DIST), h2d_thread), execute_all_batches)
 
 

@@ -37,7 +37,10 @@ class PrefetchTrainPipelineSparseDist(
     without streams where upstream's skips the prefetch (and its forward then fails).
 
     Differences from upstream: ``progress()`` re-attaches a detached model, as
-    TrainPipelineSparseDist does (upstream's Prefetch does not, and would fail in prefetch).
+    TrainPipelineSparseDist does (upstream's Prefetch does not, and would fail in prefetch). The
+    plan orders the data_dist stream after the prefetch stream before each later input dist
+    (``dep InputDistStart <- EmbPrefetch @1``, TorchRec's open PR #4191; see
+    ``plans.prefetch_sparse_dist_plan``): no task function changes, the calls are upstream's.
     """
 
 
