@@ -23,6 +23,10 @@
 3. Upstream TorchRec's pipelines under the same checker (``harness.upstream_streams``: their
    stream attributes made emulated streams, their methods labelled as tasks); reported only.
 
+What the installed TorchRec lacks is not run, with a line saying so (``not run here``): on
+TorchRec 1.8, TrainPipelinePEC (ours, the PEC model's runs, upstream's, the PEC mutants) and the
+Maglev drop-ins (``compat.TorchRecVersion.has_pec`` / ``has_maglev``).
+
 Exit status: 1 if a pipeline of part 1 is not clean or a part raised, 0 otherwise (escaped
 mutants are reported, with what they removed, but do not fail: a sync can be redundant).
 
@@ -95,9 +99,9 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
     """Train ``steps`` batches with our ``name`` (``PEC_MODEL``: TrainPipelinePEC on the PEC test
     model; the others on the DLRM example's small model); the number of steps run. ``mutate`` gets
     the pipeline's engine before the first step."""
-    from harness.dlrm_data import SIZES, batches
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
+    from harness.dlrm_data import SIZES, batches
 
     tmap = THREAD_MAPS.get(thread_map, thread_map) if thread_map is not None else None
     if name == PEC_MODEL:
@@ -122,11 +126,25 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
         runner.close()
 
 
+def unavailable(name: str) -> str | None:
+    """Why ``name`` (ours, upstream's or ``PEC_MODEL``) cannot run on the installed TorchRec;
+    None where it can."""
+    from torchrec_swp.integrations.torchrec.compat import installed
+
+    torchrec = installed()
+    if name.startswith("TrainPipelinePEC") and not torchrec.has_pec:
+        return f"TorchRec {torchrec.text} has no TrainPipelinePEC (new in 1.9)"
+    if name.startswith("Maglev") and not torchrec.has_maglev:
+        return f"TorchRec {torchrec.text} has no torchrec.distributed.maglev (new in 1.9)"
+    return None
+
+
 def report(checker: Any, label: str, steps: int) -> bool:
     """Print one run's result (steps, findings, ops per stream, the first 3 findings); whether clean."""
     findings = checker.findings
     streams = ", ".join(f"{s} {n}" for s, n in sorted(checker.ops_by_stream.items()))
-    print(f"{label}: {steps} steps, {'clean' if not findings else f'{len(findings)} finding(s)'} (ops per stream: {streams})")
+    result = "clean" if not findings else f"{len(findings)} finding(s)"
+    print(f"{label}: {steps} steps, {result} (ops per stream: {streams})")
     for f in findings[:3]:
         print("    " + str(f).replace("\n", "\n    "))
     return not findings
@@ -137,6 +155,10 @@ def check_pipelines(checker: Any, wanted: list[tuple[str, str | None]]) -> bool:
     for name, thread_map in wanted:
         checker.clear()
         label = name + (f" ({thread_map})" if thread_map else "")
+        why = unavailable(name)
+        if why is not None:
+            print(f"{label}: not run here: {why}")
+            continue
         try:
             steps = train(name, thread_map)
         except Exception:  # noqa: BLE001 - reported, the others still run
@@ -154,6 +176,10 @@ def check_maglev(checker: Any) -> bool:
 
     clean = True
     for name in MAGLEV_PIPELINES:
+        why = unavailable(name)
+        if why is not None:
+            print(f"{name}: not run here: {why}")
+            continue
         for thread_map in ("main", "comm", "send_recv"):
             checker.clear()
             try:
@@ -185,7 +211,13 @@ def _short(site: str) -> str:
     return site.split("site-packages/")[-1].split(str(Path(__file__).resolve().parents[1]) + "/")[-1]
 
 
-def _run(checker: Any, name: str, tmap: str | None, skip: Callable[[str, str], bool] | None, drop: tuple[int, str, int] | None = None) -> list[tuple[int, str, int, str]]:
+def _run(
+    checker: Any,
+    name: str,
+    tmap: str | None,
+    skip: Callable[[str, str], bool] | None,
+    drop: tuple[int, str, int] | None = None,
+) -> list[tuple[int, str, int, str]]:
     """One checked run of STEPS//2 batches; the compiled device syncs of its engine."""
     syncs: list[tuple[int, str, int, str]] = []
 
@@ -215,9 +247,13 @@ def mutants(checker: Any) -> tuple[int, int]:
     caught = total = 0
     for name, tmap in MUTANT_RUNS:
         label = f"{name} ({tmap or 'default plan'})"
+        why = unavailable(name)
+        if why is not None:
+            print(f"{label} mutants: not run here: {why}")
+            continue
         sites: dict[tuple[str, str], set[str]] = {}
 
-        def note(kind: str, site: str) -> bool:
+        def note(kind: str, site: str, sites: dict[tuple[str, str], set[str]] = sites) -> bool:
             task = checker.current_task()
             if not site.startswith(ENGINE_DIR):
                 sites.setdefault((kind, site), set()).add("-" if task is None else task.task)
@@ -239,7 +275,10 @@ def mutants(checker: Any) -> tuple[int, int]:
                 if checker.findings:
                     caught += 1
                 else:
-                    print(f"escaped: {label} plan without `{text}` (thread {thread}): no access needed it once the other compiled syncs (and our tasks' hand-offs) ran")
+                    print(
+                        f"escaped: {label} plan without `{text}` (thread {thread}): no access needed it once the "
+                        "other compiled syncs (and our tasks' hand-offs) ran"
+                    )
         for (kind, site), tasks in sorted(sites.items()):
             host, waited = checker.stats.frees_after_host_sync, checker.stats.frees_after_wait
             _run(checker, name, tmap, lambda k, s, want=(kind, site): (k, s) == want)
@@ -268,6 +307,10 @@ def check_upstream(checker: Any) -> None:
 
     for name in UPSTREAM_PIPELINES:
         checker.clear()
+        why = unavailable(name)
+        if why is not None:
+            print(f"upstream {name}: not run here: {why}")
+            continue
         try:
             steps = train_upstream_checked(name, checker, STEPS)
         except PipelineUnavailable as e:

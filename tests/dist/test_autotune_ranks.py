@@ -1,10 +1,13 @@
 """A self-tuning TrainPipelineSparseDist on 2 gloo ranks: both ranks take the same decision at the
 same batch (rank 0 searches on both ranks' profiles), switch without losing or repeating a batch,
 and train bit for bit as the untuned pipeline - with the input dist's own process group among the
-choices - and a resume applies the saved decision on both ranks without tuning again."""
+choices - and a resume applies the saved decision on both ranks without tuning again. By default
+only rank 0 prints its lines (on stdout); ``report=None`` quiets a rank without failing it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from typing import Any
 
@@ -68,3 +71,34 @@ def test_both_ranks_decide_alike_and_train_bit_for_bit_as_untuned() -> None:
     assert results[0]["plan"] == results[1]["plan"]
     assert results[0]["lines"] and not results[1]["lines"]  # rank 0 reports
     assert any("switches to threads" in line for line in results[0]["lines"])
+
+
+def _printed(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s stdout lines of the tuner in two short runs: the default report on every rank,
+    then ``report=None`` on the ranks other than 0 (the way to quiet them a user reached for)."""
+    out: dict[str, Any] = {}
+    for case in ("default", "rank 0 only"):
+        options: dict[str, Any] = {"warmup": 2, "steps": 6, "verify": 2, "rounds": 1}
+        if case == "rank 0 only" and rank != 0:
+            options["report"] = None
+        model, optimizer = build_model(rank, world_size, seed=3)
+        tuning = torchrec_swp.Autotune(**options)
+        pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, autotune=tuning)
+        batches = make_batches(rank, world_size, 12, seed=4)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train_pipeline_run(pipeline, batches, iterator=MapSource(Waiting(batches, 0.004)))
+        d = pipeline.autotune_decision
+        pipeline.close()
+        lines = [line for line in printed.getvalue().splitlines() if line.startswith("autotune ")]
+        out[case] = (lines, None if d is None else (d.decided, d.plan))
+    return out
+
+
+def test_by_default_only_rank_0_prints_and_report_none_quiets_a_rank() -> None:
+    results = run_on_ranks(_printed, timeout_s=300)
+    for case in ("default", "rank 0 only"):
+        (lines0, decided0), (lines1, decided1) = results[0][case], results[1][case]
+        assert decided0 is not None and decided0 == decided1 and decided0[0]  # decided alike (12 batches: after 8)
+        assert lines0 and lines0[0].startswith("autotune TrainPipelineSparseDist: profiled 6 steps ("), lines0
+        assert lines1 == []

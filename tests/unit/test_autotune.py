@@ -1,9 +1,12 @@
 """A pipeline that tunes itself (``autotune=``): it profiles, decides, switches at a batch boundary
 and trains bit for bit as without tuning; it keeps its plan when nothing wins by more than the
-noise; the decision survives a checkpoint; bad options and impossible limits say so in one line."""
+noise; the decision survives a checkpoint; bad options and impossible limits say so in one line.
+What a user sees: by default one line per event on stdout (the reasons in the log), a line and a
+"not decided" record when the data ends first, nothing with ``report=None``."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -94,6 +97,8 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     assert d.measured_s is not None and d.measured_start_s is not None
     text = "\n".join(lines)
     assert "autotune TrainPipelineBase: profiled 12 steps" in text and "switches to threads" in text
+    assert "the starting plan is bound by the calling thread, rank 0" in text  # the loader's thread
+    assert not [line for line in lines if REPEATED_WORD.search(line) or "thread the calling thread" in line]
     assert "the starting plan is bound by" in text and "measured" in text and "predicted" in text
     assert "second round" in text and d.first_predicted_s is not None
     assert pipeline.batch_ledger.trained == 64 and not pipeline.untrained_batches()
@@ -158,32 +163,153 @@ def test_autotune_of_the_wrong_type_names_the_class() -> None:
         torchrec_swp.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, autotune="yes")
 
 
-def test_data_that_ends_while_profiling_ends_the_run_as_usual() -> None:
-    outputs, pipeline, _ = train(8, 0.0, autotune=Autotune(**FAST))
-    assert len(outputs) == 8 and pipeline.autotune_decision is None
+#: a word written twice in a row ("thread thread io", "the the")
+REPEATED_WORD = re.compile(r"\b(\w+) \1\b")
+
+
+def test_data_that_ends_while_profiling_says_so_and_records_no_decision(capsys: pytest.CaptureFixture[str]) -> None:
+    model = Summing()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pipeline = torchrec_swp.TrainPipelineBase(model, optimizer, CPU, autotune=Autotune(**FAST))
+    source = MapSource(Slow(8, 0.0))
+    trained = 0
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(source)
+            trained += 1
+    assert trained == 8
+    why = "not decided: the data ended after 8 steps, having profiled 5 of the 12 steps it needs after 3 warm-up steps"
+    d = pipeline.autotune_decision
+    assert d is not None and not d.decided and not d.switched and d.why == (why,)
+    assert capsys.readouterr().out.splitlines() == [f"autotune TrainPipelineBase: {why}; the starting plan stays"]
+    with pytest.raises(StopIteration):
+        pipeline.progress(source)  # still ended: not said again
+    assert capsys.readouterr().out == ""
+    assert pipeline.state_dict()["autotune"] == {"decision": None}  # a resume tunes again
+    # more data: it goes on profiling and decides (kept or switched), replacing the record
+    more = MapSource(Slow(12, 0.0))
+    for _ in range(12):
+        pipeline.progress(more)
+    pipeline.close()
+    assert pipeline.autotune_decision is not None and pipeline.autotune_decision.decided
+    assert "autotune TrainPipelineBase: profiled 12 steps" in capsys.readouterr().out
+
+
+def test_data_that_ends_in_the_warmup_says_nothing_was_profiled(capsys: pytest.CaptureFixture[str]) -> None:
+    outputs, pipeline, _ = train(2, 0.0, autotune=Autotune(**FAST))
+    assert len(outputs) == 2 and not pipeline.autotune_decision.decided
+    assert capsys.readouterr().out == (
+        "autotune TrainPipelineBase: not decided: the data ended after 2 steps, having profiled 0 of the 12 steps it "
+        "needs after 3 warm-up steps; the starting plan stays\n"
+    )
+
+
+class Found:
+    """What ``search_overlap`` returns, scripted: ``plan`` predicted at 1 ms against 2 ms."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan, self.predicted, self.baseline, self.speedup = plan, 1e-3, 2e-3, 2.0
+        self.best = type("Best", (), {"candidate": type("C", (), {"own_group": False})()})()
+
+    def why(self, **_: Any) -> list[str]:
+        return [f"the change: scripted to {self.plan.thread_groups}"]
+
+
+def scripted(monkeypatch: pytest.MonkeyPatch, *found: Any) -> None:
+    """Every search of the tuner finds the next of ``found`` (plans)."""
+    import torchrec_swp.autotune.tuner as tuner
+
+    chosen = iter(found)
+    monkeypatch.setattr(tuner, "search_overlap", lambda *a, **k: Found(next(chosen)))
+
+
+def io_plan() -> Any:
+    from torchrec_swp import plans
+
+    return plans.default_plans()["TrainPipelineBase"].with_thread_map({"LoadBatch": "io"}).replace(lookahead=2)
+
+
+HEADLINE = re.compile(
+    r"autotune TrainPipelineBase: profiled 12 steps \(\d+\.\d\d ms per step measured\); switches to threads "
+    r"\['io', 'default'\], lookahead 2, loads 1: predicted 1\.00 ms per step \(x2\.00\)"
+)
+
+
+def test_by_default_each_event_is_one_line_on_stdout_and_the_reasons_are_logged(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    scripted(monkeypatch, io_plan())
+    caplog.set_level(logging.INFO, logger="torchrec_swp.autotune")
+    _, pipeline, _ = train(40, 0.0, autotune=Autotune(**FAST, rounds=1))
+    assert pipeline.autotune_decision.measured_s is not None
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
+    measured = (
+        r"autotune TrainPipelineBase: measured \d+\.\d\d ms per step over 6 steps with the chosen plan "
+        r"\(predicted 1\.00 ms, \d+% (under|over)\)"
+    )
+    assert re.fullmatch(measured, out[1]), out
+    logged = [r.getMessage() for r in caplog.records if r.name == "torchrec_swp.autotune"]
+    assert logged == [out[0], "autotune TrainPipelineBase: the change: scripted to ('io', 'default')", out[1]]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "torchrec_swp.autotune")
+
+
+@pytest.mark.parametrize(
+    "rounds, said",
+    [
+        (
+            1,
+            r"not verified: the data ended 3 steps after the switch, before the (\d+) steps it measures "
+            r"\((\d+) to settle, then 6\); the chosen plan stays",
+        ),
+        (
+            2,
+            r"second round not done: the data ended after 18 steps, having profiled 0 of the 12 steps it needs; "
+            r"the chosen plan stays",
+        ),
+    ],
+)
+def test_data_that_ends_after_the_decision_says_what_was_left_undone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rounds: int, said: str
+) -> None:
+    scripted(monkeypatch, io_plan())
+    _, pipeline, _ = train(18, 0.0, autotune=Autotune(**FAST, rounds=rounds))  # decides at the 16th call
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
+    match = re.fullmatch(f"autotune TrainPipelineBase: {said}", out[1])
+    assert match, out
+    if rounds == 1:
+        assert int(match[1]) == int(match[2]) + 6
+    d = pipeline.autotune_decision
+    assert d.decided and d.switched and d.measured_s is None  # the decision stands
+
+
+def test_report_none_is_quiet_and_still_decides(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="torchrec_swp.autotune")
+    _, pipeline, _ = train(20, 0.0, autotune=Autotune(**FAST, rounds=1, report=None))
+    assert pipeline.autotune_decision is not None and pipeline.autotune_decision.decided
+    _, ended, _ = train(5, 0.0, autotune=Autotune(**FAST, report=None))
+    assert not ended.autotune_decision.decided
+    assert capsys.readouterr().out == "" and not [r for r in caplog.records if r.name == "torchrec_swp.autotune"]
+
+
+def test_report_must_be_callable_or_none() -> None:
+    message = "Autotune: report must be a callable taking a line, or None (quiet), got 'stdout'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Autotune(report="stdout")  # type: ignore[arg-type]
 
 
 def test_a_second_switch_from_a_plan_that_runs_ahead_waits_for_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
     # The search is replaced by a script: the first round chooses LoadBatch on a thread with
     # lookahead 2, the second round something else; the second switch must wait until the
     # calling thread caught up with the loader, and the run must train bit for bit as untuned.
-    import torchrec_swp.autotune.tuner as tuner
     from torchrec_swp import plans
 
     start = plans.default_plans()["TrainPipelineBase"]
-    first = start.with_thread_map({"LoadBatch": "io"}).replace(lookahead=2)
     second = start.with_thread_map({"LoadBatch": "io", "H2D": "io"}).replace(lookahead=1)
-    chosen = iter([first, second])
-
-    class Found:
-        def __init__(self, plan: Any) -> None:
-            self.plan, self.predicted, self.baseline, self.speedup = plan, 1e-3, 2e-3, 2.0
-            self.best = type("Best", (), {"candidate": type("C", (), {"own_group": False})()})()
-
-        def why(self) -> list[str]:
-            return [f"the change: scripted to {self.plan.thread_groups}"]
-
-    monkeypatch.setattr(tuner, "search_overlap", lambda *a, **k: Found(next(chosen)))
+    scripted(monkeypatch, io_plan(), second)
     lines: list[str] = []
     tuned, pipeline, weights = train(70, 0.002, autotune=Autotune(**FAST, report=lines.append))
     plain, _, plain_weights = train(70, 0.002)

@@ -4,6 +4,8 @@ numerics (tasks, stages, fire order, the highest stage's threads)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from torchrec_swp.autosched.overlap import Machine, Space, apply_candidate, search_overlap
@@ -61,7 +63,8 @@ def test_where_the_loader_binds_parallel_loads_and_lookahead_win() -> None:
     assert result.predicted == pytest.approx(again, rel=0.02)
     assert result.predicted < result.baseline / 2
     text = result.format()
-    assert "the starting plan is bound by thread the calling thread" in text
+    assert "the starting plan is bound by the calling thread, rank 0 (" in text  # not "by thread the calling thread"
+    assert "the calling thread, rank 0: " in text  # the binding bound's change, named alike
     assert "3 loads" in text and "now bound by" in text
 
 
@@ -82,6 +85,31 @@ def test_the_gil_decides_whether_a_cpu_heavy_copy_moves() -> None:
     held = search_overlap(plan, cal, Machine(cores=2, machines=(0,), gil=1.0), SPACE)
     assert free.plan.task("H2D").thread_group != MAIN_THREAD and free.speedup > 1.3
     assert held.plan == plan
+
+
+BOUND_NAMES = {
+    "thread": r"(the calling thread|thread \S+( \(\d+ loads\))?), rank \d+",
+    "comm": r"comm group \S+, rank \d+",
+    "gil": r"rank \d+'s GIL",
+    "cores": r"the \d+ cores of machine \d+",
+}
+
+
+def test_every_bound_is_named_by_a_noun_phrase_that_reads_after_bound_by() -> None:
+    # why() prints "bound by <what>": each resource's name must say what it is by itself, once
+    # ("the calling thread", not "thread the calling thread"; "comm group g", not "comm group g"
+    # from a bare "group g" after the kind)
+    plan = start_plan()
+    cal = calibration(plan, costs(plan, fetch_off=20 * MS, h2d=6 * MS), ranks=2)
+    result = search_overlap(plan, cal, Machine(cores=2, machines=(0, 0), gil=0.5), SPACE)
+    bounds = {b for scored in (result.start, result.best) for b in scored.bounds.bounds}
+    assert {b.kind for b in bounds} == set(BOUND_NAMES)  # every kind this search makes is seen
+    for b in bounds:
+        assert re.fullmatch(BOUND_NAMES[b.kind], b.what), b
+    why = result.why()
+    assert why[0].startswith(f"the starting plan is bound by {result.start.bounds.binding.what} (")
+    assert any(line.startswith(f"now bound by {result.best.bounds.binding.what} (") for line in why)
+    assert result.why(start="the chosen plan")[0].startswith("the chosen plan is bound by ")
 
 
 def test_a_memory_cap_limits_the_batches_in_flight() -> None:

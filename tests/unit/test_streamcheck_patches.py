@@ -206,3 +206,103 @@ def test_the_package_imports_neither_torchrec_nor_the_engine() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+_ABSENT = object()
+
+
+def _patched_attributes() -> list[tuple[Any, str]]:
+    """Every attribute ``patches.TorchPatch`` replaces (its module docstring's table)."""
+    cpu = [(torch.cpu, n) for n in ("current_stream", "stream", "StreamContext", "Stream", "Event", "synchronize")]
+    tensor = [(torch.Tensor, "record_stream"), (torch.Tensor, "to")]
+    return [*cpu, (torch.cuda, "StreamContext"), *tensor, (torch.autograd.Function, "apply")]
+
+
+def _own(owner: Any, name: str) -> Any:
+    """What ``owner`` itself holds under ``name`` (its ``__dict__``: a classmethod or C descriptor
+    as it is, not the bound method that attribute access makes)."""
+    return vars(owner).get(name, _ABSENT)
+
+
+def test_uninstall_puts_back_exactly_what_was_there() -> None:
+    # torch 2.13 defines Function.apply in Python (a classmethod); torch 2.14 makes it C's
+    # _FunctionBase.apply (a classmethod_descriptor, without __func__): either is put back as it was
+    attributes = _patched_attributes()
+    before = [_own(owner, name) for owner, name in attributes]
+    apply_before = vars(torch.autograd.Function)["apply"]
+    for _ in range(2):  # a second install patches the originals again, not the first one's patches
+        c = StreamChecker().install()
+        try:
+            patched = {(id(owner), name) for owner, name, _ in c._patch._saved}
+            assert patched == {(id(owner), name) for owner, name in attributes}  # the list above is complete
+            for (owner, name), old in zip(attributes, before, strict=True):
+                assert _own(owner, name) is not old, f"{owner.__name__}.{name} is not patched"
+        finally:
+            c.uninstall()
+        for (owner, name), old in zip(attributes, before, strict=True):
+            assert _own(owner, name) is old, f"{owner.__name__}.{name} is not what it was"
+    assert vars(torch.autograd.Function)["apply"] is apply_before
+    if isinstance(apply_before, classmethod):  # torch 2.13
+        assert torch.autograd.Function.apply.__func__ is apply_before.__func__
+    else:  # torch 2.14: still C's own descriptor
+        assert apply_before is vars(torch._C._FunctionBase)["apply"]
+
+
+class _Scale(torch.autograd.Function):
+    """``x * k`` (k a default argument, which apply binds), its backward noting its stream."""
+
+    seen: list[str] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: float = 3.0) -> torch.Tensor:
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _Scale.seen.append(torch.cpu.current_stream().name)
+        return grad * ctx.k, None
+
+
+class _Square(torch.autograd.Function):
+    """``x ** 2`` in the ``setup_context`` style (forward without ctx), which only apply's handling
+    of the class applied makes work."""
+
+    seen: list[str] = []
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _Square.seen.append(torch.cpu.current_stream().name)
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def test_a_custom_function_runs_as_itself_and_its_backward_is_tagged(checker: StreamChecker) -> None:
+    side = checker.stream("side")
+    _Scale.seen.clear()
+    _Square.seen.clear()
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with checker.task("Lookup", 0), torch.cpu.stream(side):
+        side.wait_stream(checker.default_stream)
+        scaled = _Scale.apply(w)  # k from forward's default
+        squared = _Square.apply(w)
+    assert torch.equal(scaled, torch.tensor([3.0, 6.0])) and torch.equal(squared, torch.tensor([1.0, 4.0]))
+    for out in (scaled, squared):
+        assert out.grad_fn.metadata["swp_stream"] is side  # tagged by the apply patch
+    with checker.task("Backward", 0):
+        checker.current_stream().wait_stream(side)
+        (scaled.sum() + squared.sum()).backward()
+        assert torch.cpu.current_stream() is checker.default_stream
+        w.grad.sum()
+    assert torch.equal(w.grad, torch.tensor([3.0 + 2.0, 3.0 + 4.0]))
+    assert _Scale.seen == ["side"] and _Square.seen == ["side"]  # each backward ran on its forward's stream
+    assert checker.stats.backward_nodes >= 2
+    checker.check()

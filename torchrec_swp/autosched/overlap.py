@@ -162,12 +162,13 @@ class OverlapResult:
     def speedup(self) -> float:
         return self.start.step / self.best.step if self.best.step > 0 else 1.0
 
-    def why(self, scale: float = 1e3, unit: str = " ms") -> list[str]:
-        """Why the chosen plan wins: what bound the starting plan, what the change does to it, and
-        what binds now."""
+    def why(self, scale: float = 1e3, unit: str = " ms", start: str = "the starting plan") -> list[str]:
+        """Why the chosen plan wins: what bound the starting plan (called ``start``), what the
+        change does to it, and what binds now. Each bound is named by its ``what`` alone, a noun
+        phrase (``OverlapSearch.bounds``)."""
         s, b = self.start.bounds.binding, self.best.bounds.binding
         lines = [
-            f"the starting plan is bound by {s.kind} {s.what} ({s.value * scale:.3g}{unit} per step); "
+            f"{start} is bound by {s.what} ({s.value * scale:.3g}{unit} per step); "
             f"predicted {self.start.step * scale:.3g}{unit}",
         ]
         if self.best.candidate == self.start.candidate:
@@ -177,13 +178,10 @@ class OverlapResult:
         old = {(x.kind, x.what): x.value for x in self.start.bounds.bounds}
         if (s.kind, s.what) in {(x.kind, x.what) for x in self.best.bounds.bounds}:
             now = next(x.value for x in self.best.bounds.bounds if (x.kind, x.what) == (s.kind, s.what))
-            lines.append(
-                f"{s.kind} {s.what}: {old[(s.kind, s.what)] * scale:.3g}{unit} -> {now * scale:.3g}{unit} per step"
-            )
+            lines.append(f"{s.what}: {old[(s.kind, s.what)] * scale:.3g}{unit} -> {now * scale:.3g}{unit} per step")
         lines.append(
-            f"now bound by {b.kind} {b.what} ({b.value * scale:.3g}{unit}); "
-            f"predicted {self.best.step * scale:.3g}{unit} (x{self.speedup:.2f}), "
-            f"{self.best.in_flight} batches in flight"
+            f"now bound by {b.what} ({b.value * scale:.3g}{unit}); predicted {self.best.step * scale:.3g}{unit} "
+            f"(x{self.speedup:.2f}), {self.best.in_flight} batches in flight"
             + (f" ({self.best.memory / 2**20:,.1f} MiB)" if self.best.memory else "")
         )
         return lines
@@ -347,7 +345,9 @@ class OverlapSearch:
     def bounds(self, plan: PipelinePlan, c: Candidate) -> BoundReport:
         """Per-step loads of the resources, worst rank (mean costs): each thread's tasks (the
         source's over its loads), each comm group's collectives, each machine's cores, each
-        process's GIL. The step cannot be shorter than the largest."""
+        process's GIL. The step cannot be shorter than the largest. Each bound's ``what`` names
+        its resource as a noun phrase ("the calling thread, rank 0", "comm group g, rank 0",
+        "rank 0's GIL", "the 2 cores of machine 0"): ``OverlapResult.why`` prints it alone."""
         found: list[Bound] = []
         per_machine: dict[int, float] = {}
         for k, costs in enumerate(self.cal.ranks):
@@ -373,14 +373,15 @@ class OverlapSearch:
                     label = f"thread {th}{suffix}"
                 found.append(Bound("thread", f"{label}, rank {k}", v))
             for g, v in groups.items():
-                found.append(Bound("comm", f"group {g}, rank {k}", v))
+                found.append(Bound("comm", f"comm group {g}, rank {k}", v))
             if self.machine.gil is not None:
                 found.append(Bound("gil", f"rank {k}'s GIL", work * self.machine.gil))
             m = self.machine.machines[k]
             per_machine[m] = per_machine.get(m, 0.0) + work
         if self.machine.cores is not None:
             for m, work in per_machine.items():
-                found.append(Bound("cores", f"{self.machine.cores} cores of machine {m}", work / self.machine.cores))
+                cores = self.machine.cores
+                found.append(Bound("cores", f"the {cores} cores of machine {m}", work / cores))
         return BoundReport(tuple(sorted(found, key=lambda b: -b.value)))
 
     def ordered(self, scored: Sequence[Scored], start: Candidate) -> list[Scored]:

@@ -6,12 +6,15 @@ How one tuning goes (``tuner.py``): the starting plan warms up, then a ``TaskPro
 (``ranks.py``), which calibrates the multi-rank simulator and searches the changes that keep the
 numerics (``torchrec_swp.autosched.overlap``), and every rank switches to the plan found at that
 batch boundary (``Engine.switch_plan``), or keeps its plan when nothing is predicted to win by
-more than the noise. The decision and its reasons go to ``Autotune.report``; the measured step
-with the new plan follows ``verify`` steps later. ``pipeline.autotune_decision`` holds it, and
-``state_dict()`` carries it so that a resume applies it without tuning again.
+more than the noise. The decision and its reasons go to ``Autotune.report`` on rank 0 (by
+default one line per event on stdout, every line at INFO on logger ``torchrec_swp.autotune``;
+``report=log_info``: the log only; None: nothing); the measured step with the new plan follows
+``verify`` steps later. ``pipeline.autotune_decision`` holds it, and ``state_dict()`` carries it
+so that a resume applies it without tuning again. Where the data ends first, a line says so and
+``autotune_decision`` is a Decision with ``decided`` False ("not decided: the data ended ...").
 """
 
-from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.options import PRINTED, Autotune, PrintedReport, log_info
 from torchrec_swp.autotune.tuner import Decision, Hooks, Tuner
 
-__all__ = ["Autotune", "Decision", "Hooks", "Tuner"]
+__all__ = ["PRINTED", "Autotune", "Decision", "Hooks", "PrintedReport", "Tuner", "log_info"]

@@ -4,6 +4,7 @@ these defaults)."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,8 +14,30 @@ LOG = logging.getLogger("torchrec_swp.autotune")
 
 
 def log_info(line: str) -> None:
-    """The default report: one INFO line on logger ``torchrec_swp.autotune``."""
+    """One INFO line on logger ``torchrec_swp.autotune`` (``report=log_info``: every line there,
+    nothing on stdout)."""
     LOG.info(line)
+
+
+class PrintedReport:
+    """The default ``report``: every line at INFO on logger ``torchrec_swp.autotune``, and each
+    headline (the decision of each round, the data ending before it, the measured step) also on
+    stdout, one line, flushed, as ``examples/dlrm/train.py`` prints its summary; the reasons
+    (what binds, the change) stay in the log. Like every report, called on rank 0 only."""
+
+    def __call__(self, line: str) -> None:
+        LOG.info(line)
+
+    def headline(self, line: str) -> None:
+        LOG.info(line)
+        print(line, file=sys.stdout, flush=True)
+
+    def __repr__(self) -> str:
+        return "torchrec_swp.autotune.options.PRINTED"
+
+
+#: The default report (``PrintedReport``).
+PRINTED = PrintedReport()
 
 
 @dataclass(frozen=True)
@@ -41,8 +64,13 @@ class Autotune:
     ``max_in_flight``, ``lookahead`` and ``loads``: the search's limits and choices (loads only
     where the data splits its draws, ``torchrec_swp.data.MapSource``). ``wake_s``: a blocked
     thread's wake-up latency on this machine; ``gil``: the share of CPU work holding the GIL
-    (default: all of it, ``autosched.inputs.DEFAULT_GIL``; None: not modelled). ``report``: where the decision's lines go (default: logger
-    ``torchrec_swp.autotune``, INFO, on rank 0).
+    (default: all of it, ``autosched.inputs.DEFAULT_GIL``; None: not modelled).
+
+    ``report``: where the tuner's lines go, on rank 0 only (the other ranks are quiet; every
+    rank's ``autotune_decision`` holds the same decision). The default (``PRINTED``) prints each
+    headline on stdout, one line per event, and logs every line at INFO on logger
+    ``torchrec_swp.autotune``; a callable gets every line (e.g. ``report=print``,
+    ``report=log_info``); None: nothing anywhere. Any of them may be given on any rank.
     """
 
     warmup: int = 10
@@ -57,7 +85,7 @@ class Autotune:
     loads: tuple[int, ...] = (1, 2, 3)
     wake_s: float = DEFAULT_WAKE_S
     gil: float | None = DEFAULT_GIL
-    report: Callable[[str], None] = log_info
+    report: Callable[[str], None] | None = PRINTED
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -74,10 +102,11 @@ class Autotune:
                 raise ValueError(f"Autotune: {name} must be an int >= {low}{what}, got {v!r}")
         if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not 0 <= self.noise < 1:
             raise ValueError(f"Autotune: noise must be a share in [0, 1), got {self.noise!r}")
-        if self.memory_cap_bytes is not None and not (isinstance(self.memory_cap_bytes, (int, float)) and self.memory_cap_bytes > 0):
+        cap = self.memory_cap_bytes
+        if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
             raise ValueError(f"Autotune: memory_cap_bytes must be a number > 0 or None, got {self.memory_cap_bytes!r}")
-        if not callable(self.report):
-            raise ValueError(f"Autotune: report must be callable, got {self.report!r}")
+        if self.report is not None and not callable(self.report):
+            raise ValueError(f"Autotune: report must be a callable taking a line, or None (quiet), got {self.report!r}")
 
     @classmethod
     def of(cls, value: bool | Autotune | None, owner: str) -> Autotune | None:

@@ -14,7 +14,9 @@ class Tee:
         self.first, self.second = first, second
         self.wants_cpu = bool(getattr(first, "wants_cpu", False) or getattr(second, "wants_cpu", False))
 
-    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float, cpu: float | None = None) -> None:
+    def on_run(
+        self, task: str, batch: int, thread: str, iteration: int, start: float, end: float, cpu: float | None = None
+    ) -> None:
         for o in (self.first, self.second):
             if cpu is not None and getattr(o, "wants_cpu", False):
                 o.on_run(task, batch, thread, iteration, start, end, cpu=cpu)

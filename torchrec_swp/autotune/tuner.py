@@ -20,6 +20,12 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
 5. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
    reported beside the prediction.
 
+Where the data ends (``progress()`` raises StopIteration) before a step of this life, the tuner
+says so in one line: before the decision, ``decision`` becomes a ``Decision`` with ``decided``
+False whose ``why`` says after how many steps and how many of the profiled ones it had (the
+starting plan runs on); a later decision, if ``progress()`` gets more data, replaces it. In the
+second round or the verification, the decision stands and the line says what was not done.
+
 The starting plan does not run ahead (lookahead 0): between two calls every thread stands at the
 same batch boundary and the first switch happens at once. A second switch, from a plan that runs
 ahead, waits until the calling thread has caught up with the threads ahead
@@ -38,7 +44,7 @@ from typing import Any, Protocol
 from torchrec_swp.autosched.inputs import from_profiles
 from torchrec_swp.autosched.overlap import Space, apply_candidate, search_overlap
 from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, world
-from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.options import Autotune, PrintedReport
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
 from torchrec_swp.catalog.torchrec import DRAW_TASKS
@@ -81,7 +87,11 @@ class Decision:
     the starting plan), whether it gives the input dist its own comm group, the predicted step of
     it (from its own profile after a second round; ``first_predicted_s``: from the starting plan's)
     and of the starting plan, the starting plan's measured step, the lines saying why, and (once
-    verified) the measured step with the chosen plan."""
+    verified) the measured step with the chosen plan.
+
+    ``decided`` False: no decision was taken, the data ended first (``why``: ``not decided: the
+    data ended after N steps, having profiled P of the S steps it needs ...``; ``plan`` None: the
+    starting plan runs). Such a record is not checkpointed: a resume tunes again."""
 
     plan: str | None
     own_group: bool = False
@@ -91,6 +101,7 @@ class Decision:
     why: tuple[str, ...] = ()
     measured_s: float | None = None
     first_predicted_s: float | None = None
+    decided: bool = True
 
     @property
     def switched(self) -> bool:
@@ -131,6 +142,8 @@ class Tuner:
         self._last_start: float | None = None
         self._periods: list[float] = []
         self._settle = 0
+        self._phase_call = 0  # the call whose step began the current profiling or verification
+        self._ended_call = -1  # the last call whose step found the data ended
 
     # ------------------------------------------------------------------ the calls
     def before_step(self) -> None:
@@ -155,7 +168,40 @@ class Tuner:
     def _profile_for(self, steps: int) -> None:
         self._attach()
         self.phase, self._until = "profiling", self.calls + steps - 1
+        self._phase_call = self.calls
         self._periods = []
+
+    def data_ended(self) -> None:
+        """The ``progress()`` call that began last found the data ended (it raises StopIteration):
+        say what that leaves undone, once for consecutive calls that find it ended."""
+        ended_before, self._ended_call = self._ended_call == self.calls - 1, self.calls
+        if ended_before or self.phase == "done":
+            return
+        o, who = self.options, f"autotune {self.owner}"
+        steps = self.calls - 1  # the calls before this one trained their batches
+        profiled = self.calls - self._phase_call if self.phase == "profiling" else 0
+        if self.round == 1 and self.phase in ("warmup", "profiling"):
+            warmup = f" after {o.warmup} warm-up steps" if o.warmup else ""
+            why = (
+                f"not decided: the data ended after {steps} steps, having profiled {profiled} of the {o.steps} steps "
+                f"it needs{warmup}"
+            )
+            self.decision = Decision(None, why=(why,), decided=False)
+            self._report(f"{who}: {why}; the starting plan stays", headline=True)
+        elif self.phase == "verifying":
+            after = self.calls - self._phase_call
+            self._report(
+                f"{who}: not verified: the data ended {after} steps after the switch, before the "
+                f"{self._settle + o.verify} steps it measures ({self._settle} to settle, then {o.verify}); "
+                "the chosen plan stays",
+                headline=True,
+            )
+        else:  # the second round, settling or profiling
+            self._report(
+                f"{who}: second round not done: the data ended after {steps} steps, having profiled {profiled} of the "
+                f"{o.steps} steps it needs; the chosen plan stays",
+                headline=True,
+            )
 
     # ------------------------------------------------------------------ profiling
     def _attach(self) -> None:
@@ -219,7 +265,9 @@ class Tuner:
                 measured_start_s=before.measured_start_s,
                 why=(*before.why, *(f"second round: {line}" for line in decision.why)),
             )
-        for line in self._lines(decision, self.round):
+        head, reasons = self._lines(decision, self.round)
+        self._report(head, headline=True)
+        for line in reasons:
             self._report(line)
         # until the new plan runs steadily: the threads that ran ahead catch up (a switch from a
         # plan with lookahead waits for that), then the new plan fills its run-ahead
@@ -231,7 +279,7 @@ class Tuner:
             self.round += 1
             self.phase, self._until = "settling", self.calls + self._settle
         else:
-            self.phase = "verifying"
+            self.phase, self._phase_call = "verifying", self.calls
 
     def _search(self, gathered: list[dict[str, Any]], measured: float | None) -> Decision:
         """Rank 0: every rank's profile -> the decision (the profiled plan kept, with the reason,
@@ -262,7 +310,7 @@ class Tuner:
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         except (PlanError, ProfileError, ValueError) as e:
             return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",))
-        why = tuple(result.why())
+        why = tuple(result.why(start="the starting plan" if self.round == 1 else "the chosen plan"))
         margin = o.noise
         if result.speedup < 1 + margin:
             return Decision(
@@ -270,7 +318,11 @@ class Tuner:
                 predicted_s=result.predicted,
                 baseline_s=result.baseline,
                 measured_start_s=measured,
-                why=(*why, f"keeps the plan: the best change is predicted x{result.speedup:.2f}, within the noise ({100 * margin:.0f}%)"),
+                why=(
+                    *why,
+                    f"keeps the plan: the best change is predicted x{result.speedup:.2f}, "
+                    f"within the noise ({100 * margin:.0f}%)",
+                ),
             )
         return Decision(
             result.plan.to_text(),
@@ -287,7 +339,8 @@ class Tuner:
         found = PipelinePlan.from_text(decision.plan)
         if decision.own_group and self.hooks.enable is not None:
             self.hooks.enable()
-        self.engine.switch_plan(apply_candidate(self.engine.phased if len(self.engine.phased.phases) > 1 else self.engine.plan, found))
+        running = self.engine.phased if len(self.engine.phased.phases) > 1 else self.engine.plan
+        self.engine.switch_plan(apply_candidate(running, found))
 
     def _verified(self) -> None:
         assert self.decision is not None
@@ -296,21 +349,24 @@ class Tuner:
         self.phase = "done"
         d = self.decision
         assert d.measured_s is not None and d.predicted_s is not None
+        off = 100 * (d.predicted_s / d.measured_s - 1)
+        side = "under" if off < 0 else "over"
         self._report(
-            f"autotune {self.owner}: measured {1e3 * d.measured_s:.2f} ms per step over {len(periods)} steps with the chosen "
-            f"plan (predicted {1e3 * d.predicted_s:.2f} ms, {100 * (d.predicted_s / d.measured_s - 1):+.0f}%)"
+            f"autotune {self.owner}: measured {1e3 * d.measured_s:.2f} ms per step over {len(periods)} steps "
+            f"with the chosen plan (predicted {1e3 * d.predicted_s:.2f} ms, {abs(off):.0f}% {side})",
+            headline=True,
         )
 
     # ------------------------------------------------------------------ reports
-    def _lines(self, d: Decision, round_: int) -> list[str]:
-        """What one round's decision ``d`` says."""
+    def _lines(self, d: Decision, round_: int) -> tuple[str, list[str]]:
+        """What one round's decision ``d`` says: the headline (what it does, and for a plan kept
+        in the first round, why), then the reasons."""
         who = f"autotune {self.owner}"
+        reasons = list(d.why)
+        measured = f" ({1e3 * d.measured_start_s:.2f} ms per step measured)" if d.measured_start_s is not None else ""
         if round_ == 1:
-            head = f"{who}: profiled {self.options.steps} steps"
-            if d.measured_start_s is not None:
-                head += f" ({1e3 * d.measured_start_s:.2f} ms per step measured)"
+            head = f"{who}: profiled {self.options.steps} steps{measured}"
         else:
-            measured = f" ({1e3 * d.measured_start_s:.2f} ms per step measured)" if d.measured_start_s else ""
             head = f"{who}: second round: profiled the chosen plan as it runs{measured}"
         if d.switched:
             found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]
@@ -318,19 +374,32 @@ class Tuner:
                 f"; switches to threads {list(found.thread_groups)}, lookahead {found.lookahead}, loads {found.loads}"
                 + (", the input dist in its own comm group" if d.own_group else "")
             )
+            if d.predicted_s is not None and d.baseline_s is not None and d.predicted_s > 0:
+                head += f": predicted {1e3 * d.predicted_s:.2f} ms per step (x{d.baseline_s / d.predicted_s:.2f})"
         elif round_ > 1 and d.baseline_s is not None:
             head += f"; keeps it: predicted {1e3 * d.baseline_s:.2f} ms per step from its own profile"
+        elif reasons and reasons[-1].startswith("keeps the plan"):
+            head += f"; {reasons.pop()}"
         prefix = "" if round_ == 1 else "second round: "
-        return [head, *(f"{who}: {prefix}{line}" for line in d.why)]
+        return head, [f"{who}: {prefix}{line}" for line in reasons]
 
-    def _report(self, line: str) -> None:
-        if world()[0] == 0:
-            self.options.report(line)
+    def _report(self, line: str, headline: bool = False) -> None:
+        """One line to ``Autotune.report``, on rank 0 only; a headline to the default report's
+        ``headline`` (stdout too)."""
+        report = self.options.report
+        if report is None or world()[0] != 0:
+            return
+        if headline and isinstance(report, PrintedReport):
+            report.headline(line)
+        else:
+            report(line)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The decision (None while still tuning: a resume then tunes again)."""
-        return {"decision": None if self.decision is None else self.decision.to_dict()}
+        """The decision (None while still tuning or when the data ended before it decided: a
+        resume then tunes again)."""
+        d = self.decision
+        return {"decision": None if d is None or not d.decided else d.to_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Apply a saved decision at once (before the first step): no tuning again."""

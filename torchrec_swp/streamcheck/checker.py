@@ -57,7 +57,7 @@ from torchrec_swp.streamcheck.findings import (
     StreamCheckUsageError,
     UnsyncedAccess,
 )
-from torchrec_swp.streamcheck.lanes import Clock, CheckStats, Lane, TaskLabel, ThreadState, Use, join
+from torchrec_swp.streamcheck.lanes import CheckStats, Clock, Lane, TaskLabel, ThreadState, Use, join
 from torchrec_swp.streamcheck.memory import PendingFree, StorageState, same_pool, unknown_uses
 
 #: The name of the stream every thread is on unless it entered another (the plan's default).

@@ -92,7 +92,8 @@ class EarlyFree:
             f"early free: a storage of {self.nbytes} bytes allocated on stream {self.alloc_stream!r} was freed "
             f"{self.freed_in}\n    while its {self.use}\n    was covered neither by record_stream({self.use.stream!r}) "
             f"nor by a wait of stream {self.alloc_stream!r} for it, and the next allocation on {self.alloc_stream!r}, "
-            f"{self.reused_by},\n    could get the block from the CUDA caching allocator before that {self.use.kind} ran"
+            f"{self.reused_by},\n    could get the block from the CUDA caching allocator "
+            f"before that {self.use.kind} ran"
         )
 
     def signature(self) -> tuple[str, ...]:

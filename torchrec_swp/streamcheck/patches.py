@@ -24,8 +24,10 @@ classes and one *process-global* current stream. While installed:
 ``Tensor.to(cpu, non_blocking=   inside a task, of host memory (a storage made outside every
 True)``                          task): a copy made on the current stream, as an H2D copy is
                                  (``checker.host_to_device``); else the original
-``autograd.Function.apply``      the original, then the outputs' autograd node is tagged
-                                 with the current stream (``autograd``: backward runs there)
+``autograd.Function.apply``      the original (a Python classmethod on torch 2.13, C's
+                                 ``_FunctionBase.apply`` on 2.14) bound to the class applied,
+                                 then the outputs' autograd node is tagged with the current
+                                 stream (``autograd``: backward runs there)
 ===============================  ==========================================================
 
 Stream objects that are not emulated (a user's ``torch.cpu.Stream()`` made before installing,
@@ -125,10 +127,13 @@ class TorchPatch:
             return out
 
         self._set(torch.Tensor, "to", to)
-        original_apply = torch.autograd.Function.__dict__["apply"].__func__
+        # torch 2.13 defines ``apply`` in Python (a ``classmethod``); torch 2.14 sets it to the C
+        # ``_FunctionBase.apply`` (a ``classmethod_descriptor``, which has no ``__func__``). Both
+        # are descriptors: binding the saved one to ``cls`` calls it for the subclass applied.
+        original_apply = torch.autograd.Function.__dict__["apply"]
 
         def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original_apply(cls, *args, **kwargs)
+            out = original_apply.__get__(None, cls)(*args, **kwargs)
             if not torch.compiler.is_compiling():
                 checker.tag_backward(out)
             return out

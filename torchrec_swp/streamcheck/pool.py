@@ -14,6 +14,7 @@ from typing import Any
 from torchrec_swp.streamcheck.checker import StreamChecker
 from torchrec_swp.streamcheck.emulated import Event, Stream
 
+
 class CheckedStreamPool:
     """Plan stream names -> emulated streams of ``checker``; ``"default"`` is the checker's
     default stream. ``streams`` maps names to given stream objects (as ``CudaStreamPool``'s

@@ -159,8 +159,10 @@ class PlanDriven(EngineDriven):
 
     @property
     def autotune_decision(self) -> Decision | None:
-        """What the tuner decided (None before it decided, or without ``autotune``): the plan, why,
-        predicted and measured step times."""
+        """What the tuner decided: the plan, why, predicted and measured step times. None without
+        ``autotune`` or while it tunes; where the data ended before it decided, a Decision with
+        ``decided`` False (``why``: "not decided: the data ended after N steps, having profiled P
+        of the S steps it needs ..."), replaced if more data lets it decide."""
         return None if self._swp_tuner is None else self._swp_tuner.decision
 
     def _swp_checked(self, pool: StreamPool, attributes: Mapping[str, str]) -> StreamPool:
@@ -202,9 +204,15 @@ class PlanDriven(EngineDriven):
         draws = engine.draws
         if engine.end_reported or (draws is not None and dataloader_iter is not draws.iterator):
             self._swp_on_new_data()
-        if self._swp_tuner is not None:
-            self._swp_tuner.before_step()
-        return engine.step(dataloader_iter)
+        tuner = self._swp_tuner
+        if tuner is None:
+            return engine.step(dataloader_iter)
+        tuner.before_step()
+        try:
+            return engine.step(dataloader_iter)
+        except StopIteration:
+            tuner.data_ended()  # says what tuning the data's end left undone
+            raise
 
     def _swp_before_step(self) -> None:
         """What the upstream class's ``progress()`` does before its step besides the schedule
