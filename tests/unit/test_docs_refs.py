@@ -14,7 +14,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("torchrec_swp", "harness", "benchmarks", "examples", "tools", "tests", "docs", "requirements")
 
 CODE = re.compile(r"`([^`\n]+)`")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*<>{}-]*)" % "|".join(TOP))
+PATH = re.compile(r"(?<![\w./-])((?:{})/[\w./*<>{{}}-]*)".format("|".join(TOP)))
 NAME = re.compile(r"(?<![\w./-])((?:torchrec_swp|harness)(?:\.\w+)+)")
 
 

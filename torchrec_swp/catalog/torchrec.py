@@ -90,10 +90,11 @@ def _without_optimizer_step(plan: PipelinePlan, *, after: str) -> PipelinePlan:
 
 # ------------------------------------------------------------------------------- the tables
 BASE = """
-# UPSTREAM: the design table (tests/golden/design_tables) has one H2D task. Upstream's progress() pulls batch i+1 from the dataloader
-# first (_next_batch, before zero_grad) and copies it to the device only after backward
-# (_copy_batch_to_gpu): two stage-0 tasks, LoadBatch (the source) and H2D. A copy to the device
-# the batch is already on is skipped there (compiled as an alias). No deque, so no Dequeue task.
+# UPSTREAM: the design table (tests/golden/design_tables) has one H2D task. Upstream's progress()
+# pulls batch i+1 from the dataloader first (_next_batch, before zero_grad) and copies it to the
+# device only after backward (_copy_batch_to_gpu): two stage-0 tasks, LoadBatch (the source) and
+# H2D. A copy to the device the batch is already on is skipped there (compiled as an alias). No
+# deque, so no Dequeue task.
 plan TrainPipelineBase
 depth 2
 source LoadBatch
@@ -244,8 +245,8 @@ dep ZeroGrad <- OptimizerStep @1
 SEMI_SYNC = """
 # H2D(i+3) -> InputDist(i+2) -> EmbLookup(i+1) -> forward/backward/optimizer(i), semi-sync phase:
 # EmbLookup(i+1) is issued before Backward(i): its embeddings see updates up to batch i-1 (a dep
-# on EmbBackward @2, and EmbBackward(i) after it), and its all-to-all overlaps batch i's backward. GradSwap (stash_gradients)
-# is added by the plan function.
+# on EmbBackward @2, and EmbBackward(i) after it), and its all-to-all overlaps batch i's backward.
+# GradSwap (stash_gradients) is added by the plan function.
 # UPSTREAM: the design table lists the tasks stage by stage. Upstream's real order starts with
 # InputDistStart(i+2), pops batch i right after Forward(i) (Dequeue) and zeroes gradients last.
 plan TrainPipelineSemiSync_semi_sync
@@ -563,7 +564,9 @@ def pt2_plan(*, compile_step: bool = False) -> PipelinePlan:
     if not compile_step:
         return plan
     compile_task = PipelineTask("Compile", doc="compile the model (compile_configs), with the pre/post-compile hooks")
-    plan = plan.with_task(compile_task, TaskSchedule(0), after="ZeroGrad", deps=[("Compile", "ZeroGrad"), ("Forward", "Compile")])
+    plan = plan.with_task(
+        compile_task, TaskSchedule(0), after="ZeroGrad", deps=[("Compile", "ZeroGrad"), ("Forward", "Compile")]
+    )
     return plan.replace(name="TrainPipelinePT2_compile")
 
 
@@ -636,7 +639,9 @@ def fused_sparse_dist_plan(
         schedule = {t: s for t, s in plan.schedule.items() if t not in ("Backward", "OptimizerStep")}
         plan = plan.replace(
             schedule=schedule,
-            intra_iter_deps=[d for d in plan.explicit_deps if d.distance == 0 and {d.consumer, d.producer} <= set(schedule)],
+            intra_iter_deps=[
+                d for d in plan.explicit_deps if d.distance == 0 and {d.consumer, d.producer} <= set(schedule)
+            ],
             inter_iter_deps=[],
         )
     plan = _h2d_after_forward(plan, enqueue_batch_after_forward and train)
@@ -672,7 +677,9 @@ def eval_fused_sparse_dist_plan(
         return plan
     fire = [t for t in plan.fire_order if t != "EmbLookup"]
     fire.insert(fire.index("InputDistWait") + 1, "EmbLookup")
-    return plan.replace(schedule={**plan.schedule, "EmbLookup": plan.schedule["EmbLookup"].replace(stage=1)}, fire_order=fire)
+    return plan.replace(
+        schedule={**plan.schedule, "EmbLookup": plan.schedule["EmbLookup"].replace(stage=1)}, fire_order=fire
+    )
 
 
 def semi_sync_plan(
@@ -702,10 +709,15 @@ def semi_sync_plan(
             if stash_gradients or phase == "semi_sync_start":
                 swap = PipelineTask("GradSwap", doc="swap the stashed gradients in (stash_gradients)")
                 plan = plan.with_task(
-                    swap, TaskSchedule(3), after="EmbBackward", deps=[("GradSwap", "EmbBackward"), ("OptimizerStep", "GradSwap")]
+                    swap,
+                    TaskSchedule(3),
+                    after="EmbBackward",
+                    deps=[("GradSwap", "EmbBackward"), ("OptimizerStep", "GradSwap")],
                 )
             if phase == "semi_sync_start":
-                plan = _without_optimizer_step(plan, after="GradSwap").replace(name="TrainPipelineSemiSync_semi_sync_start")
+                plan = _without_optimizer_step(plan, after="GradSwap").replace(
+                    name="TrainPipelineSemiSync_semi_sync_start"
+                )
         case _:
             raise ValueError(f"phase must be 'sync', 'semi_sync' or 'semi_sync_start', got {phase!r}")
     plan = _clearing_data_dist_inputs(plan, clear_data_dist_inputs, after=None)
@@ -713,7 +725,11 @@ def semi_sync_plan(
 
 
 def semi_sync_phases(
-    *, start_batch: int, execute_all_batches: bool = True, clear_data_dist_inputs: bool = False, stash_gradients: bool = False
+    *,
+    start_batch: int,
+    execute_all_batches: bool = True,
+    clear_data_dist_inputs: bool = False,
+    stash_gradients: bool = False,
 ) -> PhasedPlan:
     """TrainPipelineSemiSync: the sync phase for batches before ``start_batch``, then semi-sync
     (upstream decides per progress() call from the index of the batch it forwards). With
