@@ -10,12 +10,13 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipelinedForward
-from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup, _wait_for_events
+from torchrec.distributed.train_pipeline.utils import _wait_for_events
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
+from torchrec_swp.integrations.torchrec.pipelines.lookup_sync import start_embedding_lookup as _start_embedding_lookup
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PhasedPlan, PlanError
 
