@@ -106,12 +106,13 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
 
 def test_where_compute_binds_it_keeps_its_plan_and_says_why() -> None:
     # a step of milliseconds of matrix products, a loader of a tenth of one: moving the loader
-    # off the training thread gains about 5%, under a noise of 15%
+    # off the training thread gains about 5% (x1.17 was predicted once of about 10 runs on the
+    # shared 2-core machine, past a noise of 15%), under a noise of 30%
     lines: list[str] = []
-    _, pipeline, _ = train(24, 0.0, width=512, autotune=Autotune(**FAST, noise=0.15, report=lines.append))
+    _, pipeline, _ = train(24, 0.0, width=512, autotune=Autotune(**FAST, noise=0.3, report=lines.append))
     d = pipeline.autotune_decision
     assert d is not None and not d.switched
-    assert any("keeps the plan" in line and "within the noise (15%)" in line for line in lines), lines
+    assert any("keeps the plan" in line and "within the noise (30%)" in line for line in lines), lines
 
 
 def test_the_decision_is_in_the_checkpoint_and_a_resume_applies_it() -> None:
