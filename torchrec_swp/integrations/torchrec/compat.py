@@ -18,8 +18,10 @@ What differs (``train_pipelines.py`` and friends, 1.8.0 -> 1.9.2):
   ``_wait_for_batch`` skips ``record_stream`` under in-place copy, TrainPipelineSemiSync
   synchronizes ``get_device_module(self._device)`` instead of the default device module,
   PrefetchTrainPipelineSparseDist's ``_fill_pipeline`` treats 2 batches (not 3) as filled
-  (our engine does not call it), and ``_start_embedding_lookup`` orders the lookup stream after
-  the data-dist stream with an event.
+  (our engine does not call it).
+* Not inherited: 1.9.2's ``_start_embedding_lookup`` orders the lookup stream after the data-dist
+  stream with an event (1.8's races, kept in 1.9.2 as ``_start_embedding_lookup_legacy``); ours
+  use 1.9.2's synced body on both versions (``pipelines/lookup_sync.py``).
 """
 
 from __future__ import annotations
