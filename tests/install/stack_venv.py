@@ -142,7 +142,7 @@ def check_import(python: Path) -> None:
     prefix, imported = (Path(x).resolve() for x in lines[-2:]) if len(lines) >= 2 else (Path("/x"), Path("/"))
     if proc.returncode != 0 or prefix not in imported.parents or "torchrec_swp" in proc.stderr:
         raise SystemExit(f"stack_venv: the installed wheel does not import cleanly:\n{proc.stdout}{proc.stderr}")
-    log(f"import from the wheel: {proc.stdout.strip()}")
+    log(f"import from the wheel: {imported}")
 
 
 def add_wheel(python: Path) -> dict[str, str]:

@@ -14,7 +14,8 @@ of the old one): an event on the source stream that the lookup's stream waits fo
 and early frees of those blocks). ``start_embedding_lookup`` is upstream's helper where it has
 the fix (1.9, killswitch included), else this module's copy of 1.9.2's synced body: the same
 calls, the same numerics, one event and the record_streams more; nothing on a device without
-streams (both streams None).
+streams (both streams None). The copy reproduces TorchRec's code (BSD-3-Clause, Meta Platforms,
+Inc. and affiliates), as does everything this package subclasses; drop it with TorchRec 1.8.
 """
 
 from __future__ import annotations
