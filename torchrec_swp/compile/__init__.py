@@ -12,6 +12,7 @@ from torchrec_swp.compile.program import (
     WaitStream,
     WaitTask,
     format_program,
+    parse_program,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "active_stages",
     "compile_iteration",
     "format_program",
+    "parse_program",
 ]

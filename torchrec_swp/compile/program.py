@@ -1,7 +1,8 @@
 """The program IR: per-thread instruction lists for one internal iteration.
 
 Instructions are frozen, slotted and print compactly; ``format_program`` gives the text used
-in golden tests, error messages and logs.
+in golden tests, error messages and logs, and ``parse_program`` reads it back (given the plan,
+which holds each task's stage and stream): ``parse_program(format_program(p), plan) == p``.
 
 Roughly:
   ``run T``             call task T for batch ``P - stage(T)`` (``run T #k@g`` holds collective
@@ -24,9 +25,10 @@ Roughly:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from torchrec_swp.plan import MAIN_THREAD, When
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PlanError, When
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +176,131 @@ def format_program(program: IterationProgram) -> str:
         lines.append(f"thread {thread}:")
         lines.extend(f"  {i}" for i in instrs)
     return "\n".join(lines)
+
+
+#: ``0F3``, ``1SB2``, ``0G``: a pipeline-parallel action's text (stage, kind, microbatch)
+_ACTION = re.compile(r"(\d+)([A-Z]+)(\d+)?")
+_RUN = re.compile(
+    r"run(?P<mark>[!?]?) (?P<task>\S+)(?: x(?P<lanes>\d+))?(?: #(?P<ticket>\d+)@(?P<group>\S+))?(?: if (?P<when>\S+))?"
+)
+
+
+def parse_program(text: str, plan: PipelinePlan | None = None) -> IterationProgram:
+    """The inverse of ``format_program``: ``parse_program(format_program(p), plan) == p``.
+
+    The text leaves out what the plan says of each task (its stage, its stream), so a program of
+    a plan is parsed with that plan; a pipeline-parallel program (``run 0F3``) needs none. A line
+    that is not an instruction, or names a task the plan does not have, raises PlanError naming
+    the line."""
+    stages: tuple[int, ...] | None = None
+    tickets: list[tuple[str, int]] = []
+    threads: list[tuple[str, list[Instr]]] = []
+    lines = text.splitlines()
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            if stages is None:
+                word, _, rest = line.partition(" ")
+                if word != "stages":
+                    raise PlanError("a program starts with 'stages S0,S1,...' (or 'stages -')")
+                stages = () if rest == "-" else tuple(int(x) for x in rest.split(","))
+            elif line.startswith("tickets ") and not threads:
+                group, sep, count = line[len("tickets ") :].partition("=")
+                if not sep:
+                    raise PlanError("a tickets line reads 'tickets GROUP=N'")
+                tickets.append((group, int(count)))
+            elif line.startswith("thread ") and line.endswith(":"):
+                threads.append((line[len("thread ") : -1], []))
+            elif not threads:
+                raise PlanError("an instruction before the first 'thread NAME:' line")
+            else:
+                after = _consumer(lines[lineno:])
+                threads[-1][1].append(_instruction(line, plan, after))
+        except ValueError as e:  # PlanError included: a bad number, a bad word
+            message = str(e) if isinstance(e, PlanError) else f"bad number ({e})"
+            raise PlanError(f"program text, line {lineno}: {message} (in {raw.strip()!r})") from None
+    if stages is None:
+        raise PlanError("program text: empty (it starts with 'stages ...')")
+    return IterationProgram(stages, tuple((t, tuple(i)) for t, i in threads), tuple(tickets))
+
+
+def _consumer(rest: list[str]) -> str | None:
+    """The task a stream wait orders: the next run (or alias, its no-op form) of its thread."""
+    for raw in rest:
+        line = raw.strip()
+        if line.startswith("thread "):
+            return None
+        m = _RUN.fullmatch(line)
+        if m is not None:
+            return m["task"]
+        if line.startswith("alias "):
+            return line.split()[1]
+    return None
+
+
+def _instruction(line: str, plan: PipelinePlan | None, after: str | None) -> Instr:
+    word, _, rest = line.partition(" ")
+
+    def stage(task: str) -> int:
+        if plan is None:
+            raise PlanError(f"task {task!r}: a program of a plan is parsed with its plan")
+        return plan.task(task).stage
+
+    if word.startswith("run"):
+        m = _RUN.fullmatch(line)
+        if m is None:
+            raise PlanError("a run reads 'run[!?] TASK [xN] [#K@GROUP] [if WHEN]'")
+        task, ticket = m["task"], None if m["ticket"] is None else int(m["ticket"])
+        action = _ACTION.fullmatch(task)
+        if plan is None and action is not None:
+            if m["mark"] or m["lanes"] or m["when"]:
+                raise PlanError("an action's run reads 'run ACTION [#K@GROUP]'")
+            mb = action[3]
+            return RunAction(task, action[2], int(action[1]), None if mb is None else int(mb), ticket, m["group"])
+        when = When.ALWAYS if m["when"] is None else _when(m["when"])
+        lanes = 1 if m["lanes"] is None else int(m["lanes"])
+        if lanes < 2 and m["lanes"] is not None:
+            raise PlanError("lanes are written 'xN' only for N >= 2")
+        return Run(task, stage(task), ticket, m["group"], m["mark"] == "?", m["mark"] == "!", when, lanes)
+    if word == "wait":
+        task, sep, lag = rest.partition("@P-")
+        if not task or " " in task:
+            raise PlanError("a wait reads 'wait TASK' or 'wait TASK@P-K'")
+        if plan is not None:
+            stage(task)
+        return WaitTask(task, int(lag) if sep else 0)
+    if word == "signal":
+        if not rest or " " in rest:
+            raise PlanError("a signal reads 'signal TASK'")
+        if plan is not None:
+            stage(rest)
+        return Signal(rest)
+    if word == "stream":
+        m = re.fullmatch(r"(\S+) <- (\S+)@(-?\d+)", rest)
+        if m is None:
+            raise PlanError("a stream wait reads 'stream STREAM <- TASK@K'")
+        if after is None:
+            raise PlanError("a stream wait is followed by the run (or alias) it orders")
+        return WaitStream(m[1], m[2], int(m[3]), stage(m[2]), stage(after))
+    if word == "record":
+        if not rest or " " in rest:
+            raise PlanError("a record reads 'record TASK'")
+        s = stage(rest)
+        assert plan is not None  # stage() checked it
+        return RecordEvent(rest, plan.task(rest).stream, s)
+    if word == "alias":
+        task, _, pairs = rest.partition(" ")
+        parsed = tuple(tuple(p.split("=", 1)) for p in pairs.split())
+        if not parsed or any(len(p) != 2 or not all(p) for p in parsed):
+            raise PlanError("an alias reads 'alias TASK WRITE=READ ...'")
+        return Alias(task, stage(task), parsed)  # type: ignore[arg-type]
+    raise PlanError(f"unknown instruction {word!r} (run, wait, signal, stream, record, alias)")
+
+
+def _when(text: str) -> When:
+    guards = [w.value for w in When if w is not When.ALWAYS]  # no guard is written for ALWAYS
+    if text not in guards:
+        raise PlanError(f"unknown guard {text!r} (one of {', '.join(guards)})")
+    return When(text)
