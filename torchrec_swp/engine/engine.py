@@ -24,6 +24,7 @@ from torchrec_swp.compile import CompiledPlan, Run
 from torchrec_swp.engine import cuts
 from torchrec_swp.engine.batches import BatchBook, Batches, BatchLedger
 from torchrec_swp.engine.board import ITERATION
+from torchrec_swp.engine.end_of_data import Event
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
@@ -95,7 +96,7 @@ class Engine(Interpreter):
     def _bind(self, inst: InstalledPlan) -> None:
         """``inst``'s (instrumented) task calls, then its programs' ops, which hold them."""
         inst.bind(
-            self._bindings, self.batches.slots, self._feed.argument, self.batches.observed_iteration,
+            self._bindings, self.batches, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
         )  # fmt: skip
         self._ops.compile(inst, self._observer)
@@ -195,7 +196,7 @@ class Engine(Interpreter):
     @property
     def end_reported(self) -> bool:
         """The last step() raised StopIteration because the data ended."""
-        return self.batches.book.end_reported
+        return self.batches.end.reported()
 
     @property
     def draws(self) -> Draws | None:
@@ -223,35 +224,40 @@ class Engine(Interpreter):
             on_step(start, time.perf_counter(), cpu, time.thread_time())
 
     def _step(self, data: Iterator[Any] | None) -> Any:
-        batches = self.batches
-        if data is not None and (data is not self._feed.data or batches.book.end_reported):
+        batches, end = self.batches, self.batches.end
+        ended = end.ended()  # (a report comes only once ended: one question in the common case)
+        if data is not None and (data is not self._feed.data or (ended and end.reported())):
             self._epochs.take_data(data)
+            ended = end.ended()
         if self._failure_raised:  # step() again after a failure: go on where every thread stopped
             self._resume_after_failure()
         if self.plans.pending is not None:
             self._switch_if_ready()
+            ended = end.ended()
         self._ops.begin_step(
             torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
         )
         main, threaded = self._main, self._threaded
         while True:
-            book = batches.book
-            if book.stopped or (book.num_batches is not None and book.returned >= book.num_batches):  # book.ended
-                if book.restart_after_drain:
+            if ended:
+                if end.restarts():
                     self._settle()
-                    self._epochs.start()
+                    self._epochs.start(Event.EPOCH)
+                    ended = end.ended()
                     continue
                 batches.report_end()
                 raise StopIteration
-            d = book.returned
+            d = batches.book.returned
             if batches.ask(d) and threaded:
                 self.board.changed()
             if threaded:
                 self._start_workers()
             if main.state is not WalkState.FINISHED:
                 self._walk(main, d + self.plans.shape.top, self._ops.program, self._ops.iteration_done)
-            outcome = self._await(d)
+            outcome = self._outcome(d) or self._await(d)
             if outcome == "done":
+                if self._checker is not None:
+                    self._ordered(d)
                 return self._retire(d)
             if outcome == "failed":
                 self._raise_failure()
@@ -259,6 +265,7 @@ class Engine(Interpreter):
                 batches.report_end()
                 raise StopIteration
             self._settle()  # drained: no batch d; every thread walks out of the epoch
+            ended = end.ended()
 
     def run_to_end(self) -> list[Any]:
         """Step until the data ends; the outputs in order."""
@@ -285,18 +292,16 @@ class Engine(Interpreter):
     def _await(self, d: int) -> str:
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
         iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
-        batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
-        result = self._outcome(d) or self._await_outcome(
-            lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION
-        )
-        if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
-            top, base = self.plans.shape.top, self.batches.book.first_iteration
-            for w in self._tasked:
-                if w is not self._main:
-                    self._checker.cpu_acquire(
-                        ("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top))
-                    )
-        return result
+        batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped"): ``_outcome``
+        once it has an answer."""
+        return self._await_outcome(lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION)
+
+    def _ordered(self, d: int) -> None:
+        """In checked mode: each thread's part of batch ``d`` is ordered before the caller."""
+        top, base = self.plans.shape.top, self.batches.book.first_iteration
+        for w in self._tasked:
+            if w is not self._main:
+                self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
 
     def _outcome(self, d: int) -> str | None:
         """``_await``'s answer for batch ``d`` now (None: not yet)."""
@@ -312,11 +317,11 @@ class Engine(Interpreter):
                     break
             else:
                 return "done"
-        m = book.num_batches
-        if m is not None and d >= m and not book.stopped:
+        end = self.batches.end
+        if end.past_end(d):
             return "drained"
         resting = all(w.state is not WalkState.RUNNING for w in self._walkers.values())
-        if book.stopped and resting:
+        if resting and end.stopped():
             return "stopped"
         if resting:  # nobody can make batch d: a bug of the engine's, not a wait
             stuck = EngineError(f"no thread can go on:\n{self._timeout_report()}")
@@ -326,24 +331,24 @@ class Engine(Interpreter):
 
     def _retire(self, d: int) -> Any:
         """Return batch ``d``'s output and forget what only it needed: its latches, its slot and
-        events once no later batch reads them, its data position."""
-        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
-            return self._forget(d)
-        with self.board.lock:
-            output = self._forget(d)
-            self.board.notify()
-        return output
-
-    def _forget(self, d: int) -> Any:
-        plans, shape = self.plans, self.plans.shape
-        output = self.batches.retire(d, plans.current.output, shape.keep_slots, shape.keep_events, plans.recorded)
-        latches = self.board.latches
-        if latches:
-            for task in plans.latched:
-                latches.pop((task, d), None)
-        draws = self._feed.draws
-        if draws is not None and draws.positions:
-            draws.forget_positions(d + 1)
+        events once no later batch reads them, its data position. Under the board's lock where
+        other threads walk (on one thread nobody else reads the book: no lock, nobody to wake)."""
+        plans, shape, board = self.plans, self.plans.shape, self.board
+        threaded = self._threaded
+        if threaded:
+            board.lock.acquire()
+        try:
+            output = self.batches.retire(d, plans.current.output, shape.keep_slots, shape.keep_events, plans.recorded)
+            if plans.latched:  # (no latch on one thread, unless a plan on threads ran before)
+                board.forget_latches(plans.latched, d)
+            draws = self._feed.draws
+            if draws is not None and draws.positions:
+                draws.forget_positions(d + 1)
+            if threaded:
+                board.notify()
+        finally:
+            if threaded:
+                board.lock.release()
         return output
 
     # ----------------------------------------------------------- epochs, cuts
@@ -408,7 +413,7 @@ class Engine(Interpreter):
         running = [(w.at.task, w.P) for w in walkers if w.state is WalkState.RUNNING and isinstance(w.at, Run)]
         last = max(w.P for w in walkers)
         lines.append(
-            format_schedule(self.plan, last + 2, self.batches.book.num_batches, mark=running[0] if running else None)
+            format_schedule(self.plan, last + 2, self.batches.end.end_at(), mark=running[0] if running else None)
         )
         return "\n".join(lines)
 

@@ -17,9 +17,10 @@ from functools import partial
 from typing import Any
 
 from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, Signal, WaitStream
+from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
-from torchrec_swp.engine.tasks import Binding, Invoker, Observer, make_alias, make_invoker, task_context, task_timer
+from torchrec_swp.engine.tasks import Binding, Invoker, Observer, task_context, task_timer
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plan.task import parse_read
@@ -78,7 +79,7 @@ class InstalledPlan:
     def bind(
         self,
         bindings: Mapping[str, Binding],
-        slots: dict[int, dict[str, Any]],
+        batches: Batches,
         data_argument: Callable[[int], dict[str, Any]],
         iteration: Callable[[int, int], int],
         *,
@@ -87,9 +88,9 @@ class InstalledPlan:
         observer: Observer | None,
         labels: bool,
     ) -> None:
-        """Its (instrumented) task calls, entering each task's stream where the device has
-        streams: the source's gets ``data_argument(b)``; ``iteration(b, stage)`` numbers an
-        instance for the observer."""
+        """Its (instrumented) task calls (made by ``batches``, which owns the slots they read
+        and write), entering each task's stream where the device has streams: the source's gets
+        ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance for the observer."""
         plan = self.plan
         for task in plan.fire_order:
             t = plan.task(task)
@@ -97,10 +98,10 @@ class InstalledPlan:
             stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
             timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
             around = task_context(task, labels, stream)
-            self.invokers[task] = make_invoker(t.io, bindings[task], slots, extra, around, timed)
+            self.invokers[task] = batches.invoker(t.io, bindings[task], extra, around, timed)
             if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
                 pairs = tuple(zip(t.io.writes, t.io.reads))
-                self.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
+                self.aliases[task] = batches.alias(pairs, task_context(task, labels, None), timed)
 
     def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
         """Every thread's program with its ops (``op(thread, instruction)``), made again whenever

@@ -215,33 +215,31 @@ class Source:
         """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
         task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
         batches, board, draws_for, gates = self._batches, self._board, self.feed.draws_for, self._gates
+        end = batches.end
+        exists_at, end_at = end.exists_at, end.end_at
         plain = ticket is None and self._checker is None
 
         def draw(w: Walker, P: int) -> None:
-            book = batches.book
-            if book.stopped:
-                gates.stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if b < 0 or (lanes > 1 and b % lanes != w.lane) or b in book.held:
+            if b < 0 or (lanes > 1 and b % lanes != w.lane):
+                end.check_stop(P)
                 return
-            if book.num_batches is not None:
-                if book.stopped:
-                    raise Stopped
-                if b >= book.num_batches:
-                    if ticket is not None:
-                        self._interpreter.skip_ticket(w, group, ticket)
-                    return
+            known = exists_at(b, P)  # Stopped past a stop
+            if known:
+                return
+            if known is False:  # past the end
+                if ticket is not None:
+                    self._interpreter.skip_ticket(w, group, ticket)
+                return
             plan = w.inst.plan
             if not self.credit(b, plan):
                 gates.wait(
                     P,
-                    lambda: self.credit(b, plan) or book.num_batches is not None,
+                    lambda: self.credit(b, plan) or end_at() is not None,
                     lambda: f"credit to draw batch {b} (depth {plan.pipeline_depth}, lookahead {plan.lookahead})",
                 )
-                if book.stopped:
-                    raise Stopped
-                if book.num_batches is not None and b >= book.num_batches:
+                if exists_at(b, P) is not None:  # the end came meanwhile (Stopped past a stop)
                     return
             invoke = w.inst.invokers[task]
             batches.open_slot(b)
@@ -300,14 +298,19 @@ class Source:
     def take_turn(self, b: int) -> None:
         """Batch ``b`` may draw once batch ``b - 1`` drew (several loads take turns); StopIteration
         when an earlier batch found the end."""
-        book = self._batches.book
+        book, end_at = self._batches.book, self._batches.end.end_at
+
+        def before_end() -> bool:  # an earlier batch found the end
+            m = end_at()
+            return m is not None and m < b
+
         if self._lanes > 1:
             self._board.wait(
-                lambda: book.next_claim >= b or (book.num_batches is not None and book.num_batches < b),
+                lambda: book.next_claim >= b or before_end(),
                 lambda: f"batch {b - 1} to be drawn first",
                 self._interpreter.timeout_s,
             )
-        if book.next_claim != b and book.num_batches is not None and book.num_batches < b:
+        if book.next_claim != b and before_end():
             raise StopIteration
 
     def turn_taken(self, b: int, ended: bool) -> None:
@@ -324,4 +327,4 @@ class Source:
         """This rank drew an item for batch ``b``, which another rank's data lacks (the common end
         under ``exhaustion``): not a batch, never trained, counted in ``ledger.past_end``."""
         with self._board.lock:
-            self._batches.count_past_end()
+            self._batches.count_past_end(b)
