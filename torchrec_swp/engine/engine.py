@@ -72,24 +72,21 @@ class Engine(Interpreter):
         self.batches = Batches()
         self._ops = PlanOps(self, self.batches, self.plans, uid=self._uid, checker=self._checker, exhaustion=exhaustion)
         self._feed = self._ops.source.feed
-        self._epochs = Epochs(self, self.plans, self.batches, self._feed, settle=self._settle, restart=self._restart)
+        self._epochs = Epochs(self, self.plans, self.batches, self._feed)
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
-        self._main = Walker(MAIN_THREAD, MAIN_THREAD)  # the calling thread's: made again with every plan's walkers
-        self._tasked: list[Walker] = []  # the walkers of threads that have tasks
-        self._threaded = False  # threads other than the caller's walk
-        self._walk_plans()
+        self._bind_all()
         self.reset()
 
     # ------------------------------------------------------------------ plans
-    def _walk_plans(self) -> None:
-        """A walker for every thread of the installed plans, their task calls and ops."""
-        self._walkers = self.plans.walkers()
-        self._main = self._walkers[MAIN_THREAD]
-        self._tasked = [w for w in self._walkers.values() if w.last_stage >= 0]
-        self._threaded = len(self._walkers) > 1
-        self._ops.reshape(self._main, self._threaded)
+    @property
+    def _walkers(self) -> Mapping[str, Walker]:
+        """The installed plans' walkers (``Plans.shape``, the one record of threads and stages)."""
+        return self.plans.shape.walkers
+
+    def _bind_all(self) -> None:
+        """The installed plans' task calls and ops."""
         for inst in self.plans.installed.values():
             self._bind(inst)
 
@@ -120,8 +117,7 @@ class Engine(Interpreter):
         if self.failures:
             raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
         self.plans.request(new)
-        for w in self._walkers.values():  # nobody runs ahead any more: the calling thread catches up
-            w.ahead = 0
+        self.plans.shape.hold_back()  # nobody runs ahead any more: the calling thread catches up
         return self._switch_if_ready()
 
     @property
@@ -131,15 +127,16 @@ class Engine(Interpreter):
 
     def _switch_if_ready(self) -> bool:
         """Switch to the pending plan if every thread stands at the calling thread's boundary."""
-        main = self._main
-        if any(w.done_through != main.P - 1 for w in self._tasked if w is not main):
+        shape = self.plans.shape
+        main = shape.main
+        if any(w.done_through != main.P - 1 for w in shape.tasked if w is not main):
             return False  # a thread is ahead (or, after a failure, behind): a later step() switches
-        self._settle("switching plans")
+        self.settle("switching plans")
         P = main.P
-        if any(w.state is WalkState.FINISHED or w.P != P or w.i != 0 for w in self._tasked):
+        if any(w.state is WalkState.FINISHED or w.P != P or w.i != 0 for w in shape.tasked):
             return False
-        self.plans.switch()
-        self._walk_plans()
+        self.plans.switch()  # a new shape: new walkers
+        self._bind_all()
         bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
         for w in self._walkers.values():
             w.place(P, bases)
@@ -191,7 +188,7 @@ class Engine(Interpreter):
     @property
     def iteration(self) -> int:
         """The next internal iteration the calling thread runs."""
-        return self._main.P
+        return self.plans.shape.main.P
 
     @property
     def end_reported(self) -> bool:
@@ -237,11 +234,12 @@ class Engine(Interpreter):
         self._ops.begin_step(
             torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
         )
-        main, threaded = self._main, self._threaded
+        shape = self.plans.shape
+        main, threaded = shape.main, shape.threaded
         while True:
             if ended:
                 if end.restarts():
-                    self._settle()
+                    self.settle()
                     self._epochs.start(Event.EPOCH)
                     ended = end.ended()
                     continue
@@ -253,7 +251,7 @@ class Engine(Interpreter):
             if threaded:
                 self._start_workers()
             if main.state is not WalkState.FINISHED:
-                self._walk(main, d + self.plans.shape.top, self._ops.program, self._ops.iteration_done)
+                self._walk(main, d + shape.top, self._ops.program, self._ops.iteration_done, threaded=threaded)
             outcome = self._outcome(d) or self._await(d)
             if outcome == "done":
                 if self._checker is not None:
@@ -264,7 +262,7 @@ class Engine(Interpreter):
             if outcome == "stopped":
                 batches.report_end()
                 raise StopIteration
-            self._settle()  # drained: no batch d; every thread walks out of the epoch
+            self.settle()  # drained: no batch d; every thread walks out of the epoch
             ended = end.ended()
 
     def run_to_end(self) -> list[Any]:
@@ -279,15 +277,16 @@ class Engine(Interpreter):
     def _start_workers(self) -> None:
         if self.failures:
             return
+        main = self.plans.shape.main
         for w in self._walkers.values():
-            if w is not self._main and w.state in (WalkState.READY, WalkState.PARKED):
+            if w is not main and w.state in (WalkState.READY, WalkState.PARKED):
                 self._launch(w, lambda w=w: self._background(w))
 
     def _background(self, w: Walker) -> None:
         torch.set_grad_enabled(self._ops.grad)
         if self._checker is not None:
             self._checker.cpu_acquire(("launch", self._uid, w.name))
-        self._walk(w, None, self._ops.program, self._ops.iteration_done)
+        self._walk(w, None, self._ops.program, self._ops.iteration_done, threaded=True)
 
     def _await(self, d: int) -> str:
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
@@ -298,9 +297,10 @@ class Engine(Interpreter):
 
     def _ordered(self, d: int) -> None:
         """In checked mode: each thread's part of batch ``d`` is ordered before the caller."""
-        top, base = self.plans.shape.top, self.batches.book.first_iteration
-        for w in self._tasked:
-            if w is not self._main:
+        shape, base = self.plans.shape, self.batches.book.first_iteration
+        top = shape.top
+        for w in shape.tasked:
+            if w is not shape.main:
                 self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
 
     def _outcome(self, d: int) -> str | None:
@@ -311,8 +311,9 @@ class Engine(Interpreter):
         if d in book.held:
             # a thread that may run ahead is done with d after its own part; the others (with
             # lookahead 0, every thread) finish iteration d + top, collectives included
-            top = self.plans.shape.top
-            for w in self._tasked:
+            shape = self.plans.shape
+            top = shape.top
+            for w in shape.tasked:
                 if w.done_through < d + (w.last_stage if w.ahead else top):
                     break
             else:
@@ -325,7 +326,7 @@ class Engine(Interpreter):
             return "stopped"
         if resting:  # nobody can make batch d: a bug of the engine's, not a wait
             stuck = EngineError(f"no thread can go on:\n{self._timeout_report()}")
-            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self._main.P))
+            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self.plans.shape.main.P))
             return "failed"
         return None
 
@@ -334,7 +335,7 @@ class Engine(Interpreter):
         events once no later batch reads them, its data position. Under the board's lock where
         other threads walk (on one thread nobody else reads the book: no lock, nobody to wake)."""
         plans, shape, board = self.plans, self.plans.shape, self.board
-        threaded = self._threaded
+        threaded = shape.threaded
         if threaded:
             board.lock.acquire()
         try:
@@ -402,7 +403,7 @@ class Engine(Interpreter):
         return f"{describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}"
 
     def _timeout_report(self) -> str:
-        main, walkers = self._main, self._walkers.values()
+        main, walkers = self.plans.shape.main, self._walkers.values()
         lines = [
             f"internal iteration {main.P} of plan {self.plan.name} did not finish: "
             f"no thread made progress for {self.timeout_s:.1f}s"
@@ -416,4 +417,3 @@ class Engine(Interpreter):
             format_schedule(self.plan, last + 2, self.batches.end.end_at(), mark=running[0] if running else None)
         )
         return "\n".join(lines)
-

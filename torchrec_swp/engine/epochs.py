@@ -10,14 +10,15 @@ The iterator given to ``step()`` reaches the source through its ``data`` argumen
 ``Feed``): a new one serves the batches that no call had made drawable yet (and the one that
 found a stop).
 
-``Epochs`` holds no state of its own: it decides, and tells the parts that own the state -
-``Batches`` (the books), the ``Feed`` (the iterators) and the engine's walk (``restart``: every
-thread placed at the new epoch's first iteration; ``settle``: no thread walking).
+``Epochs`` holds no state of its own: it decides, and tells the parts that own the state through
+their public methods - ``Batches`` (the books, the end of data), the ``Feed`` (the iterators) and
+the interpreter (``restart_walkers``: every thread placed at the new epoch's first iteration;
+``settle``: no thread walking).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torchrec_swp.engine.batches import Batches, BatchLedger
@@ -29,38 +30,24 @@ from torchrec_swp.engine.source import Feed
 
 
 class Epochs:
-    """The epochs of an engine (``interpreter``, running ``plans``): ``settle(interrupt)`` waits
-    until no thread walks (interrupting them first when it says why); ``restart(start)`` places
-    every thread at internal iteration ``start`` of a new epoch and returns the furthest
-    iteration a thread had reached."""
+    """The epochs of an engine (``interpreter``, running ``plans`` over ``batches`` from ``feed``)."""
 
-    def __init__(
-        self,
-        interpreter: Interpreter,
-        plans: Plans,
-        batches: Batches,
-        feed: Feed,
-        *,
-        settle: Callable[..., None],
-        restart: Callable[[int], int],
-    ) -> None:
+    def __init__(self, interpreter: Interpreter, plans: Plans, batches: Batches, feed: Feed) -> None:
         self._interpreter, self._plans = interpreter, plans
         self._batches = batches
         self._feed = feed
-        self._settle = settle
-        self._restart = restart
 
     def start(self, why: Event, start: int = 0, first_trained: int | None = None) -> None:
         """A new epoch for ``why`` (the end of data's event that begins it), its threads at internal
         iteration ``start``; its batches trained count on from the last epoch's (``first_trained``:
         from that number instead)."""
-        first_iteration = self._batches.book.first_iteration + self._restart(start)
+        first_iteration = self._batches.book.first_iteration + self._interpreter.restart_walkers(start)
         self._batches.new_epoch(why, start, first_trained, first_iteration)
         self._feed.new_epoch()
 
     def reset(self) -> None:
         """``Engine.reset``: the batches in flight dropped, batch numbers and tickets from 0."""
-        self._settle("reset() was called")
+        self._interpreter.settle("reset() was called")
         self._batches.restart_numbers(0)
         for t in self._interpreter.turnstiles.values():
             t.restart()
@@ -97,7 +84,7 @@ class Epochs:
             if then is Then.GO_ON:
                 board.forget_stopped_latches()
         if then is Then.NEXT_EPOCH:
-            self._settle()
+            self._interpreter.settle()
             self.start(Event.EPOCH)
 
     def take_data(self, data: Iterator[Any]) -> None:
@@ -140,7 +127,7 @@ class Epochs:
             return
         top = self._plans.shape.top
         check_adoptable(self._plans.current, top, slots)
-        self._settle()
+        self._interpreter.settle()
         self.start(Event.ADOPT, start=top)
         self._batches.adopt(slots)
         if len(slots) < top:

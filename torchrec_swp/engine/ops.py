@@ -68,9 +68,7 @@ class PlanOps:
         self._plans = plans
         self._uid = uid  # names the interpreter's hand-offs to the checker
         self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
-        self.source = Source(interpreter, batches, self, checker=checker, exhaustion=exhaustion)
-        self._main: Walker | None = None  # the calling thread's walker
-        self._threaded = False  # other threads than the caller's walk: the book is shared
+        self.source = Source(interpreter, batches, plans, self, checker=checker, exhaustion=exhaustion)
         self._observer: Observer | None = None
         self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
         self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
@@ -85,24 +83,18 @@ class PlanOps:
         """What this ``step()`` call's tasks run under: its grad mode, its model's training mode."""
         self._grad, self._training = grad, training
 
-    def reshape(self, main: Walker, threaded: bool) -> None:
-        """New plans were installed and their walkers made (before the ops are compiled):
-        ``main`` is the calling thread's; ``threaded``: there are others (the book is shared)."""
-        self._main, self._threaded = main, threaded
-        shape = self._plans.shape
-        self.source.reshape(shape.top, shape.lanes, threaded)
-
     # ------------------------------------------------------------ the walk
     def program(self, w: Walker, P: int) -> Walk | None:
         """Walker ``w``'s instructions of internal iteration ``P``: those of the phase's plan, once
         the caller's gate lets it (a worker runs iteration ``P`` only once ``step()`` asked for
         batch ``P - top - ahead``); None past the epoch's end."""
         book, plans, end = self._batches.book, self._plans, self._end
-        top = plans.shape.top
+        shape = plans.shape
+        top = shape.top
         if not end.walks_to(P, P - top):
             return None
         w.current = ("-", P - top)
-        main = w is self._main
+        main = w is shape.main
         if not main and P > book.requested - 1 + top + w.ahead:
             self.wait(
                 P,
@@ -143,7 +135,8 @@ class PlanOps:
     def iteration_done(self, w: Walker, P: int) -> None:
         """``w`` finished its part of internal iteration ``P``: its tickets counted on; the
         observer told (the calling thread's), or the caller's wait for a batch (a worker's)."""
-        main = w is self._main
+        shape = self._plans.shape
+        main = w is shape.main
         if self._checker is not None and not main:
             self._checker.cpu_release(("iter", self._uid, w.name, self._batches.book.first_iteration + P))
         for group, count in w.inst.tickets:
@@ -153,7 +146,7 @@ class PlanOps:
                 self._observer.on_iteration(
                     self._batches.book.first_iteration + P, self._iteration_start, time.perf_counter()
                 )
-        elif self._threaded:  # only the caller's wait for a batch reads how far threads got
+        elif shape.threaded:  # only the caller's wait for a batch reads how far threads got
             self._board.changed(ITERATION)
 
     # ------------------------------------------------------------ compiling

@@ -33,6 +33,7 @@ from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
+from torchrec_swp.engine.installed import Plans
 from torchrec_swp.engine.walkers import Op, Walker
 from torchrec_swp.plan import PipelinePlan
 
@@ -190,6 +191,7 @@ class Source:
         self,
         interpreter: Interpreter,
         batches: Batches,
+        plans: Plans,
         gates: Gates,
         *,
         checker: Any,
@@ -198,23 +200,23 @@ class Source:
         self._interpreter = interpreter
         self._board = interpreter.board
         self._batches = batches
+        self._plans = plans  # their shape: the highest stage, the lanes, whether other threads walk
         self._gates = gates
         self._checker = checker
         self.feed = Feed(
             take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end
         )
-        self._top = 0  # the plans' highest stage and loads (reshape)
-        self._lanes = 1
-        self._threaded = False  # other threads than the caller's walk: the book is shared
-
-    def reshape(self, top: int, lanes: int, threaded: bool) -> None:
-        """New plans were installed (before their ops are made)."""
-        self._top, self._lanes, self._threaded = top, lanes, threaded
 
     def op(self, instr: Run) -> Op:
         """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
         task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
-        batches, board, draws_for, gates = self._batches, self._board, self.feed.draws_for, self._gates
+        batches, board, draws_for, gates, plans = (
+            self._batches,
+            self._board,
+            self.feed.draws_for,
+            self._gates,
+            self._plans,
+        )
         end = batches.end
         exists_at, end_at = end.exists_at, end.end_at
         plain = ticket is None and self._checker is None
@@ -265,7 +267,7 @@ class Source:
             finally:
                 if draws is not None:
                     draws.drawing(None)
-            if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+            if not plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
                 batches.hold(b)
                 return
             with board.lock:
@@ -281,7 +283,7 @@ class Source:
         book = self._batches.book
         return (
             b < book.returned + plan.pipeline_depth + plan.lookahead
-            and b < book.requested + self._top + plan.lookahead
+            and b < book.requested + self._plans.shape.top + plan.lookahead
         )
 
     def _found_end(self, b: int, plan: PipelinePlan) -> None:
@@ -304,7 +306,7 @@ class Source:
             m = end_at()
             return m is not None and m < b
 
-        if self._lanes > 1:
+        if self._plans.shape.lanes > 1:
             self._board.wait(
                 lambda: book.next_claim >= b or before_end(),
                 lambda: f"batch {b - 1} to be drawn first",
@@ -316,7 +318,7 @@ class Source:
     def turn_taken(self, b: int, ended: bool) -> None:
         if ended:
             return
-        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+        if not self._plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
             self._batches.claimed(b)
             return
         with self._board.lock:
