@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -182,8 +183,13 @@ class Engine(Interpreter):
         return self.batches.ledger
 
     @property
-    def slots(self) -> dict[int, dict[str, Any]]:
-        return self.batches.slots
+    def slots(self) -> Mapping[int, dict[str, Any]]:
+        """The batches in flight's slots, read-only (only ``Batches`` writes them)."""
+        return MappingProxyType(self.batches.slots)
+
+    def slot(self, b: int) -> Mapping[str, Any]:
+        """Batch ``b``'s values, read-only (empty when it is not in flight)."""
+        return self.batches.slot(b)
 
     @property
     def iteration(self) -> int:

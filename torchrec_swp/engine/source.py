@@ -120,8 +120,11 @@ class Draws:
         if self._dropped is not None:
             self._dropped(b)
 
-    def forget_positions(self, before: int) -> None:
-        """Drop the positions of batches before ``before`` (trained)."""
+    def forget_positions(self, before: int | None = None) -> None:
+        """Drop the positions of batches before ``before`` (trained; None: every batch's)."""
+        if before is None:
+            self.positions.clear()
+            return
         for b in [k for k in self.positions if k < before]:
             del self.positions[b]
 
@@ -173,7 +176,7 @@ class Feed:
     def new_epoch(self) -> None:
         """Batches are numbered from 0 again: the current iterator serves them all."""
         if self.draws is not None:
-            self.draws.positions.clear()
+            self.draws.forget_positions()
             self._from = [(0, self.draws)]
 
     def forget(self) -> None:
