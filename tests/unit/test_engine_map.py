@@ -115,5 +115,5 @@ def test_one_step_calls_each_engine_function_of_its_path_once_or_per_task() -> N
         sys.setprofile(None)
     engine.close()
     files = {f for f, _ in called}
-    assert files <= {"engine.py", "batches.py", "interpreter.py", "ops.py", "tasks.py", "source.py"}, files
+    assert files <= {"engine.py", "batches.py", "interpreter.py", "ops.py", "end_of_data.py", "source.py"}, files
     assert ("engine.py", "step") in called and ("interpreter.py", "_walk") in called

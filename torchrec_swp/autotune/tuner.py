@@ -65,8 +65,7 @@ class TunedEngine(Protocol):
     @property
     def observer(self) -> Any: ...
 
-    @property
-    def slots(self) -> Mapping[int, Mapping[str, Any]]: ...
+    def slot(self, b: int) -> Mapping[str, Any]: ...
 
     @property
     def draws(self) -> Any: ...
@@ -221,7 +220,7 @@ class Tuner:
         host, cores = machine()
         draws = self.engine.draws
         newest = max(self.engine.in_flight(), default=None)
-        size_of = batch_bytes(self.engine.slots.get(newest, {})) if newest is not None else 0
+        size_of = batch_bytes(dict(self.engine.slot(newest))) if newest is not None else 0
         return self._profiler.profile(self.engine.plan).with_where(
             rank=rank,
             world_size=size,

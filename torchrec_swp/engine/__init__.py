@@ -13,7 +13,9 @@ turnstile, cut) and which part owns which state. In short:
    (``ops.py``): a task instance runs once its batch exists, its guard admits it, its
    dependencies on other threads are done (``wait``/``signal`` latches on the ``Board``,
    ``board.py``) and its collective ticket comes up (``turnstile.py``); it reads its inputs from
-   slots and writes its outputs back (``tasks.py``), inside its device stream (``streams.py``).
+   slots and writes its outputs back (the call ``Batches`` made for it, ``batches.py``), inside
+   its device stream (``streams.py``). Whether batch ``b`` exists at all, and whether the data
+   has ended, only the end of data's state machine says (``end_of_data.py``).
 3. The source draws batch ``b`` from ``data`` (``source.py``) once the credit allows:
    ``b < returned + pipeline_depth + lookahead``; its values go into ``b``'s slot, and the
    batch's life - drawn, in flight, trained or dropped, epochs - is kept by ``Batches``

@@ -3,7 +3,8 @@
 ``Batches`` is the engine's part that keeps them, and the only one that changes them: the
 engine, its ops and its epochs tell it what happened (``ask``, ``drawn``, ``found_end``,
 ``retire``, ``new_epoch``...) and read its records, one ``BatchBook`` per epoch and the
-``BatchLedger``.
+``BatchLedger``. The end of data is its ``end`` (``torchrec_swp.engine.end_of_data``): the one
+state machine that says whether a batch exists and whether the data has ended.
 
 One ``BatchBook`` per epoch holds the batches in flight: their slots (the values tasks write
 and read), the device events recorded after their tasks, what the source found (batches drawn,
@@ -20,8 +21,18 @@ glossary of docs/engine.md lists every counter.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
+
+from torchrec_swp.engine.end_of_data import EndOfData, Event, Then
+from torchrec_swp.engine.errors import EngineError
+from torchrec_swp.engine.tasks import Around, Binding, Invoker, TaskTimer, named
+from torchrec_swp.plan import PipelineTask
+from torchrec_swp.plan.task import parse_read, read_argument
+
+Slots = dict[int, dict[str, Any]]
 
 
 @dataclass
@@ -52,13 +63,11 @@ class BatchBook:
     (the iteration observers and the stream checker see); ``slots``: batch -> its values (one dict
     for the engine's life, emptied per epoch); ``numbers``: batch -> its number; ``held``: batches
     the source drew (or that were adopted) and ``step()`` has not returned yet;
-    ``events``: (task, batch) -> the device event recorded after it; ``num_batches`` (M): set
-    when the source found the end of data at batch M; ``stopped``: the plan stopped there
-    (``on_exhausted="stop"``); ``renumbered``: source calls of this epoch that found the end
-    under a stop and were followed by more data (each took a batch number); ``next_claim``: the
-    batch whose draw is next (several loads take turns); ``requested`` / ``returned``: batches
-    ``step()`` was asked for / handed out; ``end_reported``: the last step() raised
-    StopIteration for the end of data; ``restart_after_drain``: new data came while draining.
+    ``events``: (task, batch) -> the device event recorded after it; ``renumbered``: source
+    calls of this epoch that found the end under a stop and were followed by more data (each took
+    a batch number); ``next_claim``: the batch whose draw is next (several loads take turns);
+    ``requested`` / ``returned``: batches ``step()`` was asked for / handed out. The end of data
+    is not the book's: ``Batches.end`` (``end`` here, for ``num_batches``).
     """
 
     first_number: int = 0
@@ -70,14 +79,11 @@ class BatchBook:
     held: set[int] = field(default_factory=set)
     numbers: dict[int, int] = field(default_factory=dict)
     events: dict[tuple[str, int], Any] = field(default_factory=dict)
-    num_batches: int | None = None
-    stopped: bool = False
     renumbered: int = 0
     next_claim: int = 0
     requested: int = 0
     returned: int = 0
-    end_reported: bool = False
-    restart_after_drain: bool = False
+    end: EndOfData | None = field(default=None, repr=False, compare=False)
 
     def number(self, b: int) -> int:
         """Batch ``b``'s number (its source call since the engine was built or reset)."""
@@ -95,21 +101,9 @@ class BatchBook:
         return sorted(b for b in self.held if b >= self.returned)
 
     @property
-    def ended(self) -> bool:
-        """The data is exhausted and no batch is left to return (or the plan stopped)."""
-        return self.stopped or (self.num_batches is not None and self.returned >= self.num_batches)
-
-    def exists(self, b: int) -> bool | None:
-        """Whether batch ``b`` was drawn (True), will never be (False), or is not known yet (None:
-        the source has not looked for it). While stopped, nothing at or past the end is known."""
-        if b in self.held or 0 <= b < self.returned:
-            return True
-        if b < 0:
-            return False
-        m = self.num_batches
-        if m is not None and b >= m and not self.stopped:
-            return False
-        return None
+    def num_batches(self) -> int | None:
+        """``M``: the batch the source found the end of data at (None: not yet), as ``end.end_at()`` says."""
+        return None if self.end is None else self.end.end_at()
 
 
 class Batches:
@@ -122,13 +116,14 @@ class Batches:
         self.ledger = BatchLedger()
         self.slots: dict[int, dict[str, Any]] = {}  # every epoch's book holds this one dict
         self.book = BatchBook(slots=self.slots)
+        self.end = EndOfData(self.book)
+        self.book.end = self.end
         self.next_number = 0
 
     # ----------------------------------------------------------- the caller
     def ask(self, d: int) -> bool:
         """``step()`` asks for batch ``d``; whether that is a new request (workers may go on)."""
         book = self.book
-        book.end_reported = False
         if book.requested > d:
             return False
         book.requested = d + 1
@@ -136,7 +131,7 @@ class Batches:
 
     def report_end(self) -> None:
         """``step()`` raised StopIteration for the end of the data."""
-        self.book.end_reported = True
+        self.end.report()
 
     def retire(self, d: int, output: str | None, keep_slots: int, keep_events: int, recorded: tuple[str, ...]) -> Any:
         """Batch ``d`` leaves: its ``output`` value; its slot and ``recorded`` tasks' events go once
@@ -155,6 +150,29 @@ class Batches:
                 events.pop((task, d - keep_events), None)
         return value
 
+    # ------------------------------------------------------------- task calls
+    def invoker(
+        self,
+        io: PipelineTask,
+        fn: Binding,
+        extra: Callable[[int], dict[str, Any]] | None = None,
+        around: Around | None = None,
+        timed: TaskTimer | None = None,
+    ) -> Invoker:
+        """A task's call ``invoke(b)``: ``fn`` with batch ``b``'s reads from the slots, its writes
+        stored back (``make_invoker``): the one code besides these methods that writes a slot."""
+        return make_invoker(io, fn, self.slots, extra, around, timed)
+
+    def alias(
+        self, pairs: tuple[tuple[str, str], ...], around: Around | None = None, timed: TaskTimer | None = None
+    ) -> Invoker:
+        """The call-free stand-in of a task that is a no-op on this device (``make_alias``)."""
+        return make_alias(pairs, self.slots, around, timed)
+
+    def slot(self, b: int) -> Mapping[str, Any]:
+        """Batch ``b``'s values, read-only (empty when it is not in flight)."""
+        return MappingProxyType(self.slots.get(b, {}))
+
     def observed_iteration(self, b: int, s: int) -> int:
         """The iteration observers see for batch ``b``'s task of stage ``s`` (numbered on over epochs)."""
         return self.book.first_iteration + b + s
@@ -162,7 +180,7 @@ class Batches:
     def untrained(self) -> list[tuple[int, str]]:
         """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
         book = self.book
-        reason = "left in flight: the plan stopped at the end of data" if book.stopped else "in flight"
+        reason = "left in flight: the plan stopped at the end of data" if self.end.stopped() else "in flight"
         return [*self.ledger.dropped, *((book.serial(b), reason) for b in book.in_flight())]
 
     # ----------------------------------------------------------- the source
@@ -178,19 +196,15 @@ class Batches:
         """The source drew batch ``b``: held, numbered, counted in the ledger."""
         book = self.book
         book.held.add(b)
-        number = book.numbers[b] = book.number(b)
+        number = book.numbers[b] = book.first_number + b + book.renumbered  # book.number(b), inline
         self.ledger.drawn += 1
         if number >= self.next_number:
             self.next_number = number + 1
 
     def found_end(self, b: int, stop: bool) -> None:
         """The source found the end of data at batch ``b`` (``stop``: under ``on_exhausted="stop"``)."""
-        book = self.book
-        if book.num_batches is None or b < book.num_batches:
-            book.num_batches = b
-        self.next_number = max(self.next_number, book.number(b) + 1)
-        if stop:
-            book.stopped = True
+        self.end.found(b, stop)
+        self.next_number = max(self.next_number, self.book.number(b) + 1)
 
     def claimed(self, b: int) -> None:
         """Batch ``b``'s draw was made (several loads take turns)."""
@@ -198,31 +212,36 @@ class Batches:
         if book.next_claim <= b:
             book.next_claim = b + 1
 
-    def count_past_end(self) -> None:
-        """An item drawn for the common end of uneven data (``BatchLedger.past_end``)."""
+    def count_past_end(self, b: int) -> None:
+        """An item drawn for batch ``b``, the common end of uneven data (``BatchLedger.past_end``)."""
+        self.end.common(b)
         self.ledger.past_end += 1
 
     def record_event(self, task: str, b: int, event: Any) -> None:
         self.book.events[(task, b)] = event
 
     # ------------------------------------------------------------- epochs
-    def new_epoch(self, start: int, first_trained: int | None, first_iteration: int) -> None:
-        """A new book (the batches in flight go to the ledger as dropped); batches trained count on
-        from the last epoch's unless ``first_trained`` says otherwise."""
+    def new_epoch(self, why: Event, start: int, first_trained: int | None, first_iteration: int) -> None:
+        """A new book for ``why`` (an event of ``end`` that begins an epoch; the batches in flight go
+        to the ledger as dropped); batches trained count on from the last epoch's unless
+        ``first_trained`` says otherwise."""
         book = self.book
         if first_trained is None:
             first_trained = book.first_trained + book.returned
-        for b in book.in_flight():
-            self.ledger.dropped.append((book.serial(b), "in flight when reset() was called"))
-        self.slots.clear()
-        self.book = BatchBook(
+        new = BatchBook(
             first_number=self.next_number,
             first_serial=self.ledger.drawn,
             first_trained=first_trained,
             start=start,
             first_iteration=first_iteration,
             slots=self.slots,
+            end=self.end,
         )
+        self.end.begin(why, new)  # EngineError, changing nothing, where the end of data allows no new epoch
+        for b in book.in_flight():
+            self.ledger.dropped.append((book.serial(b), "in flight when reset() was called"))
+        self.slots.clear()
+        self.book = new
 
     def restart_numbers(self, number: int = 0) -> None:
         """The source's next call gets batch number ``number`` (a reset: 0; a resume: the cut's)."""
@@ -231,16 +250,13 @@ class Batches:
     def restore_ledger(self, ledger: BatchLedger) -> None:
         self.ledger = ledger
 
-    def resume_after_stop(self) -> None:
-        """New data after a stop at the end of data: the source's call that found it took a number."""
-        book = self.book
-        book.stopped = False
-        book.num_batches = None
-        book.renumbered += 1
-
-    def restart_after_drain(self) -> None:
-        """New data came while draining: the step after the last batch starts the next epoch."""
-        self.book.restart_after_drain = True
+    def new_data(self) -> Then:
+        """The source has new data (``EndOfData.new_data``); after a stop, the source's call that
+        found it took a number."""
+        then = self.end.new_data()
+        if then is Then.GO_ON:
+            self.book.renumbered += 1
+        return then
 
     def count_trained_from(self, n: int) -> None:
         self.book.first_trained = n - self.book.returned
@@ -257,4 +273,143 @@ class Batches:
 
     def end_after(self, n: int) -> None:
         """The data ends after batch ``n - 1`` (adopted batches fewer than the stages above the source)."""
-        self.book.num_batches = n
+        self.end.found(n)
+
+
+# ----------------------------------------------------------------- task calls
+def make_invoker(
+    io: PipelineTask,
+    fn: Binding,
+    slots: Slots,
+    extra: Callable[[int], dict[str, Any]] | None = None,
+    around: Around | None = None,
+    timed: TaskTimer | None = None,
+) -> Invoker:
+    """``invoke(b)``: call ``fn`` with batch ``b``'s reads and store what it returns as ``b``'s writes.
+    ``extra(b)`` gives keyword arguments of its own (the source's ``data``); ``around(b)`` is a
+    context manager the reads and the call run in (``task_context``); ``timed`` times each
+    instance for an observer (``task_timer``).
+
+    One frame between the engine and ``fn``, named ``<task T>`` in tracebacks."""
+    task, writes = io.name, io.writes
+    count, first = len(writes), writes[0] if writes else ""
+    one = _one_read(io)
+    if one is not None and count <= 1 and extra is None and around is None and timed is None:
+        return named(_plain_invoker(task, fn, slots, *one, first if count else None), task)
+    arguments = _arguments(io, slots, extra)
+
+    def invoke(b: int) -> None:
+        mark = timed.start() if timed is not None else None
+        try:
+            if around is None:
+                values = fn(b) if arguments is None else fn(b, **arguments(b))
+            else:
+                with around(b):
+                    values = fn(b) if arguments is None else fn(b, **arguments(b))
+            if count == 1:
+                slots[b][first] = values
+            elif count:
+                _store(task, writes, slots[b], values)
+        finally:
+            if timed is not None:
+                timed.stop(b, mark)
+
+    return named(invoke, task)
+
+
+def _one_read(io: PipelineTask) -> tuple[str, str] | None:
+    """``(keyword, data name)`` of a task that reads one value of its own batch, else None."""
+    if len(io.reads) != 1:
+        return None
+    (read,) = io.reads
+    data, back = parse_read(read)
+    return (read_argument(read), data) if back == 0 else None
+
+
+def _plain_invoker(task: str, fn: Binding, slots: Slots, arg: str, data: str, write: str | None) -> Invoker:
+    """``make_invoker``'s call for the common case - one value of its own batch read, at most one
+    written, nothing around it - with no call but ``fn``'s."""
+
+    def invoke(b: int) -> None:
+        try:
+            slot = slots[b]
+            value = slot[data]
+        except KeyError as e:
+            raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+        if write is None:
+            fn(b, **{arg: value})
+        else:
+            slot[write] = fn(b, **{arg: value})
+
+    return invoke
+
+
+def _arguments(
+    io: PipelineTask, slots: Slots, extra: Callable[[int], dict[str, Any]] | None
+) -> Callable[[int], dict[str, Any]] | None:
+    """``arguments(b)``: the keyword arguments of ``io``'s call for batch ``b`` (None: it takes none)."""
+    task = io.name
+    reads = tuple((read_argument(r), *parse_read(r)) for r in io.reads)  # (keyword, data name, batches back)
+    if not reads:
+        return extra
+    if len(reads) == 1 and reads[0][2] == 0 and extra is None:  # the common case, without a loop
+        ((arg, data, _),) = reads
+
+        def one(b: int) -> dict[str, Any]:
+            try:
+                return {arg: slots[b][data]}
+            except KeyError as e:
+                raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+
+        return one
+
+    def many(b: int) -> dict[str, Any]:
+        args = {}
+        try:
+            for arg, data, k in reads:
+                args[arg] = slots[b][data] if k == 0 else previous(slots, b - k, data)
+        except KeyError as e:
+            raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+        if extra is not None:
+            args.update(extra(b))
+        return args
+
+    return many
+
+
+def _store(task: str, writes: tuple[str, ...], slot: dict[str, Any], values: Any) -> None:
+    if not isinstance(values, tuple) or len(values) != len(writes):
+        raise EngineError(f"task {task} must return a tuple of {len(writes)} values for {writes}, got {values!r}")
+    for k, v in zip(writes, values):
+        slot[k] = v
+
+
+def make_alias(
+    pairs: tuple[tuple[str, str], ...], slots: Slots, around: Around | None = None, timed: TaskTimer | None = None
+) -> Invoker:
+    """The call-free stand-in of a task that is a no-op on this device: ``write = read``."""
+
+    def alias(b: int) -> None:
+        mark = timed.start() if timed is not None else None
+        try:
+            if around is None:
+                _copy(pairs, slots[b])
+            else:
+                with around(b):
+                    _copy(pairs, slots[b])
+        finally:
+            if timed is not None:
+                timed.stop(b, mark)
+
+    return alias
+
+
+def _copy(pairs: tuple[tuple[str, str], ...], slot: dict[str, Any]) -> None:
+    for write, read in pairs:
+        slot[write] = slot[read]
+
+
+def previous(slots: Slots, b: int, data: str) -> Any:
+    """``data`` of batch ``b`` (an earlier one), or None when that batch is not in flight."""
+    slot = slots.get(b)
+    return None if slot is None else slot[data]

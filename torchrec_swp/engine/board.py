@@ -179,6 +179,14 @@ class Board:
         for key in [k for k, v in self.latches.items() if v is LatchState.STOPPED]:
             del self.latches[key]
 
+    def forget_latches(self, tasks: tuple[str, ...], b: int) -> None:
+        """With the lock held (or on one thread): batch ``b``'s latches of ``tasks`` dropped (it was
+        returned)."""
+        latches = self.latches
+        if latches:
+            for task in tasks:
+                latches.pop((task, b), None)
+
     def clear_latches(self, keep: Callable[[Hashable], bool] | None = None) -> None:
         with self.lock:
             if keep is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torchrec_swp.compile import CompiledPlan, Run
 from torchrec_swp.engine import cuts
 from torchrec_swp.engine.batches import BatchBook, Batches, BatchLedger
 from torchrec_swp.engine.board import ITERATION
+from torchrec_swp.engine.end_of_data import Event
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
@@ -71,31 +73,28 @@ class Engine(Interpreter):
         self.batches = Batches()
         self._ops = PlanOps(self, self.batches, self.plans, uid=self._uid, checker=self._checker, exhaustion=exhaustion)
         self._feed = self._ops.source.feed
-        self._epochs = Epochs(self, self.plans, self.batches, self._feed, settle=self._settle, restart=self._restart)
+        self._epochs = Epochs(self, self.plans, self.batches, self._feed)
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
-        self._main = Walker(MAIN_THREAD, MAIN_THREAD)  # the calling thread's: made again with every plan's walkers
-        self._tasked: list[Walker] = []  # the walkers of threads that have tasks
-        self._threaded = False  # threads other than the caller's walk
-        self._walk_plans()
+        self._bind_all()
         self.reset()
 
     # ------------------------------------------------------------------ plans
-    def _walk_plans(self) -> None:
-        """A walker for every thread of the installed plans, their task calls and ops."""
-        self._walkers = self.plans.walkers()
-        self._main = self._walkers[MAIN_THREAD]
-        self._tasked = [w for w in self._walkers.values() if w.last_stage >= 0]
-        self._threaded = len(self._walkers) > 1
-        self._ops.reshape(self._main, self._threaded)
+    @property
+    def _walkers(self) -> Mapping[str, Walker]:
+        """The installed plans' walkers (``Plans.shape``, the one record of threads and stages)."""
+        return self.plans.shape.walkers
+
+    def _bind_all(self) -> None:
+        """The installed plans' task calls and ops."""
         for inst in self.plans.installed.values():
             self._bind(inst)
 
     def _bind(self, inst: InstalledPlan) -> None:
         """``inst``'s (instrumented) task calls, then its programs' ops, which hold them."""
         inst.bind(
-            self._bindings, self.batches.slots, self._feed.argument, self.batches.observed_iteration,
+            self._bindings, self.batches, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
         )  # fmt: skip
         self._ops.compile(inst, self._observer)
@@ -119,8 +118,7 @@ class Engine(Interpreter):
         if self.failures:
             raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
         self.plans.request(new)
-        for w in self._walkers.values():  # nobody runs ahead any more: the calling thread catches up
-            w.ahead = 0
+        self.plans.shape.hold_back()  # nobody runs ahead any more: the calling thread catches up
         return self._switch_if_ready()
 
     @property
@@ -130,15 +128,16 @@ class Engine(Interpreter):
 
     def _switch_if_ready(self) -> bool:
         """Switch to the pending plan if every thread stands at the calling thread's boundary."""
-        main = self._main
-        if any(w.done_through != main.P - 1 for w in self._tasked if w is not main):
+        shape = self.plans.shape
+        main = shape.main
+        if any(w.done_through != main.P - 1 for w in shape.tasked if w is not main):
             return False  # a thread is ahead (or, after a failure, behind): a later step() switches
-        self._settle("switching plans")
+        self.settle("switching plans")
         P = main.P
-        if any(w.state is WalkState.FINISHED or w.P != P or w.i != 0 for w in self._tasked):
+        if any(w.state is WalkState.FINISHED or w.P != P or w.i != 0 for w in shape.tasked):
             return False
-        self.plans.switch()
-        self._walk_plans()
+        self.plans.switch()  # a new shape: new walkers
+        self._bind_all()
         bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
         for w in self._walkers.values():
             w.place(P, bases)
@@ -184,18 +183,23 @@ class Engine(Interpreter):
         return self.batches.ledger
 
     @property
-    def slots(self) -> dict[int, dict[str, Any]]:
-        return self.batches.slots
+    def slots(self) -> Mapping[int, dict[str, Any]]:
+        """The batches in flight's slots, read-only (only ``Batches`` writes them)."""
+        return MappingProxyType(self.batches.slots)
+
+    def slot(self, b: int) -> Mapping[str, Any]:
+        """Batch ``b``'s values, read-only (empty when it is not in flight)."""
+        return self.batches.slot(b)
 
     @property
     def iteration(self) -> int:
         """The next internal iteration the calling thread runs."""
-        return self._main.P
+        return self.plans.shape.main.P
 
     @property
     def end_reported(self) -> bool:
         """The last step() raised StopIteration because the data ended."""
-        return self.batches.book.end_reported
+        return self.batches.end.reported()
 
     @property
     def draws(self) -> Draws | None:
@@ -223,42 +227,49 @@ class Engine(Interpreter):
             on_step(start, time.perf_counter(), cpu, time.thread_time())
 
     def _step(self, data: Iterator[Any] | None) -> Any:
-        batches = self.batches
-        if data is not None and (data is not self._feed.data or batches.book.end_reported):
+        batches, end = self.batches, self.batches.end
+        ended = end.ended()  # (a report comes only once ended: one question in the common case)
+        if data is not None and (data is not self._feed.data or (ended and end.reported())):
             self._epochs.take_data(data)
+            ended = end.ended()
         if self._failure_raised:  # step() again after a failure: go on where every thread stopped
             self._resume_after_failure()
         if self.plans.pending is not None:
             self._switch_if_ready()
+            ended = end.ended()
         self._ops.begin_step(
             torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
         )
-        main, threaded = self._main, self._threaded
+        shape = self.plans.shape
+        main, threaded = shape.main, shape.threaded
         while True:
-            book = batches.book
-            if book.stopped or (book.num_batches is not None and book.returned >= book.num_batches):  # book.ended
-                if book.restart_after_drain:
-                    self._settle()
-                    self._epochs.start()
+            if ended:
+                if end.restarts():
+                    self.settle()
+                    self._epochs.start(Event.EPOCH)
+                    ended = end.ended()
                     continue
                 batches.report_end()
                 raise StopIteration
-            d = book.returned
+            d = batches.book.returned
             if batches.ask(d) and threaded:
                 self.board.changed()
             if threaded:
                 self._start_workers()
             if main.state is not WalkState.FINISHED:
-                self._walk(main, d + self.plans.shape.top, self._ops.program, self._ops.iteration_done)
-            outcome = self._await(d)
+                self._walk(main, d + shape.top, self._ops.program, self._ops.iteration_done, threaded=threaded)
+            outcome = self._outcome(d) or self._await(d)
             if outcome == "done":
+                if self._checker is not None:
+                    self._ordered(d)
                 return self._retire(d)
             if outcome == "failed":
                 self._raise_failure()
             if outcome == "stopped":
                 batches.report_end()
                 raise StopIteration
-            self._settle()  # drained: no batch d; every thread walks out of the epoch
+            self.settle()  # drained: no batch d; every thread walks out of the epoch
+            ended = end.ended()
 
     def run_to_end(self) -> list[Any]:
         """Step until the data ends; the outputs in order."""
@@ -272,31 +283,31 @@ class Engine(Interpreter):
     def _start_workers(self) -> None:
         if self.failures:
             return
+        main = self.plans.shape.main
         for w in self._walkers.values():
-            if w is not self._main and w.state in (WalkState.READY, WalkState.PARKED):
+            if w is not main and w.state in (WalkState.READY, WalkState.PARKED):
                 self._launch(w, lambda w=w: self._background(w))
 
     def _background(self, w: Walker) -> None:
         torch.set_grad_enabled(self._ops.grad)
         if self._checker is not None:
             self._checker.cpu_acquire(("launch", self._uid, w.name))
-        self._walk(w, None, self._ops.program, self._ops.iteration_done)
+        self._walk(w, None, self._ops.program, self._ops.iteration_done, threaded=True)
 
     def _await(self, d: int) -> str:
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
         iteration ``d + top`` - ("done"), a failure ("failed"), the end of data with no
-        batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped")."""
-        result = self._outcome(d) or self._await_outcome(
-            lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION
-        )
-        if result == "done" and self._checker is not None:  # each thread's part of batch d is ordered before us
-            top, base = self.plans.shape.top, self.batches.book.first_iteration
-            for w in self._tasked:
-                if w is not self._main:
-                    self._checker.cpu_acquire(
-                        ("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top))
-                    )
-        return result
+        batch ``d`` ("drained"), or a stop that leaves it in flight ("stopped"): ``_outcome``
+        once it has an answer."""
+        return self._await_outcome(lambda: self._outcome(d), lambda: f"batch {d} to be trained", d, ITERATION)
+
+    def _ordered(self, d: int) -> None:
+        """In checked mode: each thread's part of batch ``d`` is ordered before the caller."""
+        shape, base = self.plans.shape, self.batches.book.first_iteration
+        top = shape.top
+        for w in shape.tasked:
+            if w is not shape.main:
+                self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
 
     def _outcome(self, d: int) -> str | None:
         """``_await``'s answer for batch ``d`` now (None: not yet)."""
@@ -306,44 +317,45 @@ class Engine(Interpreter):
         if d in book.held:
             # a thread that may run ahead is done with d after its own part; the others (with
             # lookahead 0, every thread) finish iteration d + top, collectives included
-            top = self.plans.shape.top
-            for w in self._tasked:
+            shape = self.plans.shape
+            top = shape.top
+            for w in shape.tasked:
                 if w.done_through < d + (w.last_stage if w.ahead else top):
                     break
             else:
                 return "done"
-        m = book.num_batches
-        if m is not None and d >= m and not book.stopped:
+        end = self.batches.end
+        if end.past_end(d):
             return "drained"
         resting = all(w.state is not WalkState.RUNNING for w in self._walkers.values())
-        if book.stopped and resting:
+        if resting and end.stopped():
             return "stopped"
         if resting:  # nobody can make batch d: a bug of the engine's, not a wait
             stuck = EngineError(f"no thread can go on:\n{self._timeout_report()}")
-            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self._main.P))
+            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self.plans.shape.main.P))
             return "failed"
         return None
 
     def _retire(self, d: int) -> Any:
         """Return batch ``d``'s output and forget what only it needed: its latches, its slot and
-        events once no later batch reads them, its data position."""
-        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
-            return self._forget(d)
-        with self.board.lock:
-            output = self._forget(d)
-            self.board.notify()
-        return output
-
-    def _forget(self, d: int) -> Any:
-        plans, shape = self.plans, self.plans.shape
-        output = self.batches.retire(d, plans.current.output, shape.keep_slots, shape.keep_events, plans.recorded)
-        latches = self.board.latches
-        if latches:
-            for task in plans.latched:
-                latches.pop((task, d), None)
-        draws = self._feed.draws
-        if draws is not None and draws.positions:
-            draws.forget_positions(d + 1)
+        events once no later batch reads them, its data position. Under the board's lock where
+        other threads walk (on one thread nobody else reads the book: no lock, nobody to wake)."""
+        plans, shape, board = self.plans, self.plans.shape, self.board
+        threaded = shape.threaded
+        if threaded:
+            board.lock.acquire()
+        try:
+            output = self.batches.retire(d, plans.current.output, shape.keep_slots, shape.keep_events, plans.recorded)
+            if plans.latched:  # (no latch on one thread, unless a plan on threads ran before)
+                board.forget_latches(plans.latched, d)
+            draws = self._feed.draws
+            if draws is not None and draws.positions:
+                draws.forget_positions(d + 1)
+            if threaded:
+                board.notify()
+        finally:
+            if threaded:
+                board.lock.release()
         return output
 
     # ----------------------------------------------------------- epochs, cuts
@@ -397,7 +409,7 @@ class Engine(Interpreter):
         return f"{describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}"
 
     def _timeout_report(self) -> str:
-        main, walkers = self._main, self._walkers.values()
+        main, walkers = self.plans.shape.main, self._walkers.values()
         lines = [
             f"internal iteration {main.P} of plan {self.plan.name} did not finish: "
             f"no thread made progress for {self.timeout_s:.1f}s"
@@ -408,7 +420,6 @@ class Engine(Interpreter):
         running = [(w.at.task, w.P) for w in walkers if w.state is WalkState.RUNNING and isinstance(w.at, Run)]
         last = max(w.P for w in walkers)
         lines.append(
-            format_schedule(self.plan, last + 2, self.batches.book.num_batches, mark=running[0] if running else None)
+            format_schedule(self.plan, last + 2, self.batches.end.end_at(), mark=running[0] if running else None)
         )
         return "\n".join(lines)
-

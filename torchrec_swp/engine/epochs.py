@@ -10,17 +10,19 @@ The iterator given to ``step()`` reaches the source through its ``data`` argumen
 ``Feed``): a new one serves the batches that no call had made drawable yet (and the one that
 found a stop).
 
-``Epochs`` holds no state of its own: it decides, and tells the parts that own the state -
-``Batches`` (the books), the ``Feed`` (the iterators) and the engine's walk (``restart``: every
-thread placed at the new epoch's first iteration; ``settle``: no thread walking).
+``Epochs`` holds no state of its own: it decides, and tells the parts that own the state through
+their public methods - ``Batches`` (the books, the end of data), the ``Feed`` (the iterators) and
+the interpreter (``restart_walkers``: every thread placed at the new epoch's first iteration;
+``settle``: no thread walking).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torchrec_swp.engine.batches import Batches, BatchLedger
+from torchrec_swp.engine.end_of_data import Event, Then
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.installed import Plans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
@@ -28,48 +30,35 @@ from torchrec_swp.engine.source import Feed
 
 
 class Epochs:
-    """The epochs of an engine (``interpreter``, running ``plans``): ``settle(interrupt)`` waits
-    until no thread walks (interrupting them first when it says why); ``restart(start)`` places
-    every thread at internal iteration ``start`` of a new epoch and returns the furthest
-    iteration a thread had reached."""
+    """The epochs of an engine (``interpreter``, running ``plans`` over ``batches`` from ``feed``)."""
 
-    def __init__(
-        self,
-        interpreter: Interpreter,
-        plans: Plans,
-        batches: Batches,
-        feed: Feed,
-        *,
-        settle: Callable[..., None],
-        restart: Callable[[int], int],
-    ) -> None:
+    def __init__(self, interpreter: Interpreter, plans: Plans, batches: Batches, feed: Feed) -> None:
         self._interpreter, self._plans = interpreter, plans
         self._batches = batches
         self._feed = feed
-        self._settle = settle
-        self._restart = restart
 
-    def start(self, start: int = 0, first_trained: int | None = None) -> None:
-        """A new epoch, its threads at internal iteration ``start``; its batches trained count on
-        from the last epoch's (``first_trained``: from that number instead)."""
-        first_iteration = self._batches.book.first_iteration + self._restart(start)
-        self._batches.new_epoch(start, first_trained, first_iteration)
+    def start(self, why: Event, start: int = 0, first_trained: int | None = None) -> None:
+        """A new epoch for ``why`` (the end of data's event that begins it), its threads at internal
+        iteration ``start``; its batches trained count on from the last epoch's (``first_trained``:
+        from that number instead)."""
+        first_iteration = self._batches.book.first_iteration + self._interpreter.restart_walkers(start)
+        self._batches.new_epoch(why, start, first_trained, first_iteration)
         self._feed.new_epoch()
 
     def reset(self) -> None:
         """``Engine.reset``: the batches in flight dropped, batch numbers and tickets from 0."""
-        self._settle("reset() was called")
+        self._interpreter.settle("reset() was called")
         self._batches.restart_numbers(0)
         for t in self._interpreter.turnstiles.values():
             t.restart()
-        self.start(first_trained=0)
+        self.start(Event.RESET, first_trained=0)
 
     def resume(self, ledger: BatchLedger, number: int, trained: int) -> None:
         """Go on from a cut: its ledger, the batch number and the trained number of its first batch."""
         self._batches.restore_ledger(ledger)
         self._batches.restart_numbers(number)
         self._feed.forget()
-        self.start(first_trained=trained)
+        self.start(Event.LOAD, first_trained=trained)
 
     def count_trained_from(self, n: int) -> None:
         """Number the next batch to train ``n`` on the clock ``"trained"``; only before the first
@@ -89,31 +78,29 @@ class Epochs:
         raising StopIteration in between. Otherwise nothing changes: the source reads the new
         data from its next batch on.
         """
-        book, board = self._batches.book, self._interpreter.board
-        if book.stopped:
-            with board.lock:
-                self._batches.resume_after_stop()
+        board = self._interpreter.board
+        with board.lock:  # threads ask the end of data under the lock
+            then = self._batches.new_data()
+            if then is Then.GO_ON:
                 board.forget_stopped_latches()
-        elif book.num_batches is None:
-            return
-        elif book.returned >= book.num_batches:
-            self._settle()
-            self.start()
-        else:
-            self._batches.restart_after_drain()
+        if then is Then.NEXT_EPOCH:
+            self._interpreter.settle()
+            self.start(Event.EPOCH)
 
     def take_data(self, data: Iterator[Any]) -> None:
         """``step(data)`` with an iterator that is new, or the same one after the end was reported."""
         feed = self._feed
+        end = self._batches.end
         if data is feed.data:
-            if self._batches.book.end_reported:
+            if end.reported():
                 self.new_data()
             return
         # the batches it serves: those no call made drawable yet, and the one that found a stop
         book, shape = self._batches.book, self._plans.shape
         first = 0 if book.requested == 0 else book.requested + shape.top + shape.lookahead
-        if book.stopped and book.num_batches is not None:
-            first = min(first, book.num_batches)
+        m = end.end_at()
+        if end.stopped() and m is not None:
+            first = min(first, m)
         if feed.data is not None:
             self.new_data()
         if self._batches.book is not book:  # a new epoch
@@ -140,8 +127,8 @@ class Epochs:
             return
         top = self._plans.shape.top
         check_adoptable(self._plans.current, top, slots)
-        self._settle()
-        self.start(start=top)
+        self._interpreter.settle()
+        self.start(Event.ADOPT, start=top)
         self._batches.adopt(slots)
         if len(slots) < top:
             self._batches.end_after(len(slots))

@@ -11,25 +11,33 @@ checks a plan passes before it is installed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, Signal, WaitStream
+from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
-from torchrec_swp.engine.tasks import Binding, Invoker, Observer, make_alias, make_invoker, task_context, task_timer
+from torchrec_swp.engine.tasks import Binding, Invoker, Observer, task_context, task_timer
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plan.task import parse_read
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlanShape:
-    """The numbers the engine reads off its plans (every phase's together). ``keep_slots`` /
-    ``keep_events``: how many batches back values and events are read (kept that long); a switch
-    of plans keeps at least the running plan's (``after``)."""
+    """The threads and stages of the plans running now (every phase's together): the one record
+    of them, made by ``Plans`` whenever plans are installed (a switch makes a new one) and read
+    through ``Plans.shape`` by every part that needs it, never copied.
+
+    Stages: ``top`` (the highest), ``lanes`` (the source's loads), ``lookahead``, ``source``, each
+    task's ``stage``; ``keep_slots`` / ``keep_events``: how many batches back values and events
+    are read (kept that long; a switch keeps at least the running plan's). Threads: ``walkers``,
+    one per thread of any installed program, the calling thread's (``main``) first, one per lane
+    for the source's thread; ``tasked``: those whose threads have tasks; ``threaded``: threads
+    other than the caller's walk (the book is shared, waits take the board's lock)."""
 
     top: int
     lanes: int
@@ -38,21 +46,69 @@ class PlanShape:
     stage: Mapping[str, int]
     keep_slots: int
     keep_events: int
+    walkers: Mapping[str, Walker]
+    main: Walker
+    tasked: tuple[Walker, ...]
+    threaded: bool
 
     @classmethod
-    def of(cls, phased: PhasedPlan, after: PlanShape | None = None) -> PlanShape:
+    def of(
+        cls,
+        phased: PhasedPlan,
+        installed: Mapping[int, InstalledPlan],
+        current: PipelinePlan,
+        after: PlanShape | None = None,
+    ) -> PlanShape:
+        """``phased``'s shape, with a walker per thread of its ``installed`` programs (the source's
+        thread as ``current``, the phase running now, maps it)."""
         plans = phased.plans
         reads = [parse_read(r)[1] for p in plans for io in p.tasks.values() for r in io.reads]
         distances = [d.distance for p in plans for d in p.deps]
+        lanes, lookahead, source = max(p.loads for p in plans), max(p.lookahead for p in plans), plans[0].source
+        source_thread = current.task(source).thread_group if source else None
+        walkers = _walkers(installed.values(), lanes, lookahead, source_thread)
         return cls(
             top=phased.max_stage,
-            lanes=max(p.loads for p in plans),
-            lookahead=max(p.lookahead for p in plans),
-            source=plans[0].source,
+            lanes=lanes,
+            lookahead=lookahead,
+            source=source,
             stage={t: s.stage for p in plans for t, s in p.schedule.items()},
             keep_slots=max([*reads, after.keep_slots if after else 0]),
             keep_events=max([*distances, after.keep_events if after else 0]),
+            walkers=walkers,
+            main=walkers[MAIN_THREAD],
+            tasked=tuple(w for w in walkers.values() if w.last_stage >= 0),
+            threaded=len(walkers) > 1,
         )
+
+    def hold_back(self) -> None:
+        """No thread runs ahead of the calling thread any more (a switch of plans waits for it)."""
+        for w in self.walkers.values():
+            w.hold_back()
+
+
+def _walkers(
+    installed: Iterable[InstalledPlan], lanes: int, lookahead: int, source_thread: str | None
+) -> dict[str, Walker]:
+    """A walker for every thread of the ``installed`` plans' programs, the calling thread's first;
+    the source's thread has one per lane (``load``, ``load.1``...)."""
+    threads: dict[str, int] = {MAIN_THREAD: -1}  # thread -> highest stage of its tasks
+    collective: set[str] = set()  # threads that issue collectives (a task in a comm group)
+    for inst in installed:
+        for thread, instrs in inst.programs.items():
+            stages = [i.stage for i in instrs if isinstance(i, (Run, Alias))]
+            threads[thread] = max(threads.get(thread, -1), *stages)
+            if any(getattr(i, "comm_group", None) is not None for i in instrs):
+                collective.add(thread)
+    walkers = {MAIN_THREAD: Walker(MAIN_THREAD, MAIN_THREAD, last_stage=threads[MAIN_THREAD])}
+    for thread, top in threads.items():
+        if thread == MAIN_THREAD:
+            continue
+        for lane in range(lanes if thread == source_thread else 1):
+            name = thread if lane == 0 else f"{thread}.{lane}"
+            ahead = 0 if thread in collective else lookahead
+            walkers[name] = Walker(thread, name, lane=lane, last_stage=top, ahead=ahead)
+    return walkers
 
 
 @dataclass
@@ -78,7 +134,7 @@ class InstalledPlan:
     def bind(
         self,
         bindings: Mapping[str, Binding],
-        slots: dict[int, dict[str, Any]],
+        batches: Batches,
         data_argument: Callable[[int], dict[str, Any]],
         iteration: Callable[[int, int], int],
         *,
@@ -87,9 +143,9 @@ class InstalledPlan:
         observer: Observer | None,
         labels: bool,
     ) -> None:
-        """Its (instrumented) task calls, entering each task's stream where the device has
-        streams: the source's gets ``data_argument(b)``; ``iteration(b, stage)`` numbers an
-        instance for the observer."""
+        """Its (instrumented) task calls (made by ``batches``, which owns the slots they read
+        and write), entering each task's stream where the device has streams: the source's gets
+        ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance for the observer."""
         plan = self.plan
         for task in plan.fire_order:
             t = plan.task(task)
@@ -97,10 +153,10 @@ class InstalledPlan:
             stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
             timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
             around = task_context(task, labels, stream)
-            self.invokers[task] = make_invoker(t.io, bindings[task], slots, extra, around, timed)
+            self.invokers[task] = batches.invoker(t.io, bindings[task], extra, around, timed)
             if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
                 pairs = tuple(zip(t.io.writes, t.io.reads))
-                self.aliases[task] = make_alias(pairs, slots, task_context(task, labels, None), timed)
+                self.aliases[task] = batches.alias(pairs, task_context(task, labels, None), timed)
 
     def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
         """Every thread's program with its ops (``op(thread, instruction)``), made again whenever
@@ -108,6 +164,13 @@ class InstalledPlan:
         self.walks = {
             thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()
         }
+
+    def drop(self, thread: str, position: int) -> Instr:
+        """Remove ``thread``'s instruction at ``position`` (mutation testing): the instruction; its
+        ops are to be made again (``make_walks``)."""
+        prog = self.programs[thread]
+        self.programs[thread] = prog[:position] + prog[position + 1 :]
+        return prog[position]
 
     def instructions(self) -> list[Instr]:
         return [i for instrs in self.programs.values() for i in instrs]
@@ -226,15 +289,16 @@ class Plans:
         self._streams, self._device_type = streams, device_type
         self._limits = (max_threads, max_in_flight)
         self.current: PipelinePlan = self.phased.plans[0]
-        self.shape = PlanShape.of(self.phased)
         self.pending: PhasedPlan | None = None
         self.latched: tuple[str, ...] = ()
         self.recorded: tuple[str, ...] = ()
         self.installed: dict[int, InstalledPlan] = {}
         self._install()
 
-    def _install(self) -> None:
+    def _install(self, after: PlanShape | None = None) -> None:
+        """Compile every phase's plan; their shape, with a walker for each of their threads."""
         self.installed = {id(p): InstalledPlan.compile(p, self._streams, self._device_type) for p in self.phased.plans}
+        self.shape = PlanShape.of(self.phased, self.installed, self.current, after)
         instructions = [i for inst in self.installed.values() for i in inst.instructions()]
         # those of the plans installed before too: batches of theirs may still leave
         self.latched = tuple(dict.fromkeys([*self.latched, *(i.task for i in instructions if isinstance(i, Signal))]))
@@ -267,8 +331,7 @@ class Plans:
         index = self.phased.plans.index(self.current)
         self.pending = None
         self.phased, self.current = new, new.plans[index]
-        self.shape = PlanShape.of(new, after=self.shape)
-        self._install()
+        self._install(after=self.shape)
 
     def device_syncs(self) -> list[tuple[int, str, int, str]]:
         """Every stream wait and event record of the installed programs, as ``(plan index,
@@ -285,29 +348,4 @@ class Plans:
         """Remove one instruction from an installed program (mutation testing); the plan it was
         in (its ops are to be made again) and the instruction's text."""
         inst = list(self.installed.values())[plan_index]
-        prog = inst.programs[thread]
-        inst.programs[thread] = prog[:position] + prog[position + 1 :]
-        return inst, str(prog[position])
-
-    def walkers(self) -> dict[str, Walker]:
-        """A walker for every thread of any installed plan's programs, the calling thread's first;
-        a thread of the source with several loads has one per lane (``load``, ``load.1``...)."""
-        threads: dict[str, int] = {MAIN_THREAD: -1}  # thread -> highest stage of its tasks
-        collective: set[str] = set()  # threads that issue collectives (a task in a comm group)
-        for inst in self.installed.values():
-            for thread, instrs in inst.programs.items():
-                stages = [i.stage for i in instrs if isinstance(i, (Run, Alias))]
-                threads[thread] = max(threads.get(thread, -1), *stages)
-                if any(getattr(i, "comm_group", None) is not None for i in instrs):
-                    collective.add(thread)
-        walkers = {MAIN_THREAD: Walker(MAIN_THREAD, MAIN_THREAD, last_stage=threads[MAIN_THREAD])}
-        shape = self.shape
-        source_thread = self.current.task(shape.source).thread_group if shape.source else None
-        for thread, top in threads.items():
-            if thread == MAIN_THREAD:
-                continue
-            for lane in range(shape.lanes if thread == source_thread else 1):
-                name = thread if lane == 0 else f"{thread}.{lane}"
-                ahead = 0 if thread in collective else shape.lookahead
-                walkers[name] = Walker(thread, name, lane=lane, last_stage=top, ahead=ahead)
-        return walkers
+        return inst, str(inst.drop(thread, position))

@@ -80,7 +80,6 @@ class Interpreter:
         self.board = Board()
         self.failures: list[Failure] = []
         self._failure_raised = False  # the first failure went to the caller; its next call resumes
-        self._walkers: dict[str, Walker] = {}
         self._workers: dict[str, Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
@@ -92,20 +91,28 @@ class Interpreter:
         self._finalizer()
 
     # ------------------------------------------------------------- the walk
+    @property
+    def _walkers(self) -> Mapping[str, Walker]:
+        """Every thread's walker, the subclass's record of its threads (the calling thread's is
+        ``MAIN_THREAD``'s)."""
+        raise NotImplementedError
+
     def _walk(
         self,
         w: Walker,
         until: int | None,
         program: Callable[[Walker, int], Walk | None],
         done: Callable[[Walker, int], None] | None = None,
+        *,
+        threaded: bool,
     ) -> None:
         """Walk ``w``'s program from its position through iteration ``until`` (None: as far as
         it goes): ``program(w, P)`` gives its instructions of internal iteration ``P`` and their
         ops (None: it has walked out); ``done(w, P)`` hears that it finished its part of ``P``.
-        Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
+        ``threaded``: other threads walk (on one thread nothing else waits for this walk's
+        progress). Returns with ``w.state`` FINISHED, PARKED, or READY at ``until + 1``."""
         board = self.board
         w.state = WalkState.RUNNING
-        threaded = len(self._walkers) > 1  # on one thread nothing else waits for this walk's progress
         if threaded:
             board.walk_began(w.thread == MAIN_THREAD)
         try:
@@ -271,7 +278,7 @@ class Interpreter:
                 raise EngineTimeout(self._timeout_report())
             time.sleep(0.001)
 
-    def _settle(self, interrupt: str | None = None) -> None:
+    def settle(self, interrupt: str | None = None) -> None:
         """Wait until no thread walks (interrupting them first if ``interrupt`` says why)."""
         if interrupt is not None and len(self._walkers) > 1:
             self.board.interrupt_all(interrupt)
@@ -329,7 +336,7 @@ class Interpreter:
         self._failure_raised = False
         self.board.resume()
 
-    def _restart(self, start: int) -> int:
+    def restart_walkers(self, start: int) -> int:
         """Every walker placed at internal iteration ``start``, failures and latches forgotten;
         the furthest iteration any walker had reached."""
         self._resume_after_failure()

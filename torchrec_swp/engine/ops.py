@@ -64,12 +64,11 @@ class PlanOps:
         self._interpreter = interpreter
         self._board = interpreter.board
         self._batches = batches
+        self._end = batches.end  # the end of data: the one answer to "does batch b exist"
         self._plans = plans
         self._uid = uid  # names the interpreter's hand-offs to the checker
         self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
-        self.source = Source(interpreter, batches, self, checker=checker, exhaustion=exhaustion)
-        self._main: Walker | None = None  # the calling thread's walker
-        self._threaded = False  # other threads than the caller's walk: the book is shared
+        self.source = Source(interpreter, batches, plans, self, checker=checker, exhaustion=exhaustion)
         self._observer: Observer | None = None
         self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
         self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
@@ -84,35 +83,25 @@ class PlanOps:
         """What this ``step()`` call's tasks run under: its grad mode, its model's training mode."""
         self._grad, self._training = grad, training
 
-    def reshape(self, main: Walker, threaded: bool) -> None:
-        """New plans were installed and their walkers made (before the ops are compiled):
-        ``main`` is the calling thread's; ``threaded``: there are others (the book is shared)."""
-        self._main, self._threaded = main, threaded
-        shape = self._plans.shape
-        self.source.reshape(shape.top, shape.lanes, threaded)
-
     # ------------------------------------------------------------ the walk
     def program(self, w: Walker, P: int) -> Walk | None:
         """Walker ``w``'s instructions of internal iteration ``P``: those of the phase's plan, once
         the caller's gate lets it (a worker runs iteration ``P`` only once ``step()`` asked for
         batch ``P - top - ahead``); None past the epoch's end."""
-        book, plans = self._batches.book, self._plans
-        top = plans.shape.top
-        if book.num_batches is not None:
-            if book.stopped:
-                if P > book.num_batches:
-                    raise Stopped
-            elif self.past_end(P):
-                return None
+        book, plans, end = self._batches.book, self._plans, self._end
+        shape = plans.shape
+        top = shape.top
+        if not end.walks_to(P, P - top):
+            return None
         w.current = ("-", P - top)
-        main = w is self._main
+        main = w is shape.main
         if not main and P > book.requested - 1 + top + w.ahead:
             self.wait(
                 P,
-                lambda: P <= book.requested - 1 + top + w.ahead or self.past_end(P),
+                lambda: P <= book.requested - 1 + top + w.ahead or end.past_end(P - top),
                 lambda: f"step() to be called for batch {P - top - w.ahead} (internal iteration {P})",
             )
-            if self.past_end(P):
+            if end.past_end(P - top):
                 return None
         if len(plans.phased.phases) == 1:
             plan = plans.current
@@ -146,7 +135,8 @@ class PlanOps:
     def iteration_done(self, w: Walker, P: int) -> None:
         """``w`` finished its part of internal iteration ``P``: its tickets counted on; the
         observer told (the calling thread's), or the caller's wait for a batch (a worker's)."""
-        main = w is self._main
+        shape = self._plans.shape
+        main = w is shape.main
         if self._checker is not None and not main:
             self._checker.cpu_release(("iter", self._uid, w.name, self._batches.book.first_iteration + P))
         for group, count in w.inst.tickets:
@@ -156,7 +146,7 @@ class PlanOps:
                 self._observer.on_iteration(
                     self._batches.book.first_iteration + P, self._iteration_start, time.perf_counter()
                 )
-        elif self._threaded:  # only the caller's wait for a batch reads how far threads got
+        elif shape.threaded:  # only the caller's wait for a batch reads how far threads got
             self._board.changed(ITERATION)
 
     # ------------------------------------------------------------ compiling
@@ -191,18 +181,15 @@ class PlanOps:
         trains = not main and stage == self._plans.shape.top
         checked = self._checker is not None
         plain = ticket is None and not checked
-        batches, ticketed, stop_check = self._batches, self._interpreter.ticketed, self.stop_check
+        ticketed, stop_check, exists_at = self._interpreter.ticketed, self.stop_check, self._end.exists_at
 
         def run(w: Walker, P: int) -> None:
-            book = batches.book
-            if book.stopped:
-                stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if (
-                not (b in book.held or self.await_exists(b, P))
-                or (guarded and not self._admits(when, needs_next, b, P))
-            ):
+            known = exists_at(b, P)
+            if known is None:
+                known = self.await_exists(b, P)
+            if not known or (guarded and not self._admits(when, needs_next, b, P)):
                 if ticket is not None:
                     self._interpreter.skip_ticket(w, group, ticket)
                 return
@@ -245,11 +232,11 @@ class PlanOps:
     def await_exists(self, b: int, P: int) -> bool:
         """Whether batch ``b`` exists, waiting (at internal iteration ``P``) until the source has
         looked for it. Stopped when it never will while the plan is stopped."""
-        book = self._batches.book
-        known = book.exists(b)
+        end = self._end
+        known = end.exists_at(b, P)
         if known is None:
-            self.wait(P, lambda: book.exists(b) is not None or book.stopped, lambda: f"batch {b} to be drawn")
-            known = book.exists(b)
+            self.wait(P, lambda: end.exists(b) is not None or end.stopped(), lambda: f"batch {b} to be drawn")
+            known = end.exists_at(b, P)
             if known is None:
                 raise Stopped
         return known
@@ -259,36 +246,26 @@ class PlanOps:
             self.await_exists(b + 1, P)
         if when is When.TRAIN:  # the mode of the step() that trains batch b: wait for that call
             self._requested(b, P)
-        return when.admits(b, self._batches.book.num_batches, P, self._plans.shape.top, training=self._training)
+        return when.admits(b, self._end.end_at(), P, self._plans.shape.top, training=self._training)
 
     def _requested(self, b: int, P: int) -> None:
         """The training step of batch ``b`` waits for the ``step()`` call that asks for it."""
         book = self._batches.book
-        if b < book.requested and not book.stopped:  # asked for already: nothing to wait for
+        if b < book.requested and not self._end.beyond_stop(P):  # asked for already: nothing to wait for
             return
         self.wait(P, lambda: b < book.requested, lambda: f"step() to be called for batch {b}")
-
-    def beyond_stop(self, P: int) -> bool:
-        """The plan stopped at the end of data before internal iteration ``P``."""
-        book = self._batches.book
-        return book.stopped and book.num_batches is not None and P > book.num_batches
-
-    def past_end(self, P: int) -> bool:
-        """Internal iteration ``P`` is past the epoch's last (the data ended, no stop)."""
-        book = self._batches.book
-        return book.num_batches is not None and not book.stopped and P >= book.num_batches + self._plans.shape.top
 
     def stop_check(self, P: int) -> None:
         """Park a thread at internal iteration ``P`` if the plan stopped before it: single-thread
         order would not have got there."""
-        if self.beyond_stop(P):
-            raise Stopped
+        self._end.check_stop(P)
 
     def wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str], topic: Hashable = None) -> None:
         """Wait, at internal iteration ``P``, until ``ready()``; park if the plan stops before ``P``
         (``topic``: see ``torchrec_swp.engine.board``)."""
-        self._board.wait(lambda: ready() or self.beyond_stop(P), what, self._interpreter.timeout_s, topic)
-        self.stop_check(P)
+        beyond_stop = self._end.beyond_stop
+        self._board.wait(lambda: ready() or beyond_stop(P), what, self._interpreter.timeout_s, topic)
+        self._end.check_stop(P)
 
     # ------------------------------------------------------ waits, signals
     def _wait_op(self, instr: WaitTask, observer: Observer | None) -> Op:
@@ -300,7 +277,7 @@ class PlanOps:
         lanes = shape.lanes > 1 and producer == shape.source
         what = str(instr)
         latches = self._board.latches
-        batches, checker = self._batches, self._checker
+        batches, checker, end = self._batches, self._checker, self._end
 
         def wait_task(w: Walker, P: int) -> None:
             q, pb = P - lag, P - back
@@ -308,9 +285,9 @@ class PlanOps:
                 return
             if not lanes and w.waited.get(producer, -1) >= q:
                 return  # instances of one thread finish in order: an earlier wait covered it
-            book = batches.book
-            if book.num_batches is not None and pb >= book.num_batches and not book.stopped:
+            if end.past_end(pb):
                 return  # no such batch
+            book = batches.book
             w.current = (what, pb)
             key: Hashable = (producer, pb)
             self.stop_check(P)
@@ -320,13 +297,13 @@ class PlanOps:
             else:
                 self.wait(
                     P,
-                    lambda: key in latches or pb < book.returned or self.beyond_stop(q),
+                    lambda: key in latches or pb < book.returned or end.beyond_stop(q),
                     lambda: f"task {producer} (batch {pb}) to finish",
                     key,
                 )
             if observer is not None:
                 observer.on_wait(producer, w.thread, book.first_iteration + P, start, time.perf_counter())
-            if latches.get(key) is LatchState.STOPPED or (key not in latches and self.beyond_stop(q)):
+            if latches.get(key) is LatchState.STOPPED or (key not in latches and end.beyond_stop(q)):
                 raise Stopped
             if checker is not None and (key in latches or pb < book.returned):
                 # what the producer's thread did is ordered before us: through its latch, or through
@@ -342,17 +319,15 @@ class PlanOps:
         shape = self._plans.shape
         task, stage = instr.task, shape.stage[instr.task]
         lanes = shape.lanes if shape.lanes > 1 and task == shape.source else 0
-        board, batches, checker = self._board, self._batches, self._checker
+        board, batches, checker, check_stop = self._board, self._batches, self._checker, self._end.check_stop
 
         def signal(w: Walker, P: int) -> None:
-            book = batches.book
-            if book.stopped:
-                self.stop_check(P)
+            check_stop(P)
             b = P - stage
             if b < 0 or (lanes and b % lanes != w.lane):
                 return
             if checker is not None:
-                checker.cpu_release(("latch", book.first_iteration, task, b))
+                checker.cpu_release(("latch", batches.book.first_iteration, task, b))
             board.set_latch((task, b))
 
         return signal

@@ -80,6 +80,7 @@ class ProgramEngine(Interpreter):
         self._checked: dict[int, tuple[IterationProgram, dict[str, tuple[Op, ...]]]] = {}
         self._program_now: IterationProgram | None = None
         self._bases: dict[str, int] = {}  # comm group -> first ticket of the next step
+        self._threads: dict[str, Walker] = {}  # thread -> its walker, made when a program first has it
         #: programs run so far (the step number in reports and notes)
         self.steps = 0
 
@@ -135,7 +136,7 @@ class ProgramEngine(Interpreter):
         grad = torch.is_grad_enabled()
         for w in walkers[1:]:
             self._launch(w, lambda w=w: self._background(w, step, grad))
-        self._walk(walkers[0], step, self._program)
+        self._walk(walkers[0], step, self._program, threaded=len(self._threads) > 1)
         try:
             self.board.wait(
                 lambda: self.failures or all(w.state is not WalkState.RUNNING for w in walkers),
@@ -155,15 +156,19 @@ class ProgramEngine(Interpreter):
         if self._observer is not None:
             self._observer.on_iteration(step, start, time.perf_counter())
 
+    @property
+    def _walkers(self) -> Mapping[str, Walker]:
+        return self._threads
+
     def _walker(self, thread: str) -> Walker:
-        w = self._walkers.get(thread)
+        w = self._threads.get(thread)
         if w is None:
-            w = self._walkers[thread] = Walker(thread, thread)
+            w = self._threads[thread] = Walker(thread, thread)
         return w
 
     def _background(self, w: Walker, step: int, grad: bool) -> None:
         with torch.set_grad_enabled(grad):
-            self._walk(w, step, self._program)
+            self._walk(w, step, self._program, threaded=True)
 
     def _program(self, w: Walker, P: int) -> Walk | None:
         program = self._program_now

@@ -33,6 +33,7 @@ from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
+from torchrec_swp.engine.installed import Plans
 from torchrec_swp.engine.walkers import Op, Walker
 from torchrec_swp.plan import PipelinePlan
 
@@ -119,8 +120,11 @@ class Draws:
         if self._dropped is not None:
             self._dropped(b)
 
-    def forget_positions(self, before: int) -> None:
-        """Drop the positions of batches before ``before`` (trained)."""
+    def forget_positions(self, before: int | None = None) -> None:
+        """Drop the positions of batches before ``before`` (trained; None: every batch's)."""
+        if before is None:
+            self.positions.clear()
+            return
         for b in [k for k in self.positions if k < before]:
             del self.positions[b]
 
@@ -172,7 +176,7 @@ class Feed:
     def new_epoch(self) -> None:
         """Batches are numbered from 0 again: the current iterator serves them all."""
         if self.draws is not None:
-            self.draws.positions.clear()
+            self.draws.forget_positions()
             self._from = [(0, self.draws)]
 
     def forget(self) -> None:
@@ -190,6 +194,7 @@ class Source:
         self,
         interpreter: Interpreter,
         batches: Batches,
+        plans: Plans,
         gates: Gates,
         *,
         checker: Any,
@@ -198,50 +203,48 @@ class Source:
         self._interpreter = interpreter
         self._board = interpreter.board
         self._batches = batches
+        self._plans = plans  # their shape: the highest stage, the lanes, whether other threads walk
         self._gates = gates
         self._checker = checker
         self.feed = Feed(
             take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end
         )
-        self._top = 0  # the plans' highest stage and loads (reshape)
-        self._lanes = 1
-        self._threaded = False  # other threads than the caller's walk: the book is shared
-
-    def reshape(self, top: int, lanes: int, threaded: bool) -> None:
-        """New plans were installed (before their ops are made)."""
-        self._top, self._lanes, self._threaded = top, lanes, threaded
 
     def op(self, instr: Run) -> Op:
         """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
         task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
-        batches, board, draws_for, gates = self._batches, self._board, self.feed.draws_for, self._gates
+        batches, board, draws_for, gates, plans = (
+            self._batches,
+            self._board,
+            self.feed.draws_for,
+            self._gates,
+            self._plans,
+        )
+        end = batches.end
+        exists_at, end_at = end.exists_at, end.end_at
         plain = ticket is None and self._checker is None
 
         def draw(w: Walker, P: int) -> None:
-            book = batches.book
-            if book.stopped:
-                gates.stop_check(P)
             b = P - stage
             w.current = (task, b)
-            if b < 0 or (lanes > 1 and b % lanes != w.lane) or b in book.held:
+            if b < 0 or (lanes > 1 and b % lanes != w.lane):
+                end.check_stop(P)
                 return
-            if book.num_batches is not None:
-                if book.stopped:
-                    raise Stopped
-                if b >= book.num_batches:
-                    if ticket is not None:
-                        self._interpreter.skip_ticket(w, group, ticket)
-                    return
+            known = exists_at(b, P)  # Stopped past a stop
+            if known:
+                return
+            if known is False:  # past the end
+                if ticket is not None:
+                    self._interpreter.skip_ticket(w, group, ticket)
+                return
             plan = w.inst.plan
             if not self.credit(b, plan):
                 gates.wait(
                     P,
-                    lambda: self.credit(b, plan) or book.num_batches is not None,
+                    lambda: self.credit(b, plan) or end_at() is not None,
                     lambda: f"credit to draw batch {b} (depth {plan.pipeline_depth}, lookahead {plan.lookahead})",
                 )
-                if book.stopped:
-                    raise Stopped
-                if book.num_batches is not None and b >= book.num_batches:
+                if exists_at(b, P) is not None:  # the end came meanwhile (Stopped past a stop)
                     return
             invoke = w.inst.invokers[task]
             batches.open_slot(b)
@@ -267,7 +270,7 @@ class Source:
             finally:
                 if draws is not None:
                     draws.drawing(None)
-            if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+            if not plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
                 batches.hold(b)
                 return
             with board.lock:
@@ -283,7 +286,7 @@ class Source:
         book = self._batches.book
         return (
             b < book.returned + plan.pipeline_depth + plan.lookahead
-            and b < book.requested + self._top + plan.lookahead
+            and b < book.requested + self._plans.shape.top + plan.lookahead
         )
 
     def _found_end(self, b: int, plan: PipelinePlan) -> None:
@@ -300,20 +303,25 @@ class Source:
     def take_turn(self, b: int) -> None:
         """Batch ``b`` may draw once batch ``b - 1`` drew (several loads take turns); StopIteration
         when an earlier batch found the end."""
-        book = self._batches.book
-        if self._lanes > 1:
+        book, end_at = self._batches.book, self._batches.end.end_at
+
+        def before_end() -> bool:  # an earlier batch found the end
+            m = end_at()
+            return m is not None and m < b
+
+        if self._plans.shape.lanes > 1:
             self._board.wait(
-                lambda: book.next_claim >= b or (book.num_batches is not None and book.num_batches < b),
+                lambda: book.next_claim >= b or before_end(),
                 lambda: f"batch {b - 1} to be drawn first",
                 self._interpreter.timeout_s,
             )
-        if book.next_claim != b and book.num_batches is not None and book.num_batches < b:
+        if book.next_claim != b and before_end():
             raise StopIteration
 
     def turn_taken(self, b: int, ended: bool) -> None:
         if ended:
             return
-        if not self._threaded:  # nobody else reads the book: no lock, nobody to wake
+        if not self._plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
             self._batches.claimed(b)
             return
         with self._board.lock:
@@ -324,4 +332,4 @@ class Source:
         """This rank drew an item for batch ``b``, which another rank's data lacks (the common end
         under ``exhaustion``): not a batch, never trained, counted in ``ledger.past_end``."""
         with self._board.lock:
-            self._batches.count_past_end()
+            self._batches.count_past_end(b)

@@ -1,4 +1,4 @@
-"""Task bindings: from a plan's task to a call ``invoke(b)`` that reads and writes batch slots.
+"""Task bindings: what a plan's task is bound to, and what its call ``invoke(b)`` runs in.
 
 A binding is ``fn(b, **reads)``: called with the index of the batch it works on and the values
 its PipelineTask declares it reads - from that batch's slot, or for ``x@k`` from batch
@@ -6,6 +6,11 @@ its PipelineTask declares it reads - from that batch's slot, or for ``x@k`` from
 returns None (no writes), the value (one write) or a tuple in declared order (several). The
 source's binding also gets ``data=`` (``torchrec_swp.engine.source.Draws``) when ``step()`` was
 given an iterator; it raises StopIteration at the end of data.
+
+The call itself, which reads and writes the slots, is made by their owner
+(``torchrec_swp.engine.batches``: ``Batches.invoker``); here are the pieces it runs with: the
+context a task's calls run in (``task_context``: its stream, its profiler label), the timer that
+tells an observer (``TaskTimer``), the name its frame has in tracebacks (``named``).
 
 ``Observer``: what ``Engine.instrument`` attaches (the profiler is one).
 """
@@ -19,13 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.plan import PipelineTask
-from torchrec_swp.plan.task import parse_read, read_argument
-
 Binding = Callable[..., Any]
 Invoker = Callable[[int], Any]
-Slots = dict[int, dict[str, Any]]
 
 
 class Observer(Protocol):
@@ -47,115 +47,13 @@ class Observer(Protocol):
     def on_iteration(self, iteration: int, start: float, end: float) -> None: ...
 
 
-def make_invoker(
-    io: PipelineTask,
-    fn: Binding,
-    slots: Slots,
-    extra: Callable[[int], dict[str, Any]] | None = None,
-    around: Around | None = None,
-    timed: TaskTimer | None = None,
-) -> Invoker:
-    """``invoke(b)``: call ``fn`` with batch ``b``'s reads and store what it returns as ``b``'s writes.
-    ``extra(b)`` gives keyword arguments of its own (the source's ``data``); ``around(b)`` is a
-    context manager the reads and the call run in (``task_context``); ``timed`` times each
-    instance for an observer (``task_timer``).
-
-    One frame between the engine and ``fn``, named ``<task T>`` in tracebacks."""
-    task, writes = io.name, io.writes
-    arguments = _arguments(io, slots, extra)
-    count, first = len(writes), writes[0] if writes else ""
-
-    def invoke(b: int) -> None:
-        mark = timed.start() if timed is not None else None
-        try:
-            if around is None:
-                values = fn(b) if arguments is None else fn(b, **arguments(b))
-            else:
-                with around(b):
-                    values = fn(b) if arguments is None else fn(b, **arguments(b))
-            if count == 1:
-                slots[b][first] = values
-            elif count:
-                _store(task, writes, slots[b], values)
-        finally:
-            if timed is not None:
-                timed.stop(b, mark)
-
-    return _named(invoke, task)
-
-
-def _arguments(
-    io: PipelineTask, slots: Slots, extra: Callable[[int], dict[str, Any]] | None
-) -> Callable[[int], dict[str, Any]] | None:
-    """``arguments(b)``: the keyword arguments of ``io``'s call for batch ``b`` (None: it takes none)."""
-    task = io.name
-    reads = tuple((read_argument(r), *parse_read(r)) for r in io.reads)  # (keyword, data name, batches back)
-    if not reads:
-        return extra
-    if len(reads) == 1 and reads[0][2] == 0 and extra is None:  # the common case, without a loop
-        ((arg, data, _),) = reads
-
-        def one(b: int) -> dict[str, Any]:
-            try:
-                return {arg: slots[b][data]}
-            except KeyError as e:
-                raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
-
-        return one
-
-    def many(b: int) -> dict[str, Any]:
-        args = {}
-        try:
-            for arg, data, k in reads:
-                args[arg] = slots[b][data] if k == 0 else previous(slots, b - k, data)
-        except KeyError as e:
-            raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
-        if extra is not None:
-            args.update(extra(b))
-        return args
-
-    return many
-
-
-def _store(task: str, writes: tuple[str, ...], slot: dict[str, Any], values: Any) -> None:
-    if not isinstance(values, tuple) or len(values) != len(writes):
-        raise EngineError(f"task {task} must return a tuple of {len(writes)} values for {writes}, got {values!r}")
-    for k, v in zip(writes, values):
-        slot[k] = v
-
-
-def _named(invoke: Invoker, task: str) -> Invoker:
+def named(invoke: Invoker, task: str) -> Invoker:
     """``invoke`` with its frame named ``<task T>``: a traceback through it says which task it is."""
     name = f"<task {task}>"
     code = invoke.__code__
     invoke.__code__ = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
     invoke.__name__ = invoke.__qualname__ = name
     return invoke
-
-
-def make_alias(
-    pairs: tuple[tuple[str, str], ...], slots: Slots, around: Around | None = None, timed: TaskTimer | None = None
-) -> Invoker:
-    """The call-free stand-in of a task that is a no-op on this device: ``write = read``."""
-
-    def alias(b: int) -> None:
-        mark = timed.start() if timed is not None else None
-        try:
-            if around is None:
-                _copy(pairs, slots[b])
-            else:
-                with around(b):
-                    _copy(pairs, slots[b])
-        finally:
-            if timed is not None:
-                timed.stop(b, mark)
-
-    return alias
-
-
-def _copy(pairs: tuple[tuple[str, str], ...], slot: dict[str, Any]) -> None:
-    for write, read in pairs:
-        slot[write] = slot[read]
 
 
 #: ``around(b)``: the context manager a task instance for batch ``b`` runs in.
@@ -211,9 +109,3 @@ class TaskTimer:
         else:
             start, cpu = mark
             self.observer.on_run(self.task, b, self.thread, self.iteration(b), start, end, cpu=time.thread_time() - cpu)
-
-
-def previous(slots: Slots, b: int, data: str) -> Any:
-    """``data`` of batch ``b`` (an earlier one), or None when that batch is not in flight."""
-    slot = slots.get(b)
-    return None if slot is None else slot[data]

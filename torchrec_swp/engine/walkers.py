@@ -58,6 +58,10 @@ class Walker:
         """The instruction it executes or parked at (None between iterations)."""
         return self.prog[self.i] if self.i < len(self.prog) else None
 
+    def hold_back(self) -> None:
+        """It runs no iteration beyond the current call's any more."""
+        self.ahead = 0
+
     def place(self, start: int, bases: dict[str, int]) -> None:
         self.P, self.i, self.start, self.done_through = start, 0, start, start - 1
         self.state, self.parked_by, self.prog, self.current = WalkState.READY, "", (), ("-", 0)

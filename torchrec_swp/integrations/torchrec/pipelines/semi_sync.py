@@ -184,7 +184,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
         engine = self._swp_engine
         looked: dict[tuple[int, str], torch.Tensor] = {}
         for b in engine.in_flight():
-            context = engine.slots.get(b, {}).get("context")
+            context = engine.slot(b).get("context")
             requests = getattr(context, "embedding_a2a_requests", None) or {}
             for name, awaitable in list(requests.items()):
                 if not isinstance(awaitable, Awaitable):
