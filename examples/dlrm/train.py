@@ -1282,7 +1282,12 @@ def main(argv: list[str] | None = None) -> int:
             if (why := not_checkpointable(args)) is not None:
                 print(f"train.py: error: {why}", file=sys.stderr)
                 return 2
-        print(f"ok: {args.impl} {args.pipeline}, {args.steps} steps" + (f", plan {args.plan}" if args.plan else ""))
+        length = (
+            f"an epoch of {args.epoch_batches} batches over all ranks"
+            if args.data_source == "global"
+            else f"{args.steps} steps"
+        )
+        print(f"ok: {args.impl} {args.pipeline}, {length}" + (f", plan {args.plan}" if args.plan else ""))
         return 0
     # a crash in native code (an abort, a segfault) prints every Python thread's stack to stderr
     faulthandler.enable()
