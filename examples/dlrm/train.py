@@ -402,7 +402,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.data_source is None:
         args.data_source = "map" if args.autotune and args.impl == "ours" else "dataloader"
     if args.num_workers and args.data_source in ("map", "global"):
-        parser.error("--num-workers: --data-source map loads on the pipeline's threads (--loads), not in processes")
+        parser.error(
+            f"--num-workers: --data-source {args.data_source} loads on the pipeline's threads (--loads), "
+            "not in processes"
+        )
     missing = [str(f) for f in args.criteo_tsv or [] if not Path(f).is_file()]
     if missing:
         parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
