@@ -6,7 +6,7 @@ to this run's file of this rank (a forward pre-hook, ``record.BatchRecorder``: t
 by its content among the epoch's batches, so a batch drawn ahead and not run is not logged)::
 
     DIR/from-step-000020.w2.rank1.jsonl
-    {"world_size": 2, "rank": 1, "start_step": 20, "epoch_samples": 3072, "batch_size": 32}
+    {"world_size": 2, "rank": 1, "start_step": 20, "epoch_samples": 3072, "batch_size": 32, "tail_batches": 0}
     {"step": 21, "batch": 41, "samples": [1312, 1313, ...]}
 
 ``batch`` is the batch's place in the epoch's global order, ``samples`` its examples' ids (batch
@@ -17,7 +17,9 @@ after a failure) replaces them.
 ``check(DIR)`` (``python -m examples.dlrm.samples DIR``) reads every run's files and keeps what the
 training kept: a run's lines up to the step the next run resumed from (the steps after it were
 trained again from the checkpoint, whose weights never saw them). It counts each sample of the
-epoch: trained once, more than once, never.
+epoch: trained once, more than once, never; of the samples never trained, it names those of the
+last run's tail (``tail_batches`` in its header: the batches of an incomplete last step, in no
+rank's share, ``GlobalMapSource.tail``), which no rank was to train.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class SampleLog(BatchRecorder):
         world_size: int,
         start_step: int,
         batch_size: int,
+        tail_batches: int = 0,
     ) -> None:
         batches = list(batches)
         super().__init__(log_path(directory, start_step, world_size, rank), model, {"train": batches})
@@ -75,6 +78,7 @@ class SampleLog(BatchRecorder):
             "start_step": start_step,
             "epoch_samples": len(batches) * batch_size,
             "batch_size": batch_size,
+            "tail_batches": tail_batches,
         }
         self._file.write(json.dumps(header) + "\n")
 
@@ -99,11 +103,13 @@ class Tally:
     once: int
     more: dict[int, int]  # sample -> times trained, where more than once
     never: tuple[int, ...]
+    tail: tuple[int, ...] = ()  # the samples of the last run's incomplete last step (none trained them)
 
     def line(self) -> str:
+        tail = f", {len(self.tail)} of them in the last run's incomplete last step" if self.tail else ""
         return (
             f"samples: {self.epoch_samples} in the epoch, {self.once} trained once, {len(self.more)} more than once, "
-            f"{len(self.never)} never ({'; '.join(self.runs)})"
+            f"{len(self.never)} never{tail} ({'; '.join(self.runs)})"
         )
 
     @property
@@ -115,6 +121,7 @@ def check(directory: Path) -> Tally:
     """Counts the samples the runs logged in ``directory`` trained (see the module docstring);
     ValueError when there is no log, or the runs disagree on the epoch."""
     runs: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    headers: dict[int, dict[str, Any]] = {}
     epoch: set[int] = set()
     worlds: dict[int, int] = {}
     for path in sorted(directory.glob("*.jsonl")):
@@ -129,6 +136,7 @@ def check(directory: Path) -> Tally:
         if worlds.setdefault(start, world_size) != world_size:
             raise ValueError(f"{directory}: two runs from step {start} with {worlds[start]} and {world_size} ranks")
         runs.setdefault(start, {})[rank] = lines[1:]
+        headers[start] = lines[0]
     if not runs:
         raise ValueError(f"{directory}: no sample log (from-step-N.wW.rankR.jsonl)")
     if len(epoch) != 1:
@@ -149,12 +157,14 @@ def check(directory: Path) -> Tally:
                 if until is None or line["step"] <= until:
                     counts.update(line["samples"])
                     last = max(last, line["step"])
-        described.append(f"steps {start + 1}..{last} on {worlds[start]} ranks")
+        described.append(f"steps {start + 1}..{last} on {worlds[start]} rank{'s' if worlds[start] != 1 else ''}")
     (total,) = epoch
     more = {s: n for s, n in sorted(counts.items()) if n > 1}
     never = tuple(s for s in range(total) if s not in counts)
     once = sum(1 for n in counts.values() if n == 1)
-    return Tally(total, tuple(described), once, more, never)
+    last = headers[starts[-1]]
+    tail_from = total - int(last.get("tail_batches", 0)) * int(last["batch_size"])
+    return Tally(total, tuple(described), once, more, never, tuple(s for s in never if s >= tail_from))
 
 
 def main(argv: list[str] | None = None) -> int:

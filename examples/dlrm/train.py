@@ -896,6 +896,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             world_size=world_size,
             start_step=start_step,
             batch_size=size.batch_size,
+            tail_batches=loader.tail,
         )
     kind = INFO[args.pipeline].kind
     if rank == 0:
@@ -1191,7 +1192,8 @@ def _resize_line(written_on: dict[str, Any], world_size: int, loader: Any) -> st
     """Rank 0's line on a resume on another world size: from what, to what, what data is left."""
     left = f"{len(loader)} batches per rank left of the epoch"
     if getattr(loader, "tail", 0):
-        left += f"; the last {loader.tail} (an incomplete step of {world_size}) are in no rank's share"
+        batches = f"{loader.tail} batch{'es' if loader.tail != 1 else ''}"
+        left += f"; the last {batches}, an incomplete step of {world_size}, in no rank's share"
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     return (
         f"resize: written on {written_on['world_size']} ranks ({written_on['topology'] or 'topology not recorded'}), "
