@@ -5,8 +5,9 @@ of the epoch's 24 batches for all ranks, a global position) and ``--sample-log``
 the samples of every batch its model trained), stateful optimizers (row-wise Adagrad on the
 tables, fused; Adagrad on the MLPs), for SparseDist with 2 parallel loads (threads ``load`` and
 ``load.1``, 2 batches of lookahead, a wait per batch: batches are drawn ahead of the cut) and
-SemiSync in its semi-sync phase with 2 loads (its looked-up embeddings of the batch in flight are
-rank-local: dropped on another world size, the batch looked up again):
+SemiSync in its semi-sync phase with 2 loads and stash_gradients (its looked-up embeddings of the
+batch in flight are rank-local: dropped on another world size, the batch looked up again; its
+stashed gradients were all-reduced: every rank saved the same, checked here, and they carry over):
 
 * 2 -> 1: run B trains 3 steps on 2 ranks and checkpoints; run C1 resumes it on 1 rank;
 * 1 -> 2: run D trains 4 steps on 1 rank and checkpoints; run E resumes it on 2 ranks;
@@ -45,7 +46,10 @@ SMALL = [
 ]  # fmt: skip
 PIPELINES = {
     "SparseDist": ["--pipeline", "TrainPipelineSparseDist"],
-    "SemiSync": ["--pipeline", "TrainPipelineSemiSync", "--option", "start_batch=2"],
+    # stash_gradients: the cut at 3 (or 4) leaves the last trained batch's gradients stashed, for the next step
+    "SemiSync": [
+        "--pipeline", "TrainPipelineSemiSync", "--option", "start_batch=2", "--option", "stash_gradients=True",
+    ],
 }
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,6 +88,17 @@ def _shards(step_dir: str, argv: list[str]) -> dict[str, Any]:
     return found
 
 
+def _objects(step_dir: str, world_size: int) -> list[Any]:
+    """Every rank's own object (the pipeline's state) of the checkpoint in ``step_dir``."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    wanted: dict[str, Any] = {f"rank_{r}": b"" for r in range(world_size)}
+    dcp.load(wanted, storage_reader=dcp.FileSystemReader(step_dir))
+    return [pickle.loads(wanted[f"rank_{r}"]) for r in range(world_size)]
+
+
 def _whole(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Every tensor whole, from every rank's pieces (``_shards``); pieces of replicated tensors
     must agree, and every element must come from some rank."""
@@ -119,6 +134,7 @@ def _phase(rank: int, world_size: int, root: str, phase: str) -> dict[str, Any]:
                 results[f"{name}/A"] = _train(base)
                 run("B", "b", "log-b", "--checkpoint-every", str(K2), "--stop-after", str(K2))
             elif phase == "one":
+                results[f"{name}/objects-b"] = _objects(str(r / name / "b0" / f"step-{K2:06d}"), 2)
                 results[f"{name}/full-b@1"] = _shards(str(r / name / "b0" / f"step-{K2:06d}"), base)
                 run("C1", "b1", "log-b1", "--resume")
                 run("D", "d", "log-d", "--checkpoint-every", str(K1), "--stop-after", str(K1))
@@ -226,6 +242,23 @@ def test_dcp_reshards_tables_and_optimizer_state(
     assert len(tables) == 4 and len(accumulators) == 4, sorted(on_one)
     for key in on_one:
         assert torch.equal(on_one[key], on_two[key]), f"{name} {which}: {key} differs between 1 and 2 ranks"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_what_every_rank_saved_is_the_same_where_a_resize_reads_rank_0s(
+    runs: tuple[Path, dict[str, list[Any]]],
+) -> None:
+    _, merged = runs
+    for name in PIPELINES:
+        rank0, rank1 = (o["pipeline"] for o in _ok(merged, f"{name}/objects-b")[0])
+        assert rank0["loader"] == rank1["loader"] == {"consumed": 2 * K2, "total": EPOCH, "order": rank0["loader"]["order"]}
+        assert rank0["engine"]["batch_number"] == rank1["engine"]["batch_number"]
+        if name == "SemiSync":
+            stashed = [r["pipeline"]["stashed_gradients"] for r in (rank0, rank1)]
+            assert stashed[0].keys() == stashed[1].keys() and stashed[0]
+            assert all(torch.equal(stashed[0][k], stashed[1][k]) for k in stashed[0]), "stashed gradients differ"
+            assert rank0["pipeline"]["looked_up"], "a batch in flight had its embeddings looked up at the cut"
 
 
 @pytest.mark.slow
