@@ -10,10 +10,16 @@ no pickling between processes, and the GIL is released while an item waits on st
 
 ``state_dict()``/``load_state_dict()`` save and restore the position (the next index), so a
 pipeline checkpoint can resume it exactly.
+
+``GlobalMapSource``: the same over one order of the items shared by all ranks, rank ``r`` of ``W``
+taking item ``start + s * W + r`` at its ``s``-th draw. Its position is global (the items all
+ranks consumed), so a checkpoint written on ``W`` ranks resumes on ``W'``: each new rank takes its
+share of what is left.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -59,3 +65,90 @@ class MapSource:
     def load_state_dict(self, state: dict[str, int]) -> None:
         with self._lock:
             self._next = int(state["next"])
+
+
+class GlobalMapSource(MapSource):
+    """A ``MapSource`` whose position is global: one order of the dataset's items for all ranks,
+    rank ``rank`` of ``world_size`` taking item ``order[start + s * world_size + rank]`` at its
+    ``s``-th draw (``start``: the items consumed before, 0 for a new epoch).
+
+    Why global: a per-rank position (MapSource's next index) means nothing on another number of
+    ranks. This one counts the items consumed by all ranks (Megatron's "consumed samples"), from
+    which any ``(rank, world_size)`` splits what is left, so a checkpoint written on ``W`` ranks
+    resumes on ``W'``, and on ``W`` itself it gives every rank the items it would have drawn.
+
+    ``state_dict()`` is ``{"consumed": start + next * world_size, "total": ..., "order": digest}``,
+    where ``next`` is this rank's draws so far. It is the same on every rank when every rank has
+    drawn the same number of items, which is what a pipeline's cut gives in data-parallel training
+    (all ranks train in lock step, and the cut records the position just before the first batch
+    not yet trained: batches in flight, drawn ahead, are not counted, so they are drawn again,
+    by whichever rank their new place gives them). A caller that saves it from one rank should
+    check that the ranks agree (``GlobalMapSource.agree``). ``load_state_dict(state)`` takes
+    another rank's or world size's state (same ``total`` and ``order``, else ValueError) and
+    re-splits the items from ``consumed`` on among this source's ranks.
+
+    Uneven tail: what is left is split into steps of ``world_size`` items; the items of an
+    incomplete last step (``tail``, fewer than ``world_size``) are in no rank's share, so every
+    rank draws the same number of items (a rank with one more would wait forever in a collective).
+    They are not trained in this epoch: give ``total`` a multiple of the world sizes you resume on
+    to train every item.
+    """
+
+    def __init__(
+        self, dataset: MapDataset, *, rank: int, world_size: int, order: Iterable[int] | None = None
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"GlobalMapSource: rank {rank} of world size {world_size} is not a rank")
+        self.order: Sequence[int] = list(range(len(dataset)) if order is None else order)
+        self.rank = rank
+        self.world_size = world_size
+        self.start = 0
+        self._digest = hashlib.sha256(repr(list(self.order)).encode()).hexdigest()[:16]
+        super().__init__(dataset, self._share())
+
+    def _share(self) -> list[int]:
+        """This rank's items of the complete steps left after ``start``."""
+        steps = (len(self.order) - self.start) // self.world_size
+        first = self.start + self.rank
+        return [self.order[first + s * self.world_size] for s in range(steps)]
+
+    @property
+    def tail(self) -> int:
+        """Items after ``start`` in no rank's share: those of an incomplete last step."""
+        return (len(self.order) - self.start) % self.world_size
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        with self._lock:
+            consumed = self.start + self._next * self.world_size
+        return {"consumed": consumed, "total": len(self.order), "order": self._digest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+        if not isinstance(state, dict) or not {"consumed", "total", "order"} <= set(state):
+            raise ValueError(
+                f"GlobalMapSource.load_state_dict(): not a global position (a GlobalMapSource's state_dict()), got "
+                f"{state!r:.80}"
+            )
+        if (state["total"], state["order"]) != (len(self.order), self._digest):
+            raise ValueError(
+                f"GlobalMapSource.load_state_dict(): the position is in an order of {state['total']} items "
+                f"(digest {state['order']}), this source's has {len(self.order)} (digest {self._digest})"
+            )
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= len(self.order):
+            raise ValueError(f"GlobalMapSource.load_state_dict(): {consumed} items consumed of {len(self.order)}")
+        with self._lock:
+            self.start = consumed
+            self.indices = self._share()
+            self._next = 0
+
+    @staticmethod
+    def agree(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The one global position of every rank's ``state_dict()``; ValueError naming the first
+        rank that disagrees with rank 0 (ranks that drew different numbers of items: no cut)."""
+        for rank, state in enumerate(states):
+            if state != states[0]:
+                raise ValueError(
+                    f"GlobalMapSource: the ranks' positions differ (rank 0: {states[0]['consumed']} consumed, "
+                    f"rank {rank}: {state['consumed']}): the ranks did not cut at the same step"
+                )
+        return dict(states[0])

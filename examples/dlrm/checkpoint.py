@@ -26,6 +26,16 @@ listed there with that size and hash (a torn or partial checkpoint is named, wit
 fingerprint (world size, sharding plan, model, optimizer, data, pipeline) equals this run's (the
 first difference is named). A check writes nothing but a probe file, which it removes.
 
+Another world size: a checkpoint records what wrote it (meta.json's ``written_on``: world size,
+nodes x processes, sharding plan, torch and TorchRec versions). Resumed on another number of
+ranks, ``check`` compares everything but the world size and the plan, and refuses in one line what
+cannot move (``why_not_resizable``, the caller's: e.g. a data position kept per rank); ``load``
+then reads the model and optimizers through DCP, which reshards TorchRec's sharded tables and
+their fused optimizer state from the saved plan's shards to the new plan's (each rank reads the
+pieces of the saved shards its new shards overlap) and gives every rank the replicated MLPs and
+their optimizer state; every rank reads rank 0's own object (``from_rank=0``). On the same world
+size nothing changes: each rank reads its own shards and its own object.
+
 Every rank must see ``DIR`` (one machine, or a file system shared by the nodes), as DCP's
 FileSystemWriter requires. Load only checkpoints you trust: the per-rank objects are pickles.
 """
@@ -219,14 +229,29 @@ def compare_fingerprint(step_dir: Path, saved: dict[str, Any], now: dict[str, An
         )
 
 
-def check(directory: Path, fingerprint: dict[str, Any], *, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+#: The fingerprint's entries that describe the world that wrote a checkpoint, not the run: they may
+#: differ on a resume on another world size.
+WORLD_ENTRIES = ("world_size", "plan")
+#: ``check``'s answer on another world size when its caller does not say that the run can resume there.
+NOT_SAID_RESIZABLE = "the caller did not say that this run's state can move to another world size"
+
+
+def check(
+    directory: Path,
+    fingerprint: dict[str, Any],
+    *,
+    resume: bool,
+    why_not_resizable: str | None = NOT_SAID_RESIZABLE,
+) -> tuple[Path, dict[str, Any]] | None:
     """Everything that can be checked before training: see the module docstring.
 
     Returns ``(step directory, meta)`` of the checkpoint to resume from, or None when training
     starts at step 0 (``directory`` has no checkpoint yet). Raises CheckpointError, having written
     nothing but a removed probe file, when ``directory`` is not writable, when it holds checkpoints
     but ``resume`` is False (they would be replaced), or when the latest checkpoint is incomplete,
-    damaged or from another run configuration.
+    damaged or from another run configuration. A checkpoint from another world size is refused
+    with ``why_not_resizable`` (None: this run's configuration can resume there; the default
+    refuses), or when the new world's sharding plan does not hold the saved plan's tables.
     """
     check_writable(directory)
     step_dir = latest(directory)
@@ -238,8 +263,41 @@ def check(directory: Path, fingerprint: dict[str, Any], *, resume: bool) -> tupl
             "from it, or use another --checkpoint-dir"
         )
     meta = verify(step_dir)
-    compare_fingerprint(step_dir, meta.get("fingerprint", {}), fingerprint)
+    saved = meta.get("fingerprint", {})
+    if "world_size" in fingerprint and saved.get("world_size") != fingerprint["world_size"]:
+        _check_resize(step_dir, meta, fingerprint, why_not_resizable)
+        saved = {k: v for k, v in saved.items() if k not in WORLD_ENTRIES}
+        fingerprint = {k: v for k, v in fingerprint.items() if k not in WORLD_ENTRIES}
+    compare_fingerprint(step_dir, saved, fingerprint)
     return step_dir, meta
+
+
+def written_on(meta: dict[str, Any]) -> dict[str, Any]:
+    """What wrote the checkpoint of ``meta``: ``world_size``, ``topology``, ``plan``, ``torch``,
+    ``torchrec`` (a checkpoint from before they were recorded: its fingerprint's world size)."""
+    found = dict(meta.get("written_on") or {})
+    found.setdefault("world_size", meta.get("fingerprint", {}).get("world_size"))
+    found.setdefault("topology", None)
+    return found
+
+
+def _check_resize(step_dir: Path, meta: dict[str, Any], now: dict[str, Any], why_not: str | None) -> None:
+    """CheckpointError, in one line naming why, when the checkpoint of ``meta`` cannot resume on the
+    world of fingerprint ``now``."""
+    was = written_on(meta)
+    topology = f" ({was['topology']})" if was["topology"] else ""
+    head = f"checkpoint {step_dir} was written on {_ranks(was['world_size'])}{topology}, "
+    head += f"this run has {now['world_size']}"
+    if why_not is not None:
+        again = f"resume on {_ranks(was['world_size'])}, or use another --checkpoint-dir"
+        raise CheckpointError(f"{head}: {why_not} ({again})")
+    saved_tables, new_tables = set(meta.get("fingerprint", {}).get("plan", {})), set(now.get("plan", {}))
+    if saved_tables != new_tables:
+        missing = sorted(saved_tables - new_tables) or sorted(new_tables - saved_tables)
+        raise CheckpointError(
+            f"{head}: the sharding plan for {now['world_size']} ranks does not hold table {missing[0]} of the saved "
+            "plan (another model?)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,12 +305,18 @@ def check(directory: Path, fingerprint: dict[str, Any], *, resume: bool) -> tupl
 # --------------------------------------------------------------------------------------------
 
 
-def check_on_ranks(directory: Path, fingerprint: dict[str, Any], *, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+def check_on_ranks(
+    directory: Path,
+    fingerprint: dict[str, Any],
+    *,
+    resume: bool,
+    why_not_resizable: str | None = NOT_SAID_RESIZABLE,
+) -> tuple[Path, dict[str, Any]] | None:
     """``check`` on rank 0; every rank returns its result or raises the same CheckpointError."""
     answer: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            answer[0] = ("ok", check(directory, fingerprint, resume=resume))
+            answer[0] = ("ok", check(directory, fingerprint, resume=resume, why_not_resizable=why_not_resizable))
         except CheckpointError as e:
             answer[0] = ("error", str(e))
     dist.broadcast_object_list(answer, src=0)
@@ -263,12 +327,19 @@ def check_on_ranks(directory: Path, fingerprint: dict[str, Any], *, resume: bool
 
 
 def save(
-    directory: Path, step: int, state: TrainState, per_rank: Any, fingerprint: dict[str, Any], *, keep: int = 2
+    directory: Path,
+    step: int,
+    state: TrainState,
+    per_rank: Any,
+    fingerprint: dict[str, Any],
+    *,
+    keep: int = 2,
+    written_on: dict[str, Any] | None = None,
 ) -> Path:
     """Writes checkpoint ``step`` atomically (see the module docstring); returns its directory.
 
     ``per_rank`` is this rank's own object (picklable). ``keep`` complete checkpoints are kept
-    (0: all). Collective.
+    (0: all). ``written_on`` (JSON) goes to meta.json: what wrote it. Collective.
     """
     rank = dist.get_rank()
     name = step_name(step)
@@ -298,13 +369,21 @@ def save(
     # dcp.save returned on rank 0 after every rank's files were written: rank 0 completes the save.
     if rank == 0:
         try:
-            _complete(directory, tmp, final, step, fingerprint, keep)
+            _complete(directory, tmp, final, step, fingerprint, keep, written_on)
         except OSError as e:
             raise CheckpointError(f"completing checkpoint {final} failed: {e}") from None
     return final
 
 
-def _complete(directory: Path, tmp: Path, final: Path, step: int, fingerprint: dict[str, Any], keep: int) -> None:
+def _complete(
+    directory: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    fingerprint: dict[str, Any],
+    keep: int,
+    written_on: dict[str, Any] | None,
+) -> None:
     """Rank 0's part of ``save``: meta.json, MANIFEST, the rename, ``latest``, the old ones removed."""
     name = final.name
     meta = {
@@ -313,6 +392,8 @@ def _complete(directory: Path, tmp: Path, final: Path, step: int, fingerprint: d
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch": torch.__version__,
     }
+    if written_on is not None:
+        meta["written_on"] = _plain(written_on)
     _write_synced(tmp / META, json.dumps(meta, indent=2) + "\n")
     _write_manifest(tmp, step)
     _fsync_dir(tmp)
@@ -336,10 +417,12 @@ def _complete(directory: Path, tmp: Path, final: Path, step: int, fingerprint: d
                 shutil.rmtree(old)
 
 
-def load(step_dir: Path, state: TrainState) -> Any:
-    """Loads checkpoint ``step_dir`` into ``state`` (in place); returns this rank's own object.
-    Collective. Check the directory first (``check_on_ranks``)."""
-    rank = dist.get_rank()
+def load(step_dir: Path, state: TrainState, *, from_rank: int | None = None) -> Any:
+    """Loads checkpoint ``step_dir`` into ``state`` (in place, resharded by DCP when it was written
+    on another world size); returns this rank's own object, or rank ``from_rank``'s (a world size
+    change: this rank may have had no number then). Collective. Check the directory first
+    (``check_on_ranks``)."""
+    rank = dist.get_rank() if from_rank is None else from_rank
     full = state.state_dict()
     to_load = {**_without_empty(full), _rank_key(rank): b""}
     try:
@@ -401,6 +484,10 @@ def _first_difference(saved: Any, now: Any, path: str) -> tuple[str, str, str] |
     if saved != now:
         return path, json.dumps(saved), json.dumps(now)
     return None
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def _step_of(step_dir: Path) -> int:

@@ -110,7 +110,7 @@ from harness.dlrm import (
     unknown_options,
     upstream_unavailable,
 )
-from torchrec_swp.data import MapSource
+from torchrec_swp.data import GlobalMapSource, MapSource
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
 from torchrec_swp.plans import default_plans
@@ -121,7 +121,7 @@ DEFAULT_PIPELINE = "TrainPipelineSparseDist"
 HYBRID_PIPELINE = "TrainEvalHybridPipelineBase"
 #: Held-out batches per rank of each evaluation when --eval-every is given without --eval-batches.
 EVAL_BATCHES = 10
-DATA_SOURCES = ("dataloader", "map")
+DATA_SOURCES = ("dataloader", "map", "global")
 Plan = PipelinePlan | PhasedPlan
 #: Batches per rank, the same for ``make run``, this script and the torchx component.
 STEPS = 100
@@ -193,7 +193,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run an upstream pipeline that fails on CPU as shipped under the test-only patch",
     )
     model = parser.add_argument_group("model and data")
-    model.add_argument("--steps", type=int, default=STEPS, help="batches per rank (default: %(default)s)")
+    model.add_argument(
+        "--steps",
+        type=int,
+        help=f"batches per rank (default: {STEPS}; with --data-source global, what the epoch leaves for each rank)",
+    )
     model.add_argument(
         "--batch-size", type=int, default=d.batch_size, help="examples per batch and rank (default: %(default)s)"
     )
@@ -226,8 +230,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=DATA_SOURCES,
         default=None,
         help="dataloader: torchdata's StatefulDataLoader (--num-workers processes); map: torchrec_swp.data.MapSource "
-        "over a map-style dataset, the same batches loaded on the pipeline's threads (--loads) "
+        "over a map-style dataset, the same batches loaded on the pipeline's threads (--loads); global: "
+        "torchrec_swp.data.GlobalMapSource over --epoch-batches batches in one order for all ranks, rank r of W "
+        "taking batch s*W+r at step s, a position a checkpoint can resume on another number of ranks "
         "(default: map with --autotune, else dataloader)",
+    )
+    model.add_argument(
+        "--epoch-batches",
+        type=int,
+        metavar="N",
+        help="with --data-source global: the epoch's batches over all ranks (each rank trains N // W of them; "
+        "the last N %% W are in no rank's share)",
     )
     model.add_argument(
         "--loader-latency-ms",
@@ -360,12 +373,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="end this run after step N (after its checkpoint), like a time limit",
     )
     long.add_argument(
+        "--sample-log",
+        type=Path,
+        metavar="DIR",
+        help="with --data-source global: each rank logs the sample ids of every batch it trains into DIR "
+        "(python -m examples.dlrm.samples DIR checks that the epoch trained each sample once; see samples.py)",
+    )
+    long.add_argument(
         "--kill-rank-at",
         metavar="RANK:STEP",
         help="fault drill: rank RANK kills itself (SIGKILL) after step STEP, on the launcher's first attempt only",
     )
     args = parser.parse_args(argv)
     _pick_pipeline(parser, args)
+    _check_global(parser, args)
     for name in ("steps", "batch_size", "num_sparse", "num_embeddings", "embedding_dim", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -380,8 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-workers: Criteo TSV files are read without workers (each would read every file)")
     if args.data_source is None:
         args.data_source = "map" if args.autotune and args.impl == "ours" else "dataloader"
-    if args.num_workers and args.data_source == "map":
-        parser.error("--num-workers: --data-source map loads on the pipeline's threads (--loads), not in processes")
+    if args.num_workers and args.data_source in ("map", "global"):
+        parser.error(
+            f"--num-workers: --data-source {args.data_source} loads on the pipeline's threads (--loads), "
+            "not in processes"
+        )
     missing = [str(f) for f in args.criteo_tsv or [] if not Path(f).is_file()]
     if missing:
         parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
@@ -435,6 +459,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except PlanError as e:
         parser.error(f"--thread-map: {e}")
     return args
+
+
+def _check_global(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--data-source global`` takes its length from ``--epoch-batches`` (``--steps`` follows from
+    it: what the epoch leaves for each rank, on any number of ranks); ``--sample-log`` needs it."""
+    if args.data_source != "global":
+        given = [f for f, v in (("--epoch-batches", args.epoch_batches), ("--sample-log", args.sample_log)) if v]
+        if given:
+            parser.error(f"{', '.join(given)}: with --data-source global only")
+        if args.steps is None:
+            args.steps = STEPS
+        return
+    if args.epoch_batches is None or args.epoch_batches < 1:
+        parser.error("--data-source global: give the epoch's length over all ranks, --epoch-batches N (N >= 1)")
+    if args.steps is not None:
+        parser.error("--steps: with --data-source global each rank trains what --epoch-batches leaves for it")
+    if args.impl == "upstream":
+        parser.error("--data-source global: for our pipelines only (--impl ours)")
+    if args.eval_every:
+        parser.error("--eval-every: not with --data-source global (yet): the evaluations follow --steps")
+    args.steps = args.epoch_batches  # at most: one rank; train() sets what this world's share leaves
 
 
 def _check_thread_map(args: argparse.Namespace) -> None:
@@ -661,6 +706,9 @@ def _split(args: argparse.Namespace, rank: int, world_size: int, split: str) -> 
     size: DlrmSize = args.size
     files, count = (args.criteo_tsv, args.steps) if split == "train" else (args.eval_tsv, args.eval_batches)
     shape = {"batch_size": size.batch_size, "num_embeddings": size.num_embeddings, "num_sparse": size.num_sparse}
+    if split == "train" and args.data_source == "global":
+        # one sequence for all ranks, which GlobalMapSource splits: rank 0's of a world of one
+        rank, world_size, count = 0, 1, args.epoch_batches
     if files:
         return CriteoTsv(files, **shape, rank=rank, world_size=world_size, max_batches=count)
     return SyntheticCriteo(**shape, num_batches=count, rank=rank, seed=1000 + args.seed, split=split)
@@ -705,13 +753,16 @@ def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> Synthet
 
 def data_source_for(
     args: argparse.Namespace, rank: int, world_size: int, device: torch.device
-) -> StatefulDataLoader | MapSource:
+) -> StatefulDataLoader | MapSource | GlobalMapSource:
     """What ``--data-source`` names, over this rank's batches: a StatefulDataLoader (``iter()`` gives
     the iterator for ``progress()``) or a MapSource (its own iterator). Both have
     ``load_state_dict()`` for the position a checkpoint recorded."""
-    if args.data_source == "map":
+    if args.data_source in ("map", "global"):
         latency_s = args.loader_latency_ms / 1000
-        return MapSource(MapBatches(batches_for(args, rank, world_size), latency_s, pin_memory=device.type == "cuda"))
+        dataset = MapBatches(batches_for(args, rank, world_size), latency_s, pin_memory=device.type == "cuda")
+        if args.data_source == "global":
+            return GlobalMapSource(dataset, rank=rank, world_size=world_size)
+        return MapSource(dataset)
     return make_loader(dataset_for(args, rank, world_size), num_workers=args.num_workers, device=device)
 
 
@@ -741,6 +792,8 @@ def fingerprint(args: argparse.Namespace, world_size: int | None) -> dict[str, A
         "num_workers": args.num_workers,
         "loader": args.data_source,  # the position's format: a StatefulDataLoader's state, or MapSource's index
     }
+    if args.data_source == "global":
+        found["data"]["epoch_batches"] = args.epoch_batches
     found["pipeline"] = f"{args.impl} {args.pipeline}"
     return found
 
@@ -775,7 +828,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     fp = fingerprint(args, world_size) if args.checkpoint_dir else {}
     resume_from = None
     if args.checkpoint_dir:
-        resume_from = checkpoint.check_on_ranks(args.checkpoint_dir, fp, resume=args.resume)
+        resume_from = checkpoint.check_on_ranks(
+            args.checkpoint_dir, fp, resume=args.resume, why_not_resizable=not_resizable(args)
+        )
         if (why := not_checkpointable(args)) is not None:
             raise CheckpointError(why)
     runner = make_runner(
@@ -806,15 +861,43 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             splits["val"] = held_out_for(args, rank, world_size)
         batch_log = BatchRecorder(rank_path(args.record_batches, rank), runner.model, splits)
     start_step = 0
+    written_on: dict[str, Any] | None = None
     if resume_from is not None:
         step_dir, meta = resume_from
-        saved = checkpoint.load(step_dir, state)
+        written_on = checkpoint.written_on(meta)
+        resized = written_on["world_size"] != world_size
+        # on another world size every rank reads rank 0's object: its data position is global (the
+        # same on every rank, checked when saved) and its batch number is every rank's
+        saved = checkpoint.load(step_dir, state, from_rank=0 if resized else None)
         pipeline_state = saved["pipeline"]
         loader.load_state_dict(pipeline_state["loader"])
-        runner.pipeline.load_state_dict(pipeline_state)
+        if resized:
+            runner.pipeline.load_state_dict(pipeline_state, resized=True)
+        else:
+            runner.pipeline.load_state_dict(pipeline_state)  # the exact path: this rank's own cut
         if evaluator is not None and "eval" in saved:
             evaluator.load_state_dict(saved["eval"])
         start_step = int(meta["step"])
+    if args.data_source == "global":
+        args.steps = start_step + len(loader)  # what the epoch leaves for this world's ranks
+    sample_log = None
+    if args.sample_log:
+        from examples.dlrm.samples import SampleLog, clear_run
+
+        if rank == 0:
+            args.sample_log.mkdir(parents=True, exist_ok=True)
+            clear_run(args.sample_log, start_step)
+        dist.barrier()
+        sample_log = SampleLog(
+            args.sample_log,
+            runner.model,
+            batches_for(args, rank, world_size),
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
+            batch_size=size.batch_size,
+            tail_batches=loader.tail,
+        )
     kind = INFO[args.pipeline].kind
     if rank == 0:
         if args.pipeline_picked:
@@ -828,6 +911,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             every = f"every {args.checkpoint_every} steps and " if args.checkpoint_every else ""
             where = f"resuming from {resume_from[0]} (step {start_step})" if resume_from else "starting at step 0"
             print(f"checkpoints: {every}at the end into {args.checkpoint_dir}; {where}", flush=True)
+            if written_on is not None and written_on["world_size"] != world_size:  # after a check that allowed it
+                print(_resize_line(written_on, world_size, loader), flush=True)
         if evaluator is not None:
             print(_eval_note(args, world_size), flush=True)
         if args.impl == "ours":
@@ -891,6 +976,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 runner.pipeline.engine.instrument(recorder)  # only the steps drawn pay for it
             if batch_log is not None:
                 batch_log.at("train", trained + 1)
+            if sample_log is not None:
+                sample_log.at("train", trained + 1)
             data = it if evaluator is None else evaluator.training_data(it, trained)
             t0 = time.perf_counter()
             try:
@@ -918,8 +1005,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 per_rank = {"pipeline": cut if cut is not None else runner.pipeline.state_dict()}
                 if evaluator is not None:
                     per_rank["eval"] = evaluator.state_dict()
+                if args.data_source == "global":
+                    _check_global_position(per_rank["pipeline"]["loader"], world_size)
                 step_dir = checkpoint.save(
-                    args.checkpoint_dir, trained, state, per_rank, fp, keep=args.keep_checkpoints
+                    args.checkpoint_dir,
+                    trained,
+                    state,
+                    per_rank,
+                    fp,
+                    keep=args.keep_checkpoints,
+                    written_on=_written_on(fp, world_size),
                 )
                 saved.append(trained)
                 if rank == 0:
@@ -937,6 +1032,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             evaluator.close()
         if batch_log is not None:
             batch_log.close()
+        if sample_log is not None:
+            sample_log.close()
         runner.close()
         shutdown_workers(it)
     wall = time.perf_counter() - start
@@ -1059,7 +1156,61 @@ def _data_note(args: argparse.Namespace) -> str:
     """What the header line says about the data source: nothing for the default one."""
     if args.data_source == "dataloader":
         return ""
-    return f", data: MapSource ({args.loads} load{'s' if args.loads != 1 else ''} at once)"
+    source = f"GlobalMapSource over {args.epoch_batches} batches" if args.data_source == "global" else "MapSource"
+    return f", data: {source} ({args.loads} load{'s' if args.loads != 1 else ''} at once)"
+
+
+def not_resizable(args: argparse.Namespace) -> str | None:
+    """Why a checkpoint of this run's configuration cannot resume on another world size, or None.
+
+    What DCP reshards (the tables, their fused optimizer's state, the replicated MLPs and their
+    optimizer's state) moves to any number of ranks; what is ours must be global: the data
+    position (``--data-source global``). The pipeline's own state of its batches in flight is
+    the pipeline's to move or refuse (``load_state_dict(resized=True)``)."""
+    if args.data_source != "global":
+        return (
+            f"--data-source {args.data_source} keeps a data position per rank, which another number of ranks "
+            "cannot split; --data-source global keeps one that it can"
+        )
+    return None
+
+
+def _written_on(fp: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """What a checkpoint records about the world that wrote it (meta.json's ``written_on``)."""
+    import torchrec
+
+    return {
+        "world_size": world_size,
+        "topology": _topology(world_size),
+        "plan": fp["plan"],
+        "torch": torch.__version__,
+        "torchrec": getattr(torchrec, "__version__", "unknown"),
+    }
+
+
+def _resize_line(written_on: dict[str, Any], world_size: int, loader: Any) -> str:
+    """Rank 0's line on a resume on another world size: from what, to what, what data is left."""
+    left = f"{len(loader)} batches per rank left of the epoch"
+    if getattr(loader, "tail", 0):
+        batches = f"{loader.tail} batch{'es' if loader.tail != 1 else ''}"
+        left += f"; the last {batches}, an incomplete step of {world_size}, in no rank's share"
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    return (
+        f"resize: written on {written_on['world_size']} ranks ({written_on['topology'] or 'topology not recorded'}), "
+        f"resumed on {ranks} "
+        f"({_topology(world_size)}): tables and optimizer state resharded by DCP, the data position global ({left})"
+    )
+
+
+def _check_global_position(position: dict[str, Any], world_size: int) -> None:
+    """Every rank cut at the same global position (collective); CheckpointError naming the ranks that
+    did not, whose checkpoint could not resume on another world size."""
+    positions: list[Any] = [None] * world_size
+    dist.all_gather_object(positions, position)
+    try:
+        GlobalMapSource.agree(positions)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _checkpoint_due(args: argparse.Namespace, trained: int) -> bool:
@@ -1084,8 +1235,9 @@ def _all_ranks_sha256(local: str) -> str:
 def print_summary(s: dict[str, Any]) -> None:
     end = s["start_step"] + s["steps"]
     resumed = f" (steps {s['start_step'] + 1}..{end})" if s["start_step"] else ""
+    ranks = f"{s['ranks']} rank{'s' if s['ranks'] != 1 else ''}"
     print(
-        f"done: {s['steps']} steps{resumed} of {s['impl']} {s['pipeline']} in {s['wall_s']:.1f}s on {s['ranks']} ranks"
+        f"done: {s['steps']} steps{resumed} of {s['impl']} {s['pipeline']} in {s['wall_s']:.1f}s on {ranks}"
         + (f"; stopped at step {end} of {s['total_steps']}" if end < s["total_steps"] and s["steps"] else "")
     )
     if s["steps"]:
@@ -1123,14 +1275,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if args.checkpoint_dir:
             try:
-                checkpoint.check(args.checkpoint_dir, fingerprint(args, args.world_size), resume=args.resume)
+                checkpoint.check(
+                    args.checkpoint_dir,
+                    fingerprint(args, args.world_size),
+                    resume=args.resume,
+                    why_not_resizable=not_resizable(args),
+                )
             except CheckpointError as e:
                 print(f"train.py: error: --checkpoint-dir: {e}", file=sys.stderr)
                 return 2
             if (why := not_checkpointable(args)) is not None:
                 print(f"train.py: error: {why}", file=sys.stderr)
                 return 2
-        print(f"ok: {args.impl} {args.pipeline}, {args.steps} steps" + (f", plan {args.plan}" if args.plan else ""))
+        length = (
+            f"an epoch of {args.epoch_batches} batches over all ranks"
+            if args.data_source == "global"
+            else f"{args.steps} steps"
+        )
+        print(f"ok: {args.impl} {args.pipeline}, {length}" + (f", plan {args.plan}" if args.plan else ""))
         return 0
     # a crash in native code (an abort, a segfault) prints every Python thread's stack to stderr
     faulthandler.enable()

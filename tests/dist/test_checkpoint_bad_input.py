@@ -194,7 +194,7 @@ BAD_INPUT = {
     "world size": (
         ["--world-size", "4"],
         None,
-        "from another world_size: world_size is 2 in the checkpoint, 4 in this run",
+        "was written on 2 ranks, this run has 4: --data-source dataloader keeps a data position per rank",
     ),
     "plan": (
         ["--world-size", "2", "--sharding", "row_wise"],
@@ -259,7 +259,7 @@ def test_checkpoints_are_not_replaced_without_resume(written: tuple[Path, Any]) 
 def test_the_ranks_own_check_gives_every_rank_the_same_error(written: tuple[Path, Any]) -> None:
     _, results = written
     messages = {result["check_on_ranks"] for result in results}
-    assert len(messages) == 1 and "world_size is 2 in the checkpoint, 3 in this run" in messages.pop()
+    assert len(messages) == 1 and "was written on 2 ranks, this run has 3: the caller did not say" in messages.pop()
 
 
 def _launch(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -295,5 +295,5 @@ def test_make_run_compares_the_world_size_of_its_nodes_and_processes(written: tu
         ["--nnodes", "2", "--nproc-per-node", "2", "--resume", "--checkpoint-dir", str(directory), *SMALL]
     )
     assert done.returncode == 2 and "$ torchx" not in done.stdout
-    assert "world_size is 2 in the checkpoint, 4 in this run" in done.stderr.strip().splitlines()[-1]
+    assert "was written on 2 ranks, this run has 4: --data-source dataloader" in done.stderr.strip().splitlines()[-1]
     assert _snapshot(directory) == before

@@ -245,6 +245,27 @@ BAD_ARGUMENTS = {
         ["--impl", "upstream", "--loads", "2", "--input-dist-group"],
         "--loads, --input-dist-group: for our pipelines only (--impl ours)",
     ),
+    "global without an epoch": (
+        ["--data-source", "global"],
+        "--data-source global: give the epoch's length over all ranks, --epoch-batches N (N >= 1)",
+    ),
+    "steps with global": (
+        ["--data-source", "global", "--epoch-batches", "8", "--steps", "4"],
+        "--steps: with --data-source global each rank trains what --epoch-batches leaves for it",
+    ),
+    "an epoch without global": (["--epoch-batches", "8"], "--epoch-batches: with --data-source global only"),
+    "a sample log without global": (
+        ["--data-source", "map", "--sample-log", "out/s"],
+        "--sample-log: with --data-source global only",
+    ),
+    "evaluations with global": (
+        ["--data-source", "global", "--epoch-batches", "8", "--eval-every", "2"],
+        "--eval-every: not with --data-source global (yet): the evaluations follow --steps",
+    ),
+    "workers with global": (
+        ["--data-source", "global", "--epoch-batches", "8", "--num-workers", "2"],
+        "--num-workers: --data-source global loads on the pipeline's threads (--loads), not in processes",
+    ),
     "a thread map naming no task of the plan with loads": (
         ["--data-source", "map", "--loads", "2", "--thread-map", "Fetch2=io"],
         "thread_map names unknown task 'Fetch2'",
@@ -289,6 +310,7 @@ def test_bad_data_source_arguments_are_refused_with_one_line(case: str) -> None:
         ["--data-source", "map", "--loads", "2", "--pipeline", "TrainPipelinePEC"],
         ["--data-source", "map", "--criteo-tsv", __file__],  # a file that exists; not read by --check
         ["--lookahead", "2", "--thread-map", "H2D=io"],
+        ["--data-source", "global", "--epoch-batches", "8", "--loads", "2", "--pipeline", "TrainPipelineSemiSync"],
         ["--input-dist-group", "--pipeline", "TrainPipelineFusedSparseDist", "--thread-map", "by_stream"],
     ],
 )

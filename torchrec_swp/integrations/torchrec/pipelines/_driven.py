@@ -250,20 +250,30 @@ class PlanDriven(EngineDriven):
             "autotune": None if self._swp_tuner is None else self._swp_tuner.state_dict(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, resized: bool = False) -> None:
         """Go on from ``state_dict()``'s cut; before the first ``progress()``. The loader is
-        restored by the caller (``state["loader"]``)."""
+        restored by the caller (``state["loader"]``).
+
+        ``resized=True``: the state was cut on another number of ranks (one rank's state, the
+        same batch number on every rank of a data-parallel job). The engine's part (batch number,
+        clocks, ledger) carries over; the data position must be global (e.g.
+        ``torchrec_swp.data.GlobalMapSource``), so the batches in flight at the cut go back to
+        the data and are drawn again by the new ranks. What the class keeps of its own batches in
+        flight was made on the old rank for a batch that rank no longer gets: each class says
+        what it does with it (``_swp_resized``), and refuses in one line what cannot move."""
         if not isinstance(state, Mapping) or not {"engine", "pipeline", "pipeline_class"} <= set(state):
             raise PlanError(f"{type(self).__name__}.load_state_dict(): not a pipeline state (a dict from state_dict())")
         if state["pipeline_class"] != type(self).__name__:
             raise PlanError(
                 f"{type(self).__name__}.load_state_dict(): the state was saved by {state['pipeline_class']}"
             )
+        extras = self._swp_resized(state["pipeline"]) if resized else state["pipeline"]
         self._swp_engine.load_state_dict(dict(state["engine"]))
         if hasattr(self, "_next_index"):  # TorchRec's context index counts the same source calls
             self._next_index = int(state["engine"]["batch_number"])
-        self._swp_load_state_dict(state["pipeline"])
-        if self._swp_tuner is not None and state.get("autotune"):
+        self._swp_load_state_dict(extras)
+        # a plan tuned for the old world's ranks is tuned again on the new one
+        if self._swp_tuner is not None and state.get("autotune") and not resized:
             self._swp_tuner.load_state_dict(state["autotune"])
 
     def _swp_state_dict(self) -> dict[str, Any]:
@@ -272,6 +282,17 @@ class PlanDriven(EngineDriven):
 
     def _swp_load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``_swp_state_dict()``'s values."""
+
+    def _swp_resized(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``_swp_state_dict()``'s values as a rank of another world size may load them
+        (``load_state_dict(resized=True)``); PlanError where they cannot move. Here: nothing to
+        move (the classes that keep nothing); a class that keeps something overrides this."""
+        if state:
+            raise PlanError(
+                f"{type(self).__name__}.load_state_dict(resized=True): its state keeps {', '.join(map(str, state))}, "
+                "which it cannot carry to another world size"
+            )
+        return state
 
     @property
     def batch_ledger(self) -> BatchLedger:

@@ -148,10 +148,16 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
         }
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, resized: bool = False) -> None:
         """Go on from ``state_dict()``'s cut: the pipeline's state, then the counter and the
         accumulated gradients (``.grad`` of every parameter; None for those saved without).
-        Before the first ``progress()``; model and optimizer restored from the same step."""
+        Before the first ``progress()``; model and optimizer restored from the same step.
+
+        ``resized=True`` (a state cut on another number of ranks, ``PlanDriven.load_state_dict``):
+        refused, in one line, at a cut inside a window, whose gradients each old rank accumulated
+        from its own batches without the all-reduce (they belong to no new rank); after a window's
+        last batch (or a warm-up one) the gradients were all-reduced, the same on every old rank,
+        and carry over."""
         if not isinstance(self._pipeline, PlanDriven):
             raise PlanError(
                 f"GradientAccumulationWrapper.load_state_dict(): {type(self._pipeline).__name__} has no "
@@ -164,7 +170,7 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
                     "GradientAccumulationWrapper.load_state_dict(): the state accumulated gradients, "
                     "this wrapper's config does not"
                 )
-            self._pipeline.load_state_dict(state)
+            self._pipeline.load_state_dict(state, resized=resized)
             return
         if saved is None:
             raise PlanError(
@@ -179,6 +185,12 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
                 f"this wrapper has {ours[0]}, {ours[1]}"
             )
         step = int(saved["step"])
+        if resized and step > 0 and not syncs(step - 1, *ours):
+            raise PlanError(
+                f"GradientAccumulationWrapper.load_state_dict(resized=True): the cut at step {step} is inside an "
+                f"accumulation window, whose gradients each old rank accumulated alone: they cannot move to another "
+                f"world size; resize from a checkpoint where step % {ours[0]} == 0"
+            )
         self._check_resumable(step, "load_state_dict()")
         params = dict(self._model.named_parameters())
         gradients: dict[str, torch.Tensor] = saved["gradients"]
@@ -188,7 +200,7 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
                     f"GradientAccumulationWrapper.load_state_dict(): the gradient of {name!r} ({tuple(grad.shape)}) "
                     "fits no parameter of the model (another model?)"
                 )
-        self._pipeline.load_state_dict(state)
+        self._pipeline.load_state_dict(state, resized=resized)
         if self._swp_in_plan:
             if self.current_step != step:
                 raise PlanError(

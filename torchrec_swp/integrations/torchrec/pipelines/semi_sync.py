@@ -205,6 +205,15 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
             state["stashed_gradients"] = {name: g.detach().cpu().clone() for name, g in self._gradients.items()}
         return state
 
+    def _swp_resized(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """On another world size the looked-up embeddings are dropped: they are the old rank's
+        lookups of its batches in flight, which go back to the data and reach other ranks; the
+        new ranks look their batches up again, from the checkpointed tables (a step fresher than
+        the uninterrupted run's, for that one batch: its samples are still trained once). The
+        stashed gradients are kept: DDP all-reduced them, so every old rank's are the same, the
+        gradient of the last trained step, which the next step applies on any number of ranks."""
+        return {k: v for k, v in state.items() if k != "looked_up"}
+
     def _swp_load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._swp_replays = dict(state.get("looked_up", {}))
         stashed = state.get("stashed_gradients")
