@@ -15,7 +15,8 @@
    * plan mutants: TorchRec's own ``wait_stream``/``wait_event`` in the tasks (and those of our
      copy of one of its helpers, ``UPSTREAM_COPIES``) are ignored, so that the plan's compiled
      syncs (and our tasks' hand-offs) alone order the streams (shown clean first), then each
-     compiled stream wait and event record is removed, one at a time;
+     compiled stream wait and event record is removed, one at a time, from the program text
+     (``Engine.program_texts``, ``Engine.edit_program``);
    * task mutants: each call site of ``wait_stream``, ``wait_event`` and ``record_stream`` in
      the tasks' code (TorchRec's helpers and ours) is ignored, one at a time, plan intact.
    A mutant is caught when the checker then reports something. Prints ``caught N/M mutants``
@@ -220,15 +221,16 @@ def _run(
     name: str,
     tmap: str | None,
     skip: Callable[[str, str], bool] | None,
-    drop: tuple[int, str, int] | None = None,
-) -> list[tuple[int, str, int, str]]:
-    """One checked run of STEPS//2 batches; the compiled device syncs of its engine."""
-    syncs: list[tuple[int, str, int, str]] = []
+    edit: tuple[int, str] | None = None,
+) -> list[str]:
+    """One checked run of MUTANT_STEPS batches, its engine's programs edited to ``edit`` (plan
+    index, program text) if given; the programs' text of each installed plan as compiled."""
+    texts: list[str] = []
 
     def mutate(engine: Any) -> None:
-        syncs.extend(engine.device_syncs())
-        if drop is not None:
-            engine.drop_instruction(*drop)
+        texts.extend(engine.program_texts())
+        if edit is not None:
+            engine.edit_program(*edit)
 
     checker.clear()
     checker.skip_sync = skip
@@ -236,7 +238,21 @@ def _run(
         train(name, tmap, mutate=mutate, steps=MUTANT_STEPS)
     finally:
         checker.skip_sync = None
-    return syncs
+    return texts
+
+
+def sync_mutants(texts: list[str]) -> list[tuple[int, str, str, str]]:
+    """Each compiled stream wait and event record removed, one at a time, by editing the program
+    text: ``(plan index, thread, the removed line, the mutant text)``."""
+    out = []
+    for k, text in enumerate(texts):
+        lines, thread = text.splitlines(), ""
+        for n, line in enumerate(lines):
+            if line.startswith("thread "):
+                thread = line.removeprefix("thread ").rstrip(":")
+            elif line.strip().startswith(("stream ", "record ")):
+                out.append((k, thread, line.strip(), "\n".join(lines[:n] + lines[n + 1 :])))
+    return out
 
 
 def mutants(checker: Any) -> tuple[int, int]:
@@ -263,7 +279,7 @@ def mutants(checker: Any) -> tuple[int, int]:
                 sites.setdefault((kind, site), set()).add("-" if task is None else task.task)
             return False
 
-        syncs = _run(checker, name, tmap, note)
+        texts = _run(checker, name, tmap, note)
 
         def plan_only(kind: str, site: str) -> bool:  # TorchRec's own waits ignored; ours kept
             return kind in TASK_WAITS and (not site.startswith(PACKAGE_DIR) or site.startswith(UPSTREAM_COPIES))
@@ -273,8 +289,8 @@ def mutants(checker: Any) -> tuple[int, int]:
             print(f"{label}: NOT clean with the tasks' own waits ignored, so plan mutants are not meaningful:")
             print("    " + str(checker.findings[0]).replace("\n", "\n    "))
         else:
-            for k, thread, index, text in syncs:
-                _run(checker, name, tmap, plan_only, drop=(k, thread, index))
+            for k, thread, text, mutant in sync_mutants(texts):
+                _run(checker, name, tmap, plan_only, edit=(k, mutant))
                 total += 1
                 if checker.findings:
                     caught += 1

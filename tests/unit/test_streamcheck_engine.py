@@ -15,7 +15,7 @@ import torch
 
 from torchrec_swp.compile import IterationProgram, RunAction, Signal, WaitTask
 from torchrec_swp.engine import Engine, ProgramEngine
-from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule
 from torchrec_swp.streamcheck import CheckedStreamPool, EarlyFree, StreamChecker, UnsyncedAccess
 
 S = TaskSchedule
@@ -83,9 +83,11 @@ def run(plan: PipelinePlan, checker: StreamChecker, mutate: Any = None, record: 
 
 def without_waits(engine: Engine) -> None:
     """The compiled programs with every stream wait removed (what a forgotten wait_stream is)."""
-    waits = [(k, thread, i) for k, thread, i, text in engine.device_syncs() if text.startswith("stream ")]
-    for k, thread, i in reversed(waits):  # from the end: earlier positions stay valid
-        assert engine.drop_instruction(k, thread, i).startswith("stream ")
+    for k, text in enumerate(engine.program_texts()):
+        lines = text.splitlines()
+        kept = [line for line in lines if not line.strip().startswith("stream ")]
+        assert len(kept) < len(lines), text
+        engine.edit_program(k, "\n".join(kept))
 
 
 @pytest.mark.parametrize("thread_map", ["main", "by_stream"])
@@ -152,3 +154,19 @@ def test_a_program_engines_wait_signal_pairs_order_its_threads() -> None:
     text = str(races[0])
     for needed in ("0F0", "0SF0", "[4]"):  # the actions are the checker's task labels
         assert needed in text, text
+
+
+def test_an_edited_program_runs_as_written_and_bad_text_is_refused_at_its_line() -> None:
+    engine = Engine(copy_plan(), Model(True).bindings(), streams=CheckedStreamPool(StreamChecker()), timeout_s=10)
+    try:
+        (text,) = engine.program_texts()
+        lines = text.splitlines()
+        record = next(n for n, line in enumerate(lines) if line.strip().startswith("record "))
+        edited = "\n".join(lines[:record] + lines[record + 1 :])
+        engine.edit_program(0, edited)
+        assert engine.program_texts() == [edited]
+        with pytest.raises(PlanError, match=rf"line {record + 1}: unknown task 'Fwdd'"):
+            engine.edit_program(0, "\n".join([*lines[:record], "  run Fwdd", *lines[record + 1 :]]))
+        assert engine.program_texts() == [edited]  # a refused edit changes nothing
+    finally:
+        engine.close()

@@ -157,17 +157,17 @@ class Engine(Interpreter):
         for inst in self.plans.installed.values():
             self._bind(inst)
 
-    def device_syncs(self) -> list[tuple[int, str, int, str]]:
-        """Every stream wait and event record of the installed programs, as ``(plan index,
-        thread, position, text)``: what ``drop_instruction`` can remove (tools/stream_check.py)."""
-        return self.plans.device_syncs()
+    def program_texts(self) -> list[str]:
+        """The steady programs of each installed plan (one per phase) as text
+        (``compile.format_program``): what ``edit_program`` takes back."""
+        return [self.plans.program_text(k) for k in range(len(self.plans.installed))]
 
-    def drop_instruction(self, plan_index: int, thread: str, position: int) -> str:
-        """Remove one instruction from an installed program, for mutation testing only (a
-        mutant engine: call it before the first step). Returns the instruction's text."""
-        inst, text = self.plans.drop_instruction(plan_index, thread, position)
-        self._ops.compile(inst, self._observer)
-        return text
+    def edit_program(self, plan_index: int, text: str) -> None:
+        """Run ``text``'s programs for the ``plan_index``-th installed plan, for mutation testing
+        only (a mutant engine: call it before the first step; tools/stream_check.py removes one
+        stream wait or event record line at a time). PlanError naming the line when ``text``
+        does not parse against that plan."""
+        self._ops.compile(self.plans.edit_program(plan_index, text), self._observer)
 
     @property
     def compiled(self) -> CompiledPlan:

@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from torchrec_swp.compile import Alias, CompiledPlan, Instr, RecordEvent, Run, Signal, WaitStream
+from torchrec_swp.compile import (
+    Alias,
+    CompiledPlan,
+    Instr,
+    IterationProgram,
+    RecordEvent,
+    Run,
+    Signal,
+    format_program,
+    parse_program,
+)
 from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
@@ -165,12 +175,23 @@ class InstalledPlan:
             thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()
         }
 
-    def drop(self, thread: str, position: int) -> Instr:
-        """Remove ``thread``'s instruction at ``position`` (mutation testing): the instruction; its
-        ops are to be made again (``make_walks``)."""
-        prog = self.programs[thread]
-        self.programs[thread] = prog[:position] + prog[position + 1 :]
-        return prog[position]
+    def text(self) -> str:
+        """Its programs as text (``compile.format_program``: the steady iteration's, one block per
+        thread): what ``edit`` takes back."""
+        return format_program(self._program())
+
+    def edit(self, text: str) -> None:
+        """Run the programs of ``text`` instead (mutation testing: the text of ``text()`` with a
+        line removed or changed); a PlanError naming the line when it does not parse against this
+        plan. Its ops are to be made again (``make_walks``)."""
+        program = parse_program(text, self.plan)
+        if program.active_stages != self._program().active_stages:
+            raise PlanError(f"program text: its stages {program.active_stages} are not the plan's steady ones")
+        self.programs = {t: i for t, i in program.threads if i}
+        self.tickets = program.tickets
+
+    def _program(self) -> IterationProgram:
+        return IterationProgram(self.compiled.steady.active_stages, tuple(self.programs.items()), self.tickets)
 
     def instructions(self) -> list[Instr]:
         return [i for instrs in self.programs.values() for i in instrs]
@@ -333,19 +354,19 @@ class Plans:
         self.phased, self.current = new, new.plans[index]
         self._install(after=self.shape)
 
-    def device_syncs(self) -> list[tuple[int, str, int, str]]:
-        """Every stream wait and event record of the installed programs, as ``(plan index,
-        thread, position, text)``."""
-        found = []
-        for k, inst in enumerate(self.installed.values()):
-            for thread, prog in inst.programs.items():
-                found += [
-                    (k, thread, i, str(x)) for i, x in enumerate(prog) if isinstance(x, (WaitStream, RecordEvent))
-                ]
-        return found
+    def program_text(self, plan_index: int) -> str:
+        """The programs of the ``plan_index``-th installed plan (one per phase), as text."""
+        return self._nth(plan_index).text()
 
-    def drop_instruction(self, plan_index: int, thread: str, position: int) -> tuple[InstalledPlan, str]:
-        """Remove one instruction from an installed program (mutation testing); the plan it was
-        in (its ops are to be made again) and the instruction's text."""
-        inst = list(self.installed.values())[plan_index]
-        return inst, str(inst.drop(thread, position))
+    def edit_program(self, plan_index: int, text: str) -> InstalledPlan:
+        """Run ``text``'s programs for the ``plan_index``-th installed plan (mutation testing):
+        the plan, whose ops are to be made again."""
+        inst = self._nth(plan_index)
+        inst.edit(text)
+        return inst
+
+    def _nth(self, plan_index: int) -> InstalledPlan:
+        installed = list(self.installed.values())
+        if not 0 <= plan_index < len(installed):
+            raise IndexError(f"plan index {plan_index}: {len(installed)} plans are installed")
+        return installed[plan_index]
