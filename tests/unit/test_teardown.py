@@ -107,3 +107,40 @@ def test_teardown_destroys_the_groups_it_made_and_leaves_the_default_group(tmp_p
         assert known(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+_MID_EPOCH = """
+import atexit, sys, threading, time
+atexit.register(lambda: print(f"last hook: {time.monotonic() - T0:.2f}s, alive: "
+                              f"{[t.name for t in threading.enumerate() if t.name.startswith('swp')]}"))
+from tests.unit.engine_fixtures import Toy, toy_plan
+from torchrec_swp.engine import Engine
+from torchrec_swp.plans import with_lookahead
+plan = with_lookahead(toy_plan().with_thread_map({"H2D": "io", "Dist": "dist"}), 2)
+engine = Engine(plan, Toy(8).bindings(), timeout_s=60)
+engine.step()
+engine.step()  # a script that stops before its data ends: the workers wait for the next call
+T0 = time.monotonic()
+"""
+
+
+def test_an_engine_left_mid_epoch_is_stopped_at_exit_at_once_before_finalization(tmp_path: Any) -> None:
+    """At exit, the engine's hook interrupts its workers' waits and joins them: the last exit hook
+    (registered first, so run last) finds none alive, and exit does not wait for join timeouts
+    (before, each worker's 5 s join timed out and the threads lived on into finalization)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "mid_epoch.py"
+    script.write_text(_MID_EPOCH)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("last hook: "))
+    seconds, alive = line.removeprefix("last hook: ").split("s, alive: ")
+    assert alive == "[]"
+    assert float(seconds) < 4.0  # one worker's join timeout is 5 s
