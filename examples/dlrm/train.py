@@ -1348,10 +1348,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without the interpreter's finalization: 1 run in 20 with parallel loads ended, after its
-    # summary and with every file written, in "terminate called without an active exception"
-    # (SIGABRT) while native threads were torn down at exit. Nothing is left to do here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # a normal return, through the interpreter's finalization: the pipeline was closed (its threads
+    # joined, the groups it made destroyed), and a pipeline never closed is torn down by its exit
+    # hook before finalization begins (torchrec_swp/integrations/torchrec/teardown.py)
+    sys.exit(main())

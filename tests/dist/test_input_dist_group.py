@@ -113,10 +113,13 @@ def _train(factory: Factory, rank: int, world_size: int, seed: int, steps: int =
         groups["input_dist"] = getattr(pipeline, "_swp_input_dist_group", None)
         try:
             result = train_pipeline_run(pipeline, make_batches(rank, world_size, steps, seed), steps + 5)
+            holders = _holders(pipeline) if groups["input_dist"] is not None else None
         finally:
             if hasattr(pipeline, "close"):
                 pipeline.close()
-    holders = _holders(pipeline) if groups["input_dist"] is not None else None
+    if holders is not None:  # close() moved every input dist back to the model's group (teardown)
+        after = _holders(pipeline)
+        assert after["a2a"] == after["fused"] == 0 and not after["others"], after
     return result, Counter(log), holders
 
 

@@ -7,7 +7,9 @@ again does nothing) and ``with pipeline:`` closes it without swallowing exceptio
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from typing import Any
 
 import pytest
@@ -70,6 +72,18 @@ def test_close_ends_the_pipeline_and_with_closes_it(name: str) -> None:
         with build(name) as failing:
             raise ZeroDivisionError
     assert failing.closed
+
+
+@pytest.mark.parametrize("name", pipelines.__all__)
+def test_a_pipeline_dropped_unclosed_is_collected_and_torn_down(name: str) -> None:
+    """Nothing global holds a pipeline: dropped without close(), the garbage collector takes it and
+    its teardown runs (its engine's threads, the groups it made), not left to the exit hook."""
+    pipeline = build(name, thread_map="io", lookahead=2)
+    ref, teardown = weakref.ref(pipeline), pipeline._swp_teardown()
+    assert not teardown.done
+    del pipeline
+    gc.collect()
+    assert ref() is None and teardown.done
 
 
 def test_the_upstream_argument_check_leaves_known_arguments_alone() -> None:

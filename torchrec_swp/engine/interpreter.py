@@ -82,13 +82,20 @@ class Interpreter:
         self._failure_raised = False  # the first failure went to the caller; its next call resumes
         self._workers: dict[str, Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
-        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
+        # run by close(), when the engine is collected, or at exit (atexit, before the interpreter's
+        # finalization) for an engine never closed: its threads never outlive the interpreter
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers, self.board)
         self._observer: Observer | None = None
 
     def close(self) -> None:
         """Stop the worker threads (idempotent)."""
-        self.board.interrupt_all("the engine was closed")
         self._finalizer()
+
+    @property
+    def stop_threads(self) -> Callable[[], Any]:
+        """``close()`` as a callable that does not hold the engine (its finalizer): what a pipeline's
+        teardown keeps, so that it does not keep the engine alive."""
+        return self._finalizer
 
     # ------------------------------------------------------------- the walk
     @property

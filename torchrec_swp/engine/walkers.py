@@ -110,6 +110,9 @@ class Worker:
         streams.thread_init()
         while (job := inbox.get()) is not None:
             job()
+            # a job holds its engine: kept in this frame while the thread waits for the next one,
+            # it would keep the engine (and the pipeline that holds it) from ever being collected
+            del job
 
     def stop(self, timeout_s: float) -> None:
         self.inbox.put(None)
@@ -117,7 +120,12 @@ class Worker:
             self.thread.join(timeout_s)
 
 
-def stop_workers(workers: dict[str, Worker]) -> None:
+def stop_workers(workers: dict[str, Worker], board: Any = None) -> None:
+    """Stop and join ``workers`` (5 s each at most): an engine's ``close()``, also when the engine is
+    collected or at exit (its ``weakref.finalize``, which must not hold the engine: ``board`` is
+    the engine's ``Board``, interrupted first so that a worker waiting on it stops where it is)."""
+    if board is not None:
+        board.interrupt_all("the engine was closed")
     for w in workers.values():
         w.stop(5.0)
     workers.clear()

@@ -5,10 +5,11 @@ an ``Engine`` running a plan) and the Maglev ones (``maglev.pipelines``, a ``Pro
 running the rank's program). Both take their engine from here (``_swp_drive``) and share:
 
 * the pipeline's life (``PipelineLife``, also GradientAccumulationWrapper's): ``close()`` stops
-  the engine's threads and ends the pipeline (a later ``progress()`` raises ``PipelineClosed``
-  naming the class; closing again does nothing), and ``with pipeline:`` closes it at the end of
-  the block (exceptions pass through). Upstream's pipelines have neither, so nothing of theirs
-  is replaced;
+  the engine's threads, destroys the process groups the pipeline made (``teardown``: also when
+  it is collected, and at exit for a pipeline never closed) and ends the pipeline (a later
+  ``progress()`` raises ``PipelineClosed`` naming the class; closing again does nothing), and
+  ``with pipeline:`` closes it at the end of the block (exceptions pass through). Upstream's
+  pipelines have neither, so nothing of theirs is replaced;
 * the check of ``progress()``'s argument (``_swp_check_progress``): upstream's ``progress(None)``
   fails in ``next(None)`` with a TypeError; ours says so first, naming the class and the
   argument, instead of a StopIteration that a user's ``except StopIteration: break`` loop would
@@ -30,6 +31,7 @@ from typing import Any
 from typing_extensions import Self
 
 from torchrec_swp.engine import Engine, ProgramEngine
+from torchrec_swp.integrations.torchrec.teardown import Teardown
 
 
 class PipelineClosed(RuntimeError):
@@ -108,6 +110,15 @@ class EngineDriven(PipelineLife):
     def _swp_drive(self, engine: Engine | ProgramEngine) -> None:
         """Drive ``engine`` from now on (set once every check of the constructor passed)."""
         self._swp_engine = engine
+        self._swp_teardown().threads(engine.stop_threads)
+
+    def _swp_teardown(self) -> Teardown:
+        """What this pipeline shuts down at ``close()``, when collected, or at exit: its engines'
+        threads, then the process groups it made (``teardown.Teardown``); made on first use."""
+        teardown = self.__dict__.get("_swp_teardown_now")
+        if teardown is None:
+            teardown = self._swp_teardown_now = Teardown(self)
+        return teardown
 
     @property
     def engine(self) -> Any:
@@ -119,11 +130,14 @@ class EngineDriven(PipelineLife):
         """Run on ``engine`` from the next ``progress()`` (between steps; the old engine is the
         caller's to close)."""
         self._swp_engine = engine
+        self._swp_teardown().threads(engine.stop_threads)
 
     def close(self) -> None:
-        """End the pipeline and stop its engine's worker threads (they also stop when the pipeline
-        is collected); a later ``progress()`` raises PipelineClosed. Closing again does nothing."""
+        """End the pipeline: stop its engine's worker threads, then destroy the process groups it
+        made (``teardown``; also done when the pipeline is collected, and at exit for a pipeline
+        never closed); a later ``progress()`` raises PipelineClosed. Closing again does nothing."""
         self._swp_engine.close()
+        self._swp_teardown()()
         super().close()
 
     def _swp_check_progress(self, dataloader_iter: Any, *, read: bool = True) -> None:

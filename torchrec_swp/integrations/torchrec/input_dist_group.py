@@ -62,7 +62,7 @@ from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.train_pipeline.runtime_forwards import KJTAllToAllForward
 
-__all__ = ["input_dist_all_to_alls", "new_input_dist_group", "rebind_input_dists"]
+__all__ = ["input_dist_all_to_alls", "new_input_dist_group", "rebind_input_dists", "restore_input_dists"]
 
 
 def _require_world(where: str) -> None:
@@ -117,14 +117,19 @@ def input_dist_all_to_alls(modules: Iterable[nn.Module]) -> list[tuple[str, KJTA
     return found
 
 
-def rebind_input_dists(modules: Iterable[nn.Module], group: dist.ProcessGroup) -> int:
+def rebind_input_dists(
+    modules: Iterable[nn.Module],
+    group: dist.ProcessGroup,
+    moved: list[tuple[KJTAllToAll, dist.ProcessGroup]] | None = None,
+) -> int:
     """Make every input dist of ``modules`` issue its collectives on ``group``; returns how many
     ``KJTAllToAll`` now use it. Idempotent.
 
     ``group`` must span the same ranks, in the same order, as the group each input dist uses now
     (else ValueError naming the input dist and both rank lists: e.g. 2D sharding, whose input
     dists use a sharding subgroup, needs a twin of that subgroup). Input dists of a module that
-    is not in ``modules`` keep their group. Collectives already issued keep theirs.
+    is not in ``modules`` keep their group. Collectives already issued keep theirs. ``moved``
+    gets each ``KJTAllToAll`` moved and the group it had (``restore_input_dists`` moves them back).
     """
     group_ranks = dist.get_process_group_ranks(group)
     rebound = 0
@@ -136,9 +141,22 @@ def rebind_input_dists(modules: Iterable[nn.Module], group: dist.ProcessGroup) -
                     f"{where}: its input dist runs on ranks {ranks}, the input dist group spans ranks "
                     f"{group_ranks}; give it a group over the same ranks"
                 )
+            if moved is not None:
+                moved.append((a2a, a2a._pg))
             a2a._pg = group
         fused = vars(a2a).get("forward")  # upstream's fused-splits wrapper, once installed
         if isinstance(fused, KJTAllToAllForward):
             fused._pg = group
         rebound += 1
     return rebound
+
+
+def restore_input_dists(moved: list[tuple[KJTAllToAll, dist.ProcessGroup]]) -> None:
+    """Move every input dist ``rebind_input_dists`` recorded in ``moved`` back to the group it had
+    (a pipeline's teardown, before it destroys the group it made); empties ``moved``."""
+    while moved:
+        a2a, group = moved.pop()
+        a2a._pg = group
+        fused = vars(a2a).get("forward")
+        if isinstance(fused, KJTAllToAllForward):
+            fused._pg = group

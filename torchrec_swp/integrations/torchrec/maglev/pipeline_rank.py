@@ -26,6 +26,7 @@ from torch import nn
 from torchrec_swp.compile import IterationProgram
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S, ProgramEngine, stream_pool_for
 from torchrec_swp.integrations.torchrec.maglev.runtime import Chunk, P2PWire, RankRuntime
+from torchrec_swp.integrations.torchrec.teardown import Teardown
 from torchrec_swp.plan import MAIN_THREAD
 from torchrec_swp.pp import Program, validate
 from torchrec_swp.pp.actions import P2P, Action, Kind
@@ -103,6 +104,10 @@ class PipelineRank:
             )
         everyone = list(range(program.num_ranks))
         act_pg, grad_pg = dist.new_group(everyone), dist.new_group(everyone)  # collective: every rank, this order
+        # the engine's threads, then these groups, at close(), collection or exit (teardown.Teardown)
+        self._teardown = Teardown(self)
+        self._teardown.group(act_pg)  # type: ignore[arg-type]
+        self._teardown.group(grad_pg)  # type: ignore[arg-type]
         params = [p for c in self.chunks for p in c.parameters]
         self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01)))(params)
         wire = P2PWire(
@@ -130,6 +135,7 @@ class PipelineRank:
             timeout_s=engine_timeout_s,
             name=f"{program.name}-rank{self.rank}",
         )
+        self._teardown.threads(self.engine.stop_threads)
         self.uses_sparse_split = any(a.kind is Kind.SPARSE for a in program.ranks[self.rank])
 
     def parameters(self) -> list[nn.Parameter]:
@@ -168,4 +174,6 @@ class PipelineRank:
         return dict(self.runtime.losses)
 
     def close(self) -> None:
+        """Stop the engine's threads, then destroy the two process groups this rank made (idempotent)."""
         self.engine.close()
+        self._teardown()

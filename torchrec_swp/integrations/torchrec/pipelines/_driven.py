@@ -111,6 +111,8 @@ class PlanDriven(EngineDriven):
             "training": self._swp_training_mode(),
             "exhaustion": options.exhaustion_sync(owner),
         }
+        if (sync := self._swp_engine_options["exhaustion"]) is not None:
+            self._swp_teardown().group(sync.group)
         self._swp_drive(self._swp_new_engine(chosen))
         self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +17,11 @@ from torchrec_swp.autotune import Hooks
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.integrations.torchrec import compat
-from torchrec_swp.integrations.torchrec.input_dist_group import new_input_dist_group, rebind_input_dists
+from torchrec_swp.integrations.torchrec.input_dist_group import (
+    new_input_dist_group,
+    rebind_input_dists,
+    restore_input_dists,
+)
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
@@ -66,8 +71,10 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         options = EngineOptions.take(kwargs, type(self).__name__)
         self._swp_input_dist_group: dist.ProcessGroup | None = None
         self._swp_rebound_modules: list[Any] | None = None  # the _pipelined_modules last rebound
+        # the input dists this pipeline moved to its own group, and the groups they had
+        self._swp_moved_input_dists: list[tuple[Any, dist.ProcessGroup]] = []
         if input_dist_group is True:
-            self._swp_input_dist_group = new_input_dist_group(where=f"{type(self).__name__}(input_dist_group=True)")
+            self._swp_input_dist_group = self._swp_made_input_dist_group("input_dist_group=True")
         elif isinstance(input_dist_group, dist.ProcessGroup):
             self._swp_input_dist_group = input_dist_group
         elif input_dist_group is not False:
@@ -114,7 +121,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         # hands their group to _override_input_dist_forwards): move them to their own group now.
         group = self._swp_input_dist_group
         if group is not None and batch is not None and self._swp_rebound_modules is not self._pipelined_modules:
-            rebind_input_dists(self._pipelined_modules, group)
+            rebind_input_dists(self._pipelined_modules, group, self._swp_moved_input_dists)
             self._swp_rebound_modules = self._pipelined_modules
 
     def _swp_autotune_hooks(self) -> Hooks:
@@ -128,10 +135,17 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         """The input dist's own process group, made now (a collective: every rank at the same
         batch boundary), its input dists moved to it (or after the first input dist, when TorchRec
         makes them)."""
-        self._swp_input_dist_group = new_input_dist_group(where=f"{type(self).__name__}(autotune)")
+        self._swp_input_dist_group = self._swp_made_input_dist_group("autotune")
         if self._pipelined_modules:
-            rebind_input_dists(self._pipelined_modules, self._swp_input_dist_group)
+            rebind_input_dists(self._pipelined_modules, self._swp_input_dist_group, self._swp_moved_input_dists)
             self._swp_rebound_modules = self._pipelined_modules
+
+    def _swp_made_input_dist_group(self, why: str) -> dist.ProcessGroup:
+        """A new input dist group (``why``: the option that asked for it), destroyed by the
+        pipeline's teardown after its input dists went back to the group they had."""
+        group = new_input_dist_group(where=f"{type(self).__name__}({why})")
+        self._swp_teardown().group(group, partial(restore_input_dists, self._swp_moved_input_dists))
+        return group
 
     def _swp_before_step(self) -> None:
         self._state = PipelineState.IDLE
