@@ -30,6 +30,7 @@ costs a call per instruction and nothing per iteration.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import sys
 import threading
@@ -63,7 +64,7 @@ DEFAULT_TIMEOUT_S = 600.0
 _INTERPRETER_IDS = itertools.count(1)
 
 
-class Interpreter:
+class Interpreter(abc.ABC):
     """Walkers, workers, the board, turnstiles, failures and reports; subclasses say what the
     programs are (the ``program`` they walk with) and what their work instructions do (``_run``
     behind the default op, or ops of their own)."""
@@ -99,10 +100,10 @@ class Interpreter:
 
     # ------------------------------------------------------------- the walk
     @property
+    @abc.abstractmethod
     def _walkers(self) -> Mapping[str, Walker]:
         """Every thread's walker, the subclass's record of its threads (the calling thread's is
-        ``MAIN_THREAD``'s)."""
-        raise NotImplementedError
+        ``MAIN_THREAD``'s): ``Engine``'s are ``plans.shape``'s, ``ProgramEngine``'s its own."""
 
     def _walk(
         self,
