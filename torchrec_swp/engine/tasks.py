@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-import torch
+from torchrec_swp.engine.labels import record_function
 
 Binding = Callable[..., Any]
 Invoker = Callable[[int], Any]
@@ -67,7 +67,6 @@ def task_context(
     ``record_function("## task b ##")`` with ``labels`` (for profiler traces); None for nothing."""
     if not labels:
         return None if stream is None else lambda b: stream()
-    record_function = torch.profiler.record_function
     if stream is None:
         return lambda b: record_function(f"## {task} {b} ##")
 

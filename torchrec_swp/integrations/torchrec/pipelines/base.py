@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks

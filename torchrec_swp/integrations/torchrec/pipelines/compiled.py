@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch._dynamo.trace_rules
 import torch._inductor.config
-from torch.autograd.profiler import record_function
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.comm_ops import torchrec_use_sync_collectives
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
@@ -24,6 +23,7 @@ from torchrec.distributed.train_pipeline.utils import _to_device
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist

@@ -29,7 +29,6 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.model_parallel import ShardedModule
 from torchrec.distributed.train_pipeline import runtime_forwards
 from torchrec.distributed.train_pipeline import utils as upstream_utils
@@ -37,6 +36,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPi
 from torchrec.distributed.train_pipeline.types import CallArgs
 
 from torchrec_swp.engine import device_has_streams
+from torchrec_swp.engine.labels import record_function
 
 __all__ = ["InSyncEmbeddingForward", "prefetch_embeddings", "stream_of_a_streamed_device", "streamless_on_cpu"]
 

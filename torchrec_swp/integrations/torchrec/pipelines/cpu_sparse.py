@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import experimental_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _start_data_dist, use_context_for_postprocs
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import STREAM_DEVICE_TYPES
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 

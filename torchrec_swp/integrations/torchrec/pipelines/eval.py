@@ -6,12 +6,12 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
 
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 

@@ -7,13 +7,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.types import Awaitable
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddingForward
 from torchrec_swp.integrations.torchrec.pipelines.lookup_sync import start_embedding_lookup as _start_embedding_lookup
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist

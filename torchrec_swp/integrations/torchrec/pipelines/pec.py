@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
 from torchrec.distributed.train_pipeline import pec_train_pipeline as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PECTrainPipelineContext
@@ -16,6 +15,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks

@@ -6,13 +6,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks

@@ -6,7 +6,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipelinedForward
@@ -16,6 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import device_has_streams
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.lookup_sync import start_embedding_lookup as _start_embedding_lookup
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PhasedPlan, PlanError

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
@@ -16,6 +15,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec_swp.autotune import Hooks
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import StreamPool, stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec import compat
 from torchrec_swp.integrations.torchrec.input_dist_group import (
     new_input_dist_group,

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
@@ -17,6 +16,7 @@ from typing_extensions import Unpack
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import STREAM_DEVICE_TYPES, device_has_streams, stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineKeywords, EngineOptions

@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.memory_stashing import MemoryStashingManager
 from torchrec.distributed.train_pipeline import experimental_pipelines as upstream
 from torchrec.distributed.train_pipeline.backward_injection import (
@@ -39,6 +38,7 @@ from torchrec.distributed.types import LazyNoWait
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.engine import STREAM_DEVICE_TYPES, StreamPool, stream_pool_for
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 

@@ -7,12 +7,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import experimental_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
+
+from torchrec_swp.engine.labels import record_function
 
 
 class TrainingTasks:
