@@ -85,7 +85,7 @@ def __getattr__(name: str) -> Any:
         from torchrec_swp.integrations.torchrec import pipelines
         from torchrec_swp.integrations.torchrec.compat import TESTED_PAIRINGS
 
-        if name not in pipelines.__all__:
+        if name not in drop_ins.names(pipelines.TORCHREC.series):
             raise ImportError(
                 f"{name} is new in TorchRec {row.since}; torchrec {pipelines.TORCHREC.text} is installed "
                 f"(pip install --no-deps torchrec=={TESTED_PAIRINGS[row.since].torchrec})"

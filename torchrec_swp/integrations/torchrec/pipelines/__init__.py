@@ -10,7 +10,9 @@ to change the schedule without changing code or numbers::
     pipeline = TrainPipelineSparseDist(model, optimizer, device, thread_map="io", loads=2, lookahead=2)
 
 One module per upstream family; ``_driven`` holds what they share, ``engine_options`` the options,
-``training_tasks`` the task functions several families run the same way.
+``training_tasks`` the task functions several families run the same way, ``protocol`` what a
+drop-in declares (``@task``) and its check when the class is defined; ``torchrec_swp.drop_ins`` lists
+them (``docs/adding_a_pipeline.md``).
 """
 
 import importlib
