@@ -9,7 +9,10 @@ the pure layers import without them.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
+
+from torchrec_swp import drop_ins
 
 # torchrec_swp.plan's public names, importable from here (loaded on first use, like the pipelines:
 # ``import torchrec_swp.streamcheck`` must not load the plan layer)
@@ -20,33 +23,10 @@ __version__ = "0.2.0"
 #: The pipelines upstream defines in ``experimental_pipelines.py`` (TorchRec 1.8.0 and 1.9.2 ship
 #: the same file): a train/eval hybrid, a background copy, the optimizer step in backward, memory
 #: stashing, sparse work on the CPU.
-EXPERIMENTAL_PIPELINES = (
-    "TrainEvalHybridPipelineBase",
-    "TrainPipelineSparseDistT",
-    "TrainPipelineSparseDistBwdOpt",
-    "TrainPipelineSparseDistOptStash",
-    "TrainPipelineSparseDistEmbStash",
-    "TrainPipelinePrefetchEMS",
-    "EvalPipelineCPUSparse",
-)
+EXPERIMENTAL_PIPELINES = tuple(d.name for d in drop_ins.drop_ins() if d.experimental)
 
-# The upstream pipelines (also those upstream exports only from train_pipelines, and
-# TrainPipelinePEC, which exists from TorchRec 1.9).
-_PIPELINES = (
-    "TrainPipelineBase",
-    "TrainPipelinePT2",
-    "TrainPipelineSparseDist",
-    "TrainPipelineSparseDistLite",
-    "TrainPipelineFusedSparseDist",
-    "TrainPipelineSemiSync",
-    "PrefetchTrainPipelineSparseDist",
-    "EvalPipelineSparseDist",
-    "EvalPipelineFusedSparseDist",
-    "StagedTrainPipeline",
-    "TrainPipelineSparseDistCompAutograd",
-    "TrainPipelinePEC",
-    *EXPERIMENTAL_PIPELINES,
-)
+# The upstream pipelines, one per row of ``torchrec_swp.drop_ins`` (TrainPipelinePEC from TorchRec 1.9).
+_PIPELINES = drop_ins.names()
 
 # TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.
 _MAGLEV = ("MaglevPipelineBase", "Maglev1F1B", "Maglev1F1BRecvAhead", "PipelineRank")
@@ -58,7 +38,7 @@ _ACCUMULATION = ("GradientAccumulationWrapper", "GradientAccumulationConfig")
 def _available() -> tuple[str, ...]:
     """The train pipelines the installed TorchRec has (TrainPipelinePEC from 1.9 on); all of
     them when none or an unsupported one is installed (using them raises an ImportError saying why)."""
-    return _PIPELINES if _is_1_9() else tuple(p for p in _PIPELINES if p != "TrainPipelinePEC")
+    return drop_ins.names("1.9" if _is_1_9() else "1.8")
 
 
 def _is_1_9() -> bool:
@@ -85,7 +65,7 @@ __all__ = [
 
 def __dir__() -> list[str]:
     """What tab completion shows: the public names, pipelines included (loaded on first use)."""
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_available()})
 
 
 def __getattr__(name: str) -> Any:
@@ -101,15 +81,16 @@ def __getattr__(name: str) -> Any:
         import torchrec_swp.plans
 
         return torchrec_swp.plans
-    if name in _PIPELINES:
+    if (row := drop_ins.DROP_INS.get(name)) is not None:
         from torchrec_swp.integrations.torchrec import pipelines
+        from torchrec_swp.integrations.torchrec.compat import TESTED_PAIRINGS
 
-        if not hasattr(pipelines, name):
+        if name not in drop_ins.names(pipelines.TORCHREC.series):
             raise ImportError(
-                f"{name} is new in TorchRec 1.9; torchrec {pipelines.TORCHREC.text} is installed "
-                "(pip install --no-deps torchrec==1.9.2)"
+                f"{name} is new in TorchRec {row.since}; torchrec {pipelines.TORCHREC.text} is installed "
+                f"(pip install --no-deps torchrec=={TESTED_PAIRINGS[row.since].torchrec})"
             )
-        return getattr(pipelines, name)
+        return getattr(importlib.import_module(row.module_path), name)
     if name in _MAGLEV:
         from torchrec_swp.integrations.torchrec import maglev  # ImportError naming TorchRec 1.9 on 1.8
 

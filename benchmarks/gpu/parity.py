@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrec_swp import EXPERIMENTAL_PIPELINES
+from torchrec_swp import EXPERIMENTAL_PIPELINES, drop_ins
 
 STEPS = 20
 SEED = 1234
@@ -48,7 +48,8 @@ def _io(*tasks: str) -> dict[str, dict[str, Any]]:
     return {"default": {}, "io thread": {"thread_map": dict.fromkeys(tasks, "io")}}
 
 
-CASES: tuple[Case, ...] = (
+#: The drop-ins whose case is not ``default_case``'s: their options, variants or mode.
+_OWN_CASES: tuple[Case, ...] = (
     Case("TrainPipelineBase", variants=_io("LoadBatch", "H2D")),
     Case(
         "TrainPipelineSparseDist",
@@ -89,6 +90,19 @@ CASES: tuple[Case, ...] = (
     Case("TrainPipelineSparseDistEmbStash", {"site_fqn": "over"}, _io("H2D")),
     Case("TrainPipelinePrefetchEMS", {"site_fqn": "over"}, _io("H2D")),
 )
+
+
+def default_case(name: str) -> Case:
+    """The case of a drop-in without one of its own: upstream's constructor as it is, ours with
+    the default plan and with its stage-0 tasks on thread ``io`` (``thread_map="io"``)."""
+    return Case(name, variants={"default": {}, "io thread": {"thread_map": "io"}})
+
+
+def cases() -> tuple[Case, ...]:
+    """A case per drop-in of ``torchrec_swp.drop_ins`` (in its order) but those ``NOT_ON_GPU``."""
+    own = {c.pipeline: c for c in _OWN_CASES}
+    return tuple(own.get(d.name) or default_case(d.name) for d in drop_ins.drop_ins() if d.name not in NOT_ON_GPU)
+
 
 #: Exported pipelines without a case here, and why.
 NOT_ON_GPU: Mapping[str, str] = {
@@ -257,7 +271,7 @@ def _rank(
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     rows: list[dict[str, Any]] = []
-    for case in CASES:
+    for case in cases():
         if case.pipeline in names:
             rows += compare_case(case, rank, world_size, steps, device_of(device_type, rank))
             Path(partial).write_text(json.dumps(rows, indent=1, default=str))
@@ -281,7 +295,7 @@ def run(
     from harness.ranks import run_on_ranks
 
     # every pipeline the installed TorchRec has (TrainPipelinePEC from 1.9 on)
-    names = pipelines or [c.pipeline for c in CASES if c.pipeline in torchrec_swp._available()]
+    names = pipelines or [c.pipeline for c in cases() if c.pipeline in torchrec_swp._available()]
     partial = out / PARTIAL_NAME
     partial.unlink(missing_ok=True)
     start = time.perf_counter()

@@ -331,9 +331,10 @@ def test_parity_covers_every_pipeline_we_export_and_judges_runs() -> None:
 
     # a case for every pipeline (TrainPipelinePEC's runs only where TorchRec has it, from 1.9),
     # or a reason why not
-    cases = {c.pipeline for c in parity.CASES}
+    cases = {c.pipeline for c in parity.cases()}
     assert cases | set(parity.NOT_ON_GPU) == set(torchrec_swp._PIPELINES) and not cases & set(parity.NOT_ON_GPU)
-    assert all(c.mode in ("train", "eval_fwd", "staged") and "default" in c.variants for c in parity.CASES)
+    assert all(c.mode in ("train", "eval_fwd", "staged") and "default" in c.variants for c in parity.cases())
+    assert {c.pipeline for c in parity._OWN_CASES} <= cases  # no case of a pipeline that is not a drop-in
     row = {"status": "equal"}
     assert parity.status_of([row, {"status": "inconclusive"}]) == "passed"
     assert parity.status_of([row, {"status": "differs"}]) == "failed"

@@ -26,7 +26,9 @@ itself): the auto-scheduler keeps them on the default stream at the highest stag
 from __future__ import annotations
 
 import dataclasses
+import sys
 
+from torchrec_swp import drop_ins
 from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule, When
 
 WORLD = "world"
@@ -1019,30 +1021,18 @@ def eval_cpu_sparse_plan(
 
 
 def default_plans() -> dict[str, PipelinePlan | PhasedPlan]:
-    """The default plan of each upstream pipeline, the 11 of TorchRec 1.8, 1.9's TrainPipelinePEC and
-    those of ``experimental_pipelines.py`` (SemiSync: its two phases, start_batch 900 as upstream's
-    default)."""
-    return {
-        "TrainPipelineBase": train_pipeline_base_plan(),
-        "TrainPipelinePT2": pt2_phases(),
-        "TrainPipelineSparseDist": sparse_dist_plan(),
-        "TrainPipelineSparseDistLite": sparse_dist_lite_plan(),
-        "TrainPipelineFusedSparseDist": fused_sparse_dist_plan(),
-        "TrainPipelineSemiSync": semi_sync_phases(start_batch=900),
-        "PrefetchTrainPipelineSparseDist": prefetch_sparse_dist_plan(),
-        "EvalPipelineSparseDist": eval_sparse_dist_plan(),
-        "EvalPipelineFusedSparseDist": eval_fused_sparse_dist_plan(),
-        "StagedTrainPipeline": staged_plan(["data_copy", "gpu_postproc"], ["memcpy", "postproc"], [False, True]),
-        "TrainPipelineSparseDistCompAutograd": comp_autograd_plan(),
-        "TrainPipelinePEC": pec_plan(),
-        "TrainEvalHybridPipelineBase": train_eval_hybrid_plan(),
-        "TrainPipelineSparseDistT": sparse_dist_t_plan(),
-        "TrainPipelineSparseDistBwdOpt": sparse_dist_bwd_opt_plan(),
-        "TrainPipelineSparseDistOptStash": opt_stash_plan(),
-        "TrainPipelineSparseDistEmbStash": emb_stash_plan(),
-        "TrainPipelinePrefetchEMS": prefetch_ems_plan(),
-        "EvalPipelineCPUSparse": eval_cpu_sparse_plan(),
-    }
+    """The default plan of each drop-in (``torchrec_swp.drop_ins``): the 11 pipelines of TorchRec
+    1.8, 1.9's TrainPipelinePEC and those of ``experimental_pipelines.py`` (SemiSync: its two
+    phases, start_batch 900 as upstream's default)."""
+    return {row.name: default_plan(row) for row in drop_ins.drop_ins()}
+
+
+def default_plan(row: drop_ins.DropIn) -> PipelinePlan | PhasedPlan:
+    """The plan ``row``'s catalog function (``row.plan``, in this module) makes with ``row.plan_arguments``."""
+    make = getattr(sys.modules[__name__], row.plan, None)
+    if make is None:
+        raise ValueError(f"{row.name}: torchrec_swp.catalog.torchrec has no plan function {row.plan!r}")
+    return make(**row.plan_arguments)
 
 
 # ------------------------------------------------------------- a comm group for the input dist

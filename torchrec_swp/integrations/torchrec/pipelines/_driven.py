@@ -15,18 +15,20 @@ on from the engine, not from a position in ``self.batches``.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
 from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven, check_keywords
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.integrations.torchrec.pipelines.protocol import check_class, task_methods
 from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plans import DRAW_TASKS, with_lookahead, with_parallel_loads
 
 
-class PlanDriven(EngineDriven):
+class PlanDriven(EngineDriven, metaclass=ABCMeta):
     """What every torchrec_swp pipeline adds to its upstream class: a plan and an engine.
 
     It comes before the upstream class among the bases (``class X(PlanDriven, upstream.X)``),
@@ -67,13 +69,39 @@ class PlanDriven(EngineDriven):
     ``thread_map="io"``, the load threads with ``loads=``); the first batch some rank lacks
     ends the data on every rank, and an item drawn for it is not trained
     (``torchrec_swp.engine.exhaustion``). A world of one needs no sync (nothing is made);
-    without a process group this raises ValueError."""
+    without a process group this raises ValueError.
+
+    What a drop-in declares (``protocol``): its task functions, methods marked ``@task(name)``;
+    its default plan (``_swp_default_plan``) and its streams (``_swp_streams``), abstract here; its
+    row in ``torchrec_swp.drop_ins``. All is checked when the class is defined."""
 
     _swp_engine: Engine
+
+    #: ``{task: method name}``: the class's task functions (``protocol.task_methods``), set when
+    #: the class is defined.
+    _swp_tasks: ClassVar[Mapping[str, str]] = {}
+    #: The hooks every drop-in implements (checked when a drop-in's class is defined).
+    _SWP_REQUIRED = ("_swp_default_plan", "_swp_streams")
 
     #: Keywords a class's constructor takes from ``**kwargs`` itself, beyond those its signature
     #: and its bases' name and the engine's options (``check_keywords``).
     _swp_keywords: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._swp_tasks = task_methods(cls)
+        from_arguments = cls._swp_task_functions is not PlanDriven._swp_task_functions
+        check_class(cls, abstract=PlanDriven._SWP_REQUIRED, tasks_from_arguments=from_arguments)
+
+    @abstractmethod
+    def _swp_default_plan(self) -> PipelinePlan | PhasedPlan:
+        """The plan ``progress()`` runs unless ``plan=`` says otherwise, for the options this
+        pipeline was built with (its catalog function, ``torchrec_swp.drop_ins``)."""
+
+    @abstractmethod
+    def _swp_streams(self) -> StreamPool:
+        """The streams the plan's stream names stand for (``stream_pool_for``; in checked mode
+        ``_swp_checked``'s)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """The one place that sees the whole constructor call before any ``__init__`` runs: a
@@ -185,8 +213,10 @@ class PlanDriven(EngineDriven):
         side stream when the plan runs it there."""
         return self._swp_engine.streams.stream(DEFAULT_STREAM)
 
-    # Each pipeline lists its task functions: {task name: fn(b, **reads)}.
-    _swp_task_functions: Callable[[], Mapping[str, Callable[..., Any]]]
+    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
+        """``{task name: fn(b, **reads)}``: the methods marked ``@task`` (``_swp_tasks``), bound.
+        A class whose task names come from its arguments (StagedTrainPipeline's stages) overrides this."""
+        return {name: getattr(self, method) for name, method in type(self)._swp_tasks.items()}
 
     def available_tasks(self) -> tuple[str, ...]:
         """Names of the tasks a plan for this pipeline may use."""

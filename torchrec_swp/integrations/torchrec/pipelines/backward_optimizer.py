@@ -3,13 +3,14 @@ injected into backward."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torchrec.distributed.train_pipeline import experimental_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -24,18 +25,20 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out], upstream.T
     plus the keyword-only engine options (``PlanDriven``). Upstream's ``_pipeline_model`` (run by
     the first input dist, InitPipelinedModules) registers the optimizer step as a backward hook on
     ``site_fqn``'s output-dist gradient (``register_backward_hook``, ``backward_injection.py``);
-    the default plan, ``plans.sparse_dist_bwd_opt_plan(...)``, has no OptimizerStep task, and its
+    the default plan, ``catalog.sparse_dist_bwd_opt_plan(...)``, has no OptimizerStep task, and its
     BackwardOptimizerStep task is the backward in which that hook steps. Same results as upstream.
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.sparse_dist_bwd_opt_plan(
+        return catalog.sparse_dist_bwd_opt_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
         )
 
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        # SparseDist's tasks; its backward steps the optimizer through the hook, and no task does otherwise
-        tasks = {t: f for t, f in super()._swp_task_functions().items() if t not in ("Backward", "OptimizerStep")}
-        return {**tasks, "BackwardOptimizerStep": self._task_backward}
+    # SparseDist's tasks; its backward steps the optimizer through the hook, and no task does otherwise
+    _swp_without_tasks = ("Backward", "OptimizerStep")
+
+    @task("BackwardOptimizerStep")
+    def _task_backward_optimizer_step(self, b: int, losses: torch.Tensor, context: Any) -> None:
+        self._task_backward(b, losses, context)

@@ -8,7 +8,7 @@ Python reducer (compiled autograd refuses the C++ one); see ``_use_ddp_python_re
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,14 +21,15 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.train_pipeline.utils import _to_device
 
-from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import stream_pool_for
+from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
-from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.plan import PhasedPlan, PipelinePlan
 
 __all__ = ["TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"]
 
@@ -42,7 +43,7 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
 
     Same constructor as upstream's (which does not run TrainPipelineBase's), plus the engine's
     keyword-only options (``PlanDriven``; its source LoadBatch only draws, so ``loads=`` moves it
-    to the load threads as it is). The default plan is ``plans.pt2_phases(compile_on_iter=...)``:
+    to the load threads as it is). The default plan is ``catalog.pt2_phases(compile_on_iter=...)``:
     the compile step is a phase of its own with a Compile task, so ``plan.print_schedule(n)`` shows it. A
     ``plan=`` without a Compile task compiles inside Forward when upstream would
     (``_iter == compile_on_iter``). At the end of data the dataloader's StopIteration ends the
@@ -53,48 +54,46 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
-        default_plan = plans.pt2_phases(compile_on_iter=self._compile_configs.compile_on_iter)
-        self._swp_setup(default_plan, options, stream_pool_for(self._device))
+        self._swp_setup(self._swp_default_plan(), options, self._swp_streams())
         # a plan of the user's without the Compile step: compile where upstream does, in forward
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
+
+    def _swp_default_plan(self) -> PhasedPlan:
+        return catalog.pt2_phases(compile_on_iter=self._compile_configs.compile_on_iter)
+
+    def _swp_streams(self) -> StreamPool:
+        return stream_pool_for(self._device)
 
     def _swp_before_step(self) -> None:
         # as upstream's progress() (a call after StopIteration asks the iterator again)
         self._state = PipelineState.IDLE
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            "LoadBatch": self._task_load_batch,
-            "H2D": self._task_h2d,
-            "InputTransform": self._task_input_transform,
-            "ZeroGrad": self._task_zero_grad,
-            "Compile": self._task_compile,
-            "Forward": self._task_forward,
-            "Backward": self._task_backward,
-            "OptimizerStep": self._task_optimizer_step,
-        }
-
+    @task("LoadBatch")
     def _task_load_batch(self, b: int, data: Iterator[In]) -> Any:
         with record_function("## load_batch ##"):
             return next(data)
 
+    @task("H2D")
     def _task_h2d(self, b: int, host_batch: Any) -> Any:
         with record_function("## copy_batch_to_gpu ##"):
             self._cur_batch = _to_device(host_batch, self._device, non_blocking=False)
         return self._cur_batch
 
+    @task("InputTransform")
     def _task_input_transform(self, b: int, batch: Any) -> Any:
         # Upstream applies it after the copy, to the very object the compiled model receives.
         if self._input_transformer:
             self._cur_batch = self._input_transformer(batch)
         return self._cur_batch
 
+    @task("Compile")
     def _task_compile(self, b: int) -> None:
         with record_function("## forward ##"):  # upstream compiles inside its forward's range
             self._state = PipelineState.CALL_FWD
             self._compile_model()
 
+    @task("Forward")
     def _task_forward(self, b: int, model_input: Any) -> tuple[Any, Any]:
         with record_function("## forward ##"):
             self._state = PipelineState.CALL_FWD
@@ -120,12 +119,12 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
         if self._post_compile_fn:
             self._post_compile_fn(self._model)
 
+    @task("Backward")
     def _task_backward(self, b: int, losses: torch.Tensor) -> None:
         if self._model.training:
             with record_function("## backward ##"):
                 self._state = PipelineState.CALL_BWD
                 torch.sum(losses).backward()
-
 
 
 class TrainPipelineSparseDistCompAutograd(
@@ -135,7 +134,7 @@ class TrainPipelineSparseDistCompAutograd(
     Forward and Backward under compiled autograd and TorchRec's synchronous collectives.
 
     Same constructor as upstream's, plus TrainPipelineSparseDist's keyword-only engine options.
-    The default plan is ``plans.comp_autograd_plan(...)`` with this pipeline's
+    The default plan is ``catalog.comp_autograd_plan(...)`` with this pipeline's
     ``execute_all_batches`` and ``clear_data_dist_inputs``. As upstream, the first Forward runs
     without compiled autograd and every Backward runs under it.
 
@@ -157,7 +156,7 @@ class TrainPipelineSparseDistCompAutograd(
             self.compiled_autograd_options = {**self.compiled_autograd_options, "fullgraph": False}
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.comp_autograd_plan(
+        return catalog.comp_autograd_plan(
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
         )

@@ -3,7 +3,7 @@ with the sparse part on the CPU and the dense part on the device."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -11,9 +11,10 @@ from torchrec.distributed.train_pipeline import experimental_pipelines as upstre
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _start_data_dist, use_context_for_postprocs
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import STREAM_DEVICE_TYPES
 from torchrec_swp.engine.labels import record_function
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -27,7 +28,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
     Same constructor as upstream's (``model, optimizer, device, execute_all_batches, apply_jit,
     pipeline_postproc, enable_inplace_copy_batch, multi_thread, pipeline_depth,
     free_features_storage_early, clear_data_dist_inputs``) plus the engine's keyword-only
-    options. The default plan is ``plans.eval_cpu_sparse_plan(...)``: LoadBatch, Enqueue, SparseForward
+    options. The default plan is ``catalog.eval_cpu_sparse_plan(...)``: LoadBatch, Enqueue, SparseForward
     (InitPipelinedModules for the first batch of an epoch), CopyToDevice, DenseForward and
     Dequeue, upstream's stages as tasks; with ``multi_thread`` the sparse work runs on the plan's
     thread ``sparse`` instead of upstream's executor (which is not made).
@@ -45,6 +46,20 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
       it: every output but the last is computed with the next batch's embeddings.
     """
 
+    # an eval pipeline of its own stages: of SparseDist's tasks only InitPipelinedModules and Dequeue
+    _swp_without_tasks = (
+        "ZeroGrad",
+        "WaitBatch",
+        "ClearDataDistInputs",
+        "InputDistStart",
+        "H2D",
+        catalog.FETCH,
+        "Forward",
+        "InputDistWait",
+        "Backward",
+        "OptimizerStep",
+    )
+
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
         super()._swp_init_upstream(*args, **kwargs)
         # upstream's background thread for the sparse work: the plan's thread ``sparse`` instead
@@ -54,7 +69,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
         self._swp_pinned_reads: dict[str, Any] = {}  # module name -> event after the copy that read its buffer
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.eval_cpu_sparse_plan(
+        return catalog.eval_cpu_sparse_plan(
             pipeline_depth=self._pipeline_depth,
             multi_thread=self._multi_thread,
             execute_all_batches=self._execute_all_batches,
@@ -75,32 +90,25 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
         return buffer
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            "LoadBatch": self._task_load_batch,
-            "Enqueue": self._task_enqueue,
-            "InitPipelinedModules": self._task_init_pipelined_modules,
-            "SparseForward": self._task_sparse_forward,
-            "CopyToDevice": self._task_copy_to_device,
-            "DenseForward": self._task_dense_forward,
-            "Dequeue": self._task_dequeue,
-        }
-
+    @task("LoadBatch")
     def _task_load_batch(self, b: int, data: Iterator[In]) -> In:
         # the draw alone (on the load threads with loads=); Enqueue does the rest
         return next(data)
 
+    @task("Enqueue")
     def _task_enqueue(self, b: int, host_batch: In) -> tuple[Any, Any]:
         # upstream's enqueue_batch of the drawn batch (left on the CPU): its context, and both queued
         if not self.enqueue_batch(iter((host_batch,))):
             raise StopIteration
         return self.batches[-1], self.contexts[-1]
 
+    @task("InitPipelinedModules")
     def _task_init_pipelined_modules(self, b: int, host: Any, context: Any) -> None:
         # upstream's fill: the model rewrite and the bootstrap input dist, then the lookups
         self._pipeline_model(host, context, self._pipelined_forward_type)
         self._embedding_lookup_and_pin(context)
 
+    @task("SparseForward")
     def _task_sparse_forward(self, b: int, host: Any, context: Any) -> None:
         # upstream's _sparse_forward less its copy (the CopyToDevice task)
         with record_function(f"## sparse_forward {context.index} on CPU ##"):
@@ -112,6 +120,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
             context.fused_splits_awaitables.clear()
             self._embedding_lookup_and_pin(context)
 
+    @task("CopyToDevice")
     def _task_copy_to_device(self, b: int, host: Any, context: Any) -> Any:
         batch = self.copy_data_to_gpu(host, context)
         read = self._swp_engine.streams.record("memcpy")
@@ -119,5 +128,6 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
             self._swp_pinned_reads.update(dict.fromkeys(context.embedding_a2a_requests, read))
         return batch
 
+    @task("DenseForward")
     def _task_dense_forward(self, b: int, batch: Any, context: Any) -> Any:
         return self._dense_forward(batch, context)

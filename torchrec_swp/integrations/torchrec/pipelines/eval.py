@@ -10,7 +10,7 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
@@ -24,7 +24,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
     """EvalPipelineSparseDist on the engine: H2D(i+2) on a loader thread || InputDist(i+1) || forward(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
-    default plan is ``plans.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is
+    default plan is ``catalog.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is
     the plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
     memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can move it
     like any other task.
@@ -39,9 +39,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
     when it loads it, so between calls they hold batches i+1 and i+2 (upstream: i+1).
     """
 
-
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
+        return catalog.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         # the loader binds the first iterator given (until reset()), as upstream's loading thread:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,11 +11,12 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.types import Awaitable
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddingForward
 from torchrec_swp.integrations.torchrec.pipelines.lookup_sync import start_embedding_lookup as _start_embedding_lookup
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
@@ -75,7 +76,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
     previous optimizer step; H2D(i+2) and InputDist(i+1) as in TrainPipelineSparseDist.
 
     Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
-    default plan is ``plans.fused_sparse_dist_plan(...)`` with this pipeline's
+    default plan is ``catalog.fused_sparse_dist_plan(...)`` with this pipeline's
     ``emb_lookup_stream``, ``embedding_lookup_after_data_dist``, ``enqueue_batch_after_forward``,
     ``execute_all_batches`` and ``clear_data_dist_inputs``. As upstream's: no ``_state`` updates, no
     2D-sharding embedding sync, the optimizer stepped inline.
@@ -92,14 +93,13 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
 
     _pipelined_forward_type = InSyncEmbeddingForward
 
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._swp_emb_lookup_stream = _emb_lookup_stream_option(args, kwargs)
         super().__init__(*args, **kwargs)
         self._pipelined_forward_type = InSyncEmbeddingForward.on(self._device)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.fused_sparse_dist_plan(
+        return catalog.fused_sparse_dist_plan(
             emb_lookup_stream=self._swp_emb_lookup_stream,
             embedding_lookup_after_data_dist=self._embedding_lookup_after_data_dist,
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
@@ -148,9 +148,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
                         )
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {**super()._swp_task_functions(), "EmbLookup": self._task_emb_lookup}
-
+    @task("EmbLookup")
     def _task_emb_lookup(self, b: int, batch: Any, context: Any) -> None:
         self.start_embedding_lookup(batch, context)
 
@@ -169,7 +167,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstrea
     backward or optimizer, forward under ``torch.no_grad()``.
 
     Same constructor as upstream's (``enable_embedding_lookup_prefetch`` and Fused's arguments),
-    plus the engine options. The default plan is ``plans.eval_fused_sparse_dist_plan(...)``; with
+    plus the engine options. The default plan is ``catalog.eval_fused_sparse_dist_plan(...)``; with
     ``enable_embedding_lookup_prefetch`` the lookup of batch i+1 follows its InputDistWait, in
     the call that forwards batch i. As upstream: it does not call ``model.eval()``, zeroes
     gradients when the model is in training mode, returns the second element of what the model
@@ -177,7 +175,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstrea
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.eval_fused_sparse_dist_plan(
+        return catalog.eval_fused_sparse_dist_plan(
             enable_embedding_lookup_prefetch=self._enable_embedding_lookup_prefetch,
             emb_lookup_stream=self._swp_emb_lookup_stream,
             embedding_lookup_after_data_dist=self._embedding_lookup_after_data_dist,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -16,7 +16,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
     """TrainPipelineSparseDistLite on the engine: H2D(i+1) || input dist, fwd/bwd/opt(i).
 
     Same constructor as upstream's Lite, plus the engine's keyword-only options
-    (``EngineOptions``). The default plan is ``plans.sparse_dist_lite_plan()``;
+    (``EngineOptions``). The default plan is ``catalog.sparse_dist_lite_plan()``;
     upstream forces the options that would change it.
 
     Method resolution puts our TrainPipelineSparseDist (engine ``progress()``, task functions)
@@ -28,4 +28,4 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.sparse_dist_lite_plan(h2d_thread=self._swp_h2d_thread())
+        return catalog.sparse_dist_lite_plan(h2d_thread=self._swp_h2d_thread())

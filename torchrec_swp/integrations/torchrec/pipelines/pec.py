@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -13,10 +12,11 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PECTra
 from torchrec.distributed.train_pipeline.runtime_forwards import PECPipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import PipelinePlan
@@ -33,7 +33,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
 
     Same constructor as upstream's (``model, optimizer, device, execute_all_batches, apply_jit,
     custom_model_fwd``) plus the keyword-only engine options of TrainPipelineSparseDist. The
-    default plan is ``plans.pec_plan(...)``, upstream's progress() steps #1-#14 as tasks; the
+    default plan is ``catalog.pec_plan(...)``, upstream's progress() steps #1-#14 as tasks; the
     first batch of an epoch (upstream's ``fill_pipeline``) and the last one (no successor) are
     tasks guarded ``first`` and ``last``. Task functions call upstream's helpers through
     ``self`` (``_pec_overlap_dist``, ``_pec_ol_compute``, ``_pec_nol_compute``,
@@ -51,6 +51,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
     (same calls, same collective order on every rank); ``progress()`` re-attaches a detached
     model, as TrainPipelineSparseDist does.
     """
+
+    # SparseDist's tasks its steps do not run (the module context is SetModuleContext's)
+    _swp_without_tasks = ("WaitBatch", "ClearDataDistInputs")
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
         # upstream TrainPipelinePEC.__init__, with the device's events instead of CUDA's
@@ -74,7 +77,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         self._pipelined_forward_type = streamless_on_cpu(PECPipelinedForward)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.pec_plan(execute_all_batches=self._execute_all_batches)
+        return catalog.pec_plan(execute_all_batches=self._execute_all_batches)
 
     @property
     def _swp_has_streams(self) -> bool:
@@ -115,46 +118,21 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             )
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        base = super()._swp_task_functions()
-        return {
-            "SetModuleContext": self._task_set_module_context,
-            "H2D": base["H2D"],
-            plans.FETCH: base[plans.FETCH],  # loads=: the draw split off H2D (plans.with_parallel_loads)
-            "OlCompute": self._task_ol_compute,
-            "EmbLookup": self._task_emb_lookup,
-            "OverlapDist": self._task_overlap_dist,
-            "OverlapDistLast": self._task_overlap_dist_last,
-            "InitPipelinedModules": base["InitPipelinedModules"],
-            "InputDistStart": base["InputDistStart"],
-            "NolGradStart": self._task_nol_grad_start,
-            "RecordBatch": self._task_record_batch,
-            "ZeroGrad": base["ZeroGrad"],
-            "Forward": self._task_forward,
-            "InputDistWait": base["InputDistWait"],
-            "NolGradApply": self._task_nol_grad_apply,
-            "NolCompute": self._task_nol_compute,
-            "Backward": self._task_backward,
-            "WaitOverlapDist": self._task_wait_overlap_dist,
-            "OlGradStart": self._task_ol_grad_start,
-            "OptimizerStep": self._task_optimizer_step,
-            "OlGradApply": self._task_ol_grad_apply,
-            "DeferNolGrad": self._task_defer_nol_grad,
-            "DeferNolGradLast": self._task_defer_nol_grad_last,
-            "Dequeue": base["Dequeue"],
-        }
-
+    @task("SetModuleContext")
     def _task_set_module_context(self, b: int, context: Any) -> None:
         self._set_module_context(context)
 
+    @task("OlCompute")
     def _task_ol_compute(self, b: int, context: Any) -> None:
         with record_function("## pec_ol_compute ##"):
             self._pec_ol_compute(context)
 
+    @task("EmbLookup")
     def _task_emb_lookup(self, b: int, context: Any) -> None:
         with record_function("## pec_compute_and_output_dist ##"):
             self._compute_and_output_dist(context)
 
+    @task("OverlapDist")
     def _task_overlap_dist(self, b: int, context: Any, prev_context: Any) -> None:
         # the overlap of batch b with b-1 (None for the first batch of an epoch)
         with record_function("## pec_overlap_dist ##"):
@@ -175,30 +153,36 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             self._pec_module_ctx(context, name).record_stream(compute)
             context.pec_dist_inputs[name].record_stream(compute)
 
+    @task("OverlapDistLast")
     def _task_overlap_dist_last(self, b: int, context: Any) -> None:
         # the last batch has no successor: its backward partition alone
         with record_function("## pec_overlap_dist ##"):
             self._pec_overlap_dist(None, context)
 
+    @task("NolGradStart")
     def _task_nol_grad_start(self, b: int, context: Any) -> Any:
         with record_function("## pec_nol_grad_a2a ##"):
             return self._start_deferred_nol_grad(context)
 
+    @task("RecordBatch")
     def _task_record_batch(self, b: int, batch: Any) -> None:
         # upstream keeps the batch alive on the compute stream, which reads its dense features;
         # an in-place copy reuses a persistent buffer. Nothing to record without streams.
         if self._swp_has_streams and not self._enable_inplace_copy_batch:
             batch.record_stream(torch.get_device_module(self._device).current_stream())
 
+    @task("Forward")
     def _task_forward(self, b: int, batch: Any) -> tuple[Any, Any]:
         with record_function("## forward ##"):
             losses, output = self._model_fwd(batch)
         return losses, output
 
+    @task("NolGradApply")
     def _task_nol_grad_apply(self, b: int, nol_grad: Any) -> None:
         with record_function("## pec_nol_grad_apply ##"):
             self._wait_pec_grad(nol_grad)
 
+    @task("NolCompute")
     def _task_nol_compute(self, b: int, context: Any) -> None:
         torch.get_device_module(self._device).current_stream().wait_event(self._overlap_dist_event)
         with record_function("## pec_nol_compute ##"):
@@ -209,27 +193,32 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
     _task_backward = TrainingTasks._task_backward
     _task_optimizer_step = TrainingTasks._task_optimizer_step
 
+    @task("WaitOverlapDist")
     def _task_wait_overlap_dist(self, b: int) -> None:
         # the last batch's backward partition is first needed by its OL gradient
         if self._model.training:
             torch.get_device_module(self._device).current_stream().wait_event(self._overlap_dist_event)
 
+    @task("OlGradStart")
     def _task_ol_grad_start(self, b: int, context: Any) -> Any:
         if not self._model.training:
             return {}
         with record_function("## pec_ol_grad_a2a ##"):
             return self._start_pec_ol_grad(context)
 
+    @task("OlGradApply")
     def _task_ol_grad_apply(self, b: int, ol_grad: Any) -> None:
         if self._model.training:
             with record_function("## pec_ol_grad_apply ##"):
                 self._wait_pec_grad(ol_grad)
 
+    @task("DeferNolGrad")
     def _task_defer_nol_grad(self, b: int, context: Any, prev_context: Any) -> None:
         # batch b-1's NOL gradient rides on batch b's context to b's step
         if self._model.training:
             self._defer_nol_grad(prev_context, context)
 
+    @task("DeferNolGradLast")
     def _task_defer_nol_grad_last(self, b: int, context: Any) -> None:
         # the last batch has no successor: its NOL gradient is applied in its own step
         if self._model.training:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -10,10 +9,11 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import PipelinePlan
@@ -28,7 +28,7 @@ class PrefetchTrainPipelineSparseDist(
     InputDistWait and EmbPrefetch(i+1), forward/backward/optimizer(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
-    default plan is ``plans.prefetch_sparse_dist_plan(...)`` with this pipeline's
+    default plan is ``catalog.prefetch_sparse_dist_plan(...)`` with this pipeline's
     ``execute_all_batches``. With ``execute_all_batches=False`` it stops at the first missing batch,
     as TrainPipelineSparseDist does (upstream's refills on every call and drops the last four
     batches).
@@ -40,12 +40,11 @@ class PrefetchTrainPipelineSparseDist(
     TrainPipelineSparseDist does (upstream's Prefetch does not, and would fail in prefetch). The
     plan orders the data_dist stream after the prefetch stream before each later input dist
     (``dep InputDistStart <- EmbPrefetch @1``, TorchRec's open PR #4191; see
-    ``plans.prefetch_sparse_dist_plan``): no task function changes, the calls are upstream's.
+    ``catalog.prefetch_sparse_dist_plan``): no task function changes, the calls are upstream's.
     """
 
-
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.prefetch_sparse_dist_plan(
+        return catalog.prefetch_sparse_dist_plan(
             execute_all_batches=self._execute_all_batches, h2d_thread=self._swp_h2d_thread()
         )
 
@@ -75,9 +74,6 @@ class PrefetchTrainPipelineSparseDist(
                 )
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {**super()._swp_task_functions(), "EmbPrefetch": self._task_emb_prefetch}
-
     def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
         self._set_module_context(context)
         with record_function("## wait_for_batch ##"):
@@ -91,6 +87,7 @@ class PrefetchTrainPipelineSparseDist(
         context.module_contexts_post_prefetch.clear()
         return losses, output
 
+    @task("EmbPrefetch")
     def _task_emb_prefetch(self, b: int, context: Any) -> None:
         self._prefetch(context)
 

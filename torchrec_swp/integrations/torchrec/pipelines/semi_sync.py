@@ -13,10 +13,11 @@ from torchrec.distributed.train_pipeline.utils import _wait_for_events
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.lookup_sync import start_embedding_lookup as _start_embedding_lookup
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PhasedPlan, PlanError
 
@@ -85,7 +86,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     Same constructor as upstream's SemiSync (``start_batch``, ``stash_gradients``, ...), plus
     the engine's keyword-only options (``EngineOptions``).
 
-    The default plan is a PhasedPlan, ``plans.semi_sync_phases(start_batch=...)``: each
+    The default plan is a PhasedPlan, ``catalog.semi_sync_phases(start_batch=...)``: each
     ``progress()`` runs the phase of the batch it forwards, as upstream decides ``is_semi_sync``
     per call from that batch's context index: below ``start_batch`` EmbLookup(i+1) follows the
     optimizer of batch i and a device synchronize() (the embeddings of i+1 see batch i's
@@ -106,9 +107,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
 
     _pipelined_forward_type = _EmbeddingPipelinedForward
 
-
     def _swp_default_plan(self) -> PhasedPlan:
-        return plans.semi_sync_phases(
+        return catalog.semi_sync_phases(
             start_batch=self._start_batch,
             # SemiSync's own copy never raises at the end of data; the in-place copy does
             execute_all_batches=self._execute_all_batches or not self._enable_inplace_copy_batch,
@@ -149,21 +149,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
             return self._model_fwd(batch)
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            **super()._swp_task_functions(),
-            "EmbLookup": self._task_emb_lookup,
-            "EmbBackward": self._task_emb_backward,
-            "Synchronize": self._task_synchronize,
-            "GradSwap": self._task_grad_swap,
-        }
-
     def _task_init_pipelined_modules(self, b: int, batch: Any, context: Any) -> None:
         # upstream's fill_pipeline rewrites the model the first time, starts input dist, and
         # checks the optimizer holds no pipelined parameter
         self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
         self._validate_optimizer()
 
+    @task("EmbLookup")
     def _task_emb_lookup(self, b: int, batch: Any, context: Any) -> None:
         self.start_embedding_lookup(batch, context)
         replays = getattr(self, "_swp_replays", None)
@@ -249,12 +241,14 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
             with record_function(f"## backward {context.index or 0} ##"):
                 torch.sum(losses, dim=0).backward()
 
+    @task("EmbBackward")
     def _task_emb_backward(self, b: int, context: Any) -> None:
         if self._model.training:
             with record_function(f"## emb_backward {context.index or 0} ##"):
                 self.embedding_backward(context)
             self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, context)
 
+    @task("GradSwap")
     def _task_grad_swap(self, b: int) -> None:
         if self._model.training:
             self._grad_swap()
@@ -265,6 +259,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
             with record_function(f"## optimizer {iteration - 1} ##"):
                 self._mlp_optimizer_step(iteration)
 
+    @task("Synchronize")
     def _task_synchronize(self, b: int) -> None:
         # Upstream synchronizes the device before the next batch's lookup (the plan runs this
         # only when there is one). A device without streams runs everything in order already.

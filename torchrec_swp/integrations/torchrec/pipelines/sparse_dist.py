@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -13,7 +13,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.autotune import Hooks
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec import compat
@@ -24,6 +24,7 @@ from torchrec_swp.integrations.torchrec.input_dist_group import (
 )
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan
 
@@ -43,7 +44,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
     """TrainPipelineSparseDist on the engine: H2D(i+2) || InputDist(i+1) || fwd/bwd/opt(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``),
-    which this class's subclasses share. The default plan is ``plans.sparse_dist_plan(...)`` with this pipeline's
+    which this class's subclasses share. The default plan is ``catalog.sparse_dist_plan(...)`` with this pipeline's
     ``enqueue_batch_after_forward``, ``execute_all_batches`` and ``clear_data_dist_inputs``. With
     ``loads=`` its source H2D is split: a Fetch task draws on the load threads, H2D copies.
 
@@ -57,7 +58,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
     created here over the ranks of the default group with its backend (every rank must build
     the pipeline); a ProcessGroup object is used as given (e.g. one group shared by several
     pipelines). The input dists are moved to it right after TorchRec creates them (the first
-    input dist), and the default plan gets ``plans.with_input_dist_group``: with the input dist
+    input dist), and the default plan gets ``catalog.with_input_dist_group``: with the input dist
     tasks on a thread of their own (``thread_map={"InitPipelinedModules": "dist",
     "InputDistStart": "dist", "InputDistWait": "dist"}`` or ``"by_stream"``), the next batch's
     input dist overlaps this batch's forward and backward collectives (a ``plan=`` of the
@@ -89,7 +90,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         self._swp_init_upstream(*args, **kwargs)
         default_plan: PipelinePlan | PhasedPlan = self._swp_default_plan()
         if self._swp_input_dist_group is not None:
-            default_plan = plans.with_input_dist_group(default_plan)
+            default_plan = catalog.with_input_dist_group(default_plan)
         self._swp_setup(default_plan, options, self._swp_streams())
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
@@ -103,7 +104,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         return INPLACE_COPY_THREAD if self._swp_async_inplace_copy and self._enable_inplace_copy_batch else MAIN_THREAD
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.sparse_dist_plan(
+        return catalog.sparse_dist_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
@@ -129,7 +130,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         more than one rank and the pipeline was not built with one)."""
         if self._swp_input_dist_group is not None or not (dist.is_initialized() and dist.get_world_size() > 1):
             return Hooks()
-        return Hooks(own_group=plans.INPUT_DIST_TASKS, enable=self._swp_own_input_dist_group)
+        return Hooks(own_group=catalog.INPUT_DIST_TASKS, enable=self._swp_own_input_dist_group)
 
     def _swp_own_input_dist_group(self) -> None:
         """The input dist's own process group, made now (a collective: every rank at the same
@@ -162,28 +163,14 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         self._dataloader_exhausted = False
 
     # ------------------------------------------------------------ task functions
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            "ZeroGrad": self._task_zero_grad,
-            "WaitBatch": self._task_wait_batch,
-            "ClearDataDistInputs": self._task_clear_data_dist_inputs,
-            "InitPipelinedModules": self._task_init_pipelined_modules,
-            "InputDistStart": self._task_input_dist_start,
-            "H2D": self._task_h2d,
-            plans.FETCH: self._task_fetch,
-            "Forward": self._task_forward,
-            "InputDistWait": self._task_input_dist_wait,
-            "Backward": self._task_backward,
-            "OptimizerStep": self._task_optimizer_step,
-            "Dequeue": self._task_dequeue,
-        }
-
+    @task(catalog.FETCH)
     def _task_fetch(self, b: int, data: Iterator[In]) -> In:
-        # plans.with_parallel_loads: the draw alone, on the loads' lanes; H2D copies it
+        # catalog.with_parallel_loads: the draw alone, on the loads' lanes; H2D copies it
         return next(data)
 
+    @task("H2D")
     def _task_h2d(self, b: int, data: Iterator[In] | None = None, host: In | None = None) -> tuple[Any, Any]:
-        if data is None:  # the item was drawn by Fetch (plans.with_parallel_loads)
+        if data is None:  # the item was drawn by Fetch (catalog.with_parallel_loads)
             data = iter((host,))
         # enqueue_batch appends to self.batches/self.contexts (user-visible state) and, with
         # execute_all_batches=False, raises StopIteration itself at the end of data.
@@ -200,39 +187,48 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
             raise StopIteration
         return self.batches[-1], self.contexts[-1]
 
+    @task("InitPipelinedModules")
     def _task_init_pipelined_modules(self, b: int, batch: Any, context: Any) -> None:
         # upstream's fill: the first time this rewrites the model; afterwards it sets the module
         # context and starts the input dist
         self._init_pipelined_modules(batch, context, self._pipelined_forward_type)
 
+    @task("InputDistStart")
     def _task_input_dist_start(self, b: int, batch: Any, context: Any) -> None:
         self.start_sparse_data_dist(batch, context)
 
+    @task("InputDistWait")
     def _task_input_dist_wait(self, b: int, context: Any) -> None:
         self.wait_sparse_data_dist(context)
 
+    @task("WaitBatch")
     def _task_wait_batch(self, b: int, batch: Any, context: Any) -> None:
         self._set_module_context(context)
         self._wait_for_batch()
 
+    @task("ClearDataDistInputs")
     def _task_clear_data_dist_inputs(self, b: int, context: Any) -> None:
         self.clear_sparse_data_dist_inputs(context)
 
+    @task("Forward")
     def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
         with record_function(f"## forward {context.index} ##"):
             self._state = PipelineState.CALL_FWD
             losses, output = self._model_fwd(batch)
         return losses, output
 
+    @task("Backward")
     def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
         if self._model.training:
             self._state = PipelineState.CALL_BWD
             self._backward(losses)
             self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, context)
 
+    @task("OptimizerStep")
     def _task_optimizer_step(self, b: int, context: Any) -> None:
         if self._model.training:
             self._optimizer_step()
 
+    @task("Dequeue")
     def _task_dequeue(self, b: int, context: Any) -> None:
         self.dequeue_batch()

@@ -14,18 +14,17 @@ from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
 from typing_extensions import Unpack
 
-from torchrec_swp.catalog import torchrec as plans
-from torchrec_swp.engine import STREAM_DEVICE_TYPES, device_has_streams, stream_pool_for
+from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.engine import STREAM_DEVICE_TYPES, StreamPool, device_has_streams, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineKeywords, EngineOptions
-from torchrec_swp.plan import DEFAULT_STREAM
+from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan
 
 __all__ = ["StagedTrainPipeline"]
 
 logger = logging.getLogger(__name__)
-
 
 
 def _stream_device(stream: Any) -> torch.device:
@@ -64,7 +63,7 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
 
     Same constructor as upstream's, plus the engine's keyword-only options (``PlanDriven``;
     ``loads=`` is refused: stage 0 runs the user's code after the draw). The default plan is
-    ``plans.staged_plan(names, streams)``: stage k is a task at stage k (named after the stage, made
+    ``catalog.staged_plan(names, streams)``: stage k is a task at stage k (named after the stage, made
     an identifier), and Emit, at stage N, hands out the batch that left the last stage, first in
     each call as upstream's ``_advance()``; a stage with a ``fill_callback`` is followed by a task
     ``NAME.fill`` (``when=fill``) that calls it. Stages sharing a stream object share a stream name
@@ -122,15 +121,18 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
         self._swp_has_streams = device_has_streams(device)  # also the CPU in checked mode
         if not self._swp_has_streams:
             _streamless_sparse_data_dist(pipeline_stages)
+        self._swp_device = device
         self._swp_stage_tasks = stage_task_names(pipeline_stages)
-        stream_names, streams = self._swp_stream_names()
-        self._swp_setup(
-            plans.staged_plan(
-                self._swp_stage_tasks, stream_names, [s.fill_callback is not None for s in pipeline_stages]
-            ),
-            options,
-            stream_pool_for(device, streams),
-        )
+        self._swp_setup(self._swp_default_plan(), options, self._swp_streams())
+
+    def _swp_default_plan(self) -> PipelinePlan:
+        stream_names, _ = self._swp_stream_names()
+        fills = [s.fill_callback is not None for s in self._pipeline_stages]
+        return catalog.staged_plan(self._swp_stage_tasks, stream_names, fills)
+
+    def _swp_streams(self) -> StreamPool:
+        _, streams = self._swp_stream_names()
+        return stream_pool_for(self._swp_device, streams)
 
     def _swp_stream_names(self) -> tuple[list[str], dict[str, Any]]:
         """Each stage's stream name in the plan (the compute stream is ``default``, another

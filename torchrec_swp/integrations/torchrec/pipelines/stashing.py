@@ -19,7 +19,7 @@ pool's emulated ``memcpy`` and ``d2h`` streams.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,9 +36,10 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForwar
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
 from torchrec.distributed.types import LazyNoWait
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import STREAM_DEVICE_TYPES, StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -70,11 +71,11 @@ class _Stashing(TrainPipelineSparseDist[In, Out]):
         streams = {"memcpy": self._memcpy_stream, "data_dist": self._data_dist_stream}
         if self._device.type in STREAM_DEVICE_TYPES:
             # as upstream: a stream of default priority for the device-to-host copies
-            streams[plans.D2H] = torch.get_device_module(self._device).Stream(device=self._device)
+            streams[catalog.D2H] = torch.get_device_module(self._device).Stream(device=self._device)
         pool = stream_pool_for(self._device, streams)
         pool = self._swp_checked(pool, {"_memcpy_stream": "memcpy", "_data_dist_stream": "data_dist"})
         if pool.has_streams:
-            MemoryStashingManager.set_streams(pool.stream("memcpy"), pool.stream(plans.D2H))
+            MemoryStashingManager.set_streams(pool.stream("memcpy"), pool.stream(catalog.D2H))
         return pool
 
     @property
@@ -90,7 +91,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
 
     Same constructor as upstream's (``model, optimizer, device, site_fqn, sharding_type``, then
     TrainPipelineSparseDist's) plus the engine's keyword-only options. The default plan is
-    ``plans.opt_stash_plan(...)``: SparseDist's tasks, with StashOptimizerState after
+    ``catalog.opt_stash_plan(...)``: SparseDist's tasks, with StashOptimizerState after
     OptimizerStep on thread ``stash`` and stream ``d2h`` (upstream's background stash thread),
     Backward of the next batch after it, and RestoreWait before OptimizerStep. The restore
     itself starts in Backward, from the backward hook at the output dist of ``site_fqn`` (as
@@ -117,7 +118,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
         self._swp_step_done: Any = None  # the event after the last optimizer step (CUDA)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.opt_stash_plan(
+        return catalog.opt_stash_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
@@ -139,13 +140,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
             with record_function("## restore_optimizer_state ##"):
                 self._restore_future = MemoryStashingManager.restore_optimizer_state_threaded()
 
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            **super()._swp_task_functions(),
-            "RestoreWait": self._task_restore_wait,
-            "StashOptimizerState": self._task_stash_optimizer_state,
-        }
-
+    @task("RestoreWait")
     def _task_restore_wait(self, b: int) -> None:
         # upstream's, right before the optimizer step: the restore's host work done, then the
         # compute stream made to wait for its copies (a no-op until a stash returned a wait)
@@ -166,6 +161,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
             self._swp_step_done = torch.cuda.Event()
             self._swp_step_done.record(torch.cuda.current_stream())
 
+    @task("StashOptimizerState")
     def _task_stash_optimizer_state(self, b: int) -> None:
         # upstream's stash_optimizer_state_threaded, on the plan's thread (after OptimizerStep)
         if not (self._model.training and self._swp_moves_tensors):
@@ -182,7 +178,7 @@ class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipeline
 
     Same constructor as upstream's (``model, optimizer, device, site_fqn``, SparseDist's,
     ``delay_stash``, ``stash_site_fqn``) plus the engine's keyword-only options. The default plan
-    is ``plans.emb_stash_plan(...)``, SparseDist's tasks (upstream's ``progress()`` is
+    is ``catalog.emb_stash_plan(...)``, SparseDist's tasks (upstream's ``progress()`` is
     SparseDist's): the stash happens in Forward, inside TorchRec's sharded modules, and the
     restore in Backward, from upstream's backward hook at ``site_fqn`` (its ``_pipeline_model``).
     """
@@ -204,7 +200,7 @@ class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipeline
         self._log_ems_config()
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.emb_stash_plan(
+        return catalog.emb_stash_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
@@ -218,31 +214,26 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out], upstrea
     the caches.
 
     Same constructor as upstream's plus the engine's keyword-only options. The default plan is
-    ``plans.prefetch_ems_plan(...)``: RestoreEmbeddings (upstream's ``_restore_and_prefetch``,
+    ``catalog.prefetch_ems_plan(...)``: RestoreEmbeddings (upstream's ``_restore_and_prefetch``,
     its first step) and PrefetchNext of the next batch (its second), in training and eval.
     """
 
     _swp_upstream = upstream.TrainPipelinePrefetchEMS
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.prefetch_ems_plan(
+        return catalog.prefetch_ems_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             h2d_thread=self._swp_h2d_thread(),
         )
 
-    def _swp_task_functions(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            **super()._swp_task_functions(),
-            "RestoreEmbeddings": self._task_restore_embeddings,
-            "PrefetchNext": self._task_prefetch_next,
-        }
-
+    @task("RestoreEmbeddings")
     def _task_restore_embeddings(self, b: int) -> None:
         with record_function("## restore_and_prefetch ##"):
             MemoryStashingManager.restore_embedding_weights()
             MemoryStashingManager.restore_emo_cache()
 
+    @task("PrefetchNext")
     def _task_prefetch_next(self, b: int, context: Any) -> None:
         """Upstream's ``_restore_and_prefetch`` step 2 for batch ``b`` (the one after the batch
         being trained): its input-dist output materialised, kept for the forward as a

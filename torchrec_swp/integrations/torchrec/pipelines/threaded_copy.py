@@ -10,7 +10,7 @@ from torchrec.distributed.train_pipeline import experimental_pipelines as upstre
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, TrainPipelineContext
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -19,11 +19,11 @@ __all__ = ["TrainPipelineSparseDistT"]
 
 class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistT[In, Out]):
     """TrainPipelineSparseDistT on the engine: upstream's background copy thread is the plan's thread
-    group ``copy`` (``plans.COPY_THREAD``), which runs H2D while the calling thread draws the next
+    group ``copy`` (``catalog.COPY_THREAD``), which runs H2D while the calling thread draws the next
     batch (Fetch) and goes on with forward, backward and the optimizer.
 
     Same constructor as upstream's, plus the keyword-only engine options (``PlanDriven``). The
-    default plan is ``plans.sparse_dist_t_plan(...)``; ``thread_map`` can move H2D back to the
+    default plan is ``catalog.sparse_dist_t_plan(...)``; ``thread_map`` can move H2D back to the
     calling thread, or elsewhere. The copy is TrainPipelineSparseDist's (``copy_batch_to_gpu`` /
     ``inplace_copy_batch_to_gpu``, the same ``_to_device`` call upstream submits to its executor),
     made by the H2D task on its thread: upstream's ``_copy_executor`` is shut down unused, and
@@ -40,7 +40,7 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out], upstream.TrainP
         self._copy_executor.shutdown(wait=False)  # the plan's copy thread copies
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.sparse_dist_t_plan(
+        return catalog.sparse_dist_t_plan(
             execute_all_batches=self._execute_all_batches, clear_data_dist_inputs=self._clear_data_dist_inputs
         )
 

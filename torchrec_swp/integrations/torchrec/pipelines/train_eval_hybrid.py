@@ -11,7 +11,7 @@ from torchrec.distributed.train_pipeline import experimental_pipelines as upstre
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
@@ -25,7 +25,7 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.Tra
     batch it steps is trained or only evaluated.
 
     Same constructor as upstream's (TrainPipelineSparseDist's), plus the keyword-only engine
-    options (``PlanDriven``). The default plan is ``plans.train_eval_hybrid_plan(...)``: ZeroGrad,
+    options (``PlanDriven``). The default plan is ``catalog.train_eval_hybrid_plan(...)``: ZeroGrad,
     Backward and OptimizerStep are guarded ``when=train`` (the engine asks ``model.training`` at
     every call), so a batch stepped in eval mode is only forwarded, under ``no_grad``, and its
     output returned. Upstream's pre-fetch of batch i+2 at the start of the step is the task Fetch,
@@ -57,7 +57,7 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.Tra
         super().__init__(*args, **kwargs)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return plans.train_eval_hybrid_plan(
+        return catalog.train_eval_hybrid_plan(
             clear_data_dist_inputs=self._clear_data_dist_inputs, h2d_thread=self._swp_h2d_thread()
         )
 

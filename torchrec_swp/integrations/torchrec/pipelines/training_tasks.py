@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from torchrec_swp.engine.labels import record_function
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 
 
 class TrainingTasks:
@@ -30,15 +31,18 @@ class TrainingTasks:
 
     _backward: Callable[[torch.Tensor], None]  # upstream's (TrainPipelineBase, TrainPipelineSparseDist)
 
+    @task("ZeroGrad")
     def _task_zero_grad(self, b: int) -> None:
         if self._model.training:
             with record_function("## zero_grad ##"):
                 self._optimizer.zero_grad()
 
+    @task("Backward")
     def _task_backward(self, b: int, losses: torch.Tensor, context: Any = None) -> None:
         if self._model.training:
             self._backward(losses)
 
+    @task("OptimizerStep")
     def _task_optimizer_step(self, b: int, context: Any = None) -> None:
         if self._model.training:
             with record_function("## optimizer ##"):

@@ -1,0 +1,173 @@
+"""The registry of drop-ins (``torchrec_swp.drop_ins``) and the pipeline protocol
+(``pipelines/protocol.py``): every list of the pipelines comes from the registry or is checked
+against it, and a drop-in's task functions are checked when its class is defined.
+
+Regenerate ``docs/pipelines.md`` after a change to the registry with
+``SWP_UPDATE_GOLDEN=1 pytest tests/unit/test_drop_ins.py``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import torchrec_swp
+from torchrec_swp import drop_ins
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = ROOT / "docs" / "pipelines.md"
+BEGIN, END = "<!-- drop-ins: begin -->", "<!-- drop-ins: end -->"
+
+
+def _table_in(text: str) -> str:
+    return text.split(BEGIN)[1].split(END)[0].lstrip("\n")
+
+
+def test_the_docs_table_is_the_registrys() -> None:
+    text = TABLE.read_text()
+    if os.environ.get("SWP_UPDATE_GOLDEN"):
+        before, rest = text.split(BEGIN)
+        text = f"{before}{BEGIN}\n{drop_ins.markdown_table()}{END}{rest.split(END)[1]}"
+        TABLE.write_text(text)
+    assert _table_in(text) == drop_ins.markdown_table(), "run with SWP_UPDATE_GOLDEN=1 to regenerate"
+
+
+def test_every_plan_driven_class_of_the_package_is_a_row_and_every_row_a_class() -> None:
+    from torchrec_swp.integrations.torchrec import pipelines
+    from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+
+    def subclasses(cls: type) -> Iterator[type]:
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    ours = {
+        c.__name__
+        for c in subclasses(PlanDriven)
+        if c.__module__.startswith("torchrec_swp.") and not c.__name__.startswith("_")
+    }
+    assert ours == set(pipelines.__all__)
+    for name in pipelines.__all__:
+        row = drop_ins.DROP_INS[name]
+        assert getattr(pipelines, name).__module__ == row.module_path, name
+
+
+def test_the_readme_and_install_tables_name_every_drop_in() -> None:
+    readme = (ROOT / "README.md").read_text()
+    row = r"^\| `from torchrec\.[\w.]+ import (\w+)`.*\| `from torchrec_swp import (\w+)`"
+    replaced = re.findall(row, readme, re.M)
+    assert [ours for _, ours in replaced] == list(drop_ins.names())
+    assert all(upstream == ours for upstream, ours in replaced)
+    install = (ROOT / "docs" / "install.md").read_text()
+    cpu_table = install.split("## Upstream on CPU")[1].split("\n\n")[2]
+    listed = set(re.findall(r"\b(\w*Pipeline\w*)\b", cpu_table)) - {"pipeline"}
+    assert set(drop_ins.names()) <= listed
+
+
+def test_the_cpu_parity_tests_cover_every_drop_in() -> None:
+    # every drop-in is built by name in some tests/dist/test_parity_*.py
+    text = "".join(p.read_text() for p in sorted((ROOT / "tests" / "dist").glob("test_parity*.py")))
+    missing = [name for name in drop_ins.names() if not re.search(rf"\b{name}\b", text)]
+    assert missing == []
+
+
+TOY = '''
+from typing import Any
+
+from torchrec_swp.integrations.torchrec.pipelines.base import TrainPipelineBase
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
+
+
+class {name}(TrainPipelineBase):
+    """A toy drop-in: TrainPipelineBase with a Forward of its own."""
+
+    @task("{forward}")
+    def _task_toy_forward(self, b: int, batch: Any) -> Any:
+        return self._model(batch)
+'''
+
+
+@pytest.fixture
+def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, str]]:
+    """A module on sys.path for a toy drop-in, and the toy's row in the registry."""
+    module = "swp_toy.drop_in"  # a dotted path: a module outside the package's pipelines
+    (tmp_path / "swp_toy").mkdir()
+    (tmp_path / "swp_toy" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = drop_ins.DropIn("TrainPipelineToy", module, "train_pipelines", "train_pipeline_base_plan")
+    monkeypatch.setitem(drop_ins.DROP_INS, row.name, row)
+    yield tmp_path / "swp_toy" / "drop_in.py", module
+    sys.modules.pop(module, None)
+    sys.modules.pop("swp_toy", None)
+
+
+def test_a_toy_drop_in_is_exported_documented_and_in_the_parity_cases(toy: tuple[Path, str]) -> None:
+    path, module = toy
+    path.write_text(textwrap.dedent(TOY.format(name="TrainPipelineToy", forward="Forward")))
+    cls = torchrec_swp.TrainPipelineToy
+    assert cls is importlib.import_module(module).TrainPipelineToy
+    assert cls._swp_tasks["Forward"] == "_task_toy_forward"
+    assert "TrainPipelineToy" in torchrec_swp._available() and "TrainPipelineToy" in dir(torchrec_swp)
+    assert "| `TrainPipelineToy` | `torchrec.distributed.train_pipeline.train_pipelines.TrainPipelineToy` |" in (
+        drop_ins.markdown_table()
+    )
+    from benchmarks.gpu import parity
+
+    assert "TrainPipelineToy" in [c.pipeline for c in parity.cases()]
+    from torchrec_swp.catalog import torchrec as catalog
+
+    assert "TrainPipelineToy" in catalog.default_plans()
+
+
+def test_a_misspelt_task_is_an_error_when_the_class_is_defined(toy: tuple[Path, str]) -> None:
+    path, module = toy
+    path.write_text(textwrap.dedent(TOY.format(name="TrainPipelineToy", forward="Foward")))
+    with pytest.raises(TypeError) as error:
+        importlib.import_module(module)
+    message = str(error.value)
+    where = "TrainPipelineToy._task_toy_forward"
+    assert message.startswith(f"{where} is marked @task('Foward'), a task no catalog plan has")
+    assert "(close: Forward" in message
+
+
+def test_a_drop_in_without_a_function_for_a_task_of_its_plan_is_an_error(toy: tuple[Path, str]) -> None:
+    path, module = toy
+    path.write_text(
+        textwrap.dedent(TOY.format(name="TrainPipelineToy", forward="Forward"))
+        + '\n    _swp_without_tasks = ("WaitBatch",)\n'
+    )
+    with pytest.raises(TypeError, match=r"TrainPipelineToy: its default plan .* has task 'WaitBatch', and no method"):
+        importlib.import_module(module)
+
+
+def test_a_drop_in_must_implement_the_abstract_hooks(toy: tuple[Path, str]) -> None:
+    path, module = toy
+    path.write_text(
+        textwrap.dedent("""
+        from torchrec.distributed.train_pipeline import train_pipelines as upstream
+
+        from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+
+
+        class TrainPipelineToy(PlanDriven, upstream.TrainPipelineBase):
+            pass
+        """)
+    )
+    with pytest.raises(TypeError, match="TrainPipelineToy .* does not implement _swp_default_plan, _swp_streams"):
+        importlib.import_module(module)
+
+
+def test_a_users_subclass_may_add_tasks_of_its_own() -> None:
+    from torchrec_swp.integrations.torchrec.pipelines.protocol import task
+
+    class Mine(torchrec_swp.TrainPipelineSparseDist):
+        @task("MyTask")
+        def _task_mine(self, b: int) -> None: ...
+
+    assert "MyTask" in Mine._swp_tasks and "Forward" in Mine._swp_tasks

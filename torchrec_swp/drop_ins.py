@@ -1,0 +1,133 @@
+"""The drop-in pipelines, one row each: the one list every other list of them is made from.
+
+Pure data (no torch, no plan layer): ``import torchrec_swp`` reads it to export the pipelines and
+load each on first use. From it come ``torchrec_swp.__all__`` and ``pipelines.__all__``, the
+catalog's ``default_plans()``, the table of ``docs/pipelines.md`` (``markdown_table()``), the GPU
+parity cases (``benchmarks/gpu/parity.py``) and the golden plans' list; tests check README.md,
+docs/install.md and the parity tests against it. A pipeline class whose module and name are a row
+here is checked when it is defined (``pipelines/protocol.py``): its task functions against the
+catalog's task names, its default plan's tasks against its task functions, its abstract hooks.
+
+Adding a pipeline (``docs/adding_a_pipeline.md``): a row here, its plan in the catalog, its
+module; the golden plan and the docs' table are regenerated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Where the drop-ins live (a row's ``module`` is relative to it unless it has a dot in it).
+PACKAGE = "torchrec_swp.integrations.torchrec.pipelines"
+#: TorchRec's package of pipelines (a row's ``upstream`` is a module in it).
+UPSTREAM_PACKAGE = "torchrec.distributed.train_pipeline"
+
+
+@dataclass(frozen=True)
+class DropIn:
+    """One drop-in: ``name`` (upstream's class name, and ours), the module defining ours
+    (``module``: under ``PACKAGE``, or a dotted path), the TorchRec module defining upstream's
+    (``upstream``, under ``UPSTREAM_PACKAGE``), the catalog function making its default plan
+    (``plan``, in ``torchrec_swp.catalog.torchrec``) and its arguments there (``plan_arguments``),
+    and the first TorchRec series that has it (``since``)."""
+
+    name: str
+    module: str
+    upstream: str
+    plan: str
+    plan_arguments: Mapping[str, Any] = field(default_factory=dict)
+    since: str = "1.8"
+
+    @property
+    def module_path(self) -> str:
+        """The dotted path of the module that defines our class."""
+        return self.module if "." in self.module else f"{PACKAGE}.{self.module}"
+
+    @property
+    def upstream_path(self) -> str:
+        return f"{UPSTREAM_PACKAGE}.{self.upstream}"
+
+    @property
+    def experimental(self) -> bool:
+        """Upstream's ``experimental_pipelines.py`` defines it."""
+        return self.upstream == "experimental_pipelines"
+
+
+_TRAIN = "train_pipelines"
+_EXPERIMENTAL = "experimental_pipelines"
+
+#: The drop-ins, in the order the docs list them: train_pipelines.py's, 1.9's PEC, then
+#: experimental_pipelines.py's.
+DROP_INS: dict[str, DropIn] = {
+    d.name: d
+    for d in (
+        DropIn("TrainPipelineBase", "base", _TRAIN, "train_pipeline_base_plan"),
+        DropIn("TrainPipelinePT2", "compiled", _TRAIN, "pt2_phases"),
+        DropIn("TrainPipelineSparseDist", "sparse_dist", _TRAIN, "sparse_dist_plan"),
+        DropIn("TrainPipelineSparseDistLite", "lite", _TRAIN, "sparse_dist_lite_plan"),
+        DropIn("TrainPipelineFusedSparseDist", "fused", _TRAIN, "fused_sparse_dist_plan"),
+        # start_batch 900: upstream's default
+        DropIn("TrainPipelineSemiSync", "semi_sync", _TRAIN, "semi_sync_phases", {"start_batch": 900}),
+        DropIn("PrefetchTrainPipelineSparseDist", "prefetch", _TRAIN, "prefetch_sparse_dist_plan"),
+        DropIn("EvalPipelineSparseDist", "eval", _TRAIN, "eval_sparse_dist_plan"),
+        DropIn("EvalPipelineFusedSparseDist", "fused", _TRAIN, "eval_fused_sparse_dist_plan"),
+        # two stages of the user's, as upstream's tests build it (the tasks are named after the stages)
+        DropIn(
+            "StagedTrainPipeline",
+            "staged",
+            _TRAIN,
+            "staged_plan",
+            {
+                "stage_names": ["data_copy", "gpu_postproc"],
+                "stage_streams": ["memcpy", "postproc"],
+                "fill_callbacks": [False, True],
+            },
+        ),
+        DropIn("TrainPipelineSparseDistCompAutograd", "compiled", _TRAIN, "comp_autograd_plan"),
+        DropIn("TrainPipelinePEC", "pec", "pec_train_pipeline", "pec_plan", since="1.9"),
+        DropIn("TrainEvalHybridPipelineBase", "train_eval_hybrid", _EXPERIMENTAL, "train_eval_hybrid_plan"),
+        DropIn("TrainPipelineSparseDistT", "threaded_copy", _EXPERIMENTAL, "sparse_dist_t_plan"),
+        DropIn("TrainPipelineSparseDistBwdOpt", "backward_optimizer", _EXPERIMENTAL, "sparse_dist_bwd_opt_plan"),
+        DropIn("TrainPipelineSparseDistOptStash", "stashing", _EXPERIMENTAL, "opt_stash_plan"),
+        DropIn("TrainPipelineSparseDistEmbStash", "stashing", _EXPERIMENTAL, "emb_stash_plan"),
+        DropIn("TrainPipelinePrefetchEMS", "stashing", _EXPERIMENTAL, "prefetch_ems_plan"),
+        DropIn("EvalPipelineCPUSparse", "cpu_sparse", _EXPERIMENTAL, "eval_cpu_sparse_plan"),
+    )
+}
+
+
+def drop_ins() -> Iterator[DropIn]:
+    """Every row, in order (a function, so that a test may add a row for a while)."""
+    return iter(DROP_INS.values())
+
+
+def names(series: str | None = None) -> tuple[str, ...]:
+    """The drop-ins' names; with ``series`` (``"1.8"``, ``"1.9"``) those that TorchRec series has."""
+    return tuple(d.name for d in drop_ins() if series is None or _release(d.since) <= _release(series))
+
+
+def find(module: str, name: str) -> DropIn | None:
+    """The row of class ``name`` defined in ``module`` (None for any other class, e.g. a user's subclass)."""
+    row = DROP_INS.get(name)
+    return row if row is not None and row.module_path == module else None
+
+
+def markdown_table() -> str:
+    """The table of ``docs/pipelines.md``: a row per drop-in (``tests/unit/test_drop_ins.py`` keeps
+    the file equal to it)."""
+    lines = [
+        "| pipeline | replaces | defined in | default plan | TorchRec |",
+        "|---|---|---|---|---|",
+    ]
+    for d in drop_ins():
+        arguments = ", ".join(f"{k}={v!r}" for k, v in d.plan_arguments.items())
+        lines.append(
+            f"| `{d.name}` | `{d.upstream_path}.{d.name}` | `{d.module_path}` "
+            f"| `torchrec_swp.catalog.torchrec.{d.plan}({arguments})` | {d.since} on |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _release(series: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in series.split("."))
