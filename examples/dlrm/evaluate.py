@@ -8,7 +8,7 @@ is collective). Every evaluation runs over the same held-out batches, each exact
 
 How the model changes hands (``SeparatePipeline``, ``--eval-mode pipeline``): an
 EvalPipelineSparseDist (ours, or upstream's with ``--impl upstream``) over the training
-pipeline's model. At the switch the training pipeline's threads are quiesced (ours may run ahead
+pipeline's model. At the switch the training pipeline's threads are blocked (ours may run ahead
 between steps: nothing of it runs during the evaluation, so every rank issues the same
 collectives in the same order) and the training pipeline is detached (TorchRec's ``detach()``:
 the model's sharded modules get their own forwards back; its batches in flight stay where they
@@ -143,7 +143,7 @@ class SeparatePipeline:
         pipeline's output ``(loss, logits, labels)`` of every batch; return how many there were."""
         engine = getattr(self._train, "engine", None)
         if engine is not None:
-            engine.quiesce()  # ours: its threads stop where the next step() would wake them
+            engine.wait_until_blocked()  # ours: its threads stop where the next step() would wake them
         if hasattr(self._train, "detach"):
             self._train.detach()
         was_training = self._model.training
@@ -232,7 +232,7 @@ class HybridPipeline:
         """Training batches the pipeline holds (ours: drawn and not yet returned)."""
         engine = getattr(self._pipeline, "engine", None)
         if engine is not None:
-            engine.quiesce()
+            engine.wait_until_blocked()
             return len(engine.in_flight())
         return len(self._pipeline.batches)
 

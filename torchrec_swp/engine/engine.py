@@ -132,7 +132,7 @@ class Engine(Interpreter):
         main = shape.main
         if any(w.done_through != main.P - 1 for w in shape.tasked if w is not main):
             return False  # a thread is ahead (or, after a failure, behind): a later step() switches
-        self.settle("switching plans")
+        self.park_all("switching plans")
         P = main.P
         if any(w.state is WalkState.FINISHED or w.P != P or w.i != 0 for w in shape.tasked):
             return False
@@ -245,7 +245,7 @@ class Engine(Interpreter):
         while True:
             if ended:
                 if end.restarts():
-                    self.settle()
+                    self.wait_until_resting()
                     self._epochs.start(Event.EPOCH)
                     ended = end.ended()
                     continue
@@ -268,7 +268,7 @@ class Engine(Interpreter):
             if outcome == "stopped":
                 batches.report_end()
                 raise StopIteration
-            self.settle()  # drained: no batch d; every thread walks out of the epoch
+            self.wait_until_resting()  # drained: no batch d; every thread walks out of the epoch
             ended = end.ended()
 
     def run_to_end(self) -> list[Any]:
@@ -392,7 +392,7 @@ class Engine(Interpreter):
             raise EngineError(
                 "state_dict(): a task failed and its step was not resumed; the batches in flight are not at a cut"
             )
-        self.quiesce()
+        self.wait_until_blocked()
         with self.board.lock:
             return cuts.take(self.batches, self._feed, self.phased.name)
 

@@ -13,7 +13,7 @@ found a stop).
 ``Epochs`` holds no state of its own: it decides, and tells the parts that own the state through
 their public methods - ``Batches`` (the books, the end of data), the ``Feed`` (the iterators) and
 the interpreter (``restart_walkers``: every thread placed at the new epoch's first iteration;
-``settle``: no thread walking).
+``park_all``: every thread interrupted and at rest; ``wait_until_resting``: no thread walking).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Epochs:
 
     def reset(self) -> None:
         """``Engine.reset``: the batches in flight dropped, batch numbers and tickets from 0."""
-        self._interpreter.settle("reset() was called")
+        self._interpreter.park_all("reset() was called")
         self._batches.restart_numbers(0)
         for t in self._interpreter.turnstiles.values():
             t.restart()
@@ -84,7 +84,7 @@ class Epochs:
             if then is Then.GO_ON:
                 board.forget_stopped_latches()
         if then is Then.NEXT_EPOCH:
-            self._interpreter.settle()
+            self._interpreter.wait_until_resting()
             self.start(Event.EPOCH)
 
     def take_data(self, data: Iterator[Any]) -> None:
@@ -127,7 +127,7 @@ class Epochs:
             return
         top = self._plans.shape.top
         check_adoptable(self._plans.current, top, slots)
-        self._interpreter.settle()
+        self._interpreter.wait_until_resting()
         self.start(Event.ADOPT, start=top)
         self._batches.adopt(slots)
         if len(slots) < top:

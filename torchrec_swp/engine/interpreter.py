@@ -35,6 +35,7 @@ import itertools
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -265,10 +266,11 @@ class Interpreter(abc.ABC):
             self._checker.cpu_release(("launch", self._uid, w.name))
         self._worker(w.name).inbox.put(job)
 
-    def quiesce(self) -> None:
-        """Return once no thread can go on without a later call: every worker waits for something
-        only a later call provides (credit, the caller's request), or has stopped. Between calls
-        the workers otherwise keep running ahead within their credit."""
+    def wait_until_blocked(self) -> None:
+        """Return once no thread can go on without a later call: every worker that walks is
+        blocked (asleep on the board, ``Board.blocked``) on something only a later call provides
+        (credit, the caller's request), or is at rest. Between calls the workers otherwise keep
+        running ahead within their credit."""
         workers = [w for w in self._walkers.values() if w.name in self._workers]
         board = self.board
 
@@ -286,20 +288,29 @@ class Interpreter(abc.ABC):
                 raise EngineTimeout(self._timeout_report())
             time.sleep(0.001)
 
-    def settle(self, interrupt: str | None = None) -> None:
-        """Wait until no thread walks (interrupting them first if ``interrupt`` says why)."""
-        if interrupt is not None and len(self._walkers) > 1:
-            self.board.interrupt_all(interrupt)
-        try:
-            self._wait_idle(list(self._walkers.values()))
-        finally:
-            if interrupt is not None:
-                self.board.resume()
+    def quiesce(self) -> None:
+        """Deprecated: ``wait_until_blocked()``."""
+        name = type(self).__name__
+        warnings.warn(f"{name}.quiesce() is deprecated: call wait_until_blocked()", DeprecationWarning, stacklevel=2)
+        self.wait_until_blocked()
 
-    def _wait_idle(self, walkers: list[Walker]) -> None:
-        """Wait until none of ``walkers`` is walking (interrupts do not end this wait); an
-        EngineTimeout with the report once no thread made progress for the timeout (a task that
-        runs on is progress: see ``torchrec_swp.engine.board``)."""
+    def park_all(self, why: str) -> None:
+        """Interrupt every thread (``why``) so that each parks where it is, wait until every one is
+        at rest, and lift the interrupt: the next walk of each resumes where it parked."""
+        if len(self._walkers) > 1:
+            self.board.interrupt_all(why)
+        try:
+            self.wait_until_resting()
+        finally:
+            self.board.resume()
+
+    def wait_until_resting(self, walkers: list[Walker] | None = None) -> None:
+        """Wait until none of ``walkers`` (None: every thread's) walks - each at rest: ready,
+        parked or finished (interrupts do not end this wait); an EngineTimeout with the report
+        once no thread made progress for the timeout (a task that runs on is progress: see
+        ``torchrec_swp.engine.board``)."""
+        if walkers is None:
+            walkers = list(self._walkers.values())
         began = self.board.wait_began()
 
         def idle() -> bool:
@@ -334,7 +345,7 @@ class Interpreter(abc.ABC):
         """Stop every thread where it is and raise the first failure to the caller."""
         if len(self._walkers) > 1:
             self.board.interrupt_all("a task failed")
-        self._wait_idle(list(self._walkers.values()))
+        self.wait_until_resting()
         self._failure_raised = True
         raise self._first_failure()
 

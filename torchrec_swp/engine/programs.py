@@ -148,7 +148,7 @@ class ProgramEngine(Interpreter):
                 self.failures.append(Failure(e, "-", -1, MAIN_THREAD, step))
         if self.failures:
             self.board.interrupt_all("an action failed")
-        self._wait_idle(walkers)  # (in checked mode: what every thread did is ordered before the caller)
+        self.wait_until_resting(walkers)  # (in checked mode: what every thread did is ordered before the caller)
         if self.failures:
             raise self._first_failure()
         for group, count in program.tickets:
