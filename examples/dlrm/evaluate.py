@@ -229,7 +229,7 @@ class HybridPipeline:
         return stretch
 
     def _in_flight(self) -> int:
-        """Training batches the pipeline holds (ours: drawn and not yet returned)."""
+        """Training batches the pipeline has in flight (drawn and not yet returned)."""
         engine = getattr(self._pipeline, "engine", None)
         if engine is not None:
             engine.wait_until_blocked()
@@ -240,11 +240,11 @@ class HybridPipeline:
         """Evaluate ``batches`` (each exactly once) through the training pipeline in eval mode,
         calling ``each(output)`` with its output ``(loss, logits, labels)`` of every batch; return
         how many there were."""
-        held = self._in_flight()
-        if held:
+        in_flight = self._in_flight()
+        if in_flight:
             raise RuntimeError(
-                f"--eval-mode hybrid: the training pipeline still holds {held} training batch(es): they would be "
-                "evaluated instead of trained (the training data must end at the evaluation's step)"
+                f"--eval-mode hybrid: the training pipeline still has {in_flight} training batch(es) in flight: they "
+                "would be evaluated instead of trained (the training data must end at the evaluation's step)"
             )
         was_training = self._model.training
         self._model.eval()

@@ -41,7 +41,7 @@ def take(batches: Batches, feed: Feed, plan: str) -> dict[str, Any]:
     if not draws.stateful:
         raise EngineError(
             f"state_dict(): the iterator given to progress() ({type(draws.iterator).__name__}) has no "
-            f"state_dict(), so the data position of the {len(book.in_flight())} batch(es) in flight "
+            f"state_dict(), so the data position of the {len(book.in_flight)} batch(es) in flight "
             "cannot be saved and they would be lost on resume; use an iterator that has one, e.g. of "
             "torchdata's StatefulDataLoader"
         )

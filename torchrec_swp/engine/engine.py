@@ -208,7 +208,7 @@ class Engine(Interpreter):
 
     def in_flight(self) -> list[int]:
         """Batches loaded but not delivered (in order), by index in this epoch."""
-        return self.batches.book.in_flight()
+        return sorted(self.batches.book.in_flight)
 
     def untrained(self) -> list[tuple[int, str]]:
         """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
@@ -314,7 +314,7 @@ class Engine(Interpreter):
         if self.failures:
             return "failed"
         book = self.batches.book
-        if d in book.held:
+        if d in book.in_flight:
             # a thread that may run ahead is done with d after its own part; the others (with
             # lookahead 0, every thread) finish iteration d + top, collectives included
             shape = self.plans.shape

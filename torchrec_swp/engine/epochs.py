@@ -66,7 +66,7 @@ class Epochs:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise EngineError(f"count_trained_from(): n must be an int >= 0, got {n!r}")
         book = self._batches.book
-        if book.requested or book.in_flight():
+        if book.requested or book.in_flight:
             raise EngineError("count_trained_from(): only before the first step() (or right after reset())")
         self._batches.count_trained_from(n)
 
@@ -120,7 +120,7 @@ class Epochs:
 
         Only while nothing is in flight (fresh, or after the end of data or a reset()).
         """
-        in_flight = self._batches.book.in_flight()
+        in_flight = sorted(self._batches.book.in_flight)
         if in_flight:
             raise EngineError(f"cannot adopt batches while batches {in_flight} are in flight")
         if not slots:

@@ -341,7 +341,7 @@ class PlanOps:
                 streams.wait(instr.stream, event)
         elif isinstance(instr, RecordEvent):
             b = P - instr.stage
-            if b not in book.held:  # not for a batch that was never loaded
+            if b not in book.in_flight:  # not for a batch that was never loaded
                 return
             if shape.lanes > 1 and instr.task == shape.source and b % shape.lanes != w.lane:
                 return  # another lane loaded it and records after it (as it signals)

@@ -271,10 +271,10 @@ class Source:
                 if draws is not None:
                     draws.drawing(None)
             if not plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
-                batches.hold(b)
+                batches.drawn(b)
                 return
             with board.lock:
-                batches.hold(b)
+                batches.drawn(b)
                 board.notify()
 
         return draw
