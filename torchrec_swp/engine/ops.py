@@ -68,7 +68,10 @@ class PlanOps:
         self._plans = plans
         self._uid = uid  # names the interpreter's hand-offs to the checker
         self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
-        self.source = Source(interpreter, batches, plans, self, checker=checker, exhaustion=exhaustion)
+        self.source = Source(
+            interpreter, batches, plans, stop_check=self.stop_check, wait=self.wait, in_task=self.in_task,
+            checker=checker, exhaustion=exhaustion,
+        )  # fmt: skip
         self._observer: Observer | None = None
         self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
         self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
