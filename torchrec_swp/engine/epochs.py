@@ -24,16 +24,17 @@ from typing import Any
 from torchrec_swp.engine.batches import Batches, BatchLedger
 from torchrec_swp.engine.end_of_data import Event, Then
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.installed import Plans, check_adoptable
+from torchrec_swp.engine.installed import InstalledPlans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
 from torchrec_swp.engine.source import Feed
 
 
 class Epochs:
-    """The epochs of an engine (``interpreter``, running ``plans`` over ``batches`` from ``feed``)."""
+    """The epochs of an engine (``interpreter``, running the ``installed`` plans over ``batches``
+    from ``feed``)."""
 
-    def __init__(self, interpreter: Interpreter, plans: Plans, batches: Batches, feed: Feed) -> None:
-        self._interpreter, self._plans = interpreter, plans
+    def __init__(self, interpreter: Interpreter, installed: InstalledPlans, batches: Batches, feed: Feed) -> None:
+        self._interpreter, self._installed = interpreter, installed
         self._batches = batches
         self._feed = feed
 
@@ -96,7 +97,7 @@ class Epochs:
                 self.new_data()
             return
         # the batches it serves: those no call made drawable yet, and the one that found a stop
-        book, shape = self._batches.book, self._plans.shape
+        book, shape = self._batches.book, self._installed.shape
         first = 0 if book.requested == 0 else book.requested + shape.top + shape.lookahead
         m = end.end_at()
         if end.stopped() and m is not None:
@@ -125,8 +126,8 @@ class Epochs:
             raise EngineError(f"cannot adopt batches while batches {in_flight} are in flight")
         if not slots:
             return
-        top = self._plans.shape.top
-        check_adoptable(self._plans.current, top, slots)
+        top = self._installed.shape.top
+        check_adoptable(self._installed.current, top, slots)
         self._interpreter.wait_until_resting()
         self.start(Event.ADOPT, start=top)
         self._batches.adopt(slots)

@@ -104,7 +104,7 @@ class Interpreter(abc.ABC):
     @abc.abstractmethod
     def _walkers(self) -> Mapping[str, Walker]:
         """Every thread's walker, the subclass's record of its threads (the calling thread's is
-        ``MAIN_THREAD``'s): ``Engine``'s are ``plans.shape``'s, ``ProgramEngine``'s its own."""
+        ``MAIN_THREAD``'s): ``Engine``'s are ``installed.shape``'s, ``ProgramEngine``'s its own."""
 
     def _walk(
         self,

@@ -33,7 +33,7 @@ from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import Plans
+from torchrec_swp.engine.installed import InstalledPlans
 from torchrec_swp.engine.walkers import Op, Walker
 from torchrec_swp.plan import PipelinePlan
 
@@ -185,7 +185,7 @@ class Source:
         self,
         interpreter: Interpreter,
         batches: Batches,
-        plans: Plans,
+        installed: InstalledPlans,
         *,
         stop_check: Callable[[int], None],
         wait: Callable[[int, Callable[[], bool], Callable[[], str]], None],
@@ -196,7 +196,7 @@ class Source:
         self._interpreter = interpreter
         self._board = interpreter.board
         self._batches = batches
-        self._plans = plans  # their shape: the highest stage, the lanes, whether other threads walk
+        self._installed = installed  # their shape: the highest stage, the lanes, whether other threads walk
         self._stop_check, self._wait, self._in_task = stop_check, wait, in_task
         self._checker = checker
         self.feed = Feed(
@@ -206,7 +206,7 @@ class Source:
     def op(self, instr: Run) -> Op:
         """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
         task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
-        batches, board, draws_for, plans = self._batches, self._board, self.feed.draws_for, self._plans
+        batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
         stop_check, wait, in_task = self._stop_check, self._wait, self._in_task
         end = batches.end
         exists_at, end_at = end.exists_at, end.end_at
@@ -258,7 +258,7 @@ class Source:
             finally:
                 if draws is not None:
                     draws.drawing(None)
-            if not plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
+            if not installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
                 batches.drawn(b)
                 return
             with board.lock:
@@ -274,7 +274,7 @@ class Source:
         book = self._batches.book
         return (
             b < book.returned + plan.pipeline_depth + plan.lookahead
-            and b < book.requested + self._plans.shape.top + plan.lookahead
+            and b < book.requested + self._installed.shape.top + plan.lookahead
         )
 
     def _found_end(self, b: int, plan: PipelinePlan) -> None:
@@ -297,7 +297,7 @@ class Source:
             m = end_at()
             return m is not None and m < b
 
-        if self._plans.shape.lanes > 1:
+        if self._installed.shape.lanes > 1:
             self._board.wait(
                 lambda: book.next_claim >= b or before_end(),
                 lambda: f"batch {b - 1} to be drawn first",
@@ -309,7 +309,7 @@ class Source:
     def turn_taken(self, b: int, ended: bool) -> None:
         if ended:
             return
-        if not self._plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
+        if not self._installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
             self._batches.claimed(b)
             return
         with self._board.lock:
