@@ -131,7 +131,7 @@ def test_a_failing_task_surfaces_with_where_it_failed(thread_map: Any, failing: 
     assert err.swp_thread == plan.task(task).thread_group  # type: ignore[attr-defined]
     assert err.swp_iteration == batch + plan.task(task).stage  # type: ignore[attr-defined]
     assert f"task {task} (batch {batch}" in "\n".join(err.__notes__)
-    # every worker is idle again: alive, waiting on its inbox
+    # every walker is at rest again: its worker alive, waiting on its inbox
     engine.wait_until_blocked()  # every worker waits for a later step(): nothing left running
     assert all(t.is_alive() for t in engine.worker_threads)
     engine.close()

@@ -193,7 +193,7 @@ FAULTS = [(task, batch) for task in ("H2D", "Dist", "Fwd", "Opt") for batch in r
 def test_fault_injection_matrix_every_task_every_phase(thread_map: Any) -> None:
     """6 batches: batch 0 and 1 fail during fill, 2-3 in steady state, 4-5 while draining.
     Each fault surfaces from step() within the timeout, names task/batch/thread/iteration,
-    and leaves every worker idle."""
+    and leaves every walker at rest."""
     import time
 
     for task, batch in FAULTS:

@@ -274,14 +274,14 @@ class Interpreter(abc.ABC):
         workers = [w for w in self._walkers.values() if w.name in self._workers]
         board = self.board
 
-        def quiet() -> bool:
+        def all_blocked() -> bool:
             running = [w for w in workers if w.state is WalkState.RUNNING]
             return all(self._workers[w.name].thread.ident in board.blocked for w in running)
 
         began = board.wait_began()
         while True:  # threads do not announce that they block: look every millisecond
             with board.lock:
-                if quiet() or self.failures:
+                if all_blocked() or self.failures:
                     return
                 stalled = board.patience(began, self.timeout_s) <= 0  # no thread made progress
             if stalled:
@@ -313,16 +313,16 @@ class Interpreter(abc.ABC):
             walkers = list(self._walkers.values())
         began = self.board.wait_began()
 
-        def idle() -> bool:
+        def resting() -> bool:
             return all(w.state is not WalkState.RUNNING for w in walkers)
 
         with self.board.lock:
-            while not idle():
+            while not resting():
                 remaining = self.board.patience(began, self.timeout_s)
                 if remaining <= 0:
                     cause = self.failures[0].exc if self.failures else None
                     raise EngineTimeout(self._timeout_report()) from cause
-                self.board.sleep(remaining, idle)
+                self.board.sleep(remaining, resting)
         if self._checker is not None:
             for w in walkers:
                 self._checker.cpu_acquire(("walk", self._uid, w.name))

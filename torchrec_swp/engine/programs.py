@@ -18,8 +18,8 @@ instructions, every kind bound, every ``wait`` has its ``signal`` on another thr
 twice, tickets numbered ``0..n-1`` per comm group as ``program.tickets`` says.
 
 Failures: an exception in any action on any thread aborts the step: every waiting thread wakes
-(``TaskAborted``), later tickets fail (``CollectiveAborted``) until ``reset()``, every worker
-returns to idle, and ``run_program`` re-raises the first exception, of its own type, with a
+(``TaskAborted``), later tickets fail (``CollectiveAborted``) until ``reset()``, every walker
+comes to rest, and ``run_program`` re-raises the first exception, of its own type, with a
 note naming action, microbatch, thread and step (attributes ``swp_task`` = the action's text,
 ``swp_batch`` = its microbatch or -1, ``swp_thread``, ``swp_iteration`` = the step). A wait
 times out once no thread made progress for ``timeout_s`` (``engine.board``); it reports what each thread is at and
