@@ -8,7 +8,7 @@ is collective). Every evaluation runs over the same held-out batches, each exact
 
 How the model changes hands (``SeparatePipeline``, ``--eval-mode pipeline``): an
 EvalPipelineSparseDist (ours, or upstream's with ``--impl upstream``) over the training
-pipeline's model. At the switch the training pipeline's threads are quiesced (ours may run ahead
+pipeline's model. At the switch the training pipeline's threads are blocked (ours may run ahead
 between steps: nothing of it runs during the evaluation, so every rank issues the same
 collectives in the same order) and the training pipeline is detached (TorchRec's ``detach()``:
 the model's sharded modules get their own forwards back; its batches in flight stay where they
@@ -143,7 +143,7 @@ class SeparatePipeline:
         pipeline's output ``(loss, logits, labels)`` of every batch; return how many there were."""
         engine = getattr(self._train, "engine", None)
         if engine is not None:
-            engine.quiesce()  # ours: its threads stop where the next step() would wake them
+            engine.wait_until_blocked()  # ours: its threads stop where the next step() would wake them
         if hasattr(self._train, "detach"):
             self._train.detach()
         was_training = self._model.training
@@ -229,10 +229,10 @@ class HybridPipeline:
         return stretch
 
     def _in_flight(self) -> int:
-        """Training batches the pipeline holds (ours: drawn and not yet returned)."""
+        """Training batches the pipeline has in flight (drawn and not yet returned)."""
         engine = getattr(self._pipeline, "engine", None)
         if engine is not None:
-            engine.quiesce()
+            engine.wait_until_blocked()
             return len(engine.in_flight())
         return len(self._pipeline.batches)
 
@@ -240,11 +240,11 @@ class HybridPipeline:
         """Evaluate ``batches`` (each exactly once) through the training pipeline in eval mode,
         calling ``each(output)`` with its output ``(loss, logits, labels)`` of every batch; return
         how many there were."""
-        held = self._in_flight()
-        if held:
+        in_flight = self._in_flight()
+        if in_flight:
             raise RuntimeError(
-                f"--eval-mode hybrid: the training pipeline still holds {held} training batch(es): they would be "
-                "evaluated instead of trained (the training data must end at the evaluation's step)"
+                f"--eval-mode hybrid: the training pipeline still has {in_flight} training batch(es) in flight: they "
+                "would be evaluated instead of trained (the training data must end at the evaluation's step)"
             )
         was_training = self._model.training
         self._model.eval()

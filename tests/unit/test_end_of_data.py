@@ -63,7 +63,7 @@ def in_state(state: EndState) -> Batches:
         return batches
     for b in range(M):
         batches.open_slot(b)
-        batches.hold(b)
+        batches.drawn(b)
     batches.found_end(M, stop=state is EndState.STOPPED)
     if state is EndState.DRAINED:
         for d in range(M):

@@ -131,11 +131,21 @@ def test_a_failing_task_surfaces_with_where_it_failed(thread_map: Any, failing: 
     assert err.swp_thread == plan.task(task).thread_group  # type: ignore[attr-defined]
     assert err.swp_iteration == batch + plan.task(task).stage  # type: ignore[attr-defined]
     assert f"task {task} (batch {batch}" in "\n".join(err.__notes__)
-    # every worker is idle again: alive, waiting on its inbox
-    engine.quiesce()  # every worker waits for a later step(): nothing left running
+    # every walker is at rest again: its worker alive, waiting on its inbox
+    engine.wait_until_blocked()  # every worker waits for a later step(): nothing left running
     assert all(t.is_alive() for t in engine.worker_threads)
     engine.close()
     assert not any(t.is_alive() for t in engine.worker_threads)
+
+
+def test_quiesce_is_a_deprecated_name_of_wait_until_blocked() -> None:
+    """``engine.quiesce()`` (called by users before this name) warns and still waits."""
+    engine = Engine(toy_plan().with_thread_map(THREAD_MAPS[-1]), Toy(6).bindings())
+    engine.step()
+    with pytest.warns(DeprecationWarning, match=r"Engine\.quiesce\(\) is deprecated: call wait_until_blocked\(\)"):
+        engine.quiesce()
+    assert len(engine.run_to_end()) == 5
+    engine.close()
 
 
 def test_failure_aborts_later_collectives_on_other_threads() -> None:

@@ -1,6 +1,7 @@
-"""docs/engine.md stays a true map: every ``file:function`` it names is defined in that file, its
-numbered path stays within 15 calls and six engine files, and a task's call from ``step()`` goes
-through as few engine frames as the map says."""
+"""docs/engine.md stays a true map: every ``file:function`` it names is defined in that file, every
+``Class.member`` of an engine class it names (the glossary's words) exists, its numbered path
+stays within 15 calls and six engine files, and a task's call from ``step()`` goes through as few
+engine frames as the map says."""
 
 from __future__ import annotations
 
@@ -46,6 +47,52 @@ def test_the_map_names_functions() -> None:
 def test_every_function_the_map_names_is_in_its_file(line_no: int, path: Path, name: str) -> None:
     assert path.is_file(), f"docs/engine.md:{line_no}: {path.relative_to(ROOT)} does not exist"
     assert name in _defined(path), f"docs/engine.md:{line_no}: {path.relative_to(ROOT)} defines no {name}"
+
+
+def _members() -> dict[str, set[str]]:
+    """Every class of the engine -> the names it has: its methods, its class-level fields, what
+    its methods assign on ``self``, and those of its bases defined in the engine."""
+    own: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for path in ENGINE.glob("*.py"):
+        for cls in [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]:
+            names = own.setdefault(cls.name, set())
+            bases[cls.name] = [b.id for b in cls.bases if isinstance(b, ast.Name)]
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+                elif isinstance(node, ast.Assign):
+                    names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            for node in ast.walk(cls):
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                for t in targets:
+                    for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                            names.add(e.attr)
+
+    def all_of(name: str) -> set[str]:
+        return own[name].union(*(all_of(b) for b in bases[name] if b in own))
+
+    return {name: all_of(name) for name in own}
+
+
+MEMBER = re.compile(r"`([A-Z]\w*)\.(\w+)")
+
+
+def test_every_class_member_the_map_names_exists() -> None:
+    """``Class.name`` in docs/engine.md (the glossary's words among them), for a class of the
+    engine, is a method, a field or an attribute of that class."""
+    members = _members()
+    missing = [
+        f"docs/engine.md:{line_no}: {cls}.{name}"
+        for line_no, line in enumerate(MAP.read_text().splitlines(), 1)
+        for cls, name in MEMBER.findall(line)
+        if cls in members and name not in members[cls]
+    ]
+    assert missing == []
+    assert sum(len(MEMBER.findall(line)) for line in MAP.read_text().splitlines()) >= 30
 
 
 def test_the_path_of_one_batch_stays_short() -> None:

@@ -193,7 +193,7 @@ FAULTS = [(task, batch) for task in ("H2D", "Dist", "Fwd", "Opt") for batch in r
 def test_fault_injection_matrix_every_task_every_phase(thread_map: Any) -> None:
     """6 batches: batch 0 and 1 fail during fill, 2-3 in steady state, 4-5 while draining.
     Each fault surfaces from step() within the timeout, names task/batch/thread/iteration,
-    and leaves every worker idle."""
+    and leaves every walker at rest."""
     import time
 
     for task, batch in FAULTS:
@@ -216,7 +216,7 @@ def test_fault_injection_matrix_every_task_every_phase(thread_map: Any) -> None:
         err = info.value
         assert (err.swp_task, err.swp_batch, err.swp_thread) == (task, batch, plan.task(task).thread_group)  # type: ignore[attr-defined]
         assert err.swp_iteration == batch + plan.task(task).stage  # type: ignore[attr-defined]
-        engine.quiesce()  # every worker waits for a later step(): nothing left running
+        engine.wait_until_blocked()  # every worker waits for a later step(): nothing left running
         assert all(t.is_alive() for t in engine.worker_threads)
         engine.close()
         assert all(not t.is_alive() for t in engine.worker_threads)

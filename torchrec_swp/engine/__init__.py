@@ -26,7 +26,7 @@ turnstile, cut) and which part owns which state. In short:
 
 ``state_dict()`` cuts at the first batch not returned (``cuts.py``): the data position before it
 was drawn, its number and the ledger; the batches in flight are drawn again after a resume. The
-installed plans, a pending switch and the walkers they need are ``Plans`` (``installed.py``).
+installed plans, a pending switch and the walkers they need are ``InstalledPlans`` (``installed.py``).
 
 A failure anywhere parks every thread where it is and comes out of ``step()`` named
 (``errors.py``); ``ProgramEngine`` (``programs.py``) runs pipeline-parallel rank programs on the

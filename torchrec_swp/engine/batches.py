@@ -61,8 +61,8 @@ class BatchBook:
     internal iteration the threads start at (0, or the highest stage when batches were adopted);
     ``first_iteration``: internal iteration 0 of this epoch counted on over the epochs before it
     (the iteration observers and the stream checker see); ``slots``: batch -> its values (one dict
-    for the engine's life, emptied per epoch); ``numbers``: batch -> its number; ``held``: batches
-    the source drew (or that were adopted) and ``step()`` has not returned yet;
+    for the engine's life, emptied per epoch); ``numbers``: batch -> its number; ``in_flight``:
+    batches the source drew (or that were adopted) and ``step()`` has not returned yet;
     ``events``: (task, batch) -> the device event recorded after it; ``renumbered``: source
     calls of this epoch that found the end under a stop and were followed by more data (each took
     a batch number); ``next_claim``: the batch whose draw is next (several loads take turns);
@@ -76,7 +76,7 @@ class BatchBook:
     start: int = 0
     first_iteration: int = 0
     slots: dict[int, dict[str, Any]] = field(default_factory=dict)
-    held: set[int] = field(default_factory=set)
+    in_flight: set[int] = field(default_factory=set)
     numbers: dict[int, int] = field(default_factory=dict)
     events: dict[tuple[str, int], Any] = field(default_factory=dict)
     renumbered: int = 0
@@ -95,10 +95,6 @@ class BatchBook:
 
     def serial(self, b: int) -> int:
         return self.first_serial + b
-
-    def in_flight(self) -> list[int]:
-        """Batches drawn and not yet returned, in order."""
-        return sorted(b for b in self.held if b >= self.returned)
 
     @property
     def num_batches(self) -> int | None:
@@ -140,7 +136,7 @@ class Batches:
         slots = book.slots
         value = slots[d].get(output) if output is not None else None
         book.returned = d + 1
-        book.held.discard(d)
+        book.in_flight.discard(d)
         book.numbers.pop(d, None)
         self.ledger.trained += 1
         slots.pop(d - keep_slots, None)
@@ -181,7 +177,7 @@ class Batches:
         """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
         book = self.book
         reason = "left in flight: the plan stopped at the end of data" if self.end.stopped() else "in flight"
-        return [*self.ledger.dropped, *((book.serial(b), reason) for b in book.in_flight())]
+        return [*self.ledger.dropped, *((book.serial(b), reason) for b in sorted(book.in_flight))]
 
     # ----------------------------------------------------------- the source
     def open_slot(self, b: int) -> None:
@@ -192,10 +188,10 @@ class Batches:
         """Batch ``b``'s draw found nothing or failed: no slot."""
         self.slots.pop(b, None)
 
-    def hold(self, b: int) -> None:
-        """The source drew batch ``b``: held, numbered, counted in the ledger."""
+    def drawn(self, b: int) -> None:
+        """The source drew batch ``b``: in flight, numbered, counted in the ledger."""
         book = self.book
-        book.held.add(b)
+        book.in_flight.add(b)
         number = book.numbers[b] = book.first_number + b + book.renumbered  # book.number(b), inline
         self.ledger.drawn += 1
         if number >= self.next_number:
@@ -238,7 +234,7 @@ class Batches:
             end=self.end,
         )
         self.end.begin(why, new)  # EngineError, changing nothing, where the end of data allows no new epoch
-        for b in book.in_flight():
+        for b in sorted(book.in_flight):
             self.ledger.dropped.append((book.serial(b), "in flight when reset() was called"))
         self.slots.clear()
         self.book = new
@@ -266,7 +262,7 @@ class Batches:
         book = self.book
         for j, values in enumerate(slots):
             book.slots[j] = dict(values)
-            book.held.add(j)
+            book.in_flight.add(j)
         book.next_claim = len(slots)
         self.ledger.drawn += len(slots)
         self.next_number += len(slots)

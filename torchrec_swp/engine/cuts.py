@@ -4,13 +4,13 @@
 before ``c`` were trained; ``c`` and the batches drawn after it are in flight and must be drawn
 and run again after a resume. The data position is the iterator's ``state_dict()`` recorded just
 before ``c`` was drawn (``Draws.positions``), or, when ``c`` was not drawn yet, the iterator's
-state now (nothing draws while the cut is taken: the workers are quiesced first). With it go the
-batch number of ``c`` (the phases' clock and TorchRec's context index), the batches trained
+state now (nothing draws while the cut is taken: ``wait_until_blocked`` first). With it go
+the batch number of ``c`` (the phases' clock and TorchRec's context index), the batches trained
 before ``c`` since the engine was built or reset (the clock ``"trained"``), the ledger and the
 plan's name. ``load_state_dict()`` on a fresh engine starts its first epoch at that number; the data
 the next ``step(data)`` gets is the caller's iterator restored at that position.
 
-``take`` writes a cut, ``read`` checks one; the engine quiesces its threads around them.
+``take`` writes a cut, ``read`` checks one; the engine's threads are blocked around them.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def take(batches: Batches, feed: Feed, plan: str) -> dict[str, Any]:
     if not draws.stateful:
         raise EngineError(
             f"state_dict(): the iterator given to progress() ({type(draws.iterator).__name__}) has no "
-            f"state_dict(), so the data position of the {len(book.in_flight())} batch(es) in flight "
+            f"state_dict(), so the data position of the {len(book.in_flight)} batch(es) in flight "
             "cannot be saved and they would be lost on resume; use an iterator that has one, e.g. of "
             "torchdata's StatefulDataLoader"
         )

@@ -35,7 +35,7 @@ book's ``renumbered``, which ``Batches`` counts when ``new_data()`` says ``Then.
 The questions (``exists``, ``exists_at``, ``past_end``, ``ended``, ``beyond_stop``...) are plain
 int compares on thresholds each transition sets (``NEVER`` while they do not apply): the ops ask
 them on every instruction. ``Batches`` holds the one ``EndOfData`` of an engine and tells it each
-epoch's book (``begin``): the batches held and returned are the book's.
+epoch's book (``begin``): the batches in flight and returned are the book's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from torchrec_swp.engine.errors import EngineError, Stopped
 class Book(Protocol):
     """What the machine reads of an epoch's book (``torchrec_swp.engine.batches.BatchBook``)."""
 
-    held: set[int]
+    in_flight: set[int]
     returned: int
 
 
@@ -121,11 +121,11 @@ class EndOfData:
     """The end of data of an engine's epochs (module docstring): the state, the batch ``M`` the
     end was seen at, whether ``step()`` reported it, whether new data came while draining."""
 
-    __slots__ = ("_book", "_held", "_state", "_at", "_gone", "_stop", "_over", "_reported", "_restart")
+    __slots__ = ("_book", "_in_flight", "_state", "_at", "_gone", "_stop", "_over", "_reported", "_restart")
 
     def __init__(self, book: Book) -> None:
         self._book = book
-        self._held = book.held  # the book's set, by reference
+        self._in_flight = book.in_flight  # the book's set, by reference
         self._state = EndState.RUNNING  # never DRAINED: that is DRAINING with every batch returned
         self._at: int | None = None  # M
         self._gone = NEVER  # batches >= it never exist (M while draining)
@@ -144,7 +144,7 @@ class EndOfData:
     def exists(self, b: int) -> bool | None:
         """Whether batch ``b`` was drawn (True), never will be (False), or is not known yet (None:
         the source has not looked for it). While stopped, nothing at or past the end is known."""
-        if b in self._held or 0 <= b < self._book.returned:
+        if b in self._in_flight or 0 <= b < self._book.returned:
             return True
         if b < 0 or b >= self._gone:
             return False
@@ -156,7 +156,7 @@ class EndOfData:
         not have got there)."""
         if P > self._stop:
             raise Stopped
-        if b in self._held:
+        if b in self._in_flight:
             return True
         if 0 <= b < self._book.returned:
             return True
@@ -249,7 +249,7 @@ class EndOfData:
         if event not in _BEGINS:
             raise EngineError(f"end of data: {event.value} does not begin an epoch")
         self._go(event)
-        self._book, self._held = book, book.held
+        self._book, self._in_flight = book, book.in_flight
         self._enter_running()
 
     # ---------------------------------------------------------------- internal

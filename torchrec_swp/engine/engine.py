@@ -29,7 +29,7 @@ from torchrec_swp.engine.end_of_data import Event
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import InstalledPlan, Plans, check_bindings
+from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans, check_bindings
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
 from torchrec_swp.engine.ops import PlanOps
 from torchrec_swp.engine.source import Draws
@@ -65,15 +65,17 @@ class Engine(Interpreter):
         exhaustion: ExhaustionSync | None = None,
     ) -> None:
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
-        self.plans = Plans(
+        self.installed = InstalledPlans(
             plan, streams=self.streams, device_type=device_type, max_threads=max_threads, max_in_flight=max_in_flight
         )
-        check_bindings(self.plans.phased, bindings)
+        check_bindings(self.installed.phased, bindings)
         self.device_type, self.exhaustion = device_type, exhaustion
         self.batches = Batches()
-        self._ops = PlanOps(self, self.batches, self.plans, uid=self._uid, checker=self._checker, exhaustion=exhaustion)
+        self._ops = PlanOps(
+            self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion
+        )
         self._feed = self._ops.source.feed
-        self._epochs = Epochs(self, self.plans, self.batches, self._feed)
+        self._epochs = Epochs(self, self.installed, self.batches, self._feed)
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
@@ -83,12 +85,12 @@ class Engine(Interpreter):
     # ------------------------------------------------------------------ plans
     @property
     def _walkers(self) -> Mapping[str, Walker]:
-        """The installed plans' walkers (``Plans.shape``, the one record of threads and stages)."""
-        return self.plans.shape.walkers
+        """The installed plans' walkers (``InstalledPlans.shape``, the one record of threads and stages)."""
+        return self.installed.shape.walkers
 
     def _bind_all(self) -> None:
         """The installed plans' task calls and ops."""
-        for inst in self.plans.installed.values():
+        for inst in self.installed.by_id.values():
             self._bind(inst)
 
     def _bind(self, inst: InstalledPlan) -> None:
@@ -101,12 +103,12 @@ class Engine(Interpreter):
 
     @property
     def phased(self) -> PhasedPlan:
-        return self.plans.phased
+        return self.installed.phased
 
     @property
     def plan(self) -> PipelinePlan:
         """The plan the calling thread's iteration runs (its phase's)."""
-        return self.plans.current
+        return self.installed.current
 
     def switch_plan(self, plan: PipelinePlan | PhasedPlan) -> bool:
         """Run ``plan`` from a batch boundary every thread stands at; between steps only: now (True)
@@ -114,29 +116,29 @@ class Engine(Interpreter):
         ``switch_pending``) at the first ``step()`` that finds them there, at most ``lookahead``
         steps later, threads no longer running ahead. ``plan`` keeps every task, its stage and its
         stream (``installed.check_switch``; EngineError naming what does not hold)."""
-        new = self.plans.checked(plan)
+        new = self.installed.checked(plan)
         if self.failures:
             raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
-        self.plans.request(new)
-        self.plans.shape.hold_back()  # nobody runs ahead any more: the calling thread catches up
+        self.installed.request(new)
+        self.installed.shape.hold_back()  # nobody runs ahead any more: the calling thread catches up
         return self._switch_if_ready()
 
     @property
     def switch_pending(self) -> bool:
         """A ``switch_plan`` waits for threads that ran ahead to stand at the calling thread's boundary."""
-        return self.plans.pending is not None
+        return self.installed.pending is not None
 
     def _switch_if_ready(self) -> bool:
         """Switch to the pending plan if every thread stands at the calling thread's boundary."""
-        shape = self.plans.shape
+        shape = self.installed.shape
         main = shape.main
         if any(w.done_through != main.P - 1 for w in shape.tasked if w is not main):
             return False  # a thread is ahead (or, after a failure, behind): a later step() switches
-        self.settle("switching plans")
+        self.park_all("switching plans")
         P = main.P
         if any(w.state is WalkState.FINISHED or w.P != P or w.i != 0 for w in shape.tasked):
             return False
-        self.plans.switch()  # a new shape: new walkers
+        self.installed.switch()  # a new shape: new walkers
         self._bind_all()
         bases = {g: t.next_ticket for g, t in self._turnstiles.items()}
         for w in self._walkers.values():
@@ -154,24 +156,24 @@ class Engine(Interpreter):
         """
         self._observer, self._labels = observer, labels
         self._on_step = getattr(observer, "on_step", None)
-        for inst in self.plans.installed.values():
+        for inst in self.installed.by_id.values():
             self._bind(inst)
 
     def program_texts(self) -> list[str]:
         """The steady programs of each installed plan (one per phase) as text
         (``compile.format_program``): what ``edit_program`` takes back."""
-        return [self.plans.program_text(k) for k in range(len(self.plans.installed))]
+        return [self.installed.program_text(k) for k in range(len(self.installed.by_id))]
 
     def edit_program(self, plan_index: int, text: str) -> None:
         """Run ``text``'s programs for the ``plan_index``-th installed plan, for mutation testing
         only (a mutant engine: call it before the first step; tools/stream_check.py removes one
         stream wait or event record line at a time). PlanError naming the line when ``text``
         does not parse against that plan."""
-        self._ops.compile(self.plans.edit_program(plan_index, text), self._observer)
+        self._ops.compile(self.installed.edit_program(plan_index, text), self._observer)
 
     @property
     def compiled(self) -> CompiledPlan:
-        return self.plans.compiled
+        return self.installed.compiled
 
     @property
     def book(self) -> BatchBook:
@@ -194,7 +196,7 @@ class Engine(Interpreter):
     @property
     def iteration(self) -> int:
         """The next internal iteration the calling thread runs."""
-        return self.plans.shape.main.P
+        return self.installed.shape.main.P
 
     @property
     def end_reported(self) -> bool:
@@ -208,7 +210,7 @@ class Engine(Interpreter):
 
     def in_flight(self) -> list[int]:
         """Batches loaded but not delivered (in order), by index in this epoch."""
-        return self.batches.book.in_flight()
+        return sorted(self.batches.book.in_flight)
 
     def untrained(self) -> list[tuple[int, str]]:
         """Every batch drawn and not trained, by serial: dropped ones, then those in flight."""
@@ -234,18 +236,18 @@ class Engine(Interpreter):
             ended = end.ended()
         if self._failure_raised:  # step() again after a failure: go on where every thread stopped
             self._resume_after_failure()
-        if self.plans.pending is not None:
+        if self.installed.pending is not None:
             self._switch_if_ready()
             ended = end.ended()
         self._ops.begin_step(
             torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
         )
-        shape = self.plans.shape
+        shape = self.installed.shape
         main, threaded = shape.main, shape.threaded
         while True:
             if ended:
                 if end.restarts():
-                    self.settle()
+                    self.wait_until_resting()
                     self._epochs.start(Event.EPOCH)
                     ended = end.ended()
                     continue
@@ -268,7 +270,7 @@ class Engine(Interpreter):
             if outcome == "stopped":
                 batches.report_end()
                 raise StopIteration
-            self.settle()  # drained: no batch d; every thread walks out of the epoch
+            self.wait_until_resting()  # drained: no batch d; every thread walks out of the epoch
             ended = end.ended()
 
     def run_to_end(self) -> list[Any]:
@@ -283,7 +285,7 @@ class Engine(Interpreter):
     def _start_workers(self) -> None:
         if self.failures:
             return
-        main = self.plans.shape.main
+        main = self.installed.shape.main
         for w in self._walkers.values():
             if w is not main and w.state in (WalkState.READY, WalkState.PARKED):
                 self._launch(w, lambda w=w: self._background(w))
@@ -303,7 +305,7 @@ class Engine(Interpreter):
 
     def _ordered(self, d: int) -> None:
         """In checked mode: each thread's part of batch ``d`` is ordered before the caller."""
-        shape, base = self.plans.shape, self.batches.book.first_iteration
+        shape, base = self.installed.shape, self.batches.book.first_iteration
         top = shape.top
         for w in shape.tasked:
             if w is not shape.main:
@@ -314,10 +316,10 @@ class Engine(Interpreter):
         if self.failures:
             return "failed"
         book = self.batches.book
-        if d in book.held:
+        if d in book.in_flight:
             # a thread that may run ahead is done with d after its own part; the others (with
             # lookahead 0, every thread) finish iteration d + top, collectives included
-            shape = self.plans.shape
+            shape = self.installed.shape
             top = shape.top
             for w in shape.tasked:
                 if w.done_through < d + (w.last_stage if w.ahead else top):
@@ -332,7 +334,7 @@ class Engine(Interpreter):
             return "stopped"
         if resting:  # nobody can make batch d: a bug of the engine's, not a wait
             stuck = EngineError(f"no thread can go on:\n{self._timeout_report()}")
-            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self.plans.shape.main.P))
+            self.failures.append(Failure(stuck, "-", d, MAIN_THREAD, self.installed.shape.main.P))
             return "failed"
         return None
 
@@ -340,14 +342,16 @@ class Engine(Interpreter):
         """Return batch ``d``'s output and forget what only it needed: its latches, its slot and
         events once no later batch reads them, its data position. Under the board's lock where
         other threads walk (on one thread nobody else reads the book: no lock, nobody to wake)."""
-        plans, shape, board = self.plans, self.plans.shape, self.board
+        installed, shape, board = self.installed, self.installed.shape, self.board
         threaded = shape.threaded
         if threaded:
             board.lock.acquire()
         try:
-            output = self.batches.retire(d, plans.current.output, shape.keep_slots, shape.keep_events, plans.recorded)
-            if plans.latched:  # (no latch on one thread, unless a plan on threads ran before)
-                board.forget_latches(plans.latched, d)
+            output = self.batches.retire(
+                d, installed.current.output, shape.keep_slots, shape.keep_events, installed.recorded
+            )
+            if installed.latched:  # (no latch on one thread, unless a plan on threads ran before)
+                board.forget_latches(installed.latched, d)
             draws = self._feed.draws
             if draws is not None and draws.positions:
                 draws.forget_positions(d + 1)
@@ -392,7 +396,7 @@ class Engine(Interpreter):
             raise EngineError(
                 "state_dict(): a task failed and its step was not resumed; the batches in flight are not at a cut"
             )
-        self.quiesce()
+        self.wait_until_blocked()
         with self.board.lock:
             return cuts.take(self.batches, self._feed, self.phased.name)
 
@@ -409,7 +413,7 @@ class Engine(Interpreter):
         return f"{describe(f.task, f.batch, f.thread, f.iteration)} of plan {self.plan.name}"
 
     def _timeout_report(self) -> str:
-        main, walkers = self.plans.shape.main, self._walkers.values()
+        main, walkers = self.installed.shape.main, self._walkers.values()
         lines = [
             f"internal iteration {main.P} of plan {self.plan.name} did not finish: "
             f"no thread made progress for {self.timeout_s:.1f}s"

@@ -13,7 +13,7 @@ found a stop).
 ``Epochs`` holds no state of its own: it decides, and tells the parts that own the state through
 their public methods - ``Batches`` (the books, the end of data), the ``Feed`` (the iterators) and
 the interpreter (``restart_walkers``: every thread placed at the new epoch's first iteration;
-``settle``: no thread walking).
+``park_all``: every thread interrupted and at rest; ``wait_until_resting``: no thread walking).
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from typing import Any
 from torchrec_swp.engine.batches import Batches, BatchLedger
 from torchrec_swp.engine.end_of_data import Event, Then
 from torchrec_swp.engine.errors import EngineError
-from torchrec_swp.engine.installed import Plans, check_adoptable
+from torchrec_swp.engine.installed import InstalledPlans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
 from torchrec_swp.engine.source import Feed
 
 
 class Epochs:
-    """The epochs of an engine (``interpreter``, running ``plans`` over ``batches`` from ``feed``)."""
+    """The epochs of an engine (``interpreter``, running the ``installed`` plans over ``batches``
+    from ``feed``)."""
 
-    def __init__(self, interpreter: Interpreter, plans: Plans, batches: Batches, feed: Feed) -> None:
-        self._interpreter, self._plans = interpreter, plans
+    def __init__(self, interpreter: Interpreter, installed: InstalledPlans, batches: Batches, feed: Feed) -> None:
+        self._interpreter, self._installed = interpreter, installed
         self._batches = batches
         self._feed = feed
 
@@ -47,7 +48,7 @@ class Epochs:
 
     def reset(self) -> None:
         """``Engine.reset``: the batches in flight dropped, batch numbers and tickets from 0."""
-        self._interpreter.settle("reset() was called")
+        self._interpreter.park_all("reset() was called")
         self._batches.restart_numbers(0)
         for t in self._interpreter.turnstiles.values():
             t.restart()
@@ -66,7 +67,7 @@ class Epochs:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise EngineError(f"count_trained_from(): n must be an int >= 0, got {n!r}")
         book = self._batches.book
-        if book.requested or book.in_flight():
+        if book.requested or book.in_flight:
             raise EngineError("count_trained_from(): only before the first step() (or right after reset())")
         self._batches.count_trained_from(n)
 
@@ -84,7 +85,7 @@ class Epochs:
             if then is Then.GO_ON:
                 board.forget_stopped_latches()
         if then is Then.NEXT_EPOCH:
-            self._interpreter.settle()
+            self._interpreter.wait_until_resting()
             self.start(Event.EPOCH)
 
     def take_data(self, data: Iterator[Any]) -> None:
@@ -96,7 +97,7 @@ class Epochs:
                 self.new_data()
             return
         # the batches it serves: those no call made drawable yet, and the one that found a stop
-        book, shape = self._batches.book, self._plans.shape
+        book, shape = self._batches.book, self._installed.shape
         first = 0 if book.requested == 0 else book.requested + shape.top + shape.lookahead
         m = end.end_at()
         if end.stopped() and m is not None:
@@ -120,14 +121,14 @@ class Epochs:
 
         Only while nothing is in flight (fresh, or after the end of data or a reset()).
         """
-        in_flight = self._batches.book.in_flight()
+        in_flight = sorted(self._batches.book.in_flight)
         if in_flight:
             raise EngineError(f"cannot adopt batches while batches {in_flight} are in flight")
         if not slots:
             return
-        top = self._plans.shape.top
-        check_adoptable(self._plans.current, top, slots)
-        self._interpreter.settle()
+        top = self._installed.shape.top
+        check_adoptable(self._installed.current, top, slots)
+        self._interpreter.wait_until_resting()
         self.start(Event.ADOPT, start=top)
         self._batches.adopt(slots)
         if len(slots) < top:

@@ -1,7 +1,7 @@
 """Plans installed on an engine: what the engine runs and the numbers it reads off the plans.
 
-``Plans``: the engine's part that holds them (the phases, the plan running now, a switch
-pending) and the walkers their programs need.
+``InstalledPlans``: the engine's part that holds them (the phases, the plan running now, a
+switch pending) and the walkers their programs need.
 ``PlanShape``: what every phase's plan together says (the highest stage ``top``, loads, lookahead,
 each task's stage, the source, how far back slots and events are read). ``InstalledPlan``: one
 plan compiled for the engine's streams, its tasks' calls (``bind``) and, per thread, each
@@ -39,8 +39,8 @@ from torchrec_swp.plan.task import parse_read
 @dataclass(frozen=True, eq=False)
 class PlanShape:
     """The threads and stages of the plans running now (every phase's together): the one record
-    of them, made by ``Plans`` whenever plans are installed (a switch makes a new one) and read
-    through ``Plans.shape`` by every part that needs it, never copied.
+    of them, made by ``InstalledPlans`` whenever plans are installed (a switch makes a new one) and read
+    through ``InstalledPlans.shape`` by every part that needs it, never copied.
 
     Stages: ``top`` (the highest), ``lanes`` (the source's loads), ``lookahead``, ``source``, each
     task's ``stage``; ``keep_slots`` / ``keep_events``: how many batches back values and events
@@ -289,9 +289,10 @@ def phased(plan: PipelinePlan | PhasedPlan) -> PhasedPlan:
     raise TypeError(f"plan must be a PipelinePlan or a PhasedPlan, got {type(plan).__name__}")
 
 
-class Plans:
+class InstalledPlans:
     """The plans an engine runs: every phase's (``phased``), the one the calling thread's
-    iteration runs (``current``), what they say together (``shape``), each installed, the tasks
+    iteration runs (``current``), what they say together (``shape``), each installed (``by_id``:
+    by ``id()`` of its plan), the tasks
     whose latches (``latched``) and events (``recorded``) batches leave behind, and a switch that
     waits for threads that ran ahead (``pending``)."""
 
@@ -313,14 +314,14 @@ class Plans:
         self.pending: PhasedPlan | None = None
         self.latched: tuple[str, ...] = ()
         self.recorded: tuple[str, ...] = ()
-        self.installed: dict[int, InstalledPlan] = {}
+        self.by_id: dict[int, InstalledPlan] = {}
         self._install()
 
     def _install(self, after: PlanShape | None = None) -> None:
         """Compile every phase's plan; their shape, with a walker for each of their threads."""
-        self.installed = {id(p): InstalledPlan.compile(p, self._streams, self._device_type) for p in self.phased.plans}
-        self.shape = PlanShape.of(self.phased, self.installed, self.current, after)
-        instructions = [i for inst in self.installed.values() for i in inst.instructions()]
+        self.by_id = {id(p): InstalledPlan.compile(p, self._streams, self._device_type) for p in self.phased.plans}
+        self.shape = PlanShape.of(self.phased, self.by_id, self.current, after)
+        instructions = [i for inst in self.by_id.values() for i in inst.instructions()]
         # those of the plans installed before too: batches of theirs may still leave
         self.latched = tuple(dict.fromkeys([*self.latched, *(i.task for i in instructions if isinstance(i, Signal))]))
         self.recorded = tuple(
@@ -329,10 +330,10 @@ class Plans:
 
     @property
     def compiled(self) -> CompiledPlan:
-        return self.installed[id(self.current)].compiled
+        return self.by_id[id(self.current)].compiled
 
-    def run(self, plan: PipelinePlan) -> None:
-        """The calling thread's iteration runs ``plan`` (a phase's)."""
+    def make_current(self, plan: PipelinePlan) -> None:
+        """``plan`` (a phase's) is the current plan: the one the calling thread's iteration runs."""
         self.current = plan
 
     def checked(self, plan: PipelinePlan | PhasedPlan) -> PhasedPlan:
@@ -366,7 +367,7 @@ class Plans:
         return inst
 
     def _nth(self, plan_index: int) -> InstalledPlan:
-        installed = list(self.installed.values())
-        if not 0 <= plan_index < len(installed):
-            raise IndexError(f"plan index {plan_index}: {len(installed)} plans are installed")
-        return installed[plan_index]
+        plans = list(self.by_id.values())
+        if not 0 <= plan_index < len(plans):
+            raise IndexError(f"plan index {plan_index}: {len(plans)} plans are installed")
+        return plans[plan_index]

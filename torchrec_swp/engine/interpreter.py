@@ -35,6 +35,7 @@ import itertools
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -103,7 +104,7 @@ class Interpreter(abc.ABC):
     @abc.abstractmethod
     def _walkers(self) -> Mapping[str, Walker]:
         """Every thread's walker, the subclass's record of its threads (the calling thread's is
-        ``MAIN_THREAD``'s): ``Engine``'s are ``plans.shape``'s, ``ProgramEngine``'s its own."""
+        ``MAIN_THREAD``'s): ``Engine``'s are ``installed.shape``'s, ``ProgramEngine``'s its own."""
 
     def _walk(
         self,
@@ -265,53 +266,63 @@ class Interpreter(abc.ABC):
             self._checker.cpu_release(("launch", self._uid, w.name))
         self._worker(w.name).inbox.put(job)
 
-    def quiesce(self) -> None:
-        """Return once no thread can go on without a later call: every worker waits for something
-        only a later call provides (credit, the caller's request), or has stopped. Between calls
-        the workers otherwise keep running ahead within their credit."""
+    def wait_until_blocked(self) -> None:
+        """Return once no thread can go on without a later call: every worker that walks is
+        blocked (asleep on the board, ``Board.blocked``) on something only a later call provides
+        (credit, the caller's request), or is at rest. Between calls the workers otherwise keep
+        running ahead within their credit."""
         workers = [w for w in self._walkers.values() if w.name in self._workers]
         board = self.board
 
-        def quiet() -> bool:
+        def all_blocked() -> bool:
             running = [w for w in workers if w.state is WalkState.RUNNING]
             return all(self._workers[w.name].thread.ident in board.blocked for w in running)
 
         began = board.wait_began()
         while True:  # threads do not announce that they block: look every millisecond
             with board.lock:
-                if quiet() or self.failures:
+                if all_blocked() or self.failures:
                     return
                 stalled = board.patience(began, self.timeout_s) <= 0  # no thread made progress
             if stalled:
                 raise EngineTimeout(self._timeout_report())
             time.sleep(0.001)
 
-    def settle(self, interrupt: str | None = None) -> None:
-        """Wait until no thread walks (interrupting them first if ``interrupt`` says why)."""
-        if interrupt is not None and len(self._walkers) > 1:
-            self.board.interrupt_all(interrupt)
-        try:
-            self._wait_idle(list(self._walkers.values()))
-        finally:
-            if interrupt is not None:
-                self.board.resume()
+    def quiesce(self) -> None:
+        """Deprecated: ``wait_until_blocked()``."""
+        name = type(self).__name__
+        warnings.warn(f"{name}.quiesce() is deprecated: call wait_until_blocked()", DeprecationWarning, stacklevel=2)
+        self.wait_until_blocked()
 
-    def _wait_idle(self, walkers: list[Walker]) -> None:
-        """Wait until none of ``walkers`` is walking (interrupts do not end this wait); an
-        EngineTimeout with the report once no thread made progress for the timeout (a task that
-        runs on is progress: see ``torchrec_swp.engine.board``)."""
+    def park_all(self, why: str) -> None:
+        """Interrupt every thread (``why``) so that each parks where it is, wait until every one is
+        at rest, and lift the interrupt: the next walk of each resumes where it parked."""
+        if len(self._walkers) > 1:
+            self.board.interrupt_all(why)
+        try:
+            self.wait_until_resting()
+        finally:
+            self.board.resume()
+
+    def wait_until_resting(self, walkers: list[Walker] | None = None) -> None:
+        """Wait until none of ``walkers`` (None: every thread's) walks - each at rest: ready,
+        parked or finished (interrupts do not end this wait); an EngineTimeout with the report
+        once no thread made progress for the timeout (a task that runs on is progress: see
+        ``torchrec_swp.engine.board``)."""
+        if walkers is None:
+            walkers = list(self._walkers.values())
         began = self.board.wait_began()
 
-        def idle() -> bool:
+        def resting() -> bool:
             return all(w.state is not WalkState.RUNNING for w in walkers)
 
         with self.board.lock:
-            while not idle():
+            while not resting():
                 remaining = self.board.patience(began, self.timeout_s)
                 if remaining <= 0:
                     cause = self.failures[0].exc if self.failures else None
                     raise EngineTimeout(self._timeout_report()) from cause
-                self.board.sleep(remaining, idle)
+                self.board.sleep(remaining, resting)
         if self._checker is not None:
             for w in walkers:
                 self._checker.cpu_acquire(("walk", self._uid, w.name))
@@ -334,7 +345,7 @@ class Interpreter(abc.ABC):
         """Stop every thread where it is and raise the first failure to the caller."""
         if len(self._walkers) > 1:
             self.board.interrupt_all("a task failed")
-        self._wait_idle(list(self._walkers.values()))
+        self.wait_until_resting()
         self._failure_raised = True
         raise self._first_failure()
 

@@ -35,7 +35,7 @@ from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.board import ITERATION, LatchState
 from torchrec_swp.engine.errors import EngineError, Stopped, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import InstalledPlan, Plans
+from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans
 from torchrec_swp.engine.source import Source
 from torchrec_swp.engine.tasks import Invoker, Observer
 from torchrec_swp.engine.walkers import Op, Walk, Walker
@@ -48,14 +48,14 @@ _NOTHING: Walk = ((), ())  # a thread with no part in a plan
 
 
 class PlanOps:
-    """The ops of ``plans``' programs, run by ``interpreter``'s walkers over ``batches``; what a
+    """The ops of the ``installed`` plans' programs, run by ``interpreter``'s walkers over ``batches``; what a
     walker runs at each internal iteration (``program``) and what follows it (``iteration_done``)."""
 
     def __init__(
         self,
         interpreter: Interpreter,
         batches: Batches,
-        plans: Plans,
+        installed: InstalledPlans,
         *,
         uid: int,
         checker: Any,
@@ -65,10 +65,13 @@ class PlanOps:
         self._board = interpreter.board
         self._batches = batches
         self._end = batches.end  # the end of data: the one answer to "does batch b exist"
-        self._plans = plans
+        self._installed = installed
         self._uid = uid  # names the interpreter's hand-offs to the checker
         self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
-        self.source = Source(interpreter, batches, plans, self, checker=checker, exhaustion=exhaustion)
+        self.source = Source(
+            interpreter, batches, installed, stop_check=self.stop_check, wait=self.wait, in_task=self.in_task,
+            checker=checker, exhaustion=exhaustion,
+        )  # fmt: skip
         self._observer: Observer | None = None
         self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
         self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
@@ -88,8 +91,8 @@ class PlanOps:
         """Walker ``w``'s instructions of internal iteration ``P``: those of the phase's plan, once
         the caller's gate lets it (a worker runs iteration ``P`` only once ``step()`` asked for
         batch ``P - top - ahead``); None past the epoch's end."""
-        book, plans, end = self._batches.book, self._plans, self._end
-        shape = plans.shape
+        book, installed, end = self._batches.book, self._installed, self._end
+        shape = installed.shape
         top = shape.top
         if not end.walks_to(P, P - top):
             return None
@@ -103,15 +106,15 @@ class PlanOps:
             )
             if end.past_end(P - top):
                 return None
-        if len(plans.phased.phases) == 1:
-            plan = plans.current
+        if len(installed.phased.phases) == 1:
+            plan = installed.current
         else:
             plan = self._plan_at(P)
             if main:
-                plans.run(plan)
+                installed.make_current(plan)
         if main and self._observer is not None:
             self._iteration_start = time.perf_counter()
-        inst = plans.installed[id(plan)]
+        inst = installed.by_id[id(plan)]
         w.inst = inst
         return inst.walks.get(w.thread, _NOTHING)
 
@@ -119,7 +122,7 @@ class PlanOps:
         """The plan internal iteration ``P`` runs: its phase's, by the batch it trains (numbered
         by the phases' clock: its source call, its serial for ``clock="drawn"``, the batches
         trained before it for ``clock="trained"``)."""
-        phased, shape, book = self._plans.phased, self._plans.shape, self._batches.book
+        phased, shape, book = self._installed.phased, self._installed.shape, self._batches.book
         d = P - shape.top
         if phased.clock == "drawn":
             return phased.plan_for(book.serial(max(d, 0)))
@@ -135,7 +138,7 @@ class PlanOps:
     def iteration_done(self, w: Walker, P: int) -> None:
         """``w`` finished its part of internal iteration ``P``: its tickets counted on; the
         observer told (the calling thread's), or the caller's wait for a batch (a worker's)."""
-        shape = self._plans.shape
+        shape = self._installed.shape
         main = w is shape.main
         if self._checker is not None and not main:
             self._checker.cpu_release(("iter", self._uid, w.name, self._batches.book.first_iteration + P))
@@ -178,7 +181,7 @@ class PlanOps:
         the call (holding its ticket; in checked mode inside the checker's label)."""
         task, stage, when, ticket, group = instr.task, instr.stage, instr.when, instr.ticket, instr.comm_group
         guarded, needs_next = when is not When.ALWAYS, when.needs_next
-        trains = not main and stage == self._plans.shape.top
+        trains = not main and stage == self._installed.shape.top
         checked = self._checker is not None
         plain = ticket is None and not checked
         ticketed, stop_check, exists_at = self._interpreter.ticketed, self.stop_check, self._end.exists_at
@@ -246,7 +249,7 @@ class PlanOps:
             self.await_exists(b + 1, P)
         if when is When.TRAIN:  # the mode of the step() that trains batch b: wait for that call
             self._requested(b, P)
-        return when.admits(b, self._end.end_at(), P, self._plans.shape.top, training=self._training)
+        return when.admits(b, self._end.end_at(), P, self._installed.shape.top, training=self._training)
 
     def _requested(self, b: int, P: int) -> None:
         """The training step of batch ``b`` waits for the ``step()`` call that asks for it."""
@@ -272,7 +275,7 @@ class PlanOps:
         """``wait T@P-k``: T's instance of iteration ``q = P - k`` (batch ``q - stage(T)``), unless
         it does not exist, an earlier wait of this thread covered it, or it is ready already."""
         producer, lag = instr.task, instr.lag
-        shape = self._plans.shape
+        shape = self._installed.shape
         back = lag + shape.stage[producer]  # its batch: P - back
         lanes = shape.lanes > 1 and producer == shape.source
         what = str(instr)
@@ -316,7 +319,7 @@ class PlanOps:
 
     def _signal_op(self, instr: Signal) -> Op:
         """``signal T``: T's instance of this iteration is done (a lane signals its own batches)."""
-        shape = self._plans.shape
+        shape = self._installed.shape
         task, stage = instr.task, shape.stage[instr.task]
         lanes = shape.lanes if shape.lanes > 1 and task == shape.source else 0
         board, batches, checker, check_stop = self._board, self._batches, self._checker, self._end.check_stop
@@ -334,14 +337,14 @@ class PlanOps:
 
     def _device_sync(self, w: Walker, P: int, instr: Instr) -> None:
         self.stop_check(P)
-        book, streams, shape = self._batches.book, self._interpreter.streams, self._plans.shape
+        book, streams, shape = self._batches.book, self._interpreter.streams, self._installed.shape
         if isinstance(instr, WaitStream):
             event = book.events.get((instr.task, P - instr.consumer_stage - instr.distance))
             if event is not None:
                 streams.wait(instr.stream, event)
         elif isinstance(instr, RecordEvent):
             b = P - instr.stage
-            if b not in book.held:  # not for a batch that was never loaded
+            if b not in book.in_flight:  # not for a batch that was never loaded
                 return
             if shape.lanes > 1 and instr.task == shape.source and b % shape.lanes != w.lane:
                 return  # another lane loaded it and records after it (as it signals)

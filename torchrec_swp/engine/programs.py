@@ -18,8 +18,8 @@ instructions, every kind bound, every ``wait`` has its ``signal`` on another thr
 twice, tickets numbered ``0..n-1`` per comm group as ``program.tickets`` says.
 
 Failures: an exception in any action on any thread aborts the step: every waiting thread wakes
-(``TaskAborted``), later tickets fail (``CollectiveAborted``) until ``reset()``, every worker
-returns to idle, and ``run_program`` re-raises the first exception, of its own type, with a
+(``TaskAborted``), later tickets fail (``CollectiveAborted``) until ``reset()``, every walker
+comes to rest, and ``run_program`` re-raises the first exception, of its own type, with a
 note naming action, microbatch, thread and step (attributes ``swp_task`` = the action's text,
 ``swp_batch`` = its microbatch or -1, ``swp_thread``, ``swp_iteration`` = the step). A wait
 times out once no thread made progress for ``timeout_s`` (``engine.board``); it reports what each thread is at and
@@ -148,7 +148,7 @@ class ProgramEngine(Interpreter):
                 self.failures.append(Failure(e, "-", -1, MAIN_THREAD, step))
         if self.failures:
             self.board.interrupt_all("an action failed")
-        self._wait_idle(walkers)  # (in checked mode: what every thread did is ordered before the caller)
+        self.wait_until_resting(walkers)  # (in checked mode: what every thread did is ordered before the caller)
         if self.failures:
             raise self._first_failure()
         for group, count in program.tickets:

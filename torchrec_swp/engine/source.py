@@ -26,31 +26,20 @@ rank, and an item this rank drew for it is dropped (``dropped(b)``) and never tr
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import Plans
+from torchrec_swp.engine.installed import InstalledPlans
 from torchrec_swp.engine.walkers import Op, Walker
 from torchrec_swp.plan import PipelinePlan
 
 if TYPE_CHECKING:
     from torchrec_swp.engine.interpreter import Interpreter
     from torchrec_swp.engine.tasks import Invoker
-
-
-class Gates(Protocol):
-    """What the source's op needs of the plan's ops (``torchrec_swp.engine.ops.PlanOps``): park
-    past the plan's stop, wait at an internal iteration, run a task inside the checker's label."""
-
-    def stop_check(self, P: int) -> None: ...
-
-    def wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str], topic: Hashable = None) -> None: ...
-
-    def in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None: ...
 
 
 class Draws:
@@ -188,23 +177,27 @@ class Feed:
 class Source:
     """The source task's side of the engine: the op of ``run! S`` (its lane, the ``credit``, the
     draw into the batch's slot, the end of data), the turns several loads take, and the ``Feed``
-    it draws from. ``gates``: the plan ops' waits and stop checks (``Gates``)."""
+    it draws from. ``stop_check``, ``wait`` and ``in_task`` are the plan ops' methods of those
+    names (``torchrec_swp.engine.ops.PlanOps``, which makes the source): park past the plan's
+    stop, wait at an internal iteration, run a task inside the checker's label."""
 
     def __init__(
         self,
         interpreter: Interpreter,
         batches: Batches,
-        plans: Plans,
-        gates: Gates,
+        installed: InstalledPlans,
         *,
+        stop_check: Callable[[int], None],
+        wait: Callable[[int, Callable[[], bool], Callable[[], str]], None],
+        in_task: Callable[[Walker, str, int, Invoker], None],
         checker: Any,
         exhaustion: ExhaustionSync | None,
     ) -> None:
         self._interpreter = interpreter
         self._board = interpreter.board
         self._batches = batches
-        self._plans = plans  # their shape: the highest stage, the lanes, whether other threads walk
-        self._gates = gates
+        self._installed = installed  # their shape: the highest stage, the lanes, whether other threads walk
+        self._stop_check, self._wait, self._in_task = stop_check, wait, in_task
         self._checker = checker
         self.feed = Feed(
             take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end
@@ -213,13 +206,8 @@ class Source:
     def op(self, instr: Run) -> Op:
         """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
         task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
-        batches, board, draws_for, gates, plans = (
-            self._batches,
-            self._board,
-            self.feed.draws_for,
-            self._gates,
-            self._plans,
-        )
+        batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
+        stop_check, wait, in_task = self._stop_check, self._wait, self._in_task
         end = batches.end
         exists_at, end_at = end.exists_at, end.end_at
         plain = ticket is None and self._checker is None
@@ -239,7 +227,7 @@ class Source:
                 return
             plan = w.inst.plan
             if not self.credit(b, plan):
-                gates.wait(
+                wait(
                     P,
                     lambda: self.credit(b, plan) or end_at() is not None,
                     lambda: f"credit to draw batch {b} (depth {plan.pipeline_depth}, lookahead {plan.lookahead})",
@@ -256,10 +244,10 @@ class Source:
                     invoke(b)
                 elif self._checker is not None:
                     self._interpreter.ticketed(
-                        w, group, ticket, task, b, gates.stop_check, gates.in_task, w, task, b, invoke
+                        w, group, ticket, task, b, stop_check, in_task, w, task, b, invoke
                     )
                 else:
-                    self._interpreter.ticketed(w, group, ticket, task, b, gates.stop_check, invoke, b)
+                    self._interpreter.ticketed(w, group, ticket, task, b, stop_check, invoke, b)
             except StopIteration:
                 batches.drop_slot(b)
                 self._found_end(b, plan)
@@ -270,11 +258,11 @@ class Source:
             finally:
                 if draws is not None:
                     draws.drawing(None)
-            if not plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
-                batches.hold(b)
+            if not installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
+                batches.drawn(b)
                 return
             with board.lock:
-                batches.hold(b)
+                batches.drawn(b)
                 board.notify()
 
         return draw
@@ -286,7 +274,7 @@ class Source:
         book = self._batches.book
         return (
             b < book.returned + plan.pipeline_depth + plan.lookahead
-            and b < book.requested + self._plans.shape.top + plan.lookahead
+            and b < book.requested + self._installed.shape.top + plan.lookahead
         )
 
     def _found_end(self, b: int, plan: PipelinePlan) -> None:
@@ -309,7 +297,7 @@ class Source:
             m = end_at()
             return m is not None and m < b
 
-        if self._plans.shape.lanes > 1:
+        if self._installed.shape.lanes > 1:
             self._board.wait(
                 lambda: book.next_claim >= b or before_end(),
                 lambda: f"batch {b - 1} to be drawn first",
@@ -321,7 +309,7 @@ class Source:
     def turn_taken(self, b: int, ended: bool) -> None:
         if ended:
             return
-        if not self._plans.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
+        if not self._installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
             self._batches.claimed(b)
             return
         with self._board.lock:

@@ -177,7 +177,7 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
         """Upstream's flush_end (stop flushing, refill next, ``on_flush_end()``); the batches
         in flight, all None by now, are dropped so that the next step refills (after the worker
         threads finished this call's stages, as upstream runs them all before flushing)."""
-        self._swp_engine.quiesce()
+        self._swp_engine.wait_until_blocked()
         self._swp_engine.reset()
         super().flush_end()
 
