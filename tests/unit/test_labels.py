@@ -11,6 +11,7 @@ import torch
 from torch.autograd.profiler import record_function as torch_record_function
 from torch.profiler import profile
 
+from torchrec_swp.engine import labels
 from torchrec_swp.engine.labels import record_function
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,11 @@ def test_a_profiler_sees_the_same_ranges_as_with_torchs_record_function() -> Non
         ("## raises 0 ##", "## outer 0 ##"),
         ("## after 0 ##", None),
     ]
+
+
+def test_the_supported_torch_versions_get_the_cheap_labels() -> None:
+    """torch 2.13 and 2.14 have the C++ calls: the fallback to torch's context manager is not taken."""
+    assert record_function is labels._Label
 
 
 def test_without_a_profiler_the_block_runs_and_exceptions_pass() -> None:

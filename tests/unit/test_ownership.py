@@ -193,12 +193,13 @@ def test_no_part_copies_the_plan_shapes_threads_and_stages() -> None:
 
 
 def test_no_code_reaches_another_objects_private_attributes() -> None:
-    """Parts are used through their public methods: ``x._private`` only on ``self``."""
+    """Parts are used through their public methods: ``x._private`` only on ``self`` (torch's own
+    internals, ``torch._C...``, are a library's, not a part's)."""
     found = []
     for path in sorted(ENGINE.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                if not _is_self(node.value):
+                if not _is_self(node.value) and not ast.unparse(node).startswith("torch."):
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert found == []
 

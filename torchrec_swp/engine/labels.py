@@ -10,7 +10,7 @@ ITT range, or any other RecordFunction callback sees exactly what torch's contex
 (``tests/unit/test_labels.py`` compares the traces), at about 1.5 us per label.
 
 For labels only: no arguments, not for TorchScript (torch's own ``record_function`` stays the one
-to use there).
+to use there). A torch without the two calls gets torch's context manager itself.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-_enter = torch._C._autograd._record_function_with_args_enter
-_exit = torch._C._autograd._record_function_with_args_exit
-
 __all__ = ["record_function"]
 
+_AUTOGRAD = torch._C._autograd
+_enter = getattr(_AUTOGRAD, "_record_function_with_args_enter", None)
+_exit = getattr(_AUTOGRAD, "_record_function_with_args_exit", None)
 
-class record_function:  # noqa: N801 - named and used as torch's context manager it replaces
+
+class _Label:
     """``with record_function(name):`` the profiler range ``name`` around the block."""
 
     __slots__ = ("_handle", "name")
@@ -34,10 +35,14 @@ class record_function:  # noqa: N801 - named and used as torch's context manager
         self.name = name
         self._handle: Any = None
 
-    def __enter__(self) -> record_function:
+    def __enter__(self) -> _Label:
         self._handle = _enter(self.name)
         return self
 
     def __exit__(self, *exc: object) -> None:
         handle, self._handle = self._handle, None
         _exit(handle)
+
+
+#: ``with record_function(name):`` (``_Label``, or torch's own where torch lacks the C++ calls).
+record_function: Any = _Label if _enter is not None and _exit is not None else torch.autograd.profiler.record_function
