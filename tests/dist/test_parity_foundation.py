@@ -82,7 +82,7 @@ CASES: list[tuple[str, Factory, dict[str, Factory]]] = [
         lambda m, o: upstream.TrainPipelineSparseDist(m, o, CPU, enable_inplace_copy_batch=True),
         {"default": lambda m, o: torchrec_swp.TrainPipelineSparseDist(m, o, CPU, enable_inplace_copy_batch=True)},
     ),
-    # TorchRec 1.9's async_inplace_copy: ours runs the in-place H2D on an "inplace_copy" thread, on
+    # TorchRec 1.9's async_inplace_copy: ours runs the in-place H2D on the "io" thread, on
     # either version; upstream 1.9 accepts it and keeps it off on CPU (it copies on its background
     # thread on CUDA/MTIA only), upstream 1.8 has no such option. Same numbers, on and off.
     (

@@ -37,7 +37,7 @@ def build(cls: type, *args: Any, **kwargs: Any) -> Any:
 )
 def test_async_inplace_copy_moves_the_in_place_h2d_to_its_own_thread(cls: type) -> None:
     on = build(cls, enable_inplace_copy_batch=True, async_inplace_copy=True)
-    assert on.plan.task("H2D").thread_group == "inplace_copy"
+    assert on.plan.task("H2D").thread_group == "io"
     assert {t.thread_group for t in on.plan.scheduled() if t.name != "H2D"} == {"default"}
     # as upstream: without in-place copy the option changes nothing
     assert build(cls, async_inplace_copy=True).plan.task("H2D").thread_group == "default"
@@ -46,7 +46,7 @@ def test_async_inplace_copy_moves_the_in_place_h2d_to_its_own_thread(cls: type) 
     mine = build(cls, enable_inplace_copy_batch=True, async_inplace_copy=True, thread_map={"H2D": "io"})
     assert mine.plan.task("H2D").thread_group == "io"
     # the choice is the default plan's, as the catalog builds it (print_schedule shows it) ...
-    h2d_thread = {"h2d_thread": "inplace_copy"}
+    h2d_thread = {"h2d_thread": "io"}
     expected = {
         torchrec_swp.TrainPipelineSparseDist: lambda: plans.sparse_dist_plan(**h2d_thread),
         torchrec_swp.TrainPipelineSparseDistLite: lambda: plans.sparse_dist_lite_plan(**h2d_thread),
@@ -71,7 +71,7 @@ def test_async_inplace_copy_given_by_position_as_upstream_allows() -> None:
     args[position] = True
     args[inplace] = True
     pipeline = build(torchrec_swp.TrainPipelineSparseDist, *args)
-    assert pipeline.plan.task("H2D").thread_group == "inplace_copy"
+    assert pipeline.plan.task("H2D").thread_group == "io"
     assert not pipeline._async_inplace_copy  # upstream's own background copy stays off: the engine copies
     pipeline.close()
 

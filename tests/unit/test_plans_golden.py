@@ -23,7 +23,7 @@ ALL = plans.default_plans()
 VARIANTS = {
     "TrainPipelineSparseDist.enqueue_batch_after_forward": plans.sparse_dist_plan(enqueue_batch_after_forward=True),
     "TrainPipelineSparseDist.clear_data_dist_inputs": plans.sparse_dist_plan(clear_data_dist_inputs=True),
-    "TrainPipelineSparseDist.async_inplace_copy": plans.sparse_dist_plan(h2d_thread="inplace_copy"),
+    "TrainPipelineSparseDist.async_inplace_copy": plans.sparse_dist_plan(h2d_thread="io"),
     "TrainPipelineFusedSparseDist.emb_lookup_stream_new.after_data_dist": plans.fused_sparse_dist_plan(
         emb_lookup_stream="new", embedding_lookup_after_data_dist=True
     ),

@@ -30,6 +30,7 @@ import sys
 
 from torchrec_swp import drop_ins
 from torchrec_swp.plan import MAIN_THREAD, Dep, PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule, When
+from torchrec_swp.plan.threads import IO_THREAD
 
 WORLD = "world"
 
@@ -368,8 +369,8 @@ dep InputDistStart <- EmbPrefetch @1
 """
 
 EVAL_SPARSE_DIST = """
-# A background loader thread copies batch i+2 while the calling thread runs input dist (i+1)
-# and forward (i). The loader is a thread group of the plan.
+# A background thread copies batch i+2 while the calling thread runs input dist (i+1) and
+# forward (i): thread io, the one name of a thread that loads or copies the next batch.
 # UPSTREAM: the design table draws two stages with input dist in the forward stage and says pipelined
 # modules are re-initialised on every call. Upstream starts the input dist of batch i+1 in the
 # call that forwards batch i, so there are three stages (depth 3), and initialises the pipelined
@@ -380,7 +381,7 @@ source H2D
 output output
 exhausted drain
 #    task                  stage  stream     thread   comm   when       reads          writes         flags
-task H2D                   0      memcpy     loader   -      -          -              batch,context  -
+task H2D                   0      memcpy     io       -      -          -              batch,context  -
 task WaitBatch             2      default    default  -      -          batch,context  -              -
 task InitPipelinedModules  1      data_dist  default  world  first      batch,context  -              -
 task InputDistStart        1      data_dist  default  world  not_first  batch,context  -              -
@@ -838,8 +839,9 @@ def comp_autograd_plan(*, execute_all_batches: bool = True, clear_data_dist_inpu
     )
 
 
-#: The thread group TrainPipelineSparseDistT copies batches to the device on (upstream's ``_copy_executor``).
-COPY_THREAD = "copy"
+#: The thread group TrainPipelineSparseDistT copies batches to the device on (upstream's ``_copy_executor``):
+#: ``io``, the one name of a thread that loads or copies the next batch (as the ``"io"`` thread map's).
+COPY_THREAD = IO_THREAD
 
 
 def train_eval_hybrid_plan(*, clear_data_dist_inputs: bool = False, h2d_thread: str = MAIN_THREAD) -> PipelinePlan:
@@ -865,7 +867,7 @@ def sparse_dist_t_plan(*, execute_all_batches: bool = True, clear_data_dist_inpu
     """TrainPipelineSparseDistT: TrainPipelineSparseDist (``SPARSE_DIST``) with the copy of batch i+2
     to the device on a thread of its own (upstream's ``_copy_executor``, here ``COPY_THREAD``): the
     calling thread draws the batch (Fetch, split off H2D) and goes on to Forward(i) while thread
-    ``copy`` copies it (H2D); InputDistStart(i+2) in the next step waits for the copy, where
+    ``io`` copies it (H2D); InputDistStart(i+2) in the next step waits for the copy, where
     upstream resolves the copy's Future.
 
     UPSTREAM: ``enqueue_batch_after_forward`` is always False (the constructor does not take it).
@@ -1074,6 +1076,19 @@ def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DI
     for task in tasks:
         plan = plan.with_schedule(task, comm_group=group)
     return plan
+
+
+# ------------------------------------------------------------- thread names
+#: Every thread group the catalog's plans put tasks on, and the one idea each names
+#: (``tests/unit/test_thread_names.py`` holds the catalog to it: a new name needs a new idea).
+THREADS = {
+    MAIN_THREAD: "the calling thread: progress() runs its tasks itself",
+    IO_THREAD: "loads or copies the next batch in the background (the io thread map, SparseDistT's copy, "
+    "async_inplace_copy's in-place copy, EvalPipelineSparseDist's loader)",
+    "load": "the lanes of parallel loads (load, load.1, ...: with_parallel_loads)",
+    STASH_THREAD: "moves OptStash's optimizer state to the host and back",
+    SPARSE_THREAD: "EvalPipelineCPUSparse's sparse work with multi_thread",
+}
 
 
 # ------------------------------------------------------------- parallel loads

@@ -27,12 +27,14 @@ from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOp
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan
+from torchrec_swp.plan.threads import IO_THREAD
 
 __all__ = ["TrainPipelineSparseDist"]
 
 ASYNC_INPLACE_COPY = "async_inplace_copy"
-#: The thread group ``async_inplace_copy`` runs the in-place H2D copy on.
-INPLACE_COPY_THREAD = "inplace_copy"
+#: The thread group ``async_inplace_copy`` runs the in-place H2D copy on: ``io``, the one name of a
+#: thread that loads or copies the next batch (``catalog.COPY_THREAD``, the ``"io"`` thread map's).
+INPLACE_COPY_THREAD = IO_THREAD
 
 
 def _upstream_name(cls: type) -> str:
@@ -50,7 +52,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
 
     ``async_inplace_copy`` (TorchRec 1.9's option; accepted here on 1.8 too, and by Lite and
     Prefetch): with ``enable_inplace_copy_batch`` the default plan puts the H2D task on thread
-    group ``inplace_copy`` (the catalog's ``h2d_thread``), as upstream's background copy thread
+    group ``io`` (the catalog's ``h2d_thread``), as upstream's background copy thread
     would, on every device (upstream keeps it off on CPU); a ``plan=`` of the user's keeps its own
     threads. Same results either way.
 

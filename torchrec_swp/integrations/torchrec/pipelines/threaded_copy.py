@@ -19,7 +19,7 @@ __all__ = ["TrainPipelineSparseDistT"]
 
 class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistT[In, Out]):
     """TrainPipelineSparseDistT on the engine: upstream's background copy thread is the plan's thread
-    group ``copy`` (``catalog.COPY_THREAD``), which runs H2D while the calling thread draws the next
+    group ``io`` (``catalog.COPY_THREAD``), which runs H2D while the calling thread draws the next
     batch (Fetch) and goes on with forward, backward and the optimizer.
 
     Same constructor as upstream's, plus the keyword-only engine options (``PlanDriven``). The
