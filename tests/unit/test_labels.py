@@ -61,6 +61,8 @@ def test_the_package_labels_with_ours_not_torchs() -> None:
     ``torch.profiler`` / ``torch.autograd.profiler``): each would pay torch's op dispatch per label."""
     offenders = []
     for path in sorted((ROOT / "torchrec_swp").rglob("*.py")):
+        if path.name == "labels.py" and path.parent.name == "engine":
+            continue  # the module that stands in for it (and falls back to it)
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in ("torch.autograd.profiler", "torch.profiler"):
