@@ -34,8 +34,8 @@ def size_arg(text: str) -> list[str]:
     return names
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 7200.0) -> Any:
-    """Run ``fn(rank, world_size, *args)`` on 2 spawned gloo ranks; return rank 0's result.
+def run_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 7200.0, world_size: int = 2) -> Any:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return rank 0's result.
 
     Uses the test harness (``harness/ranks.py and harness/parity.py``): a failing rank raises RankError with its
     traceback, and no rank outlives the call. The harness turns on deterministic algorithms;
@@ -43,7 +43,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 7200.0) -> 
     """
     from harness.ranks import run_on_ranks
 
-    return run_on_ranks(fn, *args, timeout_s=timeout_s)[0]
+    return run_on_ranks(fn, *args, timeout_s=timeout_s, world_size=world_size)[0]
 
 
 def rank_setup() -> None:
