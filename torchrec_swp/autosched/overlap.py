@@ -454,7 +454,7 @@ class OverlapSearch:
             change=best.candidate.describe(start, self.tasks),
             scored=len(self.scores),
             seconds=time.perf_counter() - began,
-            ranking=tuple(ranking[:10]),
+            ranking=tuple(ranking[:20]),
         )
 
 

@@ -1,0 +1,257 @@
+"""The trial: a search's best few plans and the running one, each measured a few steps at a time,
+interleaved, until the measurements tell them apart (what the tuner does between a search and a
+switch; ``tuner.py`` drives it call by call, this module holds what is pure).
+
+* **order**: the candidates still in the race visit in turn, the running plan first
+  (A, B, C, A, B, C ...), so that a load on the machine falls on all of them alike; each visit
+  switches at a batch boundary (``Engine.switch_plan``: bit for bit, nothing lost or repeated),
+  lets the plan settle (``settle_steps``) and measures ``Autotune.trial_steps`` steps (from one
+  ``progress()`` call's start to the next's, as the caller lives them);
+* **stopping rule** (``race``), after each cycle on rank 0 from every rank's visit means: each
+  candidate against the measured best, paired by cycle (a load that comes and goes moves a
+  cycle's visits together), a t interval of the mean log ratio at ``Autotune.confidence``: a
+  candidate whose interval lies above 1 is *slower* and leaves the race; one whose interval lies
+  within the noise (``1/(1+noise)`` to ``1+noise``) is *equal* and leaves it too (the best is
+  kept, but the running plan where it is the one equal to the best: no switch for a gain within
+  the noise); the race ends when only the best is left or after ``Autotune.trial_cycles`` cycles, and
+  the measured best wins;
+* **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
+  switch and at most ``visit_steps`` calls (``trial_bound``).
+
+Candidates (``pick``): the search's best, then the best of each other number of loads, then the
+next distinct thread layouts, in the model's order: plans the model tells apart least well (loads
+that wait on one another, threads that contend) are those the trial measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
+
+#: calls left out after a visit's switch beyond its catch-up, lookahead and loads (first wake-ups)
+TRIAL_SETTLE = 1
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One candidate of a trial: its plan's text, what the model predicted, what it measured
+    (mean of its visits' means, with the t interval of that mean), its step against the measured
+    best's (``ratio``, paired by cycle, with its interval; None for the best), the steps measured
+    and visits made, and how it left the race (``verdict``: ``"best"``, ``"slower"``,
+    ``"equal"``: within the noise of the best, ``"bound"``: still racing at the last cycle)."""
+
+    plan: str
+    predicted_s: float | None
+    measured_s: float | None = None
+    low_s: float | None = None
+    high_s: float | None = None
+    ratio: float | None = None
+    ratio_low: float | None = None
+    ratio_high: float | None = None
+    steps: int = 0
+    visits: int = 0
+    verdict: str = ""
+    out_after: int | None = None  # the cycle after which it left the race
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Tried:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A candidate after a cycle: its step over the best's (geometric mean of the cycles' ratios)
+    with the interval, and its state: ``best``, ``racing``, ``slower`` or ``equal``."""
+
+    ratio: float
+    low: float
+    high: float
+    state: str
+
+
+def settle_steps(plan: PipelinePlan) -> int:
+    """Calls after a switch to ``plan`` (once the threads that ran ahead caught up) before its
+    steps are measured: its run-ahead fills (``lookahead``), its loads start, its threads wake."""
+    return plan.lookahead + plan.loads + TRIAL_SETTLE
+
+
+def measured_steps(plan: PipelinePlan, steps: int) -> int:
+    """Steps a visit of ``plan`` measures: at least ``steps``, a whole number of its loads (with
+    ``k`` loads, batches arrive ``k`` at a time: one long step, then ``k - 1`` short ones, and a
+    visit that cut the pattern would be biased)."""
+    return -(-steps // plan.loads) * plan.loads
+
+
+def visit_steps(before: PipelinePlan, plan: PipelinePlan, steps: int) -> int:
+    """Calls of one visit of ``plan`` after ``before`` ran: catching up (a switch waits until the
+    threads ``before`` ran ahead stand at the caller's boundary, at most its lookahead), settling,
+    measuring."""
+    return before.lookahead + settle_steps(plan) + measured_steps(plan, steps)
+
+
+def trial_bound(candidates: int, steps: int, cycles: int, lookahead: int, loads: int) -> tuple[int, int]:
+    """The most calls and switches one trial takes: ``cycles`` cycles of ``candidates`` visits
+    (each one switch, at most ``visit_steps`` calls with the largest ``lookahead`` and ``loads``
+    the search may choose), and after each cycle a wait of at most ``lookahead + 1`` calls where
+    the ranks agree (``needs_quiet``) and one switch to the winner."""
+    visit = lookahead + lookahead + loads + TRIAL_SETTLE + steps + loads - 1
+    per_cycle = candidates * visit + lookahead + 1
+    return cycles * per_cycle, cycles * (candidates + 1) + 1
+
+
+def needs_quiet(plan: PipelinePlan) -> bool:
+    """Whether an engine thread of ``plan`` may issue a collective between two ``progress()``
+    calls: a task in a comm group off the calling thread, in a plan that runs ahead. The tuner's
+    own collectives (on the default group, from the calling thread) wait for a call where none
+    can: the plan without lookahead, where between calls every thread stands at the same batch
+    boundary."""
+    return plan.lookahead > 0 and any(
+        plan.task(t).comm_group is not None and plan.task(t).thread_group != MAIN_THREAD
+        for t in plan.fire_order
+        if plan.task(t).when.in_steady_state
+    )
+
+
+def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> list[PipelinePlan]:
+    """Up to ``count`` plans to try beside ``running``, from ``ranked`` (the model's order, best
+    first): the best; then the best of each number of loads not yet picked; then the best of each
+    thread layout (threads, loads, comm groups) not yet picked. ``running`` and repeats are left
+    out."""
+
+    def layout(p: PipelinePlan) -> tuple[object, ...]:
+        return (
+            p.thread_groups,
+            tuple(p.task(t).thread_group for t in p.fire_order),
+            p.loads,
+            tuple(p.task(t).comm_group for t in p.fire_order),
+        )
+
+    others = [p for p in dict.fromkeys(ranked) if p != running]
+    picked: list[PipelinePlan] = []
+    if others and count > 0:
+        picked.append(others[0])
+    for p in others:
+        if len(picked) >= count:
+            break
+        if p.loads not in {q.loads for q in picked}:
+            picked.append(p)
+    for p in others:
+        if len(picked) >= count:
+            break
+        if layout(p) not in {layout(q) for q in picked} | {layout(running)}:
+            picked.append(p)
+    return picked
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(confidence: float, df: int) -> float:
+    """The two-sided ``confidence`` quantile of Student's t with ``df`` degrees of freedom
+    (``P(|T| <= q) = confidence``), by bisection on its CDF (Simpson's rule on the density)."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
+    target = 0.5 + confidence / 2
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(t: float) -> float:
+        n = 400
+        h = t / n
+        total = 0.0
+        for k in range(n + 1):
+            x = k * h
+            w = 1 if k in (0, n) else (4 if k % 2 else 2)
+            total += w * (1 + x * x / df) ** (-(df + 1) / 2)
+        return 0.5 + c * total * h / 3
+
+    low, high = 0.0, 1.0
+    while cdf(high) < target:
+        low, high = high, high * 2
+    for _ in range(50):
+        mid = (low + high) / 2
+        if cdf(mid) < target:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def race(
+    samples: Sequence[Sequence[float]],
+    alive: Sequence[bool],
+    noise: float,
+    confidence: float,
+    prefer: int | None = 0,
+) -> tuple[int, list[Standing | None]]:
+    """After a cycle: the measured best of the candidates still ``alive`` (lowest mean of its
+    visits' means; they all have the same cycles) and each alive candidate's standing against it
+    (module docstring); None for those already out. ``samples[i][c]``: candidate ``i``'s mean step
+    in cycle ``c`` (those out have fewer: the first ones are paired). ``prefer`` (the running
+    plan) wins in place of the best where it is *equal* to it: within the noise, no switch."""
+    live = [i for i, a in enumerate(alive) if a]
+    if not live:
+        raise ValueError("race: no candidate is left")
+    best = min(live, key=lambda i: (statistics.fmean(samples[i]), i))
+    out = _against(best, samples, live, noise, confidence)
+    if prefer is not None and prefer != best and (s := out[prefer]) is not None and s.state == "equal":
+        best = prefer
+        out = _against(best, samples, live, noise, confidence)
+    return best, out
+
+
+def _against(
+    best: int, samples: Sequence[Sequence[float]], live: Sequence[int], noise: float, confidence: float
+) -> list[Standing | None]:
+    out: list[Standing | None] = [None] * len(samples)
+    out[best] = Standing(1.0, 1.0, 1.0, "best")
+    for i in live:
+        if i == best:
+            continue
+        n = min(len(samples[i]), len(samples[best]))
+        logs = [math.log(samples[i][c] / samples[best][c]) for c in range(n)]
+        mean = statistics.fmean(logs)
+        if n < 2:
+            out[i] = Standing(math.exp(mean), 0.0, math.inf, "racing")
+            continue
+        half = t_quantile(confidence, n - 1) * statistics.stdev(logs) / math.sqrt(n)
+        low, high = math.exp(mean - half), math.exp(mean + half)
+        if low > 1:
+            state = "slower"
+        elif high < 1 + noise and low > 1 / (1 + noise):
+            state = "equal"
+        else:
+            state = "racing"
+        out[i] = Standing(math.exp(mean), low, high, state)
+    return out
+
+
+def mean_interval(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """The mean of ``values`` and its t interval (the mean itself twice for one value)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, m, m
+    half = t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+__all__ = [
+    "TRIAL_SETTLE",
+    "Standing",
+    "Tried",
+    "mean_interval",
+    "measured_steps",
+    "needs_quiet",
+    "pick",
+    "race",
+    "settle_steps",
+    "t_quantile",
+    "trial_bound",
+    "visit_steps",
+]
