@@ -10,11 +10,11 @@ switch; ``tuner.py`` drives it call by call, this module holds what is pure).
 * **stopping rule** (``race``), after each cycle on rank 0 from every rank's visit means: each
   candidate against the measured best, paired by cycle (a load that comes and goes moves a
   cycle's visits together), a t interval of the mean log ratio at ``Autotune.confidence``: a
-  candidate whose interval lies above 1 is *slower* and leaves the race; one whose interval lies
-  within the noise (``1/(1+noise)`` to ``1+noise``) is *equal* and leaves it too (the best is
-  kept, but the running plan where it is the one equal to the best: no switch for a gain within
-  the noise); the race ends when only the best is left or after ``Autotune.trial_cycles`` cycles, and
-  the measured best wins;
+  candidate whose interval lies within the noise (``1/(1+noise)`` to ``1+noise``) is *equal* and
+  leaves the race (the best stays, but where the running plan is the one equal to the best, it
+  wins: no switch for a gain within the noise); one whose interval lies above 1 is *slower* and
+  leaves it too; the race ends when only the best is left or after ``Autotune.trial_cycles``
+  cycles, and the measured best wins;
 * **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
   switch and at most ``visit_steps`` calls (``trial_bound``).
 
@@ -222,10 +222,10 @@ def _against(
             continue
         half = t_quantile(confidence, n - 1) * statistics.stdev(logs) / math.sqrt(n)
         low, high = math.exp(mean - half), math.exp(mean + half)
-        if low > 1:
+        if high < 1 + noise and low > 1 / (1 + noise):
+            state = "equal"  # whichever is faster, by less than the noise
+        elif low > 1:
             state = "slower"
-        elif high < 1 + noise and low > 1 / (1 + noise):
-            state = "equal"
         else:
             state = "racing"
         out[i] = Standing(math.exp(mean), low, high, state)

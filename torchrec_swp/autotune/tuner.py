@@ -234,7 +234,6 @@ class Tuner:
         self._reference: float | None = None  # the median step the drift is measured against
         self._window: deque[float] = deque(maxlen=options.verify)
         self._watch_from = 0
-        self._drift_said = False
 
     # ------------------------------------------------------------------ the calls
     def before_step(self) -> None:
@@ -634,15 +633,17 @@ class Tuner:
         if racing and t.cycle < self.options.trial_cycles:
             self._next_cycle()
             return
-        self._end_trial(best, verdict["combined"])
+        # at the bound, a running plan still racing is not told apart from the best: no switch on noise
+        self._end_trial(best, verdict["combined"], keep=best != 0 and t.alive[0])
 
-    def _end_trial(self, best: int, combined: list[list[float]]) -> None:
+    def _end_trial(self, best: int, combined: list[list[float]], keep: bool) -> None:
         t = self._trial
         assert t is not None
         before = self.engine.plan
-        if self._on != best:
-            self._switch(t.plans[best])
-            self._on = best
+        won = 0 if keep else best
+        if self._on != won:
+            self._switch(t.plans[won])
+            self._on = won
         self._trial_steps += self.calls - t.began
         o = self.options
         tried = []
@@ -666,7 +667,6 @@ class Tuner:
                     out_after=t.out_after[i],
                 )
             )
-        won = tried[best]
         clear = all(x.verdict in ("slower", "equal", "best") for x in tried)
         how = "told apart" if clear else f"not all told apart after {t.cycle} cycles (the bound)"
         line = (
@@ -676,27 +676,22 @@ class Tuner:
         )
         p = t.proposal
         self._trial = None
+        if keep:
+            kept = f"the measured best was not told apart from it in {t.cycle} cycles"
+        elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
+            kept = f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
+        else:
+            kept = "it measured best of the plans tried"
         decision = replace(
             p,
-            plan=None if best == 0 else won.plan,
-            own_group=t.own_group[best] if best else False,
-            predicted_s=t.predicted[best] if best else p.predicted_s,
+            plan=None if won == 0 else tried[won].plan,
+            own_group=t.own_group[won] if won else False,
+            predicted_s=t.predicted[won] if won else p.predicted_s,
             why=(
                 *(w for w in p.why if not w.startswith("keeps the plan")),
                 line,
                 *(self._tried_line(i, x) for i, x in enumerate(tried)),
-                *(
-                    (
-                        "keeps the plan: "
-                        + (
-                            "it measured best of the plans tried"
-                            if not any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried)
-                            else f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
-                        ),
-                    )
-                    if best == 0
-                    else ()
-                ),
+                *((f"keeps the plan: {kept}",) if won == 0 else ()),
             ),
             tried=tuple(tried),
             visits=tuple(t.order),
@@ -782,10 +777,9 @@ class Tuner:
             f"{who}: the step drifted: {1e3 * now:.2f} ms against {1e3 * ref:.2f} ms when the plan was chosen "
             f"({off:+.0f}%, past {100 * o.drift:.0f}%)"
         )
-        if self._retunes >= o.retunes:
-            self._report(f"{what}; the plan stays: {o.retunes} re-tunes were the bound", headline=not self._drift_said)
-            self._drift_said = True
-            self._reference = now
+        if self._retunes >= o.retunes:  # said once; nothing left to do: the watch ends
+            self._report(f"{what}; the plan stays: {o.retunes} re-tunes were the bound", headline=True)
+            self.phase = "done"
             return
         self._retunes += 1
         self._report(
