@@ -453,7 +453,7 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
         + (
             f"threads {t['threads']}, lookahead {t['lookahead']}, loads {t['loads']}"
             + (", the input dist in its own comm group" if t["input_dist_group"] else "")
-            + f" ({'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
+            + f" (the search proposed: {'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
             f"{t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds "
             f"({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
             if t["switched"]

@@ -54,12 +54,20 @@ class Slow:
 
 
 def train(
-    n: int, latency_s: float, *, state: dict[str, Any] | None = None, width: int = 4, **options: Any
+    n: int,
+    latency_s: float,
+    *,
+    state: dict[str, Any] | None = None,
+    width: int = 4,
+    model: torch.nn.Module | None = None,
+    dataset: Any = None,
+    **options: Any,
 ) -> tuple[list[torch.Tensor], Any, Any]:
-    """``n`` steps of TrainPipelineBase over ``Slow``; the outputs, the pipeline (closed), the weights."""
-    model = Summing(width)
+    """``n`` steps of TrainPipelineBase over ``Slow`` (or ``dataset``) with ``Summing`` (or
+    ``model``); the outputs, the pipeline (closed), the weights."""
+    model = Summing(width) if model is None else model
     pipeline = torchrec_swp.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.05), CPU, **options)
-    source = MapSource(Slow(n, latency_s, width))
+    source = MapSource(Slow(n, latency_s, width) if dataset is None else dataset)
     if state is not None:
         source.load_state_dict(state["loader"])
         pipeline.load_state_dict(state)
@@ -80,7 +88,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-FAST = {"warmup": 3, "steps": 12, "verify": 6}
+FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles": 3}
 
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:

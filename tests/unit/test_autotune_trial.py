@@ -61,7 +61,7 @@ def test_the_bound_counts_every_visit_wait_and_switch() -> None:
     # 3 plans, 5 steps, 4 cycles, lookahead <= 3, loads <= 3: a visit catches up 3, settles 3 + 3
     # + 1, measures 5 rounded up to loads (7); a cycle waits 3 + 1 for the ranks to agree
     assert trial_bound(3, 5, 4, 3, 3) == (4 * (3 * 17 + 4), 4 * 4 + 1)
-    assert Autotune().trial_bound() == trial_bound(3, 5, 4, 3, 3)
+    assert Autotune().trial_bound() == trial_bound(4, 6, 4, 3, 3) == (304, 21)
     assert measured_steps(plans.default_plans()["TrainPipelineBase"].replace(loads=1), 5) == 5
 
 
@@ -84,6 +84,10 @@ def test_candidates_are_the_best_then_other_loads_then_other_layouts() -> None:
     assert pick(ranked, running, 3) == [ranked[0], ranked[2], ranked[3]]
     assert pick(ranked, running, 9) == [ranked[0], ranked[2], ranked[3]]  # never the running one
     assert pick(ranked, running, 0) == []
+    # the best's layout further ahead comes second
+    deeper = [io.replace(lookahead=1), ranked[2], io.replace(lookahead=3), io.replace(lookahead=2)]
+    assert pick(deeper, running, 2) == [deeper[0], deeper[2]]
+    assert pick(deeper, running, 3) == [deeper[0], deeper[2], deeper[1]]
 
 
 def test_a_plan_that_runs_ahead_with_a_collective_off_the_calling_thread_needs_a_quiet_call() -> None:
@@ -128,20 +132,8 @@ class Busy(Summing):
 
 
 def crowded_train(n: int, **options: Any) -> tuple[list[torch.Tensor], Any]:
-    model = Busy()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    pipeline = torchrec_swp.TrainPipelineBase(model, optimizer, torch.device("cpu"), **options)
-    source = MapSource(Crowded(n, 0.004))
-    out = []
-    try:
-        while True:
-            try:
-                out.append(pipeline.progress(source)[1].detach().clone())
-            except StopIteration:
-                break
-    finally:
-        pipeline.close()
-    return out, pipeline
+    outputs, pipeline, _ = train(n, 0.0, model=Busy(), dataset=Crowded(n, 0.004), **options)
+    return outputs, pipeline
 
 
 def test_it_picks_the_measured_best_when_the_models_favourite_carries_a_cost_it_does_not_know() -> None:
@@ -168,7 +160,7 @@ def test_it_picks_the_measured_best_when_the_models_favourite_carries_a_cost_it_
     text = "\n".join(lines)
     assert re.search(r"tried 4 plans over \d+ steps \(\d cycles, \d+ visits", text), text
     for t in d.tried:  # every candidate in the report, predicted and measured with its interval
-        assert t.steps >= FAST.get("trial_steps", 5) and t.visits >= 1
+        assert t.steps >= FAST["trial_steps"] and t.visits >= 1
     assert (
         len(
             re.findall(
@@ -182,7 +174,7 @@ def test_it_picks_the_measured_best_when_the_models_favourite_carries_a_cost_it_
 
 
 def test_visits_interleave_and_the_trial_keeps_its_bound() -> None:
-    tuning = Autotune(**FAST, rounds=1, candidates=2, trial_cycles=3, confidence=0.999, report=None)
+    tuning = Autotune(**{**FAST, "trial_cycles": 3}, rounds=1, candidates=2, confidence=0.999, report=None)
     tuned, pipeline, weights = train(300, 0.006, autotune=tuning)
     plain, _, plain_weights = train(300, 0.006)
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
@@ -224,7 +216,7 @@ def test_data_that_ends_in_the_trial_keeps_the_plan_running_and_the_trial_goes_o
     assert out[0].startswith("autotune TrainPipelineBase: profiled 12 steps"), out
     said = re.fullmatch(
         rf"autotune TrainPipelineBase: not decided: the data ended after {trained} steps, in the trial's cycle 1 of "
-        r"at most 4; (the running plan|threads .*) stays \(with more data the trial goes on\)",
+        r"at most 3; (the running plan|threads .*) stays \(with more data the trial goes on\)",
         out[-1],
     )
     assert said and d is not None and not d.decided, out

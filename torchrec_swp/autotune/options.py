@@ -95,8 +95,8 @@ class Autotune:
     wake_s: float = DEFAULT_WAKE_S
     gil: float | None = DEFAULT_GIL
     report: Callable[[str], None] | None = PRINTED
-    candidates: int = 2
-    trial_steps: int = 5
+    candidates: int = 3
+    trial_steps: int = 6
     trial_cycles: int = 4
     confidence: float = 0.9
     drift: float | None = 0.25

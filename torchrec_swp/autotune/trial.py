@@ -18,9 +18,10 @@ switch; ``tuner.py`` drives it call by call, this module holds what is pure).
 * **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
   switch and at most ``visit_steps`` calls (``trial_bound``).
 
-Candidates (``pick``): the search's best, then the best of each other number of loads, then the
-next distinct thread layouts, in the model's order: plans the model tells apart least well (loads
-that wait on one another, threads that contend) are those the trial measures.
+Candidates (``pick``): the search's best, its layout running furthest ahead, then the best of
+each other number of loads, then the next distinct thread layouts, in the model's order: plans the
+model tells apart least well (loads that wait on one another, threads that contend, a run-ahead
+that absorbs a loader's jitter) are those the trial measures.
 """
 
 from __future__ import annotations
@@ -123,22 +124,27 @@ def needs_quiet(plan: PipelinePlan) -> bool:
 
 def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> list[PipelinePlan]:
     """Up to ``count`` plans to try beside ``running``, from ``ranked`` (the model's order, best
-    first): the best; then the best of each number of loads not yet picked; then the best of each
-    thread layout (threads, loads, comm groups) not yet picked. ``running`` and repeats are left
-    out."""
+    first): the best; the best's layout running furthest ahead (the model, of mean costs, does not
+    see what a deeper run-ahead absorbs of a loader's jitter, and within its tie prefers fewer
+    batches in flight); then the best of each number of loads not yet picked; then the best of
+    each thread layout (threads, loads, comm groups) not yet picked. ``running`` and repeats are
+    left out."""
 
     def layout(p: PipelinePlan) -> tuple[object, ...]:
         return (
-            p.thread_groups,
             tuple(p.task(t).thread_group for t in p.fire_order),
             p.loads,
             tuple(p.task(t).comm_group for t in p.fire_order),
         )
 
     others = [p for p in dict.fromkeys(ranked) if p != running]
-    picked: list[PipelinePlan] = []
-    if others and count > 0:
-        picked.append(others[0])
+    if not others or count < 1:
+        return []
+    best = others[0]
+    picked = [best]
+    ahead = [p for p in others if layout(p) == layout(best) and p.lookahead > best.lookahead]
+    if ahead and count > 1:
+        picked.append(max(ahead, key=lambda p: p.lookahead))
     for p in others:
         if len(picked) >= count:
             break

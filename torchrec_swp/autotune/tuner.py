@@ -633,8 +633,11 @@ class Tuner:
         if racing and t.cycle < self.options.trial_cycles:
             self._next_cycle()
             return
-        # at the bound, a running plan still racing is not told apart from the best: no switch on noise
-        self._end_trial(best, verdict["combined"], keep=best != 0 and t.alive[0])
+        # at the bound, a running plan still racing and measured within the noise of the best is not
+        # told apart from it: no switch on noise
+        s0 = t.standings[0]
+        close = s0 is not None and s0.ratio < 1 + self.options.noise
+        self._end_trial(best, verdict["combined"], keep=best != 0 and t.alive[0] and close)
 
     def _end_trial(self, best: int, combined: list[list[float]], keep: bool) -> None:
         t = self._trial
@@ -677,7 +680,7 @@ class Tuner:
         p = t.proposal
         self._trial = None
         if keep:
-            kept = f"the measured best was not told apart from it in {t.cycle} cycles"
+            kept = f"the measured best was not told apart from it in {t.cycle} cycles, nor faster by the noise"
         elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
             kept = f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
         else:
