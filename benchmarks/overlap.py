@@ -245,7 +245,7 @@ def _tune(c: Contender) -> dict[str, Any]:
 
 
 def _describe(text: str) -> str:
-    from torchrec_swp.autotune.tuner import describe
+    from torchrec_swp.autotune.trial import describe
     from torchrec_swp.plan import PipelinePlan
 
     return describe(PipelinePlan.from_text(text))

@@ -93,8 +93,8 @@ FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles":
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     lines: list[str] = []
-    tuned, pipeline, weights = train(160, 0.006, autotune=Autotune(**FAST, report=lines.append))
-    plain, _, plain_weights = train(160, 0.006)
+    tuned, pipeline, weights = train(400, 0.006, autotune=Autotune(**FAST, report=lines.append))
+    plain, _, plain_weights = train(400, 0.006)
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     d = pipeline.autotune_decision
     assert d is not None and d.switched, lines
@@ -109,7 +109,7 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     assert not [line for line in lines if REPEATED_WORD.search(line) or "thread the calling thread" in line]
     assert "the starting plan is bound by" in text and "measured" in text and "predicted" in text
     assert "second round" in text and d.first_predicted_s is not None
-    assert pipeline.batch_ledger.trained == 160 and not pipeline.untrained_batches()
+    assert pipeline.batch_ledger.trained == 400 and not pipeline.untrained_batches()
 
 
 def test_where_compute_binds_it_keeps_its_plan_and_says_why() -> None:

@@ -30,7 +30,7 @@ import functools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
@@ -247,10 +247,167 @@ def mean_interval(values: Sequence[float], confidence: float) -> tuple[float, fl
     return m, m - half, m + half
 
 
+@dataclass
+class Visit:
+    """One visit of a trial: candidate ``index`` measured in calls ``first`` to ``last``."""
+
+    index: int
+    first: int
+    last: int
+    periods: list[float] = field(default_factory=list)
+
+
+class Trial:
+    """A trial under way, its bookkeeping in ``progress()`` calls (the tuner switches the plans and
+    makes the collectives): the candidates (the running plan first), what the model predicted for
+    each, which are still in the race, this rank's mean step of each visit, the visits so far."""
+
+    def __init__(
+        self, plans: Sequence[PipelinePlan], predicted: Sequence[float | None], began: int, steps: int, cycles: int
+    ) -> None:
+        n = len(plans)
+        self.plans, self.predicted, self.began = list(plans), list(predicted), began
+        self.steps_per_visit, self.cycles = steps, cycles
+        self.alive = [True] * n
+        self.samples: list[list[float]] = [[] for _ in range(n)]  # by candidate, one per visit
+        self.steps = [0] * n  # steps measured, by candidate
+        self.order: list[int] = []  # the visits so far
+        self.cycle = 0  # cycles complete
+        self.queue: list[int] = []  # this cycle's visits still to come
+        self.visit: Visit | None = None
+        self.standings: list[Standing | None] = [None] * n
+        self.out_after: list[int | None] = [None] * n
+
+    def start_cycle(self) -> int:
+        """The candidates still in the race, in order, are this cycle's visits: the first."""
+        self.queue = [i for i, a in enumerate(self.alive) if a]
+        return self.queue.pop(0)
+
+    def next_in_cycle(self) -> int | None:
+        """The next visit of this cycle, or None: the cycle is complete (counted)."""
+        if self.queue:
+            return self.queue.pop(0)
+        self.cycle += 1
+        return None
+
+    def begin(self, index: int, first: int) -> None:
+        """Visit candidate ``index``, measuring from call ``first`` (after its switch settled)."""
+        self.visit = Visit(index, first, first + measured_steps(self.plans[index], self.steps_per_visit) - 1)
+        self.order.append(index)
+
+    def measure(self, call: int, period: float) -> None:
+        """The period of call ``call``, if the visit measures it."""
+        v = self.visit
+        if v is not None and v.first <= call <= v.last:
+            v.periods.append(period)
+
+    def close(self, call: int) -> bool:
+        """At call ``call``: whether the visit has measured all its calls (then recorded)."""
+        v = self.visit
+        if v is None or call <= v.last:
+            return False
+        self.samples[v.index].append(statistics.fmean(v.periods))
+        self.steps[v.index] += len(v.periods)
+        self.visit = None
+        return True
+
+    def restart(self, call: int) -> None:
+        """The data ended at call ``call``: the visit's measurements are dropped, and it measures
+        again once the pipeline has filled and the plan settled."""
+        if self.visit is not None:
+            plan = self.plans[self.visit.index]
+            self.begin(self.visit.index, call + 1 + plan.pipeline_depth + settle_steps(plan))
+            self.order.pop()
+
+    @staticmethod
+    def judge(
+        gathered: Sequence[Sequence[Sequence[float]]], alive: Sequence[bool], noise: float, confidence: float
+    ) -> dict[str, Any]:
+        """Rank 0, after a cycle: every rank's visit means (``gathered[rank][candidate][cycle]``)
+        averaged over the ranks, and the race (``race``) on them; a dict every rank takes."""
+        n = len(gathered[0])
+        combined = [[statistics.fmean(r[i][c] for r in gathered) for c in range(len(gathered[0][i]))] for i in range(n)]
+        best, standings = race(combined, alive, noise, confidence)
+        return {"combined": combined, "best": best, "standings": [None if s is None else asdict(s) for s in standings]}
+
+    def take(self, verdict: Mapping[str, Any]) -> bool:
+        """Every rank: the verdict of ``judge``; whether the race goes on (a candidate besides the
+        best still racing, cycles left)."""
+        for i, s in enumerate(verdict["standings"]):
+            if s is not None:
+                self.standings[i] = Standing(**s)
+                if s["state"] in ("slower", "equal"):
+                    self.alive[i], self.out_after[i] = False, self.cycle
+        racing = [i for i, a in enumerate(self.alive) if a and i != verdict["best"]]
+        return bool(racing) and self.cycle < self.cycles
+
+    def keeps_running(self, best: int, noise: float) -> bool:
+        """At the end: whether the running plan stays although another measured best: still racing
+        (not told apart at the bound) and measured within ``noise`` of the best."""
+        s0 = self.standings[0]
+        return best != 0 and self.alive[0] and s0 is not None and s0.ratio < 1 + noise
+
+    def results(self, best: int, combined: Sequence[Sequence[float]], confidence: float) -> list[Tried]:
+        """Every candidate's record (``Tried``) at the end, against the measured best ``best``."""
+        out = []
+        for i, plan in enumerate(self.plans):
+            s = None if i == best else self.standings[i]
+            m, low, high = mean_interval(combined[i], confidence) if combined[i] else (None, None, None)
+            verdict = "best" if i == best else ("bound" if self.alive[i] else (s.state if s is not None else ""))
+            out.append(
+                Tried(
+                    plan=plan.to_text(),
+                    predicted_s=self.predicted[i],
+                    measured_s=m,
+                    low_s=low,
+                    high_s=high,
+                    ratio=None if s is None else s.ratio,
+                    ratio_low=None if s is None else s.low,
+                    ratio_high=None if s is None else s.high,
+                    steps=self.steps[i],
+                    visits=self.order.count(i),
+                    verdict=verdict,
+                    out_after=self.out_after[i],
+                )
+            )
+        return out
+
+
+def describe(plan: PipelinePlan) -> str:
+    """A plan's overlap choices in words: its threads, lookahead and loads."""
+    return f"threads {list(plan.thread_groups)}, lookahead {plan.lookahead}, loads {plan.loads}"
+
+
+def tried_line(i: int, x: Tried, confidence: float) -> str:
+    """The report's line of candidate ``i`` (0: the running plan) of a trial."""
+    name = "the running plan" if i == 0 else describe(PipelinePlan.from_text(x.plan))
+    predicted = f"predicted {1e3 * x.predicted_s:.2f} ms" if x.predicted_s is not None else "no prediction"
+    if x.measured_s is None or x.low_s is None or x.high_s is None:
+        return f"tried {name}: {predicted}, not measured"
+    measured = (
+        f"measured {1e3 * x.measured_s:.2f} ms ({100 * confidence:.0f}% interval "
+        f"{1e3 * x.low_s:.2f}-{1e3 * x.high_s:.2f}) over {x.steps} steps in {x.visits} visits"
+    )
+    if x.verdict == "best":
+        end = "the measured best"
+    elif x.ratio is not None and x.ratio_low is not None and x.ratio_high is not None:
+        against = f"x{x.ratio:.2f} the best's step (interval x{x.ratio_low:.2f}-x{x.ratio_high:.2f})"
+        end = {
+            "slower": f"slower: {against}, out after cycle {x.out_after}",
+            "equal": f"within the noise of the best: {against}, out after cycle {x.out_after}",
+        }.get(x.verdict, f"still racing at the bound: {against}")
+    else:
+        end = x.verdict
+    return f"tried {name}: {predicted}, {measured}; {end}"
+
+
 __all__ = [
     "TRIAL_SETTLE",
     "Standing",
+    "Trial",
     "Tried",
+    "Visit",
+    "describe",
     "mean_interval",
     "measured_steps",
     "needs_quiet",
@@ -259,5 +416,6 @@ __all__ = [
     "settle_steps",
     "t_quantile",
     "trial_bound",
+    "tried_line",
     "visit_steps",
 ]

@@ -54,7 +54,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from torchrec_swp.autosched.inputs import from_profiles
@@ -63,16 +63,7 @@ from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, 
 from torchrec_swp.autotune.options import Autotune, PrintedReport
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
-from torchrec_swp.autotune.trial import (
-    Standing,
-    Tried,
-    mean_interval,
-    measured_steps,
-    needs_quiet,
-    pick,
-    race,
-    settle_steps,
-)
+from torchrec_swp.autotune.trial import Trial, Tried, describe, needs_quiet, pick, settle_steps, tried_line
 from torchrec_swp.catalog.torchrec import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
@@ -170,38 +161,6 @@ class Hooks:
     enable: Callable[[], None] | None = None
 
 
-@dataclass
-class _Visit:
-    """One visit of a trial: candidate ``index`` measured in calls ``first`` to ``last``."""
-
-    index: int
-    first: int
-    last: int
-    periods: list[float] = field(default_factory=list)
-
-
-@dataclass
-class _Trial:
-    """A trial under way (module docstring, 4): the candidates (the running plan first), what the
-    model predicted for each, the search's decision it started from, and what was measured."""
-
-    plans: list[PipelinePlan]
-    predicted: list[float | None]
-    own_group: list[bool]
-    proposal: Decision
-    began: int
-    alive: list[bool]
-    samples: list[list[float]]  # this rank's mean step of each visit, by candidate
-    steps: list[int]
-    order: list[int] = field(default_factory=list)  # the visits so far
-    cycle: int = 0  # cycles complete
-    queue: list[int] = field(default_factory=list)  # this cycle's visits still to come
-    visit: _Visit | None = None
-    standings: list[Standing | None] = field(default_factory=list)
-    out_after: list[int | None] = field(default_factory=list)
-    ended: bool = False  # the data ended in this trial (said once)
-
-
 class Tuner:
     """One pipeline's tuner (module docstring)."""
 
@@ -222,7 +181,9 @@ class Tuner:
         self._settle = 0
         self._phase_call = 0  # the call whose step began the current profiling or verification
         self._ended_call = -1  # the last call whose step found the data ended
-        self._trial: _Trial | None = None
+        self._trial: Trial | None = None
+        self._proposal: Decision | None = None  # the search's decision a trial started from
+        self._own_groups: list[bool] = []  # whether each candidate of the trial has the own comm group
         self._on: int | None = None  # the trial's candidate running (None: another plan)
         self._quiet: tuple[int, Callable[[], None], str] | None = None  # (call, action, phase after)
         self._quiet_back: PipelinePlan | None = None  # the plan to go back to after a quiet call
@@ -245,8 +206,8 @@ class Tuner:
                 self._periods.append(period)
             elif self.phase == "watching":
                 self._window.append(period)
-            elif self.phase == "trying":
-                self._measure(period)
+            elif self.phase == "trying" and self._trial is not None:
+                self._trial.measure(self.calls, period)  # self.calls: the call before this one
         self._last_start = now
         self.calls += 1
         o = self.options
@@ -532,144 +493,82 @@ class Tuner:
     # ------------------------------------------------------------------ the trial
     def _start_trial(self, proposal: Decision, candidates: list[Any]) -> None:
         """Every rank: try ``candidates`` (module docstring, 4), the running plan first."""
-        n = len(candidates)
-        self._trial = _Trial(
-            plans=[PipelinePlan.from_text(text) for text, _, _ in candidates],
-            predicted=[p for _, p, _ in candidates],
-            own_group=[bool(g) for _, _, g in candidates],
-            proposal=proposal,
-            began=self.calls,
-            alive=[True] * n,
-            samples=[[] for _ in range(n)],
-            steps=[0] * n,
-            standings=[None] * n,
-            out_after=[None] * n,
+        o = self.options
+        self._trial = Trial(
+            [PipelinePlan.from_text(text) for text, _, _ in candidates],
+            [p for _, p, _ in candidates],
+            self.calls,
+            o.trial_steps,
+            o.trial_cycles,
         )
-        if any(self._trial.own_group):
+        self._proposal, self._own_groups = proposal, [bool(g) for _, _, g in candidates]
+        if any(self._own_groups):
             self._enable_group()  # a collective: here, where every rank decided alike
         self._on = 0 if self._quiet_back is None else None
         self._quiet_back = None  # the trial's first visit switches back from the quiet plan
-        o = self.options
         steps, switches = o.trial_bound()
         measured = f" ({1e3 * proposal.measured_start_s:.2f} ms per step measured)" if proposal.measured_start_s else ""
         head = "profiled" if self.round == 1 else f"{self._round_name()}: profiled the running plan"
         self._report(
-            f"autotune {self.owner}: {head} {o.steps} steps{measured}; tries {n} plans, {o.trial_steps} steps a visit, "
-            f"at most {o.trial_cycles} cycles ({steps} steps, {switches} switches)",
+            f"autotune {self.owner}: {head} {o.steps} steps{measured}; tries {len(candidates)} plans, "
+            f"{o.trial_steps} steps a visit, at most {o.trial_cycles} cycles ({steps} steps, {switches} switches)",
             headline=True,
         )
         for line in proposal.why:
             self._report(f"autotune {self.owner}: {line}")
         self.phase = "trying"
-        self._next_cycle()
-
-    def _next_cycle(self) -> None:
-        t = self._trial
-        assert t is not None
-        t.queue = [i for i, a in enumerate(t.alive) if a]
-        self._visit(t.queue.pop(0))
+        self._visit(self._trial.start_cycle())
 
     def _visit(self, index: int) -> None:
+        """Run candidate ``index`` (switching to it unless it runs) and measure it once settled."""
         t = self._trial
         assert t is not None
-        plan = t.plans[index]
-        catch, settle = 0, 0
+        catch = settle = 0
         if self._on != index:
-            catch, settle = self.engine.plan.lookahead, settle_steps(plan)
-            self._switch(plan)
+            catch, settle = self.engine.plan.lookahead, settle_steps(t.plans[index])
+            self._switch(t.plans[index])
             self._on = index
-        first = self.calls + catch + settle
-        t.visit = _Visit(index, first, first + measured_steps(plan, self.options.trial_steps) - 1)
-        t.order.append(index)
-
-    def _measure(self, period: float) -> None:
-        """The period of the call before this one, if its visit measures it."""
-        v = self._trial.visit if self._trial is not None else None
-        if v is not None and v.first <= self.calls <= v.last:  # self.calls: not yet counted
-            v.periods.append(period)
+        t.begin(index, self.calls + catch + settle)
 
     def _trying(self) -> None:
         t = self._trial
-        assert t is not None and t.visit is not None
-        v = t.visit
-        if self.calls <= v.last:
+        assert t is not None
+        if not t.close(self.calls):
             return
-        t.samples[v.index].append(statistics.fmean(v.periods))
-        t.steps[v.index] += len(v.periods)
-        t.visit = None
-        if t.queue:
-            self._visit(t.queue.pop(0))
+        index = t.next_in_cycle()
+        if index is not None:
+            self._visit(index)
         else:
-            t.cycle += 1
             self._when_quiet(self._judge)
 
     def _judge(self) -> None:
-        """Every rank, after a cycle: rank 0 judges every rank's visits (``trial.race``) and
+        """Every rank, after a cycle: rank 0 judges every rank's visits (``Trial.judge``) and
         tells every rank which plans stay, or which wins."""
         t = self._trial
         assert t is not None
         gathered = gather_to_all(t.samples)
-        verdict = None
-        if world()[0] == 0:
-            combined = [
-                [statistics.fmean(r[i][c] for r in gathered) for c in range(len(t.samples[i]))]
-                for i in range(len(t.samples))
-            ]
-            best, standings = race(combined, t.alive, self.options.noise, self.options.confidence)
-            verdict = {
-                "combined": combined,
-                "best": best,
-                "standings": [None if s is None else asdict(s) for s in standings],
-            }
+        o = self.options
+        verdict = Trial.judge(gathered, t.alive, o.noise, o.confidence) if world()[0] == 0 else None
         verdict = from_rank0(verdict)
-        best = verdict["best"]
-        standings = [None if s is None else Standing(**s) for s in verdict["standings"]]
-        for i, s in enumerate(standings):
-            if s is not None:
-                t.standings[i] = s
-                if s.state in ("slower", "equal"):
-                    t.alive[i], t.out_after[i] = False, t.cycle
-        racing = [i for i, a in enumerate(t.alive) if a and i != best]
-        if racing and t.cycle < self.options.trial_cycles:
-            self._next_cycle()
-            return
-        # at the bound, a running plan still racing and measured within the noise of the best is not
-        # told apart from it: no switch on noise
-        s0 = t.standings[0]
-        close = s0 is not None and s0.ratio < 1 + self.options.noise
-        self._end_trial(best, verdict["combined"], keep=best != 0 and t.alive[0] and close)
+        if t.take(verdict):
+            self._visit(t.start_cycle())
+        else:
+            self._end_trial(verdict["best"], verdict["combined"])
 
-    def _end_trial(self, best: int, combined: list[list[float]], keep: bool) -> None:
+    def _end_trial(self, best: int, combined: list[list[float]]) -> None:
+        """Every rank: run the winner (the measured best, or the running plan where the trial
+        cannot tell them apart) and take the decision with the trial's record."""
         t = self._trial
         assert t is not None
+        o = self.options
         before = self.engine.plan
+        keep = t.keeps_running(best, o.noise)
         won = 0 if keep else best
         if self._on != won:
             self._switch(t.plans[won])
             self._on = won
         self._trial_steps += self.calls - t.began
-        o = self.options
-        tried = []
-        for i, plan in enumerate(t.plans):
-            s = t.standings[i]
-            m, low, high = mean_interval(combined[i], o.confidence) if combined[i] else (None, None, None)
-            verdict = "best" if i == best else ("bound" if t.alive[i] else (s.state if s is not None else ""))
-            tried.append(
-                Tried(
-                    plan=plan.to_text(),
-                    predicted_s=t.predicted[i],
-                    measured_s=m,
-                    low_s=low,
-                    high_s=high,
-                    ratio=None if i == best or s is None else s.ratio,
-                    ratio_low=None if i == best or s is None else s.low,
-                    ratio_high=None if i == best or s is None else s.high,
-                    steps=t.steps[i],
-                    visits=t.order.count(i),
-                    verdict=verdict,
-                    out_after=t.out_after[i],
-                )
-            )
+        tried = t.results(best, combined, o.confidence)
         clear = all(x.verdict in ("slower", "equal", "best") for x in tried)
         how = "told apart" if clear else f"not all told apart after {t.cycle} cycles (the bound)"
         line = (
@@ -677,23 +576,23 @@ class Tuner:
             f"{len(t.order)} visits; {how}): the measured best is "
             + ("the running plan" if best == 0 else describe(t.plans[best]))
         )
-        p = t.proposal
-        self._trial = None
         if keep:
             kept = f"the measured best was not told apart from it in {t.cycle} cycles, nor faster by the noise"
         elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
             kept = f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
         else:
             kept = "it measured best of the plans tried"
+        p = self._proposal
+        self._trial = None
         decision = replace(
             p,
             plan=None if won == 0 else tried[won].plan,
-            own_group=t.own_group[won] if won else False,
+            own_group=self._own_groups[won] if won else False,
             predicted_s=t.predicted[won] if won else p.predicted_s,
             why=(
                 *(w for w in p.why if not w.startswith("keeps the plan")),
                 line,
-                *(self._tried_line(i, x) for i, x in enumerate(tried)),
+                *(tried_line(i, x, o.confidence) for i, x in enumerate(tried)),
                 *((f"keeps the plan: {kept}",) if won == 0 else ()),
             ),
             tried=tuple(tried),
@@ -701,50 +600,25 @@ class Tuner:
         )
         self._conclude(decision, applied=True, before=before)
 
-    def _tried_line(self, i: int, x: Tried) -> str:
-        plan = PipelinePlan.from_text(x.plan)
-        name = "the running plan" if i == 0 else describe(plan)
-        predicted = f"predicted {1e3 * x.predicted_s:.2f} ms" if x.predicted_s is not None else "no prediction"
-        if x.measured_s is None:
-            return f"tried {name}: {predicted}, not measured"
-        assert x.low_s is not None and x.high_s is not None
-        measured = (
-            f"measured {1e3 * x.measured_s:.2f} ms ({100 * self.options.confidence:.0f}% interval "
-            f"{1e3 * x.low_s:.2f}-{1e3 * x.high_s:.2f}) over {x.steps} steps in {x.visits} visits"
-        )
-        if x.verdict == "best":
-            end = "the measured best"
-        elif x.ratio is not None and x.ratio_low is not None and x.ratio_high is not None:
-            against = f"x{x.ratio:.2f} the best's step (interval x{x.ratio_low:.2f}-x{x.ratio_high:.2f})"
-            end = {
-                "slower": f"slower: {against}, out after cycle {x.out_after}",
-                "equal": f"within the noise of the best: {against}, out after cycle {x.out_after}",
-            }.get(x.verdict, f"still racing at the bound: {against}")
-        else:
-            end = x.verdict
-        return f"tried {name}: {predicted}, {measured}; {end}"
-
     def _trial_data_ended(self, said: bool) -> None:
         """The data ended in a trial: the plan running stays; with more data the visit starts
         again (its measurements dropped, the pipeline filled again)."""
         t = self._trial
         assert t is not None
-        if t.visit is not None:
-            plan = t.plans[t.visit.index]
-            first = self.calls + 1 + plan.pipeline_depth + settle_steps(plan)
-            t.visit = _Visit(t.visit.index, first, first + measured_steps(plan, self.options.trial_steps) - 1)
+        t.restart(self.calls)
         if said:
             return
-        who, o = f"autotune {self.owner}", self.options
         running = "the running plan" if self._on in (0, None) else describe(t.plans[self._on])
         why = (
-            f"not decided: the data ended after {self.calls - 1} steps, in the trial's cycle {t.cycle + 1} of at most "
-            f"{o.trial_cycles}; {running} stays (with more data the trial goes on)"
+            f"the data ended after {self.calls - 1} steps, in the trial's cycle {t.cycle + 1} of at most "
+            f"{self.options.trial_cycles}; {running} stays (with more data the trial goes on)"
         )
         if self.round == 1:
             plan = None if self._on in (0, None) else t.plans[self._on].to_text()
-            self.decision = Decision(plan, why=(why,), decided=False)
-        self._report(f"{who}: {why}", headline=True)
+            self.decision = Decision(plan, why=(f"not decided: {why}",), decided=False)
+            self._report(f"autotune {self.owner}: not decided: {why}", headline=True)
+        else:  # the decision of an earlier round stands
+            self._report(f"autotune {self.owner}: {self._round_name()}: trial not finished: {why}", headline=True)
 
     # ------------------------------------------------------------------ drift
     def _watch(self, reference: float | None = None) -> None:
@@ -860,8 +734,3 @@ class Tuner:
         if self.decision.switched:
             self._apply(self.decision)
         self._watch()
-
-
-def describe(plan: PipelinePlan) -> str:
-    """A plan's overlap choices in words: its threads, lookahead and loads."""
-    return f"threads {list(plan.thread_groups)}, lookahead {plan.lookahead}, loads {plan.loads}"
