@@ -165,6 +165,13 @@ def test_a_memory_cap_no_plan_meets_keeps_the_plan_in_one_line() -> None:
         ({"steps": 1}, "Autotune: steps must be an int >= 2 (too few steps to profile), got 1"),
         ({"noise": 1.5}, "Autotune: noise must be a share in [0, 1), got 1.5"),
         ({"memory_cap_bytes": -3}, "Autotune: memory_cap_bytes must be a number > 0 or None, got -3"),
+        ({"candidates": -1}, "Autotune: candidates must be an int >= 0, got -1"),
+        ({"trial_steps": 1}, "Autotune: trial_steps must be an int >= 2 (too few steps to measure a visit), got 1"),
+        ({"trial_cycles": 1}, "Autotune: trial_cycles must be an int >= 2 (too few cycles for an interval), got 1"),
+        ({"confidence": 1.0}, "Autotune: confidence must be a share in [0.5, 1), got 1.0"),
+        ({"drift": 0}, "Autotune: drift must be a share in (0, 1) or None (never re-tune), got 0"),
+        ({"drift_every": 0}, "Autotune: drift_every must be an int >= 1, got 0"),
+        ({"retunes": -1}, "Autotune: retunes must be an int >= 0, got -1"),
     ],
 )
 def test_bad_options_fail_in_one_line(options: dict[str, Any], message: str) -> None:

@@ -268,3 +268,45 @@ def test_a_drift_tunes_again_within_its_bound() -> None:
     assert drifted and "re-tune 1 of 1" in drifted[0], lines
     assert [line for line in drifted if "re-tunes were the bound" in line] == drifted[1:2], lines
     assert len([line for line in drifted if "re-tune 1 of 1" in line]) == 1
+
+
+def test_on_several_ranks_every_agreement_waits_for_a_call_where_no_thread_runs_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One process plays rank 0 of two (the collectives return its own values); every plan that
+    # runs ahead counts as one with a collective off the calling thread. Each gather of the tuner
+    # must then find the plan without lookahead, every thread standing at the caller's boundary,
+    # and the run train bit for bit as untuned.
+    import torchrec_swp.autotune.tuner as tuner
+
+    seen: list[tuple[int, bool, bool]] = []
+    pipelines: list[Any] = []
+
+    def gather(value: Any) -> list[Any]:
+        engine = pipelines[-1].engine
+        quieted = pipelines[-1]._swp_tuner._quiet_back is not None  # a plan that ran ahead, held back for it
+        seen.append((engine.plan.lookahead, engine.switch_pending, quieted))
+        if isinstance(value, dict) and value.get("profile"):  # rank 1's profile: rank 0's, renumbered
+            profile = value["profile"]
+            return [value, {**value, "profile": {**profile, "where": {**profile["where"], "rank": 1}}}]
+        return [value, value]
+
+    monkeypatch.setattr(tuner, "world", lambda: (0, 2))
+    monkeypatch.setattr(tuner, "gather_to_all", gather)
+    monkeypatch.setattr(tuner, "from_rank0", lambda value: value)
+    monkeypatch.setattr(tuner, "needs_quiet", lambda plan: plan.lookahead > 0)
+    original = torchrec_swp.TrainPipelineBase.__init__
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        pipelines.append(self)
+
+    monkeypatch.setattr(torchrec_swp.TrainPipelineBase, "__init__", keep)
+    tuning = Autotune(**FAST, candidates=3, report=None)
+    tuned, pipeline, weights = train(400, 0.006, autotune=tuning)
+    plain, _, plain_weights = train(400, 0.006)
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided and d.tried, d.why
+    assert len(seen) >= 3 and all(ahead == 0 and not pending for ahead, pending, _ in seen), seen
+    assert any(quieted for _, _, quieted in seen), seen
