@@ -88,6 +88,10 @@ def test_candidates_are_the_best_then_other_loads_then_other_layouts() -> None:
     deeper = [io.replace(lookahead=1), ranked[2], io.replace(lookahead=3), io.replace(lookahead=2)]
     assert pick(deeper, running, 2) == [deeper[0], deeper[2]]
     assert pick(deeper, running, 3) == [deeper[0], deeper[2], deeper[1]]
+    # another number of loads at its deepest run-ahead: parallel loads without one barely overlap
+    loads = [io.replace(lookahead=1), plans.with_parallel_loads(running, 2, lookahead=0)]
+    loads.append(plans.with_parallel_loads(running, 2, lookahead=2))
+    assert pick(loads, running, 2) == [loads[0], loads[2]]
 
 
 def test_a_plan_that_runs_ahead_with_a_collective_off_the_calling_thread_needs_a_quiet_call() -> None:

@@ -18,10 +18,11 @@ switch; ``tuner.py`` drives it call by call, this module holds what is pure).
 * **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
   switch and at most ``visit_steps`` calls (``trial_bound``).
 
-Candidates (``pick``): the search's best, its layout running furthest ahead, then the best of
-each other number of loads, then the next distinct thread layouts, in the model's order: plans the
-model tells apart least well (loads that wait on one another, threads that contend, a run-ahead
-that absorbs a loader's jitter) are those the trial measures.
+Candidates (``pick``): the search's best, its layout running furthest ahead, then the best
+layout of each other number of loads and the next distinct thread layouts, each running furthest
+ahead, in the model's order: plans the model tells apart least well (loads that wait on one
+another, threads that contend, a run-ahead that absorbs a loader's jitter) are those the trial
+measures.
 """
 
 from __future__ import annotations
@@ -124,11 +125,12 @@ def needs_quiet(plan: PipelinePlan) -> bool:
 
 def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> list[PipelinePlan]:
     """Up to ``count`` plans to try beside ``running``, from ``ranked`` (the model's order, best
-    first): the best; the best's layout running furthest ahead (the model, of mean costs, does not
-    see what a deeper run-ahead absorbs of a loader's jitter, and within its tie prefers fewer
-    batches in flight); then the best of each number of loads not yet picked; then the best of
-    each thread layout (threads, loads, comm groups) not yet picked. ``running`` and repeats are
-    left out."""
+    first): the best; the best's layout running furthest ahead; then, for each number of loads not
+    yet picked, its best layout running furthest ahead; then the same for each thread layout
+    (threads, loads, comm groups) not yet picked. The model, of mean costs, does not see what a
+    deeper run-ahead absorbs of a loader's jitter (nor parallel loads without one) and within its
+    tie prefers fewer batches in flight: the trial measures it. ``running`` and repeats are left
+    out."""
 
     def layout(p: PipelinePlan) -> tuple[object, ...]:
         return (
@@ -140,20 +142,26 @@ def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> l
     others = [p for p in dict.fromkeys(ranked) if p != running]
     if not others or count < 1:
         return []
-    best = others[0]
-    picked = [best]
-    ahead = [p for p in others if layout(p) == layout(best) and p.lookahead > best.lookahead]
-    if ahead and count > 1:
-        picked.append(max(ahead, key=lambda p: p.lookahead))
+
+    def deepest(p: PipelinePlan) -> PipelinePlan:
+        return max((q for q in others if layout(q) == layout(p)), key=lambda q: q.lookahead)
+
+    picked = [others[0]]
+    wanted = [deepest(others[0])]
+    loads_seen = {others[0].loads}
     for p in others:
+        if p.loads not in loads_seen:
+            loads_seen.add(p.loads)
+            wanted.append(deepest(p))
+    layouts_seen = {layout(others[0]), layout(running)}
+    for p in others:
+        if layout(p) not in layouts_seen:
+            layouts_seen.add(layout(p))
+            wanted.append(deepest(p))
+    for p in wanted:
         if len(picked) >= count:
             break
-        if p.loads not in {q.loads for q in picked}:
-            picked.append(p)
-    for p in others:
-        if len(picked) >= count:
-            break
-        if layout(p) not in {layout(q) for q in picked} | {layout(running)}:
+        if p not in picked:
             picked.append(p)
     return picked
 
