@@ -174,7 +174,10 @@ def _contender(
         from torchrec_swp import Autotune
 
         # its warm-up spans the interleaved warm-up of every contender; it profiles its own block
-        tuning = Autotune(report=lambda line: None, warmup=args.warmup + TUNING_WARMUP, **TUNING)
+        # no drift watch: the rounds interleave the contenders in blocks, and the load each
+        # leaves behind (DataLoader workers, prefetch threads) is not a drift of this job's step;
+        # a re-tune's search in a timed block would be measured as steps
+        tuning = Autotune(report=lambda line: None, warmup=args.warmup + TUNING_WARMUP, drift=None, **TUNING)
         runner = make_runner(args.pipeline, "ours", build, options={"autotune": tuning})
     else:
         thread_map = io_dist_map(args.pipeline) if "dist" in options else io_map if "io" in options else None

@@ -63,8 +63,9 @@ class Autotune:
       switch on the prediction alone);
     * ``verify`` steps later, the measured step is reported beside the prediction;
     * then every ``drift_every`` steps the median step of the last ``verify`` is compared with the
-      one measured when the plan was chosen: beyond ``drift`` (a share) the running plan is
-      profiled, searched from and tried again, at most ``retunes`` times (``drift`` None: never).
+      one measured when the plan was chosen: beyond ``drift`` (a share) at two checks in a row,
+      the running plan is profiled, searched from and tried again, at most ``retunes`` times
+      (``drift`` None: never). A re-tune costs a search (seconds on rank 0) and a trial.
 
     The starting plan is kept when no plan is predicted to be faster by more than ``noise``
     (a share: identical schedules move by up to 11% between runs on a shared 2-core machine,

@@ -24,8 +24,9 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
 6. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
    reported beside the prediction;
 7. **watching** (``drift``): every ``drift_every`` steps, the median of the last ``verify``
-   periods against the one measured when the plan was chosen; past ``drift`` every rank profiles
-   the running plan again, searches and tries (a re-tune: at most ``retunes``).
+   periods against the one measured when the plan was chosen; past ``drift`` at two checks in a
+   row (``DRIFT_CHECKS``) every rank profiles the running plan again, searches and tries (a
+   re-tune: at most ``retunes``).
 
 The ranks agree by collectives of the calling thread (``agreement.py``) at the same call on every
 rank: every count above is in calls, the same on every rank. Such a collective waits for a call
@@ -68,6 +69,8 @@ from torchrec_swp.catalog.torchrec import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
+#: consecutive checks past ``Autotune.drift`` that make a drift (a tuning costs a search of seconds)
+DRIFT_CHECKS = 2
 #: steps left out after a switch beyond the new plan's fill and run-ahead: its threads' first
 #: iterations (caches, first wake-ups) cost more than the steady ones a profile or a verification measures
 SETTLE = 3
@@ -195,6 +198,7 @@ class Tuner:
         self._reference: float | None = None  # the median step the drift is measured against
         self._window: deque[float] = deque(maxlen=options.verify)
         self._watch_from = 0
+        self._drifting = 0  # consecutive checks past the drift
 
     # ------------------------------------------------------------------ the calls
     def before_step(self) -> None:
@@ -627,7 +631,7 @@ class Tuner:
         if self.options.drift is None:
             self.phase = "done"
             return
-        self.phase, self._watch_from, self._reference = "watching", self.calls, reference
+        self.phase, self._watch_from, self._reference, self._drifting = "watching", self.calls, reference, 0
         self._window.clear()
 
     def _check_drift(self) -> None:
@@ -648,6 +652,10 @@ class Tuner:
             self._reference = now
             return
         if not verdict["drifted"]:
+            self._drifting = 0
+            return
+        self._drifting += 1
+        if self._drifting < DRIFT_CHECKS:  # a load that passes within one check is not a drift
             return
         who, off = f"autotune {self.owner}", 100 * (now / ref - 1)
         what = (
