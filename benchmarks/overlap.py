@@ -174,7 +174,10 @@ def _contender(
         from torchrec_swp import Autotune
 
         # its warm-up spans the interleaved warm-up of every contender; it profiles its own block
-        tuning = Autotune(report=lambda line: None, warmup=args.warmup + TUNING_WARMUP, **TUNING)
+        # no drift watch: the rounds interleave the contenders in blocks, and the load each
+        # leaves behind (DataLoader workers, prefetch threads) is not a drift of this job's step;
+        # a re-tune's search in a timed block would be measured as steps
+        tuning = Autotune(report=lambda line: None, warmup=args.warmup + TUNING_WARMUP, drift=None, **TUNING)
         runner = make_runner(args.pipeline, "ours", build, options={"autotune": tuning})
     else:
         thread_map = io_dist_map(args.pipeline) if "dist" in options else io_map if "io" in options else None
@@ -185,20 +188,34 @@ def _contender(
 #: ``ours+autotune``'s tuning (``Autotune``'s counts), run alone before the rounds: warm-up,
 #: profile, decision, then enough steps for the verification to end.
 TUNING = {"steps": 25, "verify": 20}
+
+
+def _trial_steps() -> int:
+    from torchrec_swp import Autotune
+
+    return Autotune(**TUNING).trial_bound()[0]
+
+
+_TRIAL_STEPS = _trial_steps()
 #: its own warm-up steps after the interleaved warm-up, before it profiles
 TUNING_WARMUP = 5
-#: calls of its block, enough for both rounds and the verification: warm-up, profile, settle,
-#: profile again, settle, verify (a settle is at most 15 steps here)
-TUNING_STEPS = TUNING_WARMUP + 25 + 15 + 25 + 15 + 20 + 4
+#: calls of its block, enough for both rounds, their trials and the verification: warm-up,
+#: profile, trial, settle, profile again, trial, settle, verify (a settle is at most 15 steps here;
+#: a trial at most ``Autotune.trial_bound()``'s steps)
+TUNING_STEPS = TUNING_WARMUP + 25 + 15 + 25 + 15 + 20 + 4 + 2 * _TRIAL_STEPS
 
 
 def _tune(c: Contender) -> dict[str, Any]:
     """Run ``ours+autotune``'s tuning alone, after every contender's warm-up (consecutive steps:
     the profile is of its own steps, not of the others', and taken once the other contenders'
     loaders - DataLoader workers starting up, prefetch threads filling their queues - are quiet);
-    its decision."""
+    its decision. It ends once the tuning has (the plan kept, or chosen and verified: the same
+    call on every rank, the decision being every rank's), at most ``TUNING_STEPS`` steps."""
     for _ in range(TUNING_STEPS):
         c.losses.append(float(c.runner.step(c.batches)[0]))
+        d = c.runner.pipeline.autotune_decision
+        if d is not None and d.decided and (d.measured_s is not None or not d.switched):
+            break
     d = c.runner.pipeline.autotune_decision
     plan = c.runner.pipeline.plan
     return {
@@ -211,7 +228,30 @@ def _tune(c: Contender) -> dict[str, Any]:
         "input_dist_group": bool(d and d.own_group),
         "predicted_ms": None if d is None or d.predicted_s is None else 1e3 * d.predicted_s,
         "verified_ms": None if d is None or d.measured_s is None else 1e3 * d.measured_s,
+        # the trial: every plan tried with its predicted and measured step, and what tuning cost
+        "tried": []
+        if d is None
+        else [
+            {
+                "plan": _describe(t.plan),
+                "predicted_ms": None if t.predicted_s is None else 1e3 * t.predicted_s,
+                "measured_ms": None if t.measured_s is None else 1e3 * t.measured_s,
+                "steps": t.steps,
+                "verdict": t.verdict,
+            }
+            for t in d.tried
+        ],
+        "trial_steps": 0 if d is None else d.trial_steps,
+        "switches": 0 if d is None else d.switches,
+        "tuning_steps": None if d is None else d.tuning_steps,
     }
+
+
+def _describe(text: str) -> str:
+    from torchrec_swp.autotune.trial import describe
+    from torchrec_swp.plan import PipelinePlan
+
+    return describe(PipelinePlan.from_text(text))
 
 
 def _plan(pipeline: str, options: list[str]) -> Any:
@@ -380,7 +420,9 @@ def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[
         return (
             "dataloader"
             if "dataloader" in label or "2loads" in label or "autotune" in label
-            else "thread" if "thread" in label else "plain"
+            else "thread"
+            if "thread" in label
+            else "plain"
         )
 
     out = []
@@ -414,13 +456,24 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
         + (
             f"threads {t['threads']}, lookahead {t['lookahead']}, loads {t['loads']}"
             + (", the input dist in its own comm group" if t["input_dist_group"] else "")
-            + f" ({'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
+            + f" (the search proposed: {'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
             f"{t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds "
             f"({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
             if t["switched"]
             else f"to keep its plan ({t['why'][-1]})"
         )
     ]
+    for x in t.get("tried", []):
+        out.append(
+            f"  - tried {x['plan']}: predicted {x['predicted_ms']:.2f} ms, measured "
+            + ("-" if x["measured_ms"] is None else f"{x['measured_ms']:.2f} ms")
+            + f" over {x['steps']} steps ({x['verdict']})"
+        )
+    if t.get("tuning_steps") is not None:
+        out.append(
+            f"- tuning took {t['tuning_steps']} steps before the final plan ({t['trial_steps']} in trials, "
+            f"{t['switches']} switches)"
+        )
     if picked:
         best = min(picked, key=lambda o: r[o]["mean_ms"])
         out.append(f"- ours+autotune vs the best hand-picked of ours ({best}): {r[best]['mean_ms'] / mean:.2f}x")
@@ -497,9 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--latencies-ms", type=lambda s: [float(x) for x in s.split(",")], default=None, help="(default: 5,10,20)"
     )
-    parser.add_argument(
-        "--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 1], help="(default: 2,1)"
-    )
+    parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 1], help="(default: 2,1)")
     parser.add_argument(
         "--contenders",
         type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
@@ -570,8 +621,12 @@ def main(argv: list[str] | None = None) -> None:
             memory = {}
             for label in args.contenders:
                 print(f"memory pass: {label} alone on {world_size} rank(s), {args.memory_steps} steps", flush=True)
-                per_rank = run_on_ranks(_memory_rank, argparse.Namespace(**vars(args), memory_label=label),
-                                        world_size=world_size, timeout_s=600.0)
+                per_rank = run_on_ranks(
+                    _memory_rank,
+                    argparse.Namespace(**vars(args), memory_label=label),
+                    world_size=world_size,
+                    timeout_s=600.0,
+                )
                 memory[label] = {k: max(m[k] for m in per_rank) for k in per_rank[0]}
             for row in rows:
                 row["memory"] = memory

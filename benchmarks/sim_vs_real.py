@@ -181,11 +181,109 @@ def analyse(per_rank: list[dict[str, list[ProfiledRun]]], world_size: int) -> li
             if label != "default":
                 plan = PipelinePlan.from_text(ranks_runs[0].plan)
                 predictions["from_default"] = predicted_step(inputs["default"], mode="mean", plan=plan)
+                row["causes"] = causes(inputs["default"], inputs[label], plan, measured)
             for key, value in predictions.items():
                 row[f"{key}_ms"] = 1e3 * value
                 row[f"{key}_error"] = _error(value, measured)
             rows.append(row)
     return rows
+
+
+#: the causes a prediction from another plan's profile misses (``causes``), in the report's order
+CAUSES = {
+    "moved_cpu": "CPU of the tasks that moved thread (cores, GIL, caches on the new thread)",
+    "moved_off": "waits inside the tasks that moved (loads waiting on one another, collectives on gloo)",
+    "stayed_cpu": "CPU of the tasks that stayed (contention from the moved ones)",
+    "stayed_off": "waits inside the tasks that stayed (collectives, copies)",
+    "overhead": "the caller's overhead between steps",
+    "model": "the model itself (its error with the configuration's own mean costs)",
+}
+
+
+def causes(default: Any, own: Any, plan: Any, measured: float) -> dict[str, float]:
+    """Where a prediction of ``plan`` from ``default``'s profile misses: each cause's share of the
+    measured step (``CAUSES``), by swapping that part of the default costs for the configuration's
+    own (its mean CPU or off-CPU time of those tasks, or the caller's overhead) and simulating
+    again; ``model``: the error left with every cost its own; ``interaction``: what the causes
+    do not add up to."""
+    from torchrec_swp.sim import Rank, simulate_ranks
+
+    start = default.calibration.ranks[0].plan
+    moved = {
+        t for t in plan.fire_order if t in start.schedule and plan.task(t).thread_group != start.task(t).thread_group
+    }
+
+    def step(swap: set[str]) -> float:
+        ranks = []
+        for k, (d, o) in enumerate(zip(default.calibration.ranks, own.calibration.ranks, strict=True)):
+            (d_cpu, d_off), (o_cpu, o_off) = d.means(), o.means()
+            cpu, off = dict(d_cpu), dict(d_off)
+            for t in plan.fire_order:
+                group = "moved" if t in moved else "stayed"
+                if f"{group}_cpu" in swap and t in o_cpu:
+                    cpu[t] = o_cpu[t]
+                if f"{group}_off" in swap and t in o_off:
+                    off[t] = o_off[t]
+            src = o if "overhead" in swap else d
+            ranks.append(
+                Rank(
+                    plan,
+                    cpu,
+                    off_cpu=off,
+                    overhead=src.overhead,
+                    overhead_off=src.overhead_off,
+                    machine=default.machine.machines[k],
+                    wake=default.machine.wake,
+                    split_draws=default.split_draws,
+                    gil=default.machine.gil,
+                )
+            )
+        got = simulate_ranks(ranks, 40, cores=default.machine.cores).step_period
+        assert got is not None
+        return got
+
+    base = step(set())
+    parts = [c for c in CAUSES if c != "model"]
+    out = {c: (base - step({c})) / measured for c in parts}  # the error this cause accounts for
+    all_own = step(set(parts))
+    out["model"] = all_own / measured - 1
+    out["interaction"] = (base / measured - 1) - sum(out[c] for c in parts) - out["model"]
+    return out
+
+
+def _causes_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per cause: its mean and largest share of the error, over the configurations predicted from
+    the default's profile."""
+    with_causes = [r for r in rows if "causes" in r]
+    if not with_causes:
+        return []
+    lines = [
+        "",
+        "Where the predictions from the default's profile miss (`causes`: each cause's part of the error, as a "
+        "share of the measured step: + the prediction is too long by it, - too short):",
+        "",
+        "| cause | mean | mean abs | largest |",
+        "|---|---|---|---|",
+    ]
+    for c, what in (*CAUSES.items(), ("interaction", "what the causes do not add up to")):
+        vals = [r["causes"][c] for r in with_causes]
+        worst = max(vals, key=abs)
+        lines.append(
+            f"| {what} | {100 * sum(vals) / len(vals):+.1f}% | {100 * sum(map(abs, vals)) / len(vals):.1f}% "
+            f"| {100 * worst:+.1f}% |"
+        )
+    lines += [
+        "",
+        "| ranks | pipeline | config | from default | " + " | ".join(CAUSES) + " |",
+        "|---|---|---|---|" + "---|" * len(CAUSES),
+    ]
+    for r in with_causes:
+        lines.append(
+            f"| {r['ranks']} | {r['pipeline']} | {r['config']} | {100 * r['from_default_error']:+.0f}% | "
+            + " | ".join(f"{100 * r['causes'][c]:+.1f}%" for c in CAUSES)
+            + " |"
+        )
+    return lines
 
 
 def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -231,6 +329,7 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ]
     if misses:
         lines += ["", "Misses over 10%:", "", *misses]
+    lines += _causes_table(rows)
     return "\n".join(lines) + "\n"
 
 

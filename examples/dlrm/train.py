@@ -1126,6 +1126,14 @@ def _decision(runner: Any) -> dict[str, Any] | None:
         "predicted_ms": ms(d.predicted_s),
         "measured_ms": ms(d.measured_s),
         "why": list(d.why),
+        # what tuning cost: the steps before the final plan, those spent trying plans, the switches
+        "tuning_steps": d.tuning_steps,
+        "trial_steps": d.trial_steps,
+        "switches": d.switches,
+        "tried": [
+            {"predicted_ms": ms(t.predicted_s), "measured_ms": ms(t.measured_s), "steps": t.steps, "verdict": t.verdict}
+            for t in d.tried
+        ],
     }
 
 
@@ -1253,6 +1261,11 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  autotune: {tuned['start_measured_ms']:.2f} ms per step before the switch; the chosen plan predicted "
             f"{tuned['predicted_ms']:.2f} ms, measured {tuned['measured_ms']:.2f} ms "
             f"({100 * (tuned['predicted_ms'] / tuned['measured_ms'] - 1):+.0f}%)"
+        )
+    if tuned and tuned.get("tuning_steps") is not None:
+        print(
+            f"  autotune cost: {tuned['tuning_steps']} steps before the final plan ({tuned['trial_steps']} trying "
+            f"{len(tuned['tried'])} plans), {tuned['switches']} switches"
         )
     elif tuned:
         print(f"  autotune: {tuned['why'][-1] if tuned['why'] else 'kept its plan'}")

@@ -1,13 +1,15 @@
 """A self-tuning TrainPipelineSparseDist on 2 gloo ranks: both ranks take the same decision at the
-same batch (rank 0 searches on both ranks' profiles), switch without losing or repeating a batch,
-and train bit for bit as the untuned pipeline - with the input dist's own process group among the
-choices - and a resume applies the saved decision on both ranks without tuning again. By default
-only rank 0 prints its lines (on stdout); ``report=None`` quiets a rank without failing it."""
+same batch (rank 0 searches on both ranks' profiles, and judges the trial's measurements of both),
+try the same plans in the same order, switch without losing or repeating a batch, and train bit
+for bit as the untuned pipeline - with the input dist's own process group among the choices - and
+a resume applies the saved decision on both ranks without tuning again. By default only rank 0
+prints its lines (on stdout); ``report=None`` quiets a rank without failing it."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import re
 import time
 from typing import Any
 
@@ -21,7 +23,7 @@ from torchrec_swp.data import MapSource
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-STEPS = 60
+STEPS = 260  # warm-up, profile, a trial (at most 220 steps with these options), verification
 CPU = torch.device("cpu")
 
 
@@ -48,7 +50,7 @@ def _run(rank: int, world_size: int, tuned: bool) -> tuple[Any, Any]:
     source = MapSource(Waiting(batches, 0.012))
     result = train_pipeline_run(pipeline, batches, iterator=source)
     d = pipeline.autotune_decision
-    decided = None if d is None else (d.plan, d.own_group, d.predicted_s)
+    decided = None if d is None else (d.plan, d.own_group, d.predicted_s, d.tried, d.visits, d.decided)
     plan = pipeline.plan.to_text()
     pipeline.close()
     return result, (decided, plan, lines)
@@ -66,11 +68,16 @@ def test_both_ranks_decide_alike_and_train_bit_for_bit_as_untuned() -> None:
         assert_runs_equal(r["tuned"], r["plain"])
         assert r["tuned"].num_calls == STEPS
     assert results[0]["decided"] == results[1]["decided"]
-    plan, own_group, predicted = results[0]["decided"]
-    assert plan is not None, results[0]["lines"]  # a loader of 12 ms binds: some plan wins
+    plan, own_group, predicted, tried, visits, decided = results[0]["decided"]
+    assert decided and plan is not None, results[0]["lines"]  # a loader of 12 ms binds: some plan wins
+    assert len(tried) >= 2 and visits[: len(tried)] == tuple(range(len(tried)))  # tried alike, in turn
     assert results[0]["plan"] == results[1]["plan"]
     assert results[0]["lines"] and not results[1]["lines"]  # rank 0 reports
     assert any("switches to threads" in line for line in results[0]["lines"])
+    assert any(
+        re.match(r"autotune TrainPipelineSparseDist: tried \d plans over \d+ steps", line)
+        for line in results[0]["lines"]
+    )
 
 
 def _printed(rank: int, world_size: int) -> dict[str, Any]:
@@ -78,7 +85,7 @@ def _printed(rank: int, world_size: int) -> dict[str, Any]:
     then ``report=None`` on the ranks other than 0 (the way to quiet them a user reached for)."""
     out: dict[str, Any] = {}
     for case in ("default", "rank 0 only"):
-        options: dict[str, Any] = {"warmup": 2, "steps": 6, "verify": 2, "rounds": 1}
+        options: dict[str, Any] = {"warmup": 2, "steps": 6, "verify": 2, "rounds": 1, "candidates": 0}
         if case == "rank 0 only" and rank != 0:
             options["report"] = None
         model, optimizer = build_model(rank, world_size, seed=3)

@@ -80,8 +80,9 @@ def test_dist_ddp_runs_ours_and_upstream_with_equal_losses(tmp_path: Path) -> No
 @pytest.mark.multiprocess
 def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
     # the component with autotune: a loader of 8 ms binds the small model's default plan, so the
-    # tuner switches; the run trains the very batches of the untuned one, bit for bit
-    component = ["examples/dlrm/component.py:dlrm", "--steps", "100", "--loader_latency_ms", "8", "--data_source", "map"]
+    # tuner switches (after its trial: 400 steps leave room for the most two trials take); the run
+    # trains the very batches of the untuned one, bit for bit
+    component = ["examples/dlrm/component.py:dlrm", "--steps", "400", "--loader_latency_ms", "8", "--data_source", "map"]
     tuned = _torchx([*component, "--autotune", "True", "--", *SMALL], tmp_path)
     plain = _torchx([*component, "--", *SMALL], tmp_path)
     decision = tuned["autotune"]

@@ -54,12 +54,20 @@ class Slow:
 
 
 def train(
-    n: int, latency_s: float, *, state: dict[str, Any] | None = None, width: int = 4, **options: Any
+    n: int,
+    latency_s: float,
+    *,
+    state: dict[str, Any] | None = None,
+    width: int = 4,
+    model: torch.nn.Module | None = None,
+    dataset: Any = None,
+    **options: Any,
 ) -> tuple[list[torch.Tensor], Any, Any]:
-    """``n`` steps of TrainPipelineBase over ``Slow``; the outputs, the pipeline (closed), the weights."""
-    model = Summing(width)
+    """``n`` steps of TrainPipelineBase over ``Slow`` (or ``dataset``) with ``Summing`` (or
+    ``model``); the outputs, the pipeline (closed), the weights."""
+    model = Summing(width) if model is None else model
     pipeline = torchrec_swp.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.05), CPU, **options)
-    source = MapSource(Slow(n, latency_s, width))
+    source = MapSource(Slow(n, latency_s, width) if dataset is None else dataset)
     if state is not None:
         source.load_state_dict(state["loader"])
         pipeline.load_state_dict(state)
@@ -80,13 +88,13 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-FAST = {"warmup": 3, "steps": 12, "verify": 6}
+FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles": 3}
 
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     lines: list[str] = []
-    tuned, pipeline, weights = train(64, 0.006, autotune=Autotune(**FAST, report=lines.append))
-    plain, _, plain_weights = train(64, 0.006)
+    tuned, pipeline, weights = train(400, 0.006, autotune=Autotune(**FAST, report=lines.append))
+    plain, _, plain_weights = train(400, 0.006)
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     d = pipeline.autotune_decision
     assert d is not None and d.switched, lines
@@ -101,18 +109,21 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     assert not [line for line in lines if REPEATED_WORD.search(line) or "thread the calling thread" in line]
     assert "the starting plan is bound by" in text and "measured" in text and "predicted" in text
     assert "second round" in text and d.first_predicted_s is not None
-    assert pipeline.batch_ledger.trained == 64 and not pipeline.untrained_batches()
+    assert pipeline.batch_ledger.trained == 400 and not pipeline.untrained_batches()
 
 
 def test_where_compute_binds_it_keeps_its_plan_and_says_why() -> None:
     # a step of milliseconds of matrix products, a loader of a tenth of one: moving the loader
     # off the training thread gains about 5% (x1.17 was predicted once of about 10 runs on the
     # shared 2-core machine, past a noise of 15%), under a noise of 30%
+    # under load the model may predict more than that: the plan is then tried against the
+    # candidates, and a measured gain within the noise does not move it either
     lines: list[str] = []
-    _, pipeline, _ = train(24, 0.0, width=512, autotune=Autotune(**FAST, noise=0.3, report=lines.append))
+    _, pipeline, _ = train(260, 0.0, width=512, autotune=Autotune(**FAST, noise=0.3, report=lines.append))
     d = pipeline.autotune_decision
-    assert d is not None and not d.switched
-    assert any("keeps the plan" in line and "within the noise (30%)" in line for line in lines), lines
+    assert d is not None and d.decided and not d.switched, lines
+    said = ("within the noise (30%)", "it measured best of the plans tried", "was not told apart from it")
+    assert any("keeps the plan" in line and any(s in line for s in said) for line in lines), lines
 
 
 def test_the_decision_is_in_the_checkpoint_and_a_resume_applies_it() -> None:
@@ -121,18 +132,21 @@ def test_the_decision_is_in_the_checkpoint_and_a_resume_applies_it() -> None:
     pipeline = torchrec_swp.TrainPipelineBase(
         model, torch.optim.SGD(model.parameters(), lr=0.05), CPU, autotune=Autotune(**FAST, report=lines.append)
     )
-    source = MapSource(Slow(40, 0.006))
-    for _ in range(FAST["warmup"] + FAST["steps"] + 2):
+    source = MapSource(Slow(300, 0.006))
+    steps = 0
+    while pipeline.autotune_decision is None:  # warm-up, profile, search, trial
         pipeline.progress(source)
+        steps += 1
     state = pipeline.state_dict()
-    decided, switched_to = pipeline.autotune_decision, pipeline.plan
+    decided = pipeline.autotune_decision
     pipeline.close()
     assert decided is not None and decided.switched and state["autotune"]["decision"]["plan"]
+    assert decided.tried and decided.trial_steps > 0 and decided.switches >= 2 and decided.tuning_steps == steps - 1
     resumed_lines: list[str] = []
     _, again, _ = train(40, 0.006, state=state, autotune=Autotune(**FAST, report=resumed_lines.append))
-    assert again.autotune_decision == decided
-    assert not any("profiled" in line for line in resumed_lines)  # applied, not tuned again
-    assert again.plan == switched_to
+    assert again.autotune_decision == decided  # the trial's record with it
+    assert not any("profiled" in line or "tried" in line for line in resumed_lines)  # applied, not tuned or tried
+    assert again.plan.to_text() == decided.plan  # (the tuned run was still catching up to switch to it)
 
 
 def test_a_memory_cap_no_plan_meets_keeps_the_plan_in_one_line() -> None:
@@ -151,6 +165,13 @@ def test_a_memory_cap_no_plan_meets_keeps_the_plan_in_one_line() -> None:
         ({"steps": 1}, "Autotune: steps must be an int >= 2 (too few steps to profile), got 1"),
         ({"noise": 1.5}, "Autotune: noise must be a share in [0, 1), got 1.5"),
         ({"memory_cap_bytes": -3}, "Autotune: memory_cap_bytes must be a number > 0 or None, got -3"),
+        ({"candidates": -1}, "Autotune: candidates must be an int >= 0, got -1"),
+        ({"trial_steps": 1}, "Autotune: trial_steps must be an int >= 2 (too few steps to measure a visit), got 1"),
+        ({"trial_cycles": 1}, "Autotune: trial_cycles must be an int >= 2 (too few cycles for an interval), got 1"),
+        ({"confidence": 1.0}, "Autotune: confidence must be a share in [0.5, 1), got 1.0"),
+        ({"drift": 0}, "Autotune: drift must be a share in (0, 1) or None (never re-tune), got 0"),
+        ({"drift_every": 0}, "Autotune: drift_every must be an int >= 1, got 0"),
+        ({"retunes": -1}, "Autotune: retunes must be an int >= 0, got -1"),
     ],
 )
 def test_bad_options_fail_in_one_line(options: dict[str, Any], message: str) -> None:
@@ -188,8 +209,8 @@ def test_data_that_ends_while_profiling_says_so_and_records_no_decision(capsys: 
     assert capsys.readouterr().out == ""
     assert pipeline.state_dict()["autotune"] == {"decision": None}  # a resume tunes again
     # more data: it goes on profiling and decides (kept or switched), replacing the record
-    more = MapSource(Slow(12, 0.0))
-    for _ in range(12):
+    more = MapSource(Slow(300, 0.0))  # enough for a trial too, if the search proposes a switch
+    while not pipeline.autotune_decision.decided:
         pipeline.progress(more)
     pipeline.close()
     assert pipeline.autotune_decision is not None and pipeline.autotune_decision.decided
@@ -241,7 +262,7 @@ def test_by_default_each_event_is_one_line_on_stdout_and_the_reasons_are_logged(
 ) -> None:
     scripted(monkeypatch, io_plan())
     caplog.set_level(logging.INFO, logger="torchrec_swp.autotune")
-    _, pipeline, _ = train(40, 0.0, autotune=Autotune(**FAST, rounds=1))
+    _, pipeline, _ = train(40, 0.0, autotune=Autotune(**FAST, rounds=1, candidates=0))
     assert pipeline.autotune_decision.measured_s is not None
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
@@ -274,7 +295,7 @@ def test_data_that_ends_after_the_decision_says_what_was_left_undone(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rounds: int, said: str
 ) -> None:
     scripted(monkeypatch, io_plan())
-    _, pipeline, _ = train(18, 0.0, autotune=Autotune(**FAST, rounds=rounds))  # decides at the 16th call
+    _, pipeline, _ = train(18, 0.0, autotune=Autotune(**FAST, rounds=rounds, candidates=0))  # decides at the 16th call
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
     match = re.fullmatch(f"autotune TrainPipelineBase: {said}", out[1])
@@ -289,7 +310,7 @@ def test_report_none_is_quiet_and_still_decides(
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="torchrec_swp.autotune")
-    _, pipeline, _ = train(20, 0.0, autotune=Autotune(**FAST, rounds=1, report=None))
+    _, pipeline, _ = train(260, 0.0, autotune=Autotune(**FAST, rounds=1, report=None))  # a trial too
     assert pipeline.autotune_decision is not None and pipeline.autotune_decision.decided
     _, ended, _ = train(5, 0.0, autotune=Autotune(**FAST, report=None))
     assert not ended.autotune_decision.decided
@@ -312,7 +333,7 @@ def test_a_second_switch_from_a_plan_that_runs_ahead_waits_for_the_caller(monkey
     second = start.with_thread_map({"LoadBatch": "io", "H2D": "io"}).replace(lookahead=1)
     scripted(monkeypatch, io_plan(), second)
     lines: list[str] = []
-    tuned, pipeline, weights = train(70, 0.002, autotune=Autotune(**FAST, report=lines.append))
+    tuned, pipeline, weights = train(70, 0.002, autotune=Autotune(**FAST, candidates=0, report=lines.append))
     plain, _, plain_weights = train(70, 0.002)
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     assert pipeline.plan.lookahead == 1 and pipeline.plan.task("H2D").thread_group == "io", lines

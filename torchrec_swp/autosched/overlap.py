@@ -137,7 +137,8 @@ class Scored:
 @dataclass(frozen=True)
 class OverlapResult:
     """The best candidate found (``best``) against the starting plan (``start``), what each was
-    predicted to take per step, and what the search cost."""
+    predicted to take per step, and what the search cost; ``ranking``: every candidate scored with
+    its lookahead, loads and comm group, best first (``OverlapSearch.ordered``)."""
 
     best: Scored
     start: Scored
@@ -454,7 +455,7 @@ class OverlapSearch:
             change=best.candidate.describe(start, self.tasks),
             scored=len(self.scores),
             seconds=time.perf_counter() - began,
-            ranking=tuple(ranking[:10]),
+            ranking=tuple(ranking),
         )
 
 

@@ -4,9 +4,11 @@ on any plan-driven pipeline.
 How one tuning goes (``tuner.py``): the starting plan warms up, then a ``TaskProfiler`` measures
 ``steps`` steps; at the next ``progress()`` call every rank's profile reaches rank 0
 (``ranks.py``), which calibrates the multi-rank simulator and searches the changes that keep the
-numerics (``torchrec_swp.autosched.overlap``), and every rank switches to the plan found at that
-batch boundary (``Engine.switch_plan``), or keeps its plan when nothing is predicted to win by
-more than the noise. The decision and its reasons go to ``Autotune.report`` on rank 0 (by
+numerics (``torchrec_swp.autosched.overlap``); the running plan and the search's best few then
+run in turn for a few steps each (``trial.py``: A, B, C, A, B, C ..., every switch at a batch
+boundary, ``Engine.switch_plan``) until rank 0 tells them apart from every rank's measurements,
+and every rank keeps the measured best; a plan is kept when nothing is predicted, or measured, to
+win by more than the noise. The decision and its reasons go to ``Autotune.report`` on rank 0 (by
 default one line per event on stdout, every line at INFO on logger ``torchrec_swp.autotune``;
 ``report=log_info``: the log only; None: nothing); the measured step with the new plan follows
 ``verify`` steps later. ``pipeline.autotune_decision`` holds it, and ``state_dict()`` carries it
@@ -15,6 +17,7 @@ so that a resume applies it without tuning again. Where the data ends first, a l
 """
 
 from torchrec_swp.autotune.options import PRINTED, Autotune, PrintedReport, log_info
+from torchrec_swp.autotune.trial import Tried
 from torchrec_swp.autotune.tuner import Decision, Hooks, Tuner
 
-__all__ = ["PRINTED", "Autotune", "Decision", "Hooks", "PrintedReport", "Tuner", "log_info"]
+__all__ = ["PRINTED", "Autotune", "Decision", "Hooks", "PrintedReport", "Tried", "Tuner", "log_info"]

@@ -55,7 +55,17 @@ class Autotune:
       them (a plan that overlaps the loader also changes what the other tasks cost: the
       collectives wait less, the caches stay warm); a plan predicted to win by more than the noise
       is switched to once more, and the prediction of the plan kept is the one reported;
-    * ``verify`` steps later, the measured step is reported beside the prediction.
+    * before any switch a search proposes (and after each search of a re-tune), the trial
+      (``autotune.trial``): the running plan and the search's best ``candidates`` others run in
+      turn (A, B, C, A, B, C ...), ``trial_steps`` steps measured per visit, until the
+      measurements tell them apart at ``confidence`` (a t interval of the step ratio, paired by
+      cycle) or after ``trial_cycles`` cycles; the measured best is kept (``candidates`` 0:
+      switch on the prediction alone);
+    * ``verify`` steps later, the measured step is reported beside the prediction;
+    * then every ``drift_every`` steps the median step of the last ``verify`` is compared with the
+      one measured when the plan was chosen: beyond ``drift`` (a share) at two checks in a row,
+      the running plan is profiled, searched from and tried again, at most ``retunes`` times
+      (``drift`` None: never). A re-tune costs a search (seconds on rank 0) and a trial.
 
     The starting plan is kept when no plan is predicted to be faster by more than ``noise``
     (a share: identical schedules move by up to 11% between runs on a shared 2-core machine,
@@ -86,6 +96,13 @@ class Autotune:
     wake_s: float = DEFAULT_WAKE_S
     gil: float | None = DEFAULT_GIL
     report: Callable[[str], None] | None = PRINTED
+    candidates: int = 3
+    trial_steps: int = 6
+    trial_cycles: int = 4
+    confidence: float = 0.9
+    drift: float | None = 0.25
+    drift_every: int = 200
+    retunes: int = 2
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -95,18 +112,42 @@ class Autotune:
             ("rounds", 1),
             ("max_threads", 1),
             ("max_in_flight", 1),
+            ("candidates", 0),
+            ("trial_steps", 2),
+            ("trial_cycles", 2),
+            ("drift_every", 1),
+            ("retunes", 0),
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                what = " (too few steps to profile)" if name == "steps" else ""
+                what = {
+                    "steps": " (too few steps to profile)",
+                    "trial_steps": " (too few steps to measure a visit)",
+                    "trial_cycles": " (too few cycles for an interval)",
+                }.get(name, "")
                 raise ValueError(f"Autotune: {name} must be an int >= {low}{what}, got {v!r}")
         if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not 0 <= self.noise < 1:
             raise ValueError(f"Autotune: noise must be a share in [0, 1), got {self.noise!r}")
+        c = self.confidence
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.5 <= c < 1:
+            raise ValueError(f"Autotune: confidence must be a share in [0.5, 1), got {c!r}")
+        d = self.drift
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < 1):
+            raise ValueError(f"Autotune: drift must be a share in (0, 1) or None (never re-tune), got {d!r}")
         cap = self.memory_cap_bytes
         if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
             raise ValueError(f"Autotune: memory_cap_bytes must be a number > 0 or None, got {self.memory_cap_bytes!r}")
         if self.report is not None and not callable(self.report):
             raise ValueError(f"Autotune: report must be a callable taking a line, or None (quiet), got {self.report!r}")
+
+    def trial_bound(self) -> tuple[int, int]:
+        """The most steps and switches one trial takes with these options
+        (``autotune.trial.trial_bound``, at the largest lookahead and loads the search may choose)."""
+        from torchrec_swp.autotune.trial import trial_bound
+
+        return trial_bound(
+            self.candidates + 1, self.trial_steps, self.trial_cycles, max(self.lookahead), max(self.loads)
+        )
 
     @classmethod
     def of(cls, value: bool | Autotune | None, owner: str) -> Autotune | None:

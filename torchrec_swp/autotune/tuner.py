@@ -1,4 +1,4 @@
-"""The tuner of one pipeline: warm up, profile, decide with every rank, switch, verify.
+"""The tuner of one pipeline: warm up, profile, decide with every rank, try, switch, verify, watch.
 
 A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call begin
 (``before_step``). Its life, in calls (``Autotune`` has the counts):
@@ -9,34 +9,51 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
    next's: the step as the caller lives it) is kept;
 3. **decision**, at the start of the next call: this rank's profile (with its rank, machine, the
    data's split draws and one batch's size) goes to rank 0, which searches
-   (``autosched.overlap``) and sends every rank the plan, or the reason to keep the starting one;
-   every rank then switches its engine (``Engine.switch_plan``) before the call walks on, so the
-   new plan runs from that call's batch on: nothing lost, nothing repeated, the same numerics;
-   a plan giving the input dist its own comm group first gets its process group (the pipeline's
-   ``enable`` hook, a collective every rank makes at the same call);
-4. **second round** (``rounds`` 2): once the switch has settled, the running plan is profiled
-   again and searched from, its costs now those it runs with; the ranks may switch once more, and
-   the prediction of the plan they keep, made from its own profile, is the one reported;
-5. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
-   reported beside the prediction.
+   (``autosched.overlap``) and sends every rank the plans to try, or the reason to keep the
+   starting one; a plan giving the input dist its own comm group first gets its process group
+   (the pipeline's ``enable`` hook, a collective every rank makes at the same call);
+4. **trial** (``trial.py``): the running plan and the search's best few run in turn for a few
+   steps each (A, B, C, A, B, C ...), every switch at a batch boundary (``Engine.switch_plan``:
+   nothing lost, nothing repeated, the same numerics); after each cycle rank 0 judges every rank's
+   measurements (``trial.race``) and tells every rank which plans stay in the race; the measured
+   best wins and runs from there on. Every switch and every step of it is counted
+   (``Decision.switches``, ``trial_steps``) and bounded (``Autotune.trial_bound``);
+5. **second round** (``rounds`` 2): once the switch has settled, the running plan is profiled
+   again and searched from, its costs now those it runs with; a plan predicted to win is tried
+   against it; the prediction of the plan kept, made from its own profile, is the one reported;
+6. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
+   reported beside the prediction;
+7. **watching** (``drift``): every ``drift_every`` steps, the median of the last ``verify``
+   periods against the one measured when the plan was chosen; past ``drift`` at two checks in a
+   row (``DRIFT_CHECKS``) every rank profiles the running plan again, searches and tries (a
+   re-tune: at most ``retunes``).
+
+The ranks agree by collectives of the calling thread (``agreement.py``) at the same call on every
+rank: every count above is in calls, the same on every rank. Such a collective waits for a call
+where no engine thread can issue one (``trial.needs_quiet``: a plan that runs ahead with a
+collective off the calling thread first switches to itself without lookahead for the few calls
+until every thread stands at the caller's boundary, then back).
 
 Where the data ends (``progress()`` raises StopIteration) before a step of this life, the tuner
 says so in one line: before the decision, ``decision`` becomes a ``Decision`` with ``decided``
 False whose ``why`` says after how many steps and how many of the profiled ones it had (the
-starting plan runs on); a later decision, if ``progress()`` gets more data, replaces it. In the
-second round or the verification, the decision stands and the line says what was not done.
+starting plan runs on); a later decision, if ``progress()`` gets more data, replaces it. In a
+trial the plan running stays (every candidate trains alike), the visit's measurements are dropped
+and, with more data, the visit starts again. In the second round or the verification, the
+decision stands and the line says what was not done.
 
 The starting plan does not run ahead (lookahead 0): between two calls every thread stands at the
-same batch boundary and the first switch happens at once. A second switch, from a plan that runs
-ahead, waits until the calling thread has caught up with the threads ahead
-(``Engine.switch_plan``); nothing is drained either way. ``state_dict()`` carries the decision,
-so a resumed pipeline applies it at once instead of tuning again.
+same batch boundary and the first switch happens at once. A switch from a plan that runs ahead
+waits until the calling thread has caught up with the threads ahead (``Engine.switch_plan``), at
+most its lookahead in calls; nothing is drained either way. ``state_dict()`` carries the decision,
+so a resumed pipeline applies it at once instead of tuning (or trying) again.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
@@ -47,10 +64,13 @@ from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, 
 from torchrec_swp.autotune.options import Autotune, PrintedReport
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
+from torchrec_swp.autotune.trial import Trial, Tried, describe, needs_quiet, pick, settle_steps, tried_line
 from torchrec_swp.catalog.torchrec import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
+#: consecutive checks past ``Autotune.drift`` that make a drift (a tuning costs a search of seconds)
+DRIFT_CHECKS = 2
 #: steps left out after a switch beyond the new plan's fill and run-ahead: its threads' first
 #: iterations (caches, first wake-ups) cost more than the steady ones a profile or a verification measures
 SETTLE = 3
@@ -88,9 +108,17 @@ class Decision:
     and of the starting plan, the starting plan's measured step, the lines saying why, and (once
     verified) the measured step with the chosen plan.
 
+    ``tried``: the plans of the last trial, each with its predicted and measured step
+    (``trial.Tried``), the running plan first; ``visits``: the order they ran in (indices into
+    ``tried``). ``trial_steps``: the calls every trial took (switches, settling, measuring);
+    ``switches``: the plan switches the tuner made; ``tuning_steps``: the calls before the last
+    decision (what tuning cost before the final plan ran alone); ``retunes``: re-tunes after a
+    drift.
+
     ``decided`` False: no decision was taken, the data ended first (``why``: ``not decided: the
-    data ended after N steps, having profiled P of the S steps it needs ...``; ``plan`` None: the
-    starting plan runs). Such a record is not checkpointed: a resume tunes again."""
+    data ended after N steps, having profiled P of the S steps it needs ...``; ``plan``: the plan
+    running then, None for the starting plan). Such a record is not checkpointed: a resume tunes
+    again."""
 
     plan: str | None
     own_group: bool = False
@@ -101,6 +129,12 @@ class Decision:
     measured_s: float | None = None
     first_predicted_s: float | None = None
     decided: bool = True
+    tried: tuple[Tried, ...] = ()
+    visits: tuple[int, ...] = ()
+    trial_steps: int = 0
+    switches: int = 0
+    tuning_steps: int | None = None
+    retunes: int = 0
 
     @property
     def switched(self) -> bool:
@@ -111,7 +145,14 @@ class Decision:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
-        return cls(**{**data, "why": tuple(data.get("why", ()))})
+        return cls(
+            **{
+                **data,
+                "why": tuple(data.get("why", ())),
+                "tried": tuple(Tried.from_dict(t) for t in data.get("tried", ())),
+                "visits": tuple(data.get("visits", ())),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -143,13 +184,34 @@ class Tuner:
         self._settle = 0
         self._phase_call = 0  # the call whose step began the current profiling or verification
         self._ended_call = -1  # the last call whose step found the data ended
+        self._trial: Trial | None = None
+        self._proposal: Decision | None = None  # the search's decision a trial started from
+        self._own_groups: list[bool] = []  # whether each candidate of the trial has the own comm group
+        self._on: int | None = None  # the trial's candidate running (None: another plan)
+        self._quiet: tuple[int, Callable[[], None], str] | None = None  # (call, action, phase after)
+        self._quiet_back: PipelinePlan | None = None  # the plan to go back to after a quiet call
+        self._group_enabled = False
+        self._switches = 0
+        self._trial_steps = 0
+        self._retunes = 0
+        self._drift_round = False
+        self._reference: float | None = None  # the median step the drift is measured against
+        self._window: deque[float] = deque(maxlen=options.verify)
+        self._watch_from = 0
+        self._drifting = 0  # consecutive checks past the drift
 
     # ------------------------------------------------------------------ the calls
     def before_step(self) -> None:
         """A ``progress()`` call begins (before the engine steps)."""
         now = time.perf_counter()
-        if self._last_start is not None and self.phase in ("profiling", "verifying"):
-            self._periods.append(now - self._last_start)
+        period = None if self._last_start is None else now - self._last_start
+        if period is not None:
+            if self.phase in ("profiling", "verifying"):
+                self._periods.append(period)
+            elif self.phase == "watching":
+                self._window.append(period)
+            elif self.phase == "trying" and self._trial is not None:
+                self._trial.measure(self.calls, period)  # self.calls: the call before this one
         self._last_start = now
         self.calls += 1
         o = self.options
@@ -159,10 +221,25 @@ class Tuner:
             self._profile_for(o.steps)
         elif self.phase == "profiling" and self.calls > self._until:
             self._detach()
-            self._decide()
-            self._last_start = time.perf_counter()  # the decision's own time is not a step
+            self._when_quiet(self._decide)
+        elif self.phase == "quieting":
+            assert self._quiet is not None
+            at, action, after = self._quiet
+            if self.calls >= at:
+                self._quiet, self.phase = None, after
+                action()
+                if self._quiet_back is not None:  # the action switched nowhere: back to the plan
+                    back, self._quiet_back = self._quiet_back, None
+                    self._switch(back)
+        elif self.phase == "trying":
+            self._trying()
         elif self.phase == "verifying" and len(self._periods) >= self._settle + o.verify:
             self._verified()
+        elif self.phase == "watching" and o.drift is not None:
+            since = self.calls - self._watch_from
+            if since > 0 and since % o.drift_every == 0 and len(self._window) == self._window.maxlen:
+                self._when_quiet(self._check_drift)
+        self._last_start = time.perf_counter()  # the tuner's own time (a search, a switch) is not a step
 
     def _profile_for(self, steps: int) -> None:
         self._attach()
@@ -170,11 +247,35 @@ class Tuner:
         self._phase_call = self.calls
         self._periods = []
 
+    def _when_quiet(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (collectives of every rank) now, or, where an engine thread of the
+        running plan may issue a collective between calls (``needs_quiet``), at the call by which
+        that plan without lookahead stands at the caller's boundary (every rank at the same call)."""
+        plan = self.engine.plan
+        if world()[1] == 1 or not needs_quiet(plan):
+            action()
+            return
+        self._switch(plan.replace(lookahead=0))
+        self._quiet_back = plan
+        self._on = None
+        self._quiet = (self.calls + plan.lookahead + 1, action, self.phase)
+        self.phase = "quieting"
+
+    def _switch(self, plan: PipelinePlan) -> None:
+        """Run ``plan`` (of the profiled phase; every phase edited alike) from the next boundary."""
+        self._quiet_back = None
+        running = self.engine.phased if len(self.engine.phased.phases) > 1 else self.engine.plan
+        self.engine.switch_plan(apply_candidate(running, plan))
+        self._switches += 1
+
     def data_ended(self) -> None:
         """The ``progress()`` call that began last found the data ended (it raises StopIteration):
         say what that leaves undone, once for consecutive calls that find it ended."""
         ended_before, self._ended_call = self._ended_call == self.calls - 1, self.calls
-        if ended_before or self.phase == "done":
+        if self.phase == "trying":
+            self._trial_data_ended(ended_before)
+            return
+        if ended_before or self.phase in ("done", "watching", "quieting"):
             return
         o, who = self.options, f"autotune {self.owner}"
         steps = self.calls - 1  # the calls before this one trained their batches
@@ -195,10 +296,10 @@ class Tuner:
                 "the chosen plan stays",
                 headline=True,
             )
-        else:  # the second round, settling or profiling
+        else:  # a later round, settling or profiling
             self._report(
-                f"{who}: second round not done: the data ended after {steps} steps, having profiled {profiled} of the "
-                f"{o.steps} steps it needs; the chosen plan stays",
+                f"{who}: {self._round_name()} not done: the data ended after {steps} steps, having profiled "
+                f"{profiled} of the {o.steps} steps it needs; the chosen plan stays",
                 headline=True,
             )
 
@@ -242,51 +343,26 @@ class Tuner:
         profiles = gather_to_all({"profile": mine, "trouble": trouble})
         found = None
         if world()[0] == 0:
-            found = self._search(profiles, measured).to_dict()
-        decision = Decision.from_dict(from_rank0(found))
-        before = self.decision
-        running = self.engine.plan
-        if self.round == 1:
-            self.decision = decision
-            if decision.switched:
-                self._apply(decision)
-        else:  # the running plan re-profiled: switch again, or keep it with its own prediction
-            assert before is not None
-            if decision.switched:
-                self._apply(decision)
-            self.decision = replace(
-                decision if decision.switched else before,
-                plan=decision.plan if decision.switched else before.plan,
-                own_group=before.own_group or decision.own_group,
-                predicted_s=decision.predicted_s if decision.switched else decision.baseline_s,
-                first_predicted_s=before.predicted_s,
-                baseline_s=before.baseline_s,
-                measured_start_s=before.measured_start_s,
-                why=(*before.why, *(f"second round: {line}" for line in decision.why)),
-            )
-        head, reasons = self._lines(decision, self.round)
-        self._report(head, headline=True)
-        for line in reasons:
-            self._report(line)
-        # until the new plan runs steadily: the threads that ran ahead catch up (a switch from a
-        # plan with lookahead waits for that), then the new plan fills its run-ahead
-        plan = PipelinePlan.from_text(decision.plan) if decision.switched else running  # type: ignore[arg-type]
-        self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads + SETTLE
-        if not self.decision.switched:
-            self.phase = "done"
-        elif self.round < self.options.rounds:
-            self.round += 1
-            self.phase, self._until = "settling", self.calls + self._settle
+            decision, candidates = self._search(profiles, measured)
+            found = {"decision": decision.to_dict(), "candidates": candidates}
+        found = from_rank0(found)
+        decision = Decision.from_dict(found["decision"])
+        candidates = found["candidates"]
+        if candidates:  # (plan text, predicted step, own group): the running plan first
+            self._start_trial(decision, candidates)
         else:
-            self.phase, self._phase_call = "verifying", self.calls
+            self._conclude(decision)
 
-    def _search(self, gathered: list[dict[str, Any]], measured: float | None) -> Decision:
+    def _search(self, gathered: list[dict[str, Any]], measured: float | None) -> tuple[Decision, list[Any]]:
         """Rank 0: every rank's profile -> the decision (the profiled plan kept, with the reason,
-        when anything is amiss or nothing wins by more than the noise)."""
+        when anything is amiss or nothing wins by more than the noise) and the plans to try
+        (none: the decision stands without a trial)."""
         o = self.options
         trouble = [g["trouble"] for g in gathered if g["trouble"]]
         if trouble:
-            return Decision(None, measured_start_s=measured, why=(f"keeps the plan: cannot profile ({trouble[0]})",))
+            return Decision(
+                None, measured_start_s=measured, why=(f"keeps the plan: cannot profile ({trouble[0]})",)
+            ), []
         try:
             profiles = [Profile.from_json(g["profile"]) for g in gathered]
             inputs = from_profiles(profiles, wake=o.wake_s, gil=o.gil)
@@ -308,9 +384,22 @@ class Tuner:
             )
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         except (PlanError, ProfileError, ValueError) as e:
-            return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",))
+            return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",)), []
         why = tuple(result.why(start="the starting plan" if self.round == 1 else "the chosen plan"))
         margin = o.noise
+        ranking = getattr(result, "ranking", ())
+        tryable = o.candidates > 0 and (result.speedup >= 1 + margin or (self._drift_round and len(ranking) > 1))
+        candidates: list[Any] = []
+        if tryable:
+            start = result.start if hasattr(result, "start") else None
+            running = start.plan if start is not None else profiled
+            ranked = [result.best, *ranking]
+            plans = pick([s.plan for s in ranked], running, o.candidates)
+            by_plan = {s.plan: s for s in reversed(ranked)}
+            candidates = [[running.to_text(), result.baseline, bool(start and start.candidate.own_group)]]
+            candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group] for p in plans]
+            if len(candidates) < 2:
+                candidates = []
         if result.speedup < 1 + margin:
             return Decision(
                 None,
@@ -322,7 +411,7 @@ class Tuner:
                     f"keeps the plan: the best change is predicted x{result.speedup:.2f}, "
                     f"within the noise ({100 * margin:.0f}%)",
                 ),
-            )
+            ), candidates
         return Decision(
             result.plan.to_text(),
             own_group=result.best.candidate.own_group,
@@ -330,22 +419,70 @@ class Tuner:
             baseline_s=result.baseline,
             measured_start_s=measured,
             why=why,
+        ), candidates
+
+    def _conclude(self, decision: Decision, applied: bool = False, before: PipelinePlan | None = None) -> None:
+        """Take ``decision`` (this round's; ``applied``: the trial already runs its plan, switched
+        from ``before``): switch, merge with the earlier rounds', report, and go on."""
+        earlier = self.decision if self.round > 1 else None
+        running = before if before is not None else self.engine.plan
+        if decision.switched and not applied:
+            self._apply(decision)
+        if earlier is None:
+            merged = decision
+        else:  # the running plan re-profiled: switched again, or kept with its own prediction
+            merged = replace(
+                decision if decision.switched else earlier,
+                plan=decision.plan if decision.switched else earlier.plan,
+                own_group=earlier.own_group or decision.own_group,
+                predicted_s=decision.predicted_s if decision.switched else decision.baseline_s,
+                first_predicted_s=earlier.predicted_s,
+                baseline_s=earlier.baseline_s,
+                measured_start_s=earlier.measured_start_s,
+                why=(*earlier.why, *(f"{self._round_name()}: {line}" for line in decision.why)),
+                tried=decision.tried or earlier.tried,
+                visits=decision.visits or earlier.visits,
+            )
+        self.decision = replace(
+            merged,
+            trial_steps=self._trial_steps,
+            switches=self._switches,
+            tuning_steps=self.calls - 1,
+            retunes=self._retunes,
         )
+        head, reasons = self._lines(decision, self.round)
+        self._report(head, headline=True)
+        for line in reasons:
+            self._report(line)
+        # until the new plan runs steadily: the threads that ran ahead catch up (a switch from a
+        # plan with lookahead waits for that), then the new plan fills its run-ahead
+        plan = PipelinePlan.from_text(decision.plan) if decision.switched else running  # type: ignore[arg-type]
+        self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads + SETTLE
+        if not self.decision.switched or (self._drift_round and not decision.switched):
+            self._watch()
+        elif decision.switched and self.round < self.options.rounds and not self._drift_round:
+            self.round += 1
+            self.phase, self._until = "settling", self.calls + self._settle
+        else:
+            self.phase, self._phase_call = "verifying", self.calls
+            self._periods = []
 
     def _apply(self, decision: Decision) -> None:
         """Switch the engine to the decided plan (every phase edited alike)."""
         assert decision.plan is not None
-        found = PipelinePlan.from_text(decision.plan)
-        if decision.own_group and self.hooks.enable is not None:
+        if decision.own_group:
+            self._enable_group()
+        self._switch(PipelinePlan.from_text(decision.plan))
+
+    def _enable_group(self) -> None:
+        if not self._group_enabled and self.hooks.enable is not None:
             self.hooks.enable()
-        running = self.engine.phased if len(self.engine.phased.phases) > 1 else self.engine.plan
-        self.engine.switch_plan(apply_candidate(running, found))
+            self._group_enabled = True
 
     def _verified(self) -> None:
         assert self.decision is not None
         periods = self._periods[self._settle :]
         self.decision = replace(self.decision, measured_s=statistics.fmean(periods))
-        self.phase = "done"
         d = self.decision
         assert d.measured_s is not None and d.predicted_s is not None
         off = 100 * (d.predicted_s / d.measured_s - 1)
@@ -355,31 +492,227 @@ class Tuner:
             f"with the chosen plan (predicted {1e3 * d.predicted_s:.2f} ms, {abs(off):.0f}% {side})",
             headline=True,
         )
+        self._watch(statistics.median(periods))
+
+    # ------------------------------------------------------------------ the trial
+    def _start_trial(self, proposal: Decision, candidates: list[Any]) -> None:
+        """Every rank: try ``candidates`` (module docstring, 4), the running plan first."""
+        o = self.options
+        self._trial = Trial(
+            [PipelinePlan.from_text(text) for text, _, _ in candidates],
+            [p for _, p, _ in candidates],
+            self.calls,
+            o.trial_steps,
+            o.trial_cycles,
+        )
+        self._proposal, self._own_groups = proposal, [bool(g) for _, _, g in candidates]
+        if any(self._own_groups):
+            self._enable_group()  # a collective: here, where every rank decided alike
+        self._on = 0 if self._quiet_back is None else None
+        self._quiet_back = None  # the trial's first visit switches back from the quiet plan
+        steps, switches = o.trial_bound()
+        measured = f" ({1e3 * proposal.measured_start_s:.2f} ms per step measured)" if proposal.measured_start_s else ""
+        head = "profiled" if self.round == 1 else f"{self._round_name()}: profiled the running plan"
+        self._report(
+            f"autotune {self.owner}: {head} {o.steps} steps{measured}; tries {len(candidates)} plans, "
+            f"{o.trial_steps} steps a visit, at most {o.trial_cycles} cycles ({steps} steps, {switches} switches)",
+            headline=True,
+        )
+        for line in proposal.why:
+            self._report(f"autotune {self.owner}: {line}")
+        self.phase = "trying"
+        self._visit(self._trial.start_cycle())
+
+    def _visit(self, index: int) -> None:
+        """Run candidate ``index`` (switching to it unless it runs) and measure it once settled."""
+        t = self._trial
+        assert t is not None
+        catch = settle = 0
+        if self._on != index:
+            catch, settle = self.engine.plan.lookahead, settle_steps(t.plans[index])
+            self._switch(t.plans[index])
+            self._on = index
+        t.begin(index, self.calls + catch + settle)
+
+    def _trying(self) -> None:
+        t = self._trial
+        assert t is not None
+        if not t.close(self.calls):
+            return
+        index = t.next_in_cycle()
+        if index is not None:
+            self._visit(index)
+        else:
+            self._when_quiet(self._judge)
+
+    def _judge(self) -> None:
+        """Every rank, after a cycle: rank 0 judges every rank's visits (``Trial.judge``) and
+        tells every rank which plans stay, or which wins."""
+        t = self._trial
+        assert t is not None
+        gathered = gather_to_all(t.samples)
+        o = self.options
+        verdict = Trial.judge(gathered, t.alive, o.noise, o.confidence) if world()[0] == 0 else None
+        verdict = from_rank0(verdict)
+        if t.take(verdict):
+            self._visit(t.start_cycle())
+        else:
+            self._end_trial(verdict["best"], verdict["combined"])
+
+    def _end_trial(self, best: int, combined: list[list[float]]) -> None:
+        """Every rank: run the winner (the measured best, or the running plan where the trial
+        cannot tell them apart) and take the decision with the trial's record."""
+        t = self._trial
+        assert t is not None
+        o = self.options
+        before = self.engine.plan
+        keep = t.keeps_running(best, o.noise)
+        won = 0 if keep else best
+        if self._on != won:
+            self._switch(t.plans[won])
+            self._on = won
+        self._trial_steps += self.calls - t.began
+        tried = t.results(best, combined, o.confidence)
+        clear = all(x.verdict in ("slower", "equal", "best") for x in tried)
+        how = "told apart" if clear else f"not all told apart after {t.cycle} cycles (the bound)"
+        line = (
+            f"tried {len(tried)} plans over {self.calls - t.began} steps ({t.cycle} cycles, "
+            f"{len(t.order)} visits; {how}): the measured best is "
+            + ("the running plan" if best == 0 else describe(t.plans[best]))
+        )
+        if keep:
+            kept = f"the measured best was not told apart from it in {t.cycle} cycles, nor faster by the noise"
+        elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
+            kept = f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
+        else:
+            kept = "it measured best of the plans tried"
+        p = self._proposal
+        self._trial = None
+        decision = replace(
+            p,
+            plan=None if won == 0 else tried[won].plan,
+            own_group=self._own_groups[won] if won else False,
+            predicted_s=t.predicted[won] if won else p.predicted_s,
+            why=(
+                *(w for w in p.why if not w.startswith("keeps the plan")),
+                line,
+                *(tried_line(i, x, o.confidence) for i, x in enumerate(tried)),
+                *((f"keeps the plan: {kept}",) if won == 0 else ()),
+            ),
+            tried=tuple(tried),
+            visits=tuple(t.order),
+        )
+        self._conclude(decision, applied=True, before=before)
+
+    def _trial_data_ended(self, said: bool) -> None:
+        """The data ended in a trial: the plan running stays; with more data the visit starts
+        again (its measurements dropped, the pipeline filled again)."""
+        t = self._trial
+        assert t is not None
+        t.restart(self.calls)
+        if said:
+            return
+        running = "the running plan" if self._on in (0, None) else describe(t.plans[self._on])
+        why = (
+            f"the data ended after {self.calls - 1} steps, in the trial's cycle {t.cycle + 1} of at most "
+            f"{self.options.trial_cycles}; {running} stays (with more data the trial goes on)"
+        )
+        if self.round == 1:
+            plan = None if self._on in (0, None) else t.plans[self._on].to_text()
+            self.decision = Decision(plan, why=(f"not decided: {why}",), decided=False)
+            self._report(f"autotune {self.owner}: not decided: {why}", headline=True)
+        else:  # the decision of an earlier round stands
+            self._report(f"autotune {self.owner}: {self._round_name()}: trial not finished: {why}", headline=True)
+
+    # ------------------------------------------------------------------ drift
+    def _watch(self, reference: float | None = None) -> None:
+        """The plan is chosen: watch its step for a drift (or, without ``drift``, done)."""
+        self._drift_round = False
+        if self.options.drift is None:
+            self.phase = "done"
+            return
+        self.phase, self._watch_from, self._reference, self._drifting = "watching", self.calls, reference, 0
+        self._window.clear()
+
+    def _check_drift(self) -> None:
+        """Every rank: rank 0 compares every rank's median step of the window with the reference
+        and tells every rank whether to tune again."""
+        o = self.options
+        assert o.drift is not None
+        gathered = gather_to_all(statistics.median(self._window))
+        verdict = None
+        if world()[0] == 0:
+            now = statistics.fmean(gathered)
+            ref = self._reference
+            drifted = ref is not None and abs(now / ref - 1) > o.drift
+            verdict = {"now": now, "drifted": drifted}
+        verdict = from_rank0(verdict)
+        now, ref = verdict["now"], self._reference
+        if ref is None:
+            self._reference = now
+            return
+        if not verdict["drifted"]:
+            self._drifting = 0
+            return
+        self._drifting += 1
+        if self._drifting < DRIFT_CHECKS:  # a load that passes within one check is not a drift
+            return
+        who, off = f"autotune {self.owner}", 100 * (now / ref - 1)
+        what = (
+            f"{who}: the step drifted: {1e3 * now:.2f} ms against {1e3 * ref:.2f} ms when the plan was chosen "
+            f"({off:+.0f}%, past {100 * o.drift:.0f}%)"
+        )
+        if self._retunes >= o.retunes:  # said once; nothing left to do: the watch ends
+            self._report(f"{what}; the plan stays: {o.retunes} re-tunes were the bound", headline=True)
+            self.phase = "done"
+            return
+        self._retunes += 1
+        self._report(
+            f"{what}; profiles, searches and tries again (re-tune {self._retunes} of {o.retunes})", headline=True
+        )
+        self.round += 1
+        self._drift_round = True
+        plan = self._quiet_back or self.engine.plan  # the running plan (back after a quiet call)
+        self.phase, self._until = "settling", self.calls + plan.lookahead + plan.loads + SETTLE
 
     # ------------------------------------------------------------------ reports
+    def _round_name(self) -> str:
+        return f"re-tune {self._retunes}" if self._drift_round else "second round"
+
     def _lines(self, d: Decision, round_: int) -> tuple[str, list[str]]:
         """What one round's decision ``d`` says: the headline (what it does, and for a plan kept
         in the first round, why), then the reasons."""
         who = f"autotune {self.owner}"
         reasons = list(d.why)
         measured = f" ({1e3 * d.measured_start_s:.2f} ms per step measured)" if d.measured_start_s is not None else ""
-        if round_ == 1:
+        trial = next((line for line in reasons if line.startswith("tried ") and " plans over " in line), None)
+        if trial is not None:
+            head = f"{who}: {trial}"
+            if round_ > 1:
+                head = f"{who}: {self._round_name()}: {trial}"
+            reasons.remove(trial)
+        elif round_ == 1:
             head = f"{who}: profiled {self.options.steps} steps{measured}"
         else:
-            head = f"{who}: second round: profiled the chosen plan as it runs{measured}"
+            head = f"{who}: {self._round_name()}: profiled the chosen plan as it runs{measured}"
         if d.switched:
             found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]
-            head += (
-                f"; switches to threads {list(found.thread_groups)}, lookahead {found.lookahead}, loads {found.loads}"
-                + (", the input dist in its own comm group" if d.own_group else "")
+            head += f"; switches to {describe(found)}" + (
+                ", the input dist in its own comm group" if d.own_group else ""
             )
             if d.predicted_s is not None and d.baseline_s is not None and d.predicted_s > 0:
                 head += f": predicted {1e3 * d.predicted_s:.2f} ms per step (x{d.baseline_s / d.predicted_s:.2f})"
-        elif round_ > 1 and d.baseline_s is not None:
+            if d.tried:
+                won = next(x for x in d.tried if x.verdict == "best")
+                if won.measured_s is not None:
+                    head += f", measured {1e3 * won.measured_s:.2f} ms"
+        elif round_ > 1 and d.baseline_s is not None and trial is None:
             head += f"; keeps it: predicted {1e3 * d.baseline_s:.2f} ms per step from its own profile"
         elif reasons and reasons[-1].startswith("keeps the plan"):
             head += f"; {reasons.pop()}"
-        prefix = "" if round_ == 1 else "second round: "
+        prefix = "" if round_ == 1 else f"{self._round_name()}: "
+        if trial is not None:  # the search's reasons were said when the trial began
+            reasons = [line for line in reasons if line.startswith("tried ")]
         return head, [f"{who}: {prefix}{line}" for line in reasons]
 
     def _report(self, line: str, headline: bool = False) -> None:
@@ -401,11 +734,11 @@ class Tuner:
         return {"decision": None if d is None or not d.decided else d.to_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Apply a saved decision at once (before the first step): no tuning again."""
+        """Apply a saved decision at once (before the first step): no tuning or trial again."""
         saved = state.get("decision")
         if saved is None:
             return
         self.decision = Decision.from_dict(saved)
         if self.decision.switched:
             self._apply(self.decision)
-        self.phase = "done"
+        self._watch()

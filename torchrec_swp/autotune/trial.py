@@ -1,0 +1,429 @@
+"""The trial: a search's best few plans and the running one, each measured a few steps at a time,
+interleaved, until the measurements tell them apart (what the tuner does between a search and a
+switch; ``tuner.py`` drives it call by call, this module holds what is pure).
+
+* **order**: the candidates still in the race visit in turn, the running plan first
+  (A, B, C, A, B, C ...), so that a load on the machine falls on all of them alike; each visit
+  switches at a batch boundary (``Engine.switch_plan``: bit for bit, nothing lost or repeated),
+  lets the plan settle (``settle_steps``) and measures ``Autotune.trial_steps`` steps (from one
+  ``progress()`` call's start to the next's, as the caller lives them);
+* **stopping rule** (``race``), after each cycle on rank 0 from every rank's visit means: each
+  candidate against the measured best, paired by cycle (a load that comes and goes moves a
+  cycle's visits together), a t interval of the mean log ratio at ``Autotune.confidence``: a
+  candidate whose interval lies within the noise (``1/(1+noise)`` to ``1+noise``) is *equal* and
+  leaves the race (the best stays, but where the running plan is the one equal to the best, it
+  wins: no switch for a gain within the noise); one whose interval lies above 1 is *slower* and
+  leaves it too; the race ends when only the best is left or after ``Autotune.trial_cycles``
+  cycles, and the measured best wins;
+* **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
+  switch and at most ``visit_steps`` calls (``trial_bound``).
+
+Candidates (``pick``): the search's best, its layout running furthest ahead, then the best
+layout of each other number of loads and the next distinct thread layouts, each running furthest
+ahead, in the model's order: plans the model tells apart least well (loads that wait on one
+another, threads that contend, a run-ahead that absorbs a loader's jitter) are those the trial
+measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
+
+#: calls left out after a visit's switch beyond its catch-up, lookahead and loads (first wake-ups)
+TRIAL_SETTLE = 1
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One candidate of a trial: its plan's text, what the model predicted, what it measured
+    (mean of its visits' means, with the t interval of that mean), its step against the measured
+    best's (``ratio``, paired by cycle, with its interval; None for the best), the steps measured
+    and visits made, and how it left the race (``verdict``: ``"best"``, ``"slower"``,
+    ``"equal"``: within the noise of the best, ``"bound"``: still racing at the last cycle)."""
+
+    plan: str
+    predicted_s: float | None
+    measured_s: float | None = None
+    low_s: float | None = None
+    high_s: float | None = None
+    ratio: float | None = None
+    ratio_low: float | None = None
+    ratio_high: float | None = None
+    steps: int = 0
+    visits: int = 0
+    verdict: str = ""
+    out_after: int | None = None  # the cycle after which it left the race
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Tried:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A candidate after a cycle: its step over the best's (geometric mean of the cycles' ratios)
+    with the interval, and its state: ``best``, ``racing``, ``slower`` or ``equal``."""
+
+    ratio: float
+    low: float
+    high: float
+    state: str
+
+
+def settle_steps(plan: PipelinePlan) -> int:
+    """Calls after a switch to ``plan`` (once the threads that ran ahead caught up) before its
+    steps are measured: its run-ahead fills (``lookahead``), its loads start, its threads wake."""
+    return plan.lookahead + plan.loads + TRIAL_SETTLE
+
+
+def measured_steps(plan: PipelinePlan, steps: int) -> int:
+    """Steps a visit of ``plan`` measures: at least ``steps``, a whole number of its loads (with
+    ``k`` loads, batches arrive ``k`` at a time: one long step, then ``k - 1`` short ones, and a
+    visit that cut the pattern would be biased)."""
+    return -(-steps // plan.loads) * plan.loads
+
+
+def visit_steps(before: PipelinePlan, plan: PipelinePlan, steps: int) -> int:
+    """Calls of one visit of ``plan`` after ``before`` ran: catching up (a switch waits until the
+    threads ``before`` ran ahead stand at the caller's boundary, at most its lookahead), settling,
+    measuring."""
+    return before.lookahead + settle_steps(plan) + measured_steps(plan, steps)
+
+
+def trial_bound(candidates: int, steps: int, cycles: int, lookahead: int, loads: int) -> tuple[int, int]:
+    """The most calls and switches one trial takes: ``cycles`` cycles of ``candidates`` visits
+    (each one switch, at most ``visit_steps`` calls with the largest ``lookahead`` and ``loads``
+    the search may choose), and after each cycle a wait of at most ``lookahead + 1`` calls where
+    the ranks agree (``needs_quiet``) and one switch to the winner."""
+    visit = lookahead + lookahead + loads + TRIAL_SETTLE + steps + loads - 1
+    per_cycle = candidates * visit + lookahead + 1
+    return cycles * per_cycle, cycles * (candidates + 1) + 1
+
+
+def needs_quiet(plan: PipelinePlan) -> bool:
+    """Whether an engine thread of ``plan`` may issue a collective between two ``progress()``
+    calls: a task in a comm group off the calling thread, in a plan that runs ahead. The tuner's
+    own collectives (on the default group, from the calling thread) wait for a call where none
+    can: the plan without lookahead, where between calls every thread stands at the same batch
+    boundary."""
+    return plan.lookahead > 0 and any(
+        plan.task(t).comm_group is not None and plan.task(t).thread_group != MAIN_THREAD
+        for t in plan.fire_order
+        if plan.task(t).when.in_steady_state
+    )
+
+
+def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> list[PipelinePlan]:
+    """Up to ``count`` plans to try beside ``running``, from ``ranked`` (the model's order, best
+    first): the best; the best's layout running furthest ahead; then, for each number of loads not
+    yet picked, its best layout running furthest ahead; then the same for each thread layout
+    (threads, loads, comm groups) not yet picked. The model, of mean costs, does not see what a
+    deeper run-ahead absorbs of a loader's jitter (nor parallel loads without one) and within its
+    tie prefers fewer batches in flight: the trial measures it. ``running`` and repeats are left
+    out."""
+
+    def layout(p: PipelinePlan) -> tuple[object, ...]:
+        return (
+            tuple(p.task(t).thread_group for t in p.fire_order),
+            p.loads,
+            tuple(p.task(t).comm_group for t in p.fire_order),
+        )
+
+    others = [p for p in dict.fromkeys(ranked) if p != running]
+    if not others or count < 1:
+        return []
+
+    def deepest(p: PipelinePlan) -> PipelinePlan:
+        return max((q for q in others if layout(q) == layout(p)), key=lambda q: q.lookahead)
+
+    picked = [others[0]]
+    wanted = [deepest(others[0])]
+    loads_seen = {others[0].loads}
+    for p in others:
+        if p.loads not in loads_seen:
+            loads_seen.add(p.loads)
+            wanted.append(deepest(p))
+    layouts_seen = {layout(others[0]), layout(running)}
+    for p in others:
+        if layout(p) not in layouts_seen:
+            layouts_seen.add(layout(p))
+            wanted.append(deepest(p))
+    for p in wanted:
+        if len(picked) >= count:
+            break
+        if p not in picked:
+            picked.append(p)
+    return picked
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(confidence: float, df: int) -> float:
+    """The two-sided ``confidence`` quantile of Student's t with ``df`` degrees of freedom
+    (``P(|T| <= q) = confidence``), by bisection on its CDF (Simpson's rule on the density)."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
+    target = 0.5 + confidence / 2
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(t: float) -> float:
+        n = 400
+        h = t / n
+        total = 0.0
+        for k in range(n + 1):
+            x = k * h
+            w = 1 if k in (0, n) else (4 if k % 2 else 2)
+            total += w * (1 + x * x / df) ** (-(df + 1) / 2)
+        return 0.5 + c * total * h / 3
+
+    low, high = 0.0, 1.0
+    while cdf(high) < target:
+        low, high = high, high * 2
+    for _ in range(50):
+        mid = (low + high) / 2
+        if cdf(mid) < target:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def race(
+    samples: Sequence[Sequence[float]],
+    alive: Sequence[bool],
+    noise: float,
+    confidence: float,
+    prefer: int | None = 0,
+) -> tuple[int, list[Standing | None]]:
+    """After a cycle: the measured best of the candidates still ``alive`` (lowest mean of its
+    visits' means; they all have the same cycles) and each alive candidate's standing against it
+    (module docstring); None for those already out. ``samples[i][c]``: candidate ``i``'s mean step
+    in cycle ``c`` (those out have fewer: the first ones are paired). ``prefer`` (the running
+    plan) wins in place of the best where it is *equal* to it: within the noise, no switch."""
+    live = [i for i, a in enumerate(alive) if a]
+    if not live:
+        raise ValueError("race: no candidate is left")
+    best = min(live, key=lambda i: (statistics.fmean(samples[i]), i))
+    out = _against(best, samples, live, noise, confidence)
+    if prefer is not None and prefer != best and (s := out[prefer]) is not None and s.state == "equal":
+        best = prefer
+        out = _against(best, samples, live, noise, confidence)
+    return best, out
+
+
+def _against(
+    best: int, samples: Sequence[Sequence[float]], live: Sequence[int], noise: float, confidence: float
+) -> list[Standing | None]:
+    out: list[Standing | None] = [None] * len(samples)
+    out[best] = Standing(1.0, 1.0, 1.0, "best")
+    for i in live:
+        if i == best:
+            continue
+        n = min(len(samples[i]), len(samples[best]))
+        logs = [math.log(samples[i][c] / samples[best][c]) for c in range(n)]
+        mean = statistics.fmean(logs)
+        if n < 2:
+            out[i] = Standing(math.exp(mean), 0.0, math.inf, "racing")
+            continue
+        half = t_quantile(confidence, n - 1) * statistics.stdev(logs) / math.sqrt(n)
+        low, high = math.exp(mean - half), math.exp(mean + half)
+        if high < 1 + noise and low > 1 / (1 + noise):
+            state = "equal"  # whichever is faster, by less than the noise
+        elif low > 1:
+            state = "slower"
+        else:
+            state = "racing"
+        out[i] = Standing(math.exp(mean), low, high, state)
+    return out
+
+
+def mean_interval(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """The mean of ``values`` and its t interval (the mean itself twice for one value)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, m, m
+    half = t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+@dataclass
+class Visit:
+    """One visit of a trial: candidate ``index`` measured in calls ``first`` to ``last``."""
+
+    index: int
+    first: int
+    last: int
+    periods: list[float] = field(default_factory=list)
+
+
+class Trial:
+    """A trial under way, its bookkeeping in ``progress()`` calls (the tuner switches the plans and
+    makes the collectives): the candidates (the running plan first), what the model predicted for
+    each, which are still in the race, this rank's mean step of each visit, the visits so far."""
+
+    def __init__(
+        self, plans: Sequence[PipelinePlan], predicted: Sequence[float | None], began: int, steps: int, cycles: int
+    ) -> None:
+        n = len(plans)
+        self.plans, self.predicted, self.began = list(plans), list(predicted), began
+        self.steps_per_visit, self.cycles = steps, cycles
+        self.alive = [True] * n
+        self.samples: list[list[float]] = [[] for _ in range(n)]  # by candidate, one per visit
+        self.steps = [0] * n  # steps measured, by candidate
+        self.order: list[int] = []  # the visits so far
+        self.cycle = 0  # cycles complete
+        self.queue: list[int] = []  # this cycle's visits still to come
+        self.visit: Visit | None = None
+        self.standings: list[Standing | None] = [None] * n
+        self.out_after: list[int | None] = [None] * n
+
+    def start_cycle(self) -> int:
+        """The candidates still in the race, in order, are this cycle's visits: the first."""
+        self.queue = [i for i, a in enumerate(self.alive) if a]
+        return self.queue.pop(0)
+
+    def next_in_cycle(self) -> int | None:
+        """The next visit of this cycle, or None: the cycle is complete (counted)."""
+        if self.queue:
+            return self.queue.pop(0)
+        self.cycle += 1
+        return None
+
+    def begin(self, index: int, first: int) -> None:
+        """Visit candidate ``index``, measuring from call ``first`` (after its switch settled)."""
+        self.visit = Visit(index, first, first + measured_steps(self.plans[index], self.steps_per_visit) - 1)
+        self.order.append(index)
+
+    def measure(self, call: int, period: float) -> None:
+        """The period of call ``call``, if the visit measures it."""
+        v = self.visit
+        if v is not None and v.first <= call <= v.last:
+            v.periods.append(period)
+
+    def close(self, call: int) -> bool:
+        """At call ``call``: whether the visit has measured all its calls (then recorded)."""
+        v = self.visit
+        if v is None or call <= v.last:
+            return False
+        self.samples[v.index].append(statistics.fmean(v.periods))
+        self.steps[v.index] += len(v.periods)
+        self.visit = None
+        return True
+
+    def restart(self, call: int) -> None:
+        """The data ended at call ``call``: the visit's measurements are dropped, and it measures
+        again once the pipeline has filled and the plan settled."""
+        if self.visit is not None:
+            plan = self.plans[self.visit.index]
+            self.begin(self.visit.index, call + 1 + plan.pipeline_depth + settle_steps(plan))
+            self.order.pop()
+
+    @staticmethod
+    def judge(
+        gathered: Sequence[Sequence[Sequence[float]]], alive: Sequence[bool], noise: float, confidence: float
+    ) -> dict[str, Any]:
+        """Rank 0, after a cycle: every rank's visit means (``gathered[rank][candidate][cycle]``)
+        averaged over the ranks, and the race (``race``) on them; a dict every rank takes."""
+        n = len(gathered[0])
+        combined = [[statistics.fmean(r[i][c] for r in gathered) for c in range(len(gathered[0][i]))] for i in range(n)]
+        best, standings = race(combined, alive, noise, confidence)
+        return {"combined": combined, "best": best, "standings": [None if s is None else asdict(s) for s in standings]}
+
+    def take(self, verdict: Mapping[str, Any]) -> bool:
+        """Every rank: the verdict of ``judge``; whether the race goes on (a candidate besides the
+        best still racing, cycles left)."""
+        for i, s in enumerate(verdict["standings"]):
+            if s is not None:
+                self.standings[i] = Standing(**s)
+                if s["state"] in ("slower", "equal"):
+                    self.alive[i], self.out_after[i] = False, self.cycle
+        racing = [i for i, a in enumerate(self.alive) if a and i != verdict["best"]]
+        return bool(racing) and self.cycle < self.cycles
+
+    def keeps_running(self, best: int, noise: float) -> bool:
+        """At the end: whether the running plan stays although another measured best: still racing
+        (not told apart at the bound) and measured within ``noise`` of the best."""
+        s0 = self.standings[0]
+        return best != 0 and self.alive[0] and s0 is not None and s0.ratio < 1 + noise
+
+    def results(self, best: int, combined: Sequence[Sequence[float]], confidence: float) -> list[Tried]:
+        """Every candidate's record (``Tried``) at the end, against the measured best ``best``."""
+        out = []
+        for i, plan in enumerate(self.plans):
+            s = None if i == best else self.standings[i]
+            m, low, high = mean_interval(combined[i], confidence) if combined[i] else (None, None, None)
+            verdict = "best" if i == best else ("bound" if self.alive[i] else (s.state if s is not None else ""))
+            out.append(
+                Tried(
+                    plan=plan.to_text(),
+                    predicted_s=self.predicted[i],
+                    measured_s=m,
+                    low_s=low,
+                    high_s=high,
+                    ratio=None if s is None else s.ratio,
+                    ratio_low=None if s is None else s.low,
+                    ratio_high=None if s is None else s.high,
+                    steps=self.steps[i],
+                    visits=self.order.count(i),
+                    verdict=verdict,
+                    out_after=self.out_after[i],
+                )
+            )
+        return out
+
+
+def describe(plan: PipelinePlan) -> str:
+    """A plan's overlap choices in words: its threads, lookahead and loads."""
+    return f"threads {list(plan.thread_groups)}, lookahead {plan.lookahead}, loads {plan.loads}"
+
+
+def tried_line(i: int, x: Tried, confidence: float) -> str:
+    """The report's line of candidate ``i`` (0: the running plan) of a trial."""
+    name = "the running plan" if i == 0 else describe(PipelinePlan.from_text(x.plan))
+    predicted = f"predicted {1e3 * x.predicted_s:.2f} ms" if x.predicted_s is not None else "no prediction"
+    if x.measured_s is None or x.low_s is None or x.high_s is None:
+        return f"tried {name}: {predicted}, not measured"
+    measured = (
+        f"measured {1e3 * x.measured_s:.2f} ms ({100 * confidence:.0f}% interval "
+        f"{1e3 * x.low_s:.2f}-{1e3 * x.high_s:.2f}) over {x.steps} steps in {x.visits} visits"
+    )
+    if x.verdict == "best":
+        end = "the measured best"
+    elif x.ratio is not None and x.ratio_low is not None and x.ratio_high is not None:
+        against = f"x{x.ratio:.2f} the best's step (interval x{x.ratio_low:.2f}-x{x.ratio_high:.2f})"
+        end = {
+            "slower": f"slower: {against}, out after cycle {x.out_after}",
+            "equal": f"within the noise of the best: {against}, out after cycle {x.out_after}",
+        }.get(x.verdict, f"still racing at the bound: {against}")
+    else:
+        end = x.verdict
+    return f"tried {name}: {predicted}, {measured}; {end}"
+
+
+__all__ = [
+    "TRIAL_SETTLE",
+    "Standing",
+    "Trial",
+    "Tried",
+    "Visit",
+    "describe",
+    "mean_interval",
+    "measured_steps",
+    "needs_quiet",
+    "pick",
+    "race",
+    "settle_steps",
+    "t_quantile",
+    "trial_bound",
+    "tried_line",
+    "visit_steps",
+]
