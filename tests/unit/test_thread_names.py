@@ -4,22 +4,13 @@ with each switch of its catalog function flipped, and with parallel loads) is a 
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import replace
-
-from torchrec_swp import drop_ins
 from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.integrations.torchrec.pipelines.protocol import catalog_plans
 from torchrec_swp.plan.threads import IO_THREAD
 
 
 def _plans() -> list[object]:
-    plans = []
-    for row in drop_ins.drop_ins():
-        plans.append(catalog.default_plan(row))
-        for parameter in inspect.signature(getattr(catalog, row.plan)).parameters.values():
-            if isinstance(parameter.default, bool):
-                flipped = {**row.plan_arguments, parameter.name: not parameter.default}
-                plans.append(catalog.default_plan(replace(row, plan_arguments=flipped)))
+    plans = catalog_plans()
     plans.append(catalog.with_parallel_loads(catalog.sparse_dist_plan(), 3))
     plans.append(catalog.sparse_dist_plan(h2d_thread=catalog.COPY_THREAD))
     return plans

@@ -83,13 +83,24 @@ def catalog_task_names() -> frozenset[str]:
     from torchrec_swp.catalog import torchrec as catalog
 
     names = {catalog.FETCH}
+    for plan in catalog_plans():
+        names |= _task_names(plan)
+    return frozenset(names)
+
+
+def catalog_plans() -> list[Any]:
+    """Every drop-in's default plan, and the plans its catalog function makes with each of its
+    switches (bool arguments) flipped."""
+    from torchrec_swp.catalog import torchrec as catalog
+
+    plans = []
     for row in drop_ins.drop_ins():
-        names |= _task_names(catalog.default_plan(row))
+        plans.append(catalog.default_plan(row))
         for parameter in inspect.signature(getattr(catalog, row.plan)).parameters.values():
             if isinstance(parameter.default, bool):  # a switch: the plan with it flipped
                 flipped = {**row.plan_arguments, parameter.name: not parameter.default}
-                names |= _task_names(catalog.default_plan(replace(row, plan_arguments=flipped)))
-    return frozenset(names)
+                plans.append(catalog.default_plan(replace(row, plan_arguments=flipped)))
+    return plans
 
 
 def _task_names(plan: Any) -> set[str]:
