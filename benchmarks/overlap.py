@@ -157,7 +157,7 @@ def _contender(
         from benchmarks.peers import latency_dataset
         from torchrec_swp.data import MapSource
 
-        data = MapSource(latency_dataset(size, rank, n + TUNING_STEPS, latency))
+        data = MapSource(latency_dataset(size, rank, n + tuning_steps(args.pipeline), latency))
     elif "dataloader" in options:
         it = dataloader(size, rank, n, latency, num_workers=args.loader_workers, prefetch_factor=args.prefetch_factor)
         data: Iterator[Any] = _Closing(it, getattr(it, "_shutdown_workers", lambda: None))
@@ -188,21 +188,17 @@ def _contender(
 #: ``ours+autotune``'s tuning (``Autotune``'s counts), run alone before the rounds: warm-up,
 #: profile, decision, then enough steps for the verification to end.
 TUNING = {"steps": 25, "verify": 20}
-
-
-def _trial_steps() -> int:
-    from torchrec_swp import Autotune
-
-    return Autotune(**TUNING).trial_bound()[0]
-
-
-_TRIAL_STEPS = _trial_steps()
 #: its own warm-up steps after the interleaved warm-up, before it profiles
 TUNING_WARMUP = 5
-#: calls of its block, enough for both rounds, their trials and the verification: warm-up,
-#: profile, trial, settle, profile again, trial, settle, verify (a settle is at most 15 steps here;
-#: a trial at most ``Autotune.trial_bound()``'s steps)
-TUNING_STEPS = TUNING_WARMUP + 25 + 15 + 25 + 15 + 20 + 4 + 2 * _TRIAL_STEPS
+
+
+def tuning_steps(pipeline: str) -> int:
+    """Calls of ``ours+autotune``'s block, enough for both rounds, their trials and the
+    verification (``Autotune.tuning_bound``, counted from the block's own warm-up)."""
+    from torchrec_swp import Autotune, plans
+
+    depth = plans.default_plans()[pipeline].pipeline_depth
+    return Autotune(warmup=TUNING_WARMUP, **TUNING).tuning_bound(depth)
 
 
 def _tune(c: Contender) -> dict[str, Any]:
@@ -210,8 +206,8 @@ def _tune(c: Contender) -> dict[str, Any]:
     the profile is of its own steps, not of the others', and taken once the other contenders'
     loaders - DataLoader workers starting up, prefetch threads filling their queues - are quiet);
     its decision. It ends once the tuning has (the plan kept, or chosen and verified: the same
-    call on every rank, the decision being every rank's), at most ``TUNING_STEPS`` steps."""
-    for _ in range(TUNING_STEPS):
+    call on every rank, the decision being every rank's), at most ``tuning_steps`` steps."""
+    for _ in range(tuning_steps(c.runner.info.name)):
         c.losses.append(float(c.runner.step(c.batches)[0]))
         d = c.runner.pipeline.autotune_decision
         if d is not None and d.decided and (d.measured_s is not None or not d.switched):

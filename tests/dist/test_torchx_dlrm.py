@@ -31,6 +31,7 @@ from torchrec.datasets.utils import Batch
 
 from examples.dlrm.data import CriteoTsv, SyntheticCriteo, write_sample_tsv
 from examples.dlrm.loader import MapBatches, SyntheticBatches, make_loader
+from torchrec_swp import Autotune, plans
 from torchrec_swp.data import MapSource
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,9 +81,13 @@ def test_dist_ddp_runs_ours_and_upstream_with_equal_losses(tmp_path: Path) -> No
 @pytest.mark.multiprocess
 def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
     # the component with autotune: a loader of 8 ms binds the small model's default plan, so the
-    # tuner switches (after its trial: 400 steps leave room for the most two trials take); the run
-    # trains the very batches of the untuned one, bit for bit
-    component = ["examples/dlrm/component.py:dlrm", "--steps", "400", "--loader_latency_ms", "8", "--data_source", "map"]
+    # tuner switches; the run has the steps of the longest tuning (two rounds, each trial at its
+    # bound), so that the verification always ends inside it; it trains the very batches of the
+    # untuned one, bit for bit
+    steps = Autotune().tuning_bound(plans.default_plans()["TrainPipelineSparseDist"].pipeline_depth)
+    component = [
+        "examples/dlrm/component.py:dlrm", "--steps", str(steps), "--loader_latency_ms", "8", "--data_source", "map",
+    ]  # fmt: skip
     tuned = _torchx([*component, "--autotune", "True", "--", *SMALL], tmp_path)
     plain = _torchx([*component, "--", *SMALL], tmp_path)
     decision = tuned["autotune"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchrec_swp
-from torchrec_swp import Autotune
+from torchrec_swp import Autotune, plans
 from torchrec_swp.data import MapSource
 
 CPU = torch.device("cpu")
@@ -93,8 +93,10 @@ FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles":
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     lines: list[str] = []
-    tuned, pipeline, weights = train(400, 0.006, autotune=Autotune(**FAST, report=lines.append))
-    plain, _, plain_weights = train(400, 0.006)
+    # as many steps as the longest tuning takes: the verification always ends inside the run
+    n = Autotune(**FAST).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    tuned, pipeline, weights = train(n, 0.006, autotune=Autotune(**FAST, report=lines.append))
+    plain, _, plain_weights = train(n, 0.006)
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     d = pipeline.autotune_decision
     assert d is not None and d.switched, lines
@@ -109,7 +111,7 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     assert not [line for line in lines if REPEATED_WORD.search(line) or "thread the calling thread" in line]
     assert "the starting plan is bound by" in text and "measured" in text and "predicted" in text
     assert "second round" in text and d.first_predicted_s is not None
-    assert pipeline.batch_ledger.trained == 400 and not pipeline.untrained_batches()
+    assert pipeline.batch_ledger.trained == n and not pipeline.untrained_batches()
 
 
 def test_where_compute_binds_it_keeps_its_plan_and_says_why() -> None:
@@ -246,8 +248,6 @@ def scripted(monkeypatch: pytest.MonkeyPatch, *found: Any) -> None:
 
 
 def io_plan() -> Any:
-    from torchrec_swp import plans
-
     return plans.default_plans()["TrainPipelineBase"].with_thread_map({"LoadBatch": "io"}).replace(lookahead=2)
 
 
@@ -327,8 +327,6 @@ def test_a_second_switch_from_a_plan_that_runs_ahead_waits_for_the_caller(monkey
     # The search is replaced by a script: the first round chooses LoadBatch on a thread with
     # lookahead 2, the second round something else; the second switch must wait until the
     # calling thread caught up with the loader, and the run must train bit for bit as untuned.
-    from torchrec_swp import plans
-
     start = plans.default_plans()["TrainPipelineBase"]
     second = start.with_thread_map({"LoadBatch": "io", "H2D": "io"}).replace(lookahead=1)
     scripted(monkeypatch, io_plan(), second)

@@ -149,6 +149,15 @@ class Autotune:
             self.candidates + 1, self.trial_steps, self.trial_cycles, max(self.lookahead), max(self.loads)
         )
 
+    def tuning_bound(self, pipeline_depth: int) -> int:
+        """The most ``progress()`` calls until a tuning with these options has ended, its measured
+        step reported, from a starting plan of ``pipeline_depth`` batches without lookahead,
+        drift re-tunes aside (``autotune.tuner.tuning_bound``): how many steps a run must have
+        for the verification to fit."""
+        from torchrec_swp.autotune.tuner import tuning_bound
+
+        return tuning_bound(self, pipeline_depth)
+
     @classmethod
     def of(cls, value: bool | Autotune | None, owner: str) -> Autotune | None:
         """The options of ``autotune=value`` (``True``: the defaults; False/None: no tuning)."""

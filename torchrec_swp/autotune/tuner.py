@@ -76,6 +76,22 @@ DRIFT_CHECKS = 2
 SETTLE = 3
 
 
+def tuning_bound(options: Autotune, pipeline_depth: int) -> int:
+    """The most ``progress()`` calls, from the first, until a tuning with ``options`` has ended
+    (its plan kept, or chosen, switched to and its measured step reported), from a starting plan
+    of ``pipeline_depth`` batches that does not run ahead; drift re-tunes aside. Per the phases of
+    the module docstring: the warm-up and the profile; each round's trial (``trial_bound``); before
+    a later round, the settling (a switch waits at most the largest lookahead), its profile and a
+    quiet call; then the verification's settling and its steps. ``settle`` below bounds
+    ``Tuner._settle`` over every plan the search may choose."""
+    o = options
+    lookahead, loads = max(o.lookahead), max(o.loads)
+    settle = lookahead + max(o.max_in_flight, pipeline_depth) + loads + SETTLE
+    trial = o.trial_bound()[0]
+    later_round = settle + lookahead + o.steps + (lookahead + 1) + 1
+    return o.warmup + o.steps + 1 + o.rounds * trial + (o.rounds - 1) * later_round + settle + o.verify + 1
+
+
 class TunedEngine(Protocol):
     """What the tuner needs of the engine (``torchrec_swp.engine.Engine``)."""
 
