@@ -106,15 +106,15 @@ def test_the_path_of_one_batch_stays_short() -> None:
     assert 1 <= len(files) <= 6, sorted(files)
 
 
-def _stand_ins(fail: str | None = None) -> dict[str, Any]:
-    """Task functions for the SparseDist plan that write their batch number; ``fail`` raises at batch 3."""
+def _stand_ins(fail: str | None = None, at: int = 3) -> dict[str, Any]:
+    """Task functions for the SparseDist plan that write their batch number; ``fail`` raises at batch ``at``."""
     plan = catalog.sparse_dist_plan()
     fns = {}
     for t in plan.fire_order:
         writes = plan.task(t).io.writes
 
         def fn(b: int, *, _t: str = t, _w: tuple[str, ...] = writes, **kw: Any) -> Any:
-            if _t == fail and b == 3:
+            if _t == fail and b == at:
                 raise ValueError(f"{_t} failed")
             if "data" in kw:
                 next(kw["data"])
@@ -124,8 +124,16 @@ def _stand_ins(fail: str | None = None) -> dict[str, Any]:
     return fns
 
 
-def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_frames() -> None:
-    engine = Engine(catalog.sparse_dist_plan(), _stand_ins(fail="Forward"))
+def _engine_code(filename: str) -> bool:
+    """An engine module, or code the engine generated (``unrolled.py``: ``<steady step of ...>``,
+    ``<iteration of ...>``)."""
+    return Path(filename).is_relative_to(ENGINE) or filename.startswith(("<steady step of ", "<iteration of "))
+
+
+@pytest.mark.parametrize("batch", [0, 3], ids=["general step", "steady step"])
+def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_frames(batch: int) -> None:
+    # batch 0 trains in the general step (its call fills the pipeline), batch 3 in the steady step
+    engine = Engine(catalog.sparse_dist_plan(), _stand_ins(fail="Forward", at=batch))
     data = iter(range(100))
     with pytest.raises(ValueError, match="Forward failed") as info:
         for _ in range(10):
@@ -133,34 +141,48 @@ def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_fram
     engine.close()
     frames = traceback.extract_tb(info.value.__traceback__)
     names = [f.name for f in frames]
-    assert names[-2:] == ["<task Forward>", "fn"]  # the task's call, named, then the task's own function
-    chain = frames[names.index("step") : -1]  # step() ... <task Forward>, re-raised where the caller stopped
-    engine_frames = [f for f in chain if Path(f.filename).is_relative_to(ENGINE)]
-    assert len(engine_frames) == len(chain)
-    assert len(engine_frames) <= 7, names
-    assert len({f.filename for f in engine_frames}) <= 4, names
+    assert names[-1] == "fn"  # the task's own function
+    caller = frames[-2]
+    if batch == 0:  # the iteration's unrolled code, the line of the call marked
+        assert caller.filename.startswith("<iteration of plan TrainPipelineSparseDist, thread default"), caller
+    else:
+        assert caller.filename.startswith("<steady step of plan TrainPipelineSparseDist, thread default"), caller
+    assert caller.line.endswith("# run Forward"), caller.line
+    chain = frames[names.index("step") : -1]  # step() ... the call, re-raised where the caller stopped
+    assert all(_engine_code(f.filename) for f in chain), names
+    assert len(chain) <= 7, names
+    assert len({f.filename for f in chain}) <= 4, names
 
 
 def test_one_step_calls_each_engine_function_of_its_path_once_or_per_task() -> None:
-    """One step of the SparseDist plan on one thread, profiled: the engine functions called
-    stay within the parts the map names (no file of the engine beyond six is entered)."""
+    """One steady step of the SparseDist plan on one thread, profiled: the engine functions
+    called stay within the parts the map's numbered path names (six files), each once or once per
+    stage; the general step of a call that fills the pipeline goes through the walk."""
     engine = Engine(catalog.sparse_dist_plan(), _stand_ins())
     data = iter(range(100))
-    for _ in range(4):
-        engine.step(data)
     called: list[tuple[str, str]] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         path = Path(frame.f_code.co_filename)
-        if event == "call" and path.is_relative_to(ENGINE):
-            called.append((path.name, frame.f_code.co_name))
+        if event == "call" and (path.is_relative_to(ENGINE) or str(path).startswith("<steady step of ")):
+            called.append((path.name if path.is_relative_to(ENGINE) else "<steady step>", frame.f_code.co_name))
 
-    sys.setprofile(profile)
-    try:
-        engine.step(data)
-    finally:
-        sys.setprofile(None)
+    for step in range(5):
+        called.clear()
+        sys.setprofile(profile)
+        try:
+            engine.step(data)
+        finally:
+            sys.setprofile(None)
+        if step == 0:  # not steady (new data): the general step's walk
+            assert ("interpreter.py", "_walk") in called
     engine.close()
     files = {f for f, _ in called}
-    assert files <= {"engine.py", "batches.py", "interpreter.py", "ops.py", "end_of_data.py", "source.py"}, files
-    assert ("engine.py", "step") in called and ("interpreter.py", "_walk") in called
+    assert files <= {"engine.py", "<steady step>", "batches.py", "ops.py", "end_of_data.py", "source.py"}, files
+    assert ("<steady step>", "step") in called and ("interpreter.py", "_walk") not in called
+    assert called.count(("end_of_data.py", "exists_at")) <= 3  # one per stage
+    # step, the steady step, ended, begin_step, ask, exists_at per stage, the source's credit,
+    # draws_for, open_slot and drawn, _retire and retire
+    assert len(called) <= 14, called
+
+

@@ -159,6 +159,46 @@ class Batches:
         stored back (``make_invoker``): the one code besides these methods that writes a slot."""
         return make_invoker(io, fn, self.slots, extra, around, timed)
 
+    def call_code(self, io: PipelineTask, fn: str, extra: str = "") -> tuple[list[str], dict[str, Any]]:
+        """The task call ``invoker`` makes when nothing is around it, as straight-line code for
+        batch ``b`` (``torchrec_swp.engine.unrolled`` compiles it into an iteration): ``fn(b,
+        **reads)`` with ``io``'s reads from the slots (and ``extra``, keyword arguments of its
+        own, e.g. the source's ``data=data``), its writes stored back, the same errors; with the
+        names it uses besides ``b``, ``fn`` and ``extra``'s, and their values. The slots are
+        written only by code made here."""
+        task, writes = io.name, io.writes
+        env: dict[str, Any] = {"slots": self.slots, "_never_written": _never_written, "_store": _store}
+        reads = [(read_argument(r), *parse_read(r)) for r in io.reads]  # (keyword, data name, batches back)
+        lines: list[str] = []
+        arguments = []
+        if reads:
+            lines += ["try:", "    slot = slots[b]"]
+            for j, (arg, data, back) in enumerate(reads):
+                if back == 0:
+                    lines.append(f"    r{j} = slot[{data!r}]")
+                else:
+                    env["_previous"] = previous
+                    lines.append(f"    r{j} = _previous(slots, b - {back}, {data!r})")
+                arguments.append(f"{arg}=r{j}")
+            lines += ["except KeyError as e:", f"    _never_written({task!r}, e, b)"]
+        call = f"{fn}(b{''.join(', ' + a for a in [*arguments, extra] if a)})"
+        if not writes:
+            lines.append(call)
+        elif len(writes) == 1:
+            lines.append(f"slots[b][{writes[0]!r}] = {call}")
+        else:  # a tuple of as many values, else _store's error
+            env[f"_writes_{fn}"] = writes
+            targets = ", ".join(f"slot[{w!r}]" for w in writes)
+            lines += [
+                f"v = {call}",
+                "slot = slots[b]",
+                f"if type(v) is tuple and len(v) == {len(writes)}:",
+                f"    {targets} = v",
+                "else:",
+                f"    _store({task!r}, _writes_{fn}, slot, v)",
+            ]
+        return lines, env
+
     def alias(
         self, pairs: tuple[tuple[str, str], ...], around: Around | None = None, timed: TaskTimer | None = None
     ) -> Invoker:
@@ -189,9 +229,12 @@ class Batches:
         self.slots.pop(b, None)
 
     def drawn(self, b: int) -> None:
-        """The source drew batch ``b``: in flight, numbered, counted in the ledger."""
+        """The source drew batch ``b``: in flight, numbered, counted in the ledger; its draw's turn
+        taken (``claimed``), if the draw did not say so itself."""
         book = self.book
         book.in_flight.add(b)
+        if book.next_claim <= b:
+            book.next_claim = b + 1
         number = book.numbers[b] = book.first_number + b + book.renumbered  # book.number(b), inline
         self.ledger.drawn += 1
         if number >= self.next_number:
@@ -371,6 +414,10 @@ def _arguments(
         return args
 
     return many
+
+
+def _never_written(task: str, e: KeyError, b: int) -> None:
+    raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
 
 
 def _store(task: str, writes: tuple[str, ...], slot: dict[str, Any], values: Any) -> None:

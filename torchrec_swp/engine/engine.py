@@ -35,6 +35,7 @@ from torchrec_swp.engine.ops import PlanOps
 from torchrec_swp.engine.source import Draws
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Observer
+from torchrec_swp.engine.unrolled import NOT_STEADY, steady_step
 from torchrec_swp.engine.walkers import Failure, Walker, WalkState
 from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan
 from torchrec_swp.plan.table import format_schedule
@@ -42,12 +43,18 @@ from torchrec_swp.plan.table import format_schedule
 MAX_THREADS = 16
 MAX_IN_FLIGHT = 8
 
+#: ``Engine._finish``'s answer where batch ``d`` does not exist (drained): the step goes on
+_AGAIN = object()
+
 
 class Engine(Interpreter):
     """Runs a plan's programs. One Engine per pipeline instance.
 
     ``training``: whether the model trains, asked at the start of every ``step()``; tasks guarded
     ``when=train`` run for the batch that call trains only if it said so (without it, always).
+    ``on_new_data``: called whenever the source gets new data (``Epochs.new_data``: a new
+    iterator given to ``step()``, the same one after StopIteration, ``new_data()``), before any
+    task draws from it (a pipeline clears its upstream class's end-of-data flag there).
     """
 
     def __init__(
@@ -63,6 +70,7 @@ class Engine(Interpreter):
         device_type: str | None = None,
         training: Callable[[], bool] | None = None,
         exhaustion: ExhaustionSync | None = None,
+        on_new_data: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         self.installed = InstalledPlans(
@@ -75,10 +83,12 @@ class Engine(Interpreter):
             self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion
         )
         self._feed = self._ops.source.feed
-        self._epochs = Epochs(self, self.installed, self.batches, self._feed)
+        self._epochs = Epochs(self, self.installed, self.batches, self._feed, on_new_data)
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
+        # per installed plan (by id), its steady step where it has one (unrolled.steady_step)
+        self._steady: dict[int, Callable[[Iterator[Any] | None], Any]] = {}
         self._bind_all()
         self.reset()
 
@@ -90,16 +100,28 @@ class Engine(Interpreter):
 
     def _bind_all(self) -> None:
         """The installed plans' task calls and ops."""
+        self._steady.clear()
         for inst in self.installed.by_id.values():
             self._bind(inst)
 
     def _bind(self, inst: InstalledPlan) -> None:
-        """``inst``'s (instrumented) task calls, then its programs' ops, which hold them."""
+        """``inst``'s (instrumented) task calls, then its programs' ops, which hold them, then its
+        steady step where it has one."""
         inst.bind(
             self._bindings, self.batches, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
         )  # fmt: skip
         self._ops.compile(inst, self._observer)
+        body = inst.bodies.get(MAIN_THREAD)
+        if body is None or self._observer is not None or self._checker is not None:
+            self._steady.pop(id(inst.plan), None)
+            return
+        self._steady[id(inst.plan)] = steady_step(
+            body, main=self.installed.shape.main, feed=self._feed, failures=self.failures, installed=self.installed,
+            batches=self.batches, begin_step=self._ops.begin_step, is_grad_enabled=torch.is_grad_enabled,
+            training=self._training_mode, plan_at=self._ops.plan_at if len(self.phased.phases) > 1 else None,
+            inst=inst, walk_stopped=self._walk_stopped, finish=self._finish, again=_AGAIN, retire=self._retire,
+        )  # fmt: skip
 
     @property
     def phased(self) -> PhasedPlan:
@@ -218,60 +240,74 @@ class Engine(Interpreter):
 
     # ------------------------------------------------------------------- step
     def step(self, data: Iterator[Any] | None = None) -> Any:
-        """Batch ``d``'s output (module docstring); StopIteration when no batch is left."""
+        """Batch ``d``'s output (module docstring); StopIteration when no batch is left. An
+        observer with ``on_step`` gets the call's clocks (``instrument``). A call in the steady
+        state of a plan on the calling thread alone is its compiled steady step
+        (``torchrec_swp.engine.unrolled``): the same, in one function."""
+        steady = self._steady.get(id(self.installed.current))
+        if steady is not None:
+            output = steady(data)
+            if output is not NOT_STEADY:
+                return output
         on_step = self._on_step
-        if on_step is None:
-            return self._step(data)
-        start, cpu = time.perf_counter(), time.thread_time()
+        if on_step is not None:
+            start, cpu = time.perf_counter(), time.thread_time()
         try:
-            return self._step(data)
+            batches, end = self.batches, self.batches.end
+            ended = end.ended()  # (a report comes only once ended: one question in the common case)
+            if data is not None and (data is not self._feed.data or (ended and end.reported())):
+                self._epochs.take_data(data)
+                ended = end.ended()
+            if self._failure_raised:  # step() again after a failure: go on where every thread stopped
+                self._resume_after_failure()
+            if self.installed.pending is not None:
+                self._switch_if_ready()
+                ended = end.ended()
+            self._ops.begin_step(
+                torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
+            )
+            shape = self.installed.shape
+            main, threaded = shape.main, shape.threaded
+            while True:
+                if ended:
+                    if end.restarts():
+                        self.wait_until_resting()
+                        self._epochs.start(Event.EPOCH)
+                        ended = end.ended()
+                        continue
+                    batches.report_end()
+                    raise StopIteration
+                d = batches.book.returned
+                if batches.ask(d) and threaded:
+                    self.board.changed()
+                if threaded:
+                    self._start_workers()
+                if main.state is not WalkState.FINISHED:
+                    self._walk(main, d + shape.top, self._ops.program, self._ops.iteration_done, threaded=threaded)
+                output = self._finish(d)
+                if output is not _AGAIN:
+                    return output
+                ended = end.ended()
         finally:
-            on_step(start, time.perf_counter(), cpu, time.thread_time())
+            if on_step is not None:
+                on_step(start, time.perf_counter(), cpu, time.thread_time())
 
-    def _step(self, data: Iterator[Any] | None) -> Any:
-        batches, end = self.batches, self.batches.end
-        ended = end.ended()  # (a report comes only once ended: one question in the common case)
-        if data is not None and (data is not self._feed.data or (ended and end.reported())):
-            self._epochs.take_data(data)
-            ended = end.ended()
-        if self._failure_raised:  # step() again after a failure: go on where every thread stopped
-            self._resume_after_failure()
-        if self.installed.pending is not None:
-            self._switch_if_ready()
-            ended = end.ended()
-        self._ops.begin_step(
-            torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
-        )
-        shape = self.installed.shape
-        main, threaded = shape.main, shape.threaded
-        while True:
-            if ended:
-                if end.restarts():
-                    self.wait_until_resting()
-                    self._epochs.start(Event.EPOCH)
-                    ended = end.ended()
-                    continue
-                batches.report_end()
-                raise StopIteration
-            d = batches.book.returned
-            if batches.ask(d) and threaded:
-                self.board.changed()
-            if threaded:
-                self._start_workers()
-            if main.state is not WalkState.FINISHED:
-                self._walk(main, d + shape.top, self._ops.program, self._ops.iteration_done, threaded=threaded)
-            outcome = self._outcome(d) or self._await(d)
-            if outcome == "done":
-                if self._checker is not None:
-                    self._ordered(d)
-                return self._retire(d)
-            if outcome == "failed":
-                self._raise_failure()
-            if outcome == "stopped":
-                batches.report_end()
-                raise StopIteration
-            self.wait_until_resting()  # drained: no batch d; every thread walks out of the epoch
-            ended = end.ended()
+    def _finish(self, d: int) -> Any:
+        """Once the calling thread walked through batch ``d``'s iteration: ``d``'s output when it is
+        done, the failure raised, StopIteration for a stop that leaves it in flight, or, where
+        there is no batch ``d`` (drained), ``_AGAIN`` once every thread walked out of the epoch."""
+        outcome = self._outcome(d) or self._await(d)
+        if outcome == "done":
+            if self._checker is not None:
+                self._ordered(d)
+            return self._retire(d)
+        if outcome == "failed":
+            self._raise_failure()
+        if outcome == "stopped":
+            self.batches.report_end()
+            raise StopIteration
+        self.wait_until_resting()  # drained: no batch d; every thread walks out of the epoch
+        return _AGAIN
 
     def run_to_end(self) -> list[Any]:
         """Step until the data ends; the outputs in order."""

@@ -10,15 +10,16 @@ The iterator given to ``step()`` reaches the source through its ``data`` argumen
 ``Feed``): a new one serves the batches that no call had made drawable yet (and the one that
 found a stop).
 
-``Epochs`` holds no state of its own: it decides, and tells the parts that own the state through
-their public methods - ``Batches`` (the books, the end of data), the ``Feed`` (the iterators) and
-the interpreter (``restart_walkers``: every thread placed at the new epoch's first iteration;
-``park_all``: every thread interrupted and at rest; ``wait_until_resting``: no thread walking).
+``Epochs`` holds no state of its own (but the owner's ``on_new_data`` hook): it decides, and
+tells the parts that own the state through their public methods - ``Batches`` (the books, the
+end of data), the ``Feed`` (the iterators) and the interpreter (``restart_walkers``: every
+thread placed at the new epoch's first iteration; ``park_all``: every thread interrupted and at
+rest; ``wait_until_resting``: no thread walking).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrec_swp.engine.batches import Batches, BatchLedger
@@ -33,10 +34,18 @@ class Epochs:
     """The epochs of an engine (``interpreter``, running the ``installed`` plans over ``batches``
     from ``feed``)."""
 
-    def __init__(self, interpreter: Interpreter, installed: InstalledPlans, batches: Batches, feed: Feed) -> None:
+    def __init__(
+        self,
+        interpreter: Interpreter,
+        installed: InstalledPlans,
+        batches: Batches,
+        feed: Feed,
+        on_new_data: Callable[[], None] | None = None,
+    ) -> None:
         self._interpreter, self._installed = interpreter, installed
         self._batches = batches
         self._feed = feed
+        self._on_new_data = on_new_data  # the engine's owner, told of new data first
 
     def start(self, why: Event, start: int = 0, first_trained: int | None = None) -> None:
         """A new epoch for ``why`` (the end of data's event that begins it), its threads at internal
@@ -79,6 +88,8 @@ class Epochs:
         raising StopIteration in between. Otherwise nothing changes: the source reads the new
         data from its next batch on.
         """
+        if self._on_new_data is not None:
+            self._on_new_data()
         board = self._interpreter.board
         with board.lock:  # threads ask the end of data under the lock
             then = self._batches.new_data()

@@ -31,6 +31,7 @@ from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Invoker, Observer, task_context, task_timer
+from torchrec_swp.engine.unrolled import Body
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plan.task import parse_read
@@ -132,8 +133,14 @@ class InstalledPlan:
     programs: dict[str, tuple[Instr, ...]]
     tickets: tuple[tuple[str, int], ...]
     invokers: dict[str, Invoker] = field(default_factory=dict)
+    #: the bindings of the tasks whose calls have nothing around them (no stream, label or
+    #: timing; the source gets its data argument): what an unrolled iteration may call inline
+    #: (``Batches.call_code``)
+    bare: dict[str, Binding] = field(default_factory=dict)
     aliases: dict[str, Invoker] = field(default_factory=dict)
     walks: dict[str, Walk] = field(default_factory=dict)
+    #: per thread, its iteration compiled into code, where it is (``torchrec_swp.engine.unrolled``)
+    bodies: dict[str, Body] = field(default_factory=dict)
 
     @classmethod
     def compile(cls, plan: PipelinePlan, streams: StreamPool, device_type: str | None) -> InstalledPlan:
@@ -145,7 +152,7 @@ class InstalledPlan:
         self,
         bindings: Mapping[str, Binding],
         batches: Batches,
-        data_argument: Callable[[int], dict[str, Any]],
+        data_argument: Callable[..., dict[str, Any]],
         iteration: Callable[[int, int], int],
         *,
         streams: StreamPool,
@@ -155,25 +162,40 @@ class InstalledPlan:
     ) -> None:
         """Its (instrumented) task calls (made by ``batches``, which owns the slots they read
         and write), entering each task's stream where the device has streams: the source's gets
-        ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance for the observer."""
+        ``data_argument(b, lanes=plan.loads)``; ``iteration(b, stage)`` numbers an instance for the observer."""
         plan = self.plan
         for task in plan.fire_order:
             t = plan.task(task)
-            extra = data_argument if task == plan.source else None
+            extra = partial(data_argument, lanes=plan.loads) if task == plan.source else None
             stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
             timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
             around = task_context(task, labels, stream)
             self.invokers[task] = batches.invoker(t.io, bindings[task], extra, around, timed)
+            if around is None and timed is None:
+                self.bare[task] = bindings[task]
+            else:
+                self.bare.pop(task, None)
             if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
                 pairs = tuple(zip(t.io.writes, t.io.reads))
                 self.aliases[task] = batches.alias(pairs, task_context(task, labels, None), timed)
 
-    def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
-        """Every thread's program with its ops (``op(thread, instruction)``), made again whenever
-        the programs or the task calls change."""
-        self.walks = {
-            thread: (instrs, tuple(op(thread, i) for i in instrs)) for thread, instrs in self.programs.items()
-        }
+    def make_walks(
+        self,
+        op: Callable[[str, Instr], Op],
+        unroll: Callable[[str, tuple[Instr, ...], tuple[Op, ...]], Body | None],
+    ) -> None:
+        """Every thread's program with its ops (``op(thread, instruction)``) and, where
+        ``unroll(thread, instructions, ops)`` compiles it, its iteration as code (``bodies``);
+        made again whenever the programs or the task calls change."""
+        walks: dict[str, Walk] = {}
+        bodies: dict[str, Body] = {}
+        for thread, instrs in self.programs.items():
+            ops = tuple(op(thread, i) for i in instrs)
+            body = unroll(thread, instrs, ops)
+            walks[thread] = (instrs, ops, None if body is None else body.run)
+            if body is not None:
+                bodies[thread] = body
+        self.walks, self.bodies = walks, bodies
 
     def text(self) -> str:
         """Its programs as text (``compile.format_program``: the steady iteration's, one block per

@@ -25,7 +25,9 @@ pipeline-parallel actions (``torchrec_swp.engine.programs``). A walker executes 
 instruction by its op, ``op(walker, P)``, made once per program (the ``program`` function given
 to ``_walk`` hands out both): by default a dispatch through ``_execute``; the plan engine
 compiles its instructions into ops that know their task, stage and call, so that the loop below
-costs a call per instruction and nothing per iteration.
+costs a call per instruction and nothing per iteration; on one thread it also compiles the loop
+itself (``torchrec_swp.engine.unrolled``), which the walk calls in its place from an
+iteration's first instruction.
 """
 
 from __future__ import annotations
@@ -131,24 +133,23 @@ class Interpreter(abc.ABC):
                 if walk is None:
                     w.state = WalkState.FINISHED
                     break
-                w.prog, ops = walk
-                for i in range(w.i, len(ops)):
-                    w.i = i  # parked here, it executes this instruction again when resumed
-                    if board.interrupt is not None:
-                        raise Interrupted(board.interrupt)
-                    ops[i](w, P)
+                w.prog, ops, unrolled = walk
+                if unrolled is not None and w.i == 0:  # the loop below, compiled (engine/unrolled.py)
+                    unrolled(w, P)
+                else:
+                    for i in range(w.i, len(ops)):
+                        w.i = i  # parked here, it executes this instruction again when resumed
+                        if board.interrupt is not None:
+                            raise Interrupted(board.interrupt)
+                        ops[i](w, P)
                 w.i, w.P, w.prog = 0, P + 1, ()
                 w.done_through = P
                 if done is not None:
                     done(w, P)
             else:
                 w.state = WalkState.READY
-        except Interrupted:
-            self._park(w, "interrupted")
-        except Stopped:
-            self._park(w, "stopped at the end of data")
         except BaseException:  # noqa: BLE001 - every failure is recorded and re-raised by the caller
-            self._fail(w)
+            self._walk_stopped(w)
         finally:
             if threaded:
                 board.walk_ended()
@@ -156,6 +157,18 @@ class Interpreter(abc.ABC):
                 self._checker.cpu_release(("walk", self._uid, w.name))
             if threaded:
                 board.changed()
+
+    def _walk_stopped(self, w: Walker) -> None:
+        """``w`` stopped walking on the exception being handled: parked where it is when
+        interrupted or stopped at the end of data, else failed (recorded, every thread
+        interrupted). Where ``_walk`` ends on an exception, and an unrolled steady step too."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, Interrupted):
+            self._park(w, "interrupted")
+        elif isinstance(exc, Stopped):
+            self._park(w, "stopped at the end of data")
+        else:
+            self._fail(w)
 
     def _park(self, w: Walker, why: str) -> None:
         w.state, w.parked_by = WalkState.PARKED, why
@@ -405,4 +418,3 @@ class Interpreter(abc.ABC):
         lines = [f"{self.name} did not finish: no thread made progress for {self.timeout_s:.1f}s"]
         lines += [f"  thread {w.name!r}: {w.position()}" for w in self._walkers.values()]
         return "\n".join(lines)
-

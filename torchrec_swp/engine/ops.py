@@ -16,8 +16,10 @@ walker at internal iteration ``P``:
 * ``wait T@P-k`` / ``signal T``: the latches of the board, keyed ``(task, batch)``.
 * ``stream S <- T@k`` / ``record T``: device events, kept per ``(task, batch)`` in the book.
 
-Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and by the
-end of the epoch before its iteration (the thread finishes). The ops change batches only through
+Where no other thread walks, the calling thread's program is also compiled into straight-line
+code (``_unroll``: ``torchrec_swp.engine.unrolled``), which calls these ops for what it does not
+inline. Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and
+by the end of the epoch before its iteration (the thread finishes). The ops change batches only through
 ``Batches``' methods; ``PlanOps`` owns the caller's mode for the step (``begin_step``) and the
 ``Source``.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,13 +41,14 @@ from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans
 from torchrec_swp.engine.source import Source
 from torchrec_swp.engine.tasks import Invoker, Observer
+from torchrec_swp.engine.unrolled import Body, unroll
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, When
 
 if TYPE_CHECKING:
     from torchrec_swp.engine.interpreter import Interpreter
 
-_NOTHING: Walk = ((), ())  # a thread with no part in a plan
+_NOTHING: Walk = ((), (), None)  # a thread with no part in a plan
 
 
 class PlanOps:
@@ -109,7 +113,7 @@ class PlanOps:
         if len(installed.phased.phases) == 1:
             plan = installed.current
         else:
-            plan = self._plan_at(P)
+            plan = self.plan_at(P)
             if main:
                 installed.make_current(plan)
         if main and self._observer is not None:
@@ -118,7 +122,7 @@ class PlanOps:
         w.inst = inst
         return inst.walks.get(w.thread, _NOTHING)
 
-    def _plan_at(self, P: int) -> PipelinePlan:
+    def plan_at(self, P: int) -> PipelinePlan:
         """The plan internal iteration ``P`` runs: its phase's, by the batch it trains (numbered
         by the phases' clock: its source call, its serial for ``clock="drawn"``, the batches
         trained before it for ``clock="trained"``)."""
@@ -156,7 +160,31 @@ class PlanOps:
     def compile(self, inst: InstalledPlan, observer: Observer | None) -> None:
         """Every thread's program of ``inst`` with its ops (told of ``observer``)."""
         self._observer = observer
-        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer))
+        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer), partial(self._unroll, inst))
+
+    def _unroll(
+        self, inst: InstalledPlan, thread: str, instrs: tuple[Instr, ...], ops: tuple[Op, ...]
+    ) -> Body | None:
+        """The calling thread's iteration as one function where no other thread walks
+        (``torchrec_swp.engine.unrolled``); None elsewhere: the walk's loop runs the ops."""
+        shape = self._installed.shape
+        if thread != MAIN_THREAD or shape.threaded:
+            return None
+        return unroll(
+            f"plan {inst.plan.name}, thread {thread}",
+            instrs,
+            ops,
+            inst.invokers,
+            partial(self._bare_call, inst),
+            self.source,
+            self._batches,
+            inst.plan,
+            top=shape.top,
+            checked=self._checker is not None,
+            exists_at=self._end.exists_at,
+            await_exists=self.await_exists,
+            admits=self._admits,
+        )
 
     def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:
         match instr:
@@ -174,6 +202,16 @@ class PlanOps:
                 return lambda w, P: self._device_sync(w, P, instr)
             case _:  # rejected when executed, as the interpreter's dispatch does
                 return lambda w, P: _unknown(instr)
+
+    def _bare_call(
+        self, inst: InstalledPlan, task: str, fn: str, extra: str = ""
+    ) -> tuple[list[str], dict[str, Any]] | None:
+        """The inline code of ``task``'s call (``Batches.call_code``) where nothing is around it."""
+        binding = inst.bare.get(task)
+        if binding is None:
+            return None
+        lines, names = self._batches.call_code(inst.plan.task(task).io, fn, extra)
+        return lines, {**names, fn: binding}
 
     def _run_op(self, instr: Run, invoke: Invoker, main: bool) -> Op:
         """``run T``: nothing if batch ``b`` does not exist or the guard says no (its ticket

@@ -64,6 +64,10 @@ class Draws:
         self._local = threading.local()
         self._split = callable(getattr(iterator, "claim", None)) and callable(getattr(iterator, "fetch", None))
         self._stateful = callable(getattr(iterator, "state_dict", None))
+        #: whether a draw is just the iterator's ``next()``: no ``claim()``/``fetch()``, no position
+        #: recorded, no agreement of the ranks; drawn by one load, it needs no turn either (the
+        #: source's function then gets the iterator itself, ``Feed.argument``)
+        self.direct = not self._split and not self._stateful and sync is None
         self.positions: dict[int, Any] = {}
 
     @property
@@ -155,11 +159,13 @@ class Feed:
                 return draws
         return None
 
-    def argument(self, b: int) -> dict[str, Any]:
-        """The source's keyword arguments for batch ``b``: ``data`` (``draws_for(b)``), once there is some."""
+    def argument(self, b: int, lanes: int = 1) -> dict[str, Any]:
+        """The source's keyword arguments for batch ``b``, drawn by one of ``lanes`` loads:
+        ``data`` (``draws_for(b)``; its iterator itself where a draw is a plain ``next()`` by one
+        load, ``Draws.direct``), once there is some."""
         for first, draws in reversed(self._from):
             if b >= first:
-                return {"data": draws}
+                return {"data": draws.iterator if lanes == 1 and draws.direct else draws}
         return {}
 
     def new_epoch(self) -> None:
@@ -206,11 +212,9 @@ class Source:
     def op(self, instr: Run) -> Op:
         """``run! S``: batch ``b``'s draw on its lane, once the credit allows; the end of data."""
         task, stage, lanes, ticket, group = instr.task, instr.stage, instr.lanes, instr.ticket, instr.comm_group
-        batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
-        stop_check, wait, in_task = self._stop_check, self._wait, self._in_task
-        end = batches.end
+        wait, end = self._wait, self._batches.end
         exists_at, end_at = end.exists_at, end.end_at
-        plain = ticket is None and self._checker is None
+        draw_batch = self.drawer(instr)
 
         def draw(w: Walker, P: int) -> None:
             b = P - stage
@@ -234,23 +238,38 @@ class Source:
                 )
                 if exists_at(b, P) is not None:  # the end came meanwhile (Stopped past a stop)
                     return
+            draw_batch(w, b, plan)
+
+        return draw
+
+    def drawer(self, instr: Run) -> Callable[[Walker, int, PipelinePlan], None]:
+        """``draw_batch(w, b, plan)``: batch ``b``'s draw once its gates passed (its lane, its
+        existence not known yet, the credit): its slot opened, the source's call (holding its
+        ticket if it has one), the batch in flight, or the end of data found. What ``op`` runs
+        after its gates, and what an unrolled iteration calls (``torchrec_swp.engine.unrolled``)."""
+        task, ticket, group, lanes = instr.task, instr.ticket, instr.comm_group, instr.lanes
+        batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
+        stop_check, in_task = self._stop_check, self._in_task
+        plain = ticket is None and self._checker is None
+
+        def draw_batch(w: Walker, b: int, plan: PipelinePlan) -> None:
             invoke = w.inst.invokers[task]
             batches.open_slot(b)
             draws = draws_for(b)
-            if draws is not None:
-                draws.drawing(b)
+            if draws is not None and (lanes > 1 or not draws.direct):
+                draws.drawing(b)  # its next() takes its turn, records the position, agrees with the ranks
+            else:
+                draws = None  # a plain next() (its turn: Batches.drawn)
             try:
                 if plain:
                     invoke(b)
                 elif self._checker is not None:
-                    self._interpreter.ticketed(
-                        w, group, ticket, task, b, stop_check, in_task, w, task, b, invoke
-                    )
+                    self._interpreter.ticketed(w, group, ticket, task, b, stop_check, in_task, w, task, b, invoke)
                 else:
                     self._interpreter.ticketed(w, group, ticket, task, b, stop_check, invoke, b)
             except StopIteration:
                 batches.drop_slot(b)
-                self._found_end(b, plan)
+                self.found_end(b, plan)
                 return
             except BaseException:
                 batches.drop_slot(b)
@@ -265,7 +284,7 @@ class Source:
                 batches.drawn(b)
                 board.notify()
 
-        return draw
+        return draw_batch
 
     def credit(self, b: int, plan: PipelinePlan) -> bool:
         """Whether the source may draw batch ``b``: at most ``pipeline_depth + lookahead`` batches
@@ -277,7 +296,9 @@ class Source:
             and b < book.requested + self._installed.shape.top + plan.lookahead
         )
 
-    def _found_end(self, b: int, plan: PipelinePlan) -> None:
+    def found_end(self, b: int, plan: PipelinePlan) -> None:
+        """Batch ``b``'s draw found the end of data (its slot dropped): the end recorded; Stopped
+        under ``on_exhausted="stop"``, with the source's latch of ``b`` stopped."""
         board = self._board
         stop = plan.on_exhausted == "stop"
         with board.lock:

@@ -106,6 +106,9 @@ class EngineDriven(PipelineLife):
     argument (module docstring)."""
 
     _swp_engine: Engine | ProgramEngine
+    #: the last ``progress()`` argument ``_swp_check_progress`` passed (a call with it again, on a
+    #: pipeline still open, needs no check): none yet
+    _swp_checked_iterator: Any = object()
 
     def _swp_drive(self, engine: Engine | ProgramEngine) -> None:
         """Drive ``engine`` from now on (set once every check of the constructor passed)."""

@@ -138,6 +138,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
             ),
             "training": self._swp_training_mode(),
             "exhaustion": options.exhaustion_sync(owner),
+            "on_new_data": self._swp_on_new_data,
         }
         if (sync := self._swp_engine_options["exhaustion"]) is not None:
             self._swp_teardown().group(sync.group)
@@ -230,18 +231,16 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         in flight is lost (Engine.new_data). None or another non-iterator is a TypeError naming
         the class, as upstream's ``next(dataloader_iter)`` would raise; after ``close()``,
         PipelineClosed."""
-        self._swp_check_progress(dataloader_iter)
+        if self._swp_closed or dataloader_iter is not self._swp_checked_iterator:
+            self._swp_check_progress(dataloader_iter)
+            self._swp_checked_iterator = dataloader_iter
         self._swp_before_step()
-        engine = self._swp_engine
-        draws = engine.draws
-        if engine.end_reported or (draws is not None and dataloader_iter is not draws.iterator):
-            self._swp_on_new_data()
         tuner = self._swp_tuner
         if tuner is None:
-            return engine.step(dataloader_iter)
+            return self._swp_engine.step(dataloader_iter)
         tuner.before_step()
         try:
-            return engine.step(dataloader_iter)
+            return self._swp_engine.step(dataloader_iter)
         except StopIteration:
             tuner.data_ended()  # says what tuning the data's end left undone
             raise
@@ -251,7 +250,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         (its state flags; overridden where there is something)."""
 
     def _swp_on_new_data(self) -> None:
-        """Clear the upstream class's own end-of-data flag (overridden where it has one)."""
+        """Clear the upstream class's own end-of-data flag (overridden where it has one): the
+        engine calls it whenever its source gets new data (``Engine(on_new_data=)``)."""
 
     def reset(self) -> None:
         """The upstream class's ``reset()``, then the engine's: the batches in flight are
