@@ -84,29 +84,51 @@ LITE_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _lite_runs(rank: int, world_size: int, seed: int) -> dict[tuple[str, str], list[RunResult]]:
+#: upstream helpers user code may patch by name whose calls upstream's Lite makes differently from
+#: SparseDist: ours must call each as often as upstream's Lite (none of the first two)
+LITE_HELPERS = ("sync_embeddings", "_optimizer_step", "_backward", "wait_sparse_data_dist")
+
+
+def _lite_runs(rank: int, world_size: int, seed: int) -> tuple[dict[tuple[str, str], list[RunResult]], dict[Any, Any]]:
     epochs = (STEPS, SECOND_EPOCH_STEPS)
     runs: dict[tuple[str, str], list[RunResult]] = {}
-    for case, options in LITE_CASES.items():
-        reference = partial(upstream.TrainPipelineSparseDistLite, device=CPU, **options)
-        runs[case, "upstream"] = _train(reference, rank, world_size, seed, epochs=epochs)
-        for label, engine_options in THREAD_MAPS.items():
-            ours = partial(TrainPipelineSparseDistLite, device=CPU, **options, **engine_options)
-            runs[case, label] = _train(ours, rank, world_size, seed, epochs=epochs)
-    return runs
+    calls: dict[tuple[str, str], dict[str, int]] = {}
+    counted: dict[str, int] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in LITE_HELPERS:
+            helper = getattr(upstream.TrainPipelineSparseDist, name)
+
+            def counting(self: Any, *args: Any, _helper: Any = helper, _name: str = name, **kwargs: Any) -> Any:
+                counted[_name] = counted.get(_name, 0) + 1
+                return _helper(self, *args, **kwargs)
+
+            mp.setattr(upstream.TrainPipelineSparseDist, name, counting)
+        for case, options in LITE_CASES.items():
+            reference = partial(upstream.TrainPipelineSparseDistLite, device=CPU, **options)
+            counted.clear()
+            runs[case, "upstream"] = _train(reference, rank, world_size, seed, epochs=epochs)
+            calls[case, "upstream"] = dict(counted)
+            for label, engine_options in THREAD_MAPS.items():
+                ours = partial(TrainPipelineSparseDistLite, device=CPU, **options, **engine_options)
+                counted.clear()
+                runs[case, label] = _train(ours, rank, world_size, seed, epochs=epochs)
+                calls[case, label] = dict(counted)
+    return runs, calls
 
 
 @pytest.mark.multiprocess
 def test_lite_equals_upstream_bit_for_bit() -> None:
-    for rank, runs in enumerate(run_on_ranks(_lite_runs, SEED, timeout_s=600)):
+    for rank, (runs, calls) in enumerate(run_on_ranks(_lite_runs, SEED, timeout_s=600)):
         for case in LITE_CASES:
             reference = runs[case, "upstream"]
             assert [(r.num_calls, r.stop_iteration_call) for r in reference] == [
                 (STEPS, STEPS),
                 (SECOND_EPOCH_STEPS, SECOND_EPOCH_STEPS),
             ]
+            assert "sync_embeddings" not in calls[case, "upstream"] and calls[case, "upstream"]["_backward"] > 0
             for label in THREAD_MAPS:
                 _assert_epochs_equal(reference, runs[case, label], f"rank {rank} SparseDistLite {case} [{label}]")
+                assert calls[case, label] == calls[case, "upstream"], (case, label)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import indexed_optimizer_step
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainPipelineSparseDistLite"]
@@ -29,3 +35,17 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
 
     def _swp_default_plan(self) -> PipelinePlan:
         return catalog.sparse_dist_lite_plan(h2d_thread=self._swp_h2d_thread())
+
+    # ------------------------------------------------------------ task functions
+    # Upstream's Lite runs the backward without SparseDist's sync of 2D-sharded embeddings and
+    # steps the optimizer itself, not through SparseDist's ``_optimizer_step()`` hook.
+    @task("Backward")
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any = None) -> None:
+        if self._model.training:
+            self._state = PipelineState.CALL_BWD
+            self._backward(losses)
+
+    @task("OptimizerStep")
+    def _task_optimizer_step(self, b: int, context: Any) -> None:
+        if self._model.training:
+            indexed_optimizer_step(self, context)

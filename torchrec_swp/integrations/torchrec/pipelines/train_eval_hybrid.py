@@ -13,7 +13,9 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
+from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
+from torchrec_swp.integrations.torchrec.pipelines.training_tasks import indexed_optimizer_step
 from torchrec_swp.plan import PipelinePlan
 
 __all__ = ["TrainEvalHybridPipelineBase"]
@@ -76,6 +78,11 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.Tra
         # whose _next_batch returns it
         self._next_batch_on_cpu = host
         return super()._task_h2d(b, host=host)
+
+    @task("OptimizerStep")
+    def _task_optimizer_step(self, b: int, context: Any) -> None:  # upstream steps it itself, as Lite's
+        if self._model.training:
+            indexed_optimizer_step(self, context)
 
     def _task_forward(self, b: int, batch: Any, context: Any) -> tuple[Any, Any]:
         if self._model.training:

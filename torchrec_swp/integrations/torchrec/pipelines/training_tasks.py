@@ -23,6 +23,14 @@ from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 
 
+def indexed_optimizer_step(pipeline: Any, context: Any) -> None:
+    """The optimizer step as the ``progress()`` of upstream's SparseDistLite and
+    TrainEvalHybridPipelineBase makes it, not through SparseDist's ``_optimizer_step()`` hook:
+    ``pipeline._optimizer.step()`` under the label ``## optimizer {index} ##``."""
+    with record_function(f"## optimizer {context.index} ##"):
+        pipeline._optimizer.step()
+
+
 class TrainingTasks:
     """ZeroGrad, Backward and OptimizerStep as upstream's pipelines run them (module docstring)."""
 
