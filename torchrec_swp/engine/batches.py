@@ -199,6 +199,10 @@ class Batches:
             ]
         return lines, env
 
+    def alias_code(self, pairs: tuple[tuple[str, str], ...]) -> tuple[list[str], dict[str, Any]]:
+        """``make_alias``'s copy as straight-line code for batch ``b`` (``call_code``'s form)."""
+        return ["slot = slots[b]", *(f"slot[{w!r}] = slot[{r!r}]" for w, r in pairs)], {"slots": self.slots}
+
     def alias(
         self, pairs: tuple[tuple[str, str], ...], around: Around | None = None, timed: TaskTimer | None = None
     ) -> Invoker:

@@ -138,6 +138,8 @@ class InstalledPlan:
     #: (``Batches.call_code``)
     bare: dict[str, Binding] = field(default_factory=dict)
     aliases: dict[str, Invoker] = field(default_factory=dict)
+    #: the tasks whose aliases have nothing around them (no label, no timing): inlined likewise
+    bare_aliases: set[str] = field(default_factory=set)
     walks: dict[str, Walk] = field(default_factory=dict)
     #: per thread, its iteration compiled into code, where it is (``torchrec_swp.engine.unrolled``)
     bodies: dict[str, Body] = field(default_factory=dict)
@@ -178,6 +180,10 @@ class InstalledPlan:
             if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
                 pairs = tuple(zip(t.io.writes, t.io.reads))
                 self.aliases[task] = batches.alias(pairs, task_context(task, labels, None), timed)
+                if labels or timed is not None:
+                    self.bare_aliases.discard(task)
+                else:
+                    self.bare_aliases.add(task)
 
     def make_walks(
         self,

@@ -176,6 +176,7 @@ class PlanOps:
             ops,
             inst.invokers,
             partial(self._bare_call, inst),
+            lambda alias: self._batches.alias_code(alias.pairs) if alias.task in inst.bare_aliases else None,
             self.source,
             self._batches,
             inst.plan,
@@ -184,6 +185,7 @@ class PlanOps:
             exists_at=self._end.exists_at,
             await_exists=self.await_exists,
             admits=self._admits,
+            training=lambda: self._training,
         )
 
     def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:

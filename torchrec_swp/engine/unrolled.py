@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torchrec_swp.compile import Instr, Run
+from torchrec_swp.compile import Alias, Instr, Run
 from torchrec_swp.engine.errors import describe
 from torchrec_swp.engine.tasks import Invoker
 from torchrec_swp.engine.walkers import Op, Walker, WalkState
@@ -76,12 +76,15 @@ NOT_STEADY = object()
 
 _IDS = itertools.count(1)
 
-#: guards decided from ``b`` and ``P`` alone (an expression in them and ``top``); None: never runs
+#: guards decided from ``b``, ``P``, the highest stage and the call's training mode (an
+#: expression in ``b``, ``P``, ``top`` and ``training``); None: never runs. ``train`` (a task of the
+#: highest stage) is the mode of the call that trains ``b``: on the calling thread, this call's.
 _INLINE_GUARDS: dict[When, str | None] = {
     When.ALWAYS: "",
     When.FIRST: " and b == 0",
     When.NOT_FIRST: " and b != 0",
     When.FILL: " and P < top",
+    When.TRAIN: " and training",
     When.NEVER: None,
 }
 
@@ -99,8 +102,10 @@ _RAISED = [
 
 def inlinable(instr: Instr, checked: bool) -> bool:
     """Whether ``instr`` compiles into code here (else its op is called): a task's call with no
-    ticket, or the source's draw on one lane, outside checked mode."""
-    return isinstance(instr, Run) and instr.ticket is None and instr.lanes == 1 and not checked
+    ticket, the source's draw on one lane or an alias, outside checked mode."""
+    if checked:
+        return False
+    return isinstance(instr, Alias) or (isinstance(instr, Run) and instr.ticket is None and instr.lanes == 1)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class Body:
     lines: tuple[str, ...]
     env: Mapping[str, Any]
     run: Unrolled
+    trains: bool  # whether ``lines`` read ``training``, the call's training mode
 
 
 def unroll(
@@ -121,6 +127,7 @@ def unroll(
     ops: Sequence[Op],
     invokers: Mapping[str, Invoker],
     calls: Callable[..., tuple[list[str], dict[str, Any]] | None],
+    aliases: Callable[[Alias], tuple[list[str], dict[str, Any]] | None],
     source: Source,
     batches: Batches,
     plan: PipelinePlan,
@@ -130,14 +137,17 @@ def unroll(
     exists_at: Callable[[int, int], bool | None],
     await_exists: Callable[[int, int], bool],
     admits: Callable[[When, bool, int, int], bool],
+    training: Callable[[], bool],
 ) -> Body:
     """The ``Body`` of ``instrs`` (with their ``ops``), of the thread ``name`` says (module
     docstring). ``invokers``: the task calls (``InstalledPlan.invokers``); ``calls(task, fn)``:
     the code of a task's call inline, calling ``fn``, and the names it needs (None: call its
-    invoker); ``source``: the source's draw after its gates (``Source.drawer``), its credit and
-    its data (``Source.feed``), drawn into ``batches``' slots;
-    ``plan``: the plan the instructions are of; ``exists_at``, ``await_exists``, ``admits``: the
-    gates the ops ask (``EndOfData.exists_at``, ``PlanOps.await_exists``, ``PlanOps._admits``)."""
+    invoker); ``aliases(instr)``: the code of an alias (None: its op); ``source``: the source's
+    draw after its gates (``Source.drawer``), its credit and its data (``Source.feed``), drawn
+    into ``batches``' slots; ``plan``: the plan the instructions are of; ``exists_at``,
+    ``await_exists``, ``admits``: the gates the ops ask (``EndOfData.exists_at``,
+    ``PlanOps.await_exists``, ``PlanOps._admits``); ``training()``: the call's training mode
+    (``PlanOps.training``)."""
     inlined: dict[int, tuple[str, int]] = {}  # instruction -> (task, stage): what a failure names
     env: dict[str, Any] = {"exists_at": exists_at, "await_exists": await_exists, "describe": describe}
     env.update({"top": top, "inlined": inlined, "plan": plan})
@@ -146,18 +156,27 @@ def unroll(
     stage = None  # the stage ``b`` is of
     for k, instr in enumerate(instrs):
         body.append(f"w.i = {k}  # {instr}")
-        if not inlinable(instr, checked):
+        copy = aliases(instr) if isinstance(instr, Alias) and inlinable(instr, checked) else None
+        if not inlinable(instr, checked) or (isinstance(instr, Alias) and copy is None):
             env[f"op_{k}"] = ops[k]
             body.append(f"op_{k}(w, P)")
             cached.clear()  # the op may have drawn a batch or found the end
             continue
-        assert isinstance(instr, Run)
+        assert isinstance(instr, (Run, Alias))
         s, task = instr.stage, instr.task
         inlined[k] = (task, s)
         known = f"e{s}"
         if s != stage:
             body.append(f"b = P - {s}")
             stage = s
+        if isinstance(instr, Alias):
+            assert copy is not None
+            if s not in cached:
+                body += [f"{known} = exists_at(b, P)", f"if {known} is None:", f"    {known} = await_exists(b, P)"]
+                cached.add(s)
+            env.update(copy[1])
+            body += [f"if {known}:", *_indent(_marked(copy[0], "slot[", instr), 1)]
+            continue
         if instr.source:  # the op's gates for the common case (a batch to draw, credit); the op for the rest
             env.update({f"op_{k}": ops[k], f"draw_{k}": source.drawer(instr), "credit": source.credit})
             body += [
@@ -189,8 +208,11 @@ def unroll(
         body.append(f"if {known}{guard}:")
         body += [f"    {line}" for line in lines]
     body = body or ["pass"]
+    trains = any(" and training" in line for line in body)
+    env["step_training"] = training
     code = [
         "def run(w, P):",
+        *(["    training = step_training()"] if trains else []),
         "    try:",
         *_indent(body, 2),
         "    except BaseException as e:",
@@ -198,7 +220,7 @@ def unroll(
         "        raise",
     ]
     run = _compile(f"iteration of {name}", code, dict(env))["run"]
-    return Body(name, instrs, tuple(body), env, run)
+    return Body(name, instrs, tuple(body), env, run, trains)
 
 
 def steady_step(
@@ -237,13 +259,13 @@ def steady_step(
         {
             "NOT_STEADY": NOT_STEADY, "RUNNING": WalkState.RUNNING, "READY": WalkState.READY, "main": main,
             "feed": feed, "failures": failures, "installed": installed, "batches": batches, "ended": batches.end.ended,
-            "begin_step": begin_step, "is_grad_enabled": is_grad_enabled, "training": training, "plan_at": plan_at,
+            "begin_step": begin_step, "is_grad_enabled": is_grad_enabled, "training_mode": training, "plan_at": plan_at,
             "inst": inst, "prog": body.instrs, "walk_stopped": walk_stopped, "finish": finish, "again": again,
             "retire": retire, "ask": batches.ask,
         }
     )  # fmt: skip
     phase = ["if plan_at(P) is not plan:", "    return NOT_STEADY"] if plan_at is not None else []
-    mode = "True" if training is None else "bool(training())"
+    mode = "True" if training is None else "bool(training_mode())"
     tickets = [f"w.bases[{g!r}] = w.bases.get({g!r}, 0) + {n}" for g, n in inst.tickets]
     code = [
         "def step(data):",
@@ -256,7 +278,8 @@ def steady_step(
         "    if w.P != P or w.i or w.state is not READY:",
         "        return NOT_STEADY",
         *_indent(phase, 1),
-        f"    begin_step(is_grad_enabled(), {mode})",
+        f"    training = {mode}",
+        "    begin_step(is_grad_enabled(), training)",
         "    ask(d)",
         "    w.state, w.inst, w.prog = RUNNING, inst, prog",
         "    try:",

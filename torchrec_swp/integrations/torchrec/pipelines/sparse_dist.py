@@ -156,7 +156,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         if not self._model_attached:
             self.attach(self._model)
         engine = self._swp_engine
-        if self.batches and not engine.book.in_flight:
+        if self.batches and not engine.batches.book.in_flight:
             # Batches the engine did not load: user code (or a test) put them where upstream's
             # progress() reads them. batches[0] is the one to train now, as upstream assumes.
             engine.adopt([{"batch": b, "context": c} for b, c in zip(self.batches, self.contexts)])
