@@ -198,3 +198,36 @@ def test_a_guard_that_needs_the_next_batch_or_the_mode_asks_the_gate() -> None:
     guarded = plan.with_schedule("Dequeue", when=When.HAS_NEXT)
     events = [("data", 6), *[("step", None)] * 8]
     assert _run(guarded, events, unrolled=True) == _run(guarded, events, unrolled=False)
+
+
+def test_generated_code_writes_only_what_the_walk_writes() -> None:
+    """The ownership rules hold in the code the engine generates (which the static ownership
+    test does not read): it assigns no attribute but the walker's fields the walk and the ops
+    set (its position, what it works on, its plan, its tickets), and changes no part's state
+    but through calls (``Batches.ask``, ``Batches.retire``, ``open_slot``...) and the slot values
+    of its tasks' calls (the code ``Batches`` writes)."""
+    import ast
+    import linecache
+
+    allowed = {"P", "done_through", "inst", "bases", "i", "current"}
+    seen = 0
+    for name, plan in sorted(CATALOG.items()):
+        run = Run(plan)
+        before = set(linecache.cache)
+        engine = Engine(plan, run.bindings, training=lambda: True, device_type="cpu")
+        engine.close()
+        for filename in set(linecache.cache) - before:
+            if not filename.startswith(("<steady step of ", "<iteration of ")):
+                continue
+            seen += 1
+            tree = ast.parse("".join(linecache.cache[filename][2]))
+            for node in ast.walk(tree):
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                for target in targets:
+                    for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                        if isinstance(t, ast.Attribute):
+                            assert isinstance(t.value, ast.Name) and t.value.id == "w", (name, ast.unparse(t))
+                            assert t.attr in allowed, (name, ast.unparse(t))
+                        if isinstance(t, ast.Subscript):  # a slot value (s<stage>[...]) or a ticket base
+                            assert ast.unparse(t.value).startswith(("s", "w.bases")), (name, ast.unparse(t))
+    assert seen >= 30

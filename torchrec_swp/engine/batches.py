@@ -159,49 +159,51 @@ class Batches:
         stored back (``make_invoker``): the one code besides these methods that writes a slot."""
         return make_invoker(io, fn, self.slots, extra, around, timed)
 
-    def call_code(self, io: PipelineTask, fn: str, extra: str = "") -> tuple[list[str], dict[str, Any]]:
-        """The task call ``invoker`` makes when nothing is around it, as straight-line code for
-        batch ``b`` (``torchrec_swp.engine.unrolled`` compiles it into an iteration): ``fn(b,
-        **reads)`` with ``io``'s reads from the slots (and ``extra``, keyword arguments of its
-        own, e.g. the source's ``data=data``), its writes stored back, the same errors; with the
-        names it uses besides ``b``, ``fn`` and ``extra``'s, and their values. The slots are
-        written only by code made here."""
+    def call_code(
+        self, io: PipelineTask, fn: str, slot: str, b: str = "b", extra: str = ""
+    ) -> tuple[list[str], list[str], dict[str, Any]]:
+        """The task call ``invoker`` makes when nothing is around it, as straight-line code
+        (``torchrec_swp.engine.unrolled`` compiles it into an iteration): ``reads``, lines that
+        read ``io``'s inputs from ``slot`` (the name of batch ``b``'s slot) into ``a0``, ``a1``...
+        (a KeyError there is a read never written: ``never_written``); ``call``, the call of
+        ``fn`` with them (and ``extra``, keyword arguments of its own, e.g. the source's
+        ``data=...``) whose writes it stores into ``slot``, with ``_store``'s error for a wrong
+        number of values; and the names they use besides ``b``, ``fn``, ``slot`` and ``extra``'s.
+        The slots are written only by code made here."""
         task, writes = io.name, io.writes
-        env: dict[str, Any] = {"slots": self.slots, "_never_written": _never_written, "_store": _store}
+        env: dict[str, Any] = {"slots": self.slots, "_store": _store, "_previous": previous}
         reads = [(read_argument(r), *parse_read(r)) for r in io.reads]  # (keyword, data name, batches back)
-        lines: list[str] = []
-        arguments = []
-        if reads:
-            lines += ["try:", "    slot = slots[b]"]
-            for j, (arg, data, back) in enumerate(reads):
-                if back == 0:
-                    lines.append(f"    r{j} = slot[{data!r}]")
-                else:
-                    env["_previous"] = previous
-                    lines.append(f"    r{j} = _previous(slots, b - {back}, {data!r})")
-                arguments.append(f"{arg}=r{j}")
-            lines += ["except KeyError as e:", f"    _never_written({task!r}, e, b)"]
-        call = f"{fn}(b{''.join(', ' + a for a in [*arguments, extra] if a)})"
+        values = [
+            f"{slot}[{data!r}]" if back == 0 else f"_previous(slots, {b} - {back}, {data!r})" for _, data, back in reads
+        ]
+        names = ", ".join(f"a{j}" for j in range(len(reads)))
+        read_lines = [f"{names} = {', '.join(values)}"] if reads else []
+        arguments = "".join(f", {arg}=a{j}" for j, (arg, _, _) in enumerate(reads))
+        call = f"{fn}({b}{arguments}{', ' + extra if extra else ''})"
         if not writes:
-            lines.append(call)
+            call_lines = [call]
         elif len(writes) == 1:
-            lines.append(f"slots[b][{writes[0]!r}] = {call}")
+            call_lines = [f"{slot}[{writes[0]!r}] = {call}"]
         else:  # a tuple of as many values, else _store's error
             env[f"_writes_{fn}"] = writes
-            targets = ", ".join(f"slot[{w!r}]" for w in writes)
-            lines += [
+            targets = ", ".join(f"{slot}[{w!r}]" for w in writes)
+            call_lines = [
                 f"v = {call}",
-                "slot = slots[b]",
                 f"if type(v) is tuple and len(v) == {len(writes)}:",
                 f"    {targets} = v",
                 "else:",
-                f"    _store({task!r}, _writes_{fn}, slot, v)",
+                f"    _store({task!r}, _writes_{fn}, {slot}, v)",
             ]
-        return lines, env
+        return read_lines, call_lines, env
 
-    def alias_code(self, pairs: tuple[tuple[str, str], ...]) -> tuple[list[str], dict[str, Any]]:
-        """``make_alias``'s copy as straight-line code for batch ``b`` (``call_code``'s form)."""
-        return ["slot = slots[b]", *(f"slot[{w!r}] = slot[{r!r}]" for w, r in pairs)], {"slots": self.slots}
+    def slot_code(self, slot: str, b: str) -> tuple[str, dict[str, Any]]:
+        """The line that names batch ``b``'s slot ``slot`` for ``call_code``'s and
+        ``alias_code``'s lines (a KeyError there: the batch has no slot), and the names it uses."""
+        return f"{slot} = slots[{b}]", {"slots": self.slots}
+
+    def alias_code(self, pairs: tuple[tuple[str, str], ...], slot: str) -> list[str]:
+        """``make_alias``'s copy as straight-line code into ``slot`` (``call_code``'s form)."""
+        return [f"{slot}[{w!r}] = {slot}[{r!r}]" for w, r in pairs]
 
     def alias(
         self, pairs: tuple[tuple[str, str], ...], around: Around | None = None, timed: TaskTimer | None = None
@@ -378,7 +380,7 @@ def _plain_invoker(task: str, fn: Binding, slots: Slots, arg: str, data: str, wr
             slot = slots[b]
             value = slot[data]
         except KeyError as e:
-            raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+            raise never_written(task, e, b) from None
         if write is None:
             fn(b, **{arg: value})
         else:
@@ -402,7 +404,7 @@ def _arguments(
             try:
                 return {arg: slots[b][data]}
             except KeyError as e:
-                raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+                raise never_written(task, e, b) from None
 
         return one
 
@@ -412,7 +414,7 @@ def _arguments(
             for arg, data, k in reads:
                 args[arg] = slots[b][data] if k == 0 else previous(slots, b - k, data)
         except KeyError as e:
-            raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+            raise never_written(task, e, b) from None
         if extra is not None:
             args.update(extra(b))
         return args
@@ -420,8 +422,9 @@ def _arguments(
     return many
 
 
-def _never_written(task: str, e: KeyError, b: int) -> None:
-    raise EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written") from None
+def never_written(task: str, e: KeyError, b: int) -> EngineError:
+    """The error of a read of batch ``b``'s slot that finds nothing (``e``, the KeyError)."""
+    return EngineError(f"task {task} reads {e.args[0]!r} of batch {b}, which was never written")
 
 
 def _store(task: str, writes: tuple[str, ...], slot: dict[str, Any], values: Any) -> None:

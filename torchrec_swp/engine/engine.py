@@ -113,7 +113,7 @@ class Engine(Interpreter):
         )  # fmt: skip
         self._ops.compile(inst, self._observer)
         body = inst.bodies.get(MAIN_THREAD)
-        if body is None or self._observer is not None or self._checker is not None:
+        if body is None or body.steady_lines is None or self._observer is not None or self._checker is not None:
             self._steady.pop(id(inst.plan), None)
             return
         self._steady[id(inst.plan)] = steady_step(

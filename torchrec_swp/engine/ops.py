@@ -165,7 +165,7 @@ class PlanOps:
     def _unroll(
         self, inst: InstalledPlan, thread: str, instrs: tuple[Instr, ...], ops: tuple[Op, ...]
     ) -> Body | None:
-        """The calling thread's iteration as one function where no other thread walks
+        """The calling thread's iteration as code where no other thread walks
         (``torchrec_swp.engine.unrolled``); None elsewhere: the walk's loop runs the ops."""
         shape = self._installed.shape
         if thread != MAIN_THREAD or shape.threaded:
@@ -175,8 +175,9 @@ class PlanOps:
             instrs,
             ops,
             inst.invokers,
-            partial(self._bare_call, inst),
-            lambda alias: self._batches.alias_code(alias.pairs) if alias.task in inst.bare_aliases else None,
+            inst.bare,
+            inst.bare_aliases,
+            inst.plan.task,
             self.source,
             self._batches,
             inst.plan,
@@ -204,16 +205,6 @@ class PlanOps:
                 return lambda w, P: self._device_sync(w, P, instr)
             case _:  # rejected when executed, as the interpreter's dispatch does
                 return lambda w, P: _unknown(instr)
-
-    def _bare_call(
-        self, inst: InstalledPlan, task: str, fn: str, extra: str = ""
-    ) -> tuple[list[str], dict[str, Any]] | None:
-        """The inline code of ``task``'s call (``Batches.call_code``) where nothing is around it."""
-        binding = inst.bare.get(task)
-        if binding is None:
-            return None
-        lines, names = self._batches.call_code(inst.plan.task(task).io, fn, extra)
-        return lines, {**names, fn: binding}
 
     def _run_op(self, instr: Run, invoke: Invoker, main: bool) -> Op:
         """``run T``: nothing if batch ``b`` does not exist or the guard says no (its ticket
