@@ -193,11 +193,20 @@ def test_the_steady_step_runs_where_it_should_and_only_there() -> None:
     engine.close()
 
 
-def test_a_guard_that_needs_the_next_batch_or_the_mode_asks_the_gate() -> None:
+@pytest.mark.parametrize("when", [When.HAS_NEXT, When.LAST, When.TRAIN, When.FILL, When.FIRST, When.NEVER])
+@pytest.mark.parametrize("task", ["Dequeue", "InputDistWait"])  # stage 2 (the top), stage 1
+def test_every_guard_runs_the_same_unrolled(task: str, when: When) -> None:
+    """A guard inline (on the task's stage, and for has_next and last on the next batch's
+    existence) admits what the op's gate admits, the data ending at every batch of the fill and
+    beyond, with eval steps between."""
     plan = CATALOG["TrainPipelineSparseDist"]
-    guarded = plan.with_schedule("Dequeue", when=When.HAS_NEXT)
-    events = [("data", 6), *[("step", None)] * 8]
-    assert _run(guarded, events, unrolled=True) == _run(guarded, events, unrolled=False)
+    if when is When.TRAIN and task != "Dequeue":
+        pytest.skip("train: a task of the highest stage only")
+    guarded = plan.with_schedule(task, when=when)
+    for n in (0, 1, 2, 3, 7):
+        events = [("data", n), *[("step", None)] * 3, ("mode", False), *[("step", None)] * 6, ("data", 5)]
+        events += [("step", None)] * 7
+        assert _run(guarded, events, unrolled=True) == _run(guarded, events, unrolled=False), n
 
 
 def test_generated_code_writes_only_what_the_walk_writes() -> None:

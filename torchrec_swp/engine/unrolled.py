@@ -197,14 +197,26 @@ def unroll(
                     body.append((f"    {e} = await_exists({b}, P)", (k, "op")))
                     asked.add(s)
                 conditions.append(e)
+            nested: list[Line] = []  # the next batch's existence, asked once the task's own exists
             if isinstance(instr, Run):
                 when = _INLINE_GUARDS.get(instr.when, "?")
                 if when is None:  # never: the gate was passed, nothing runs
                     continue
-                if when == "?":
+                if instr.when.needs_next and s >= 1:  # has_next / last: batch b + 1 is stage s - 1's
+                    if s - 1 in present:  # it exists: has_next always, last never
+                        if instr.when is When.LAST:
+                            continue
+                        when = ""
+                    else:
+                        after = f"e{s - 1}" if s - 1 in asked else f"n{k}"
+                        if s - 1 not in asked:
+                            nested += [(f"{after} = exists_at(b{s - 1}, P)", (k, "op")), (f"if {after} is None:", None)]
+                            nested.append((f"    {after} = await_exists(b{s - 1}, P)", (k, "op")))
+                        when = after if instr.when is When.HAS_NEXT else f"not {after}"
+                elif when == "?":
                     env[f"when_{k}"], env["admits"] = instr.when, admits
                     when = f"admits(when_{k}, {instr.when.needs_next}, {{b}}, P)"
-                if when:
+                if when and not nested:
                     conditions.append(when.format(b=b))
             if isinstance(instr, Alias):
                 lines: list[Line] = [(line, (k, "call")) for line in batches.alias_code(instr.pairs, slot)]
@@ -226,6 +238,9 @@ def unroll(
                 if not conditions:
                     fetched.add(s)  # (fetched under a condition, it is fetched again where needed)
             lines = _mark(lines, (f"fn_{k}(", f"invoke_{k}(", f"{slot}["), instr)
+            if nested:  # the guard's question, asked where the task's batch exists
+                lines = [*nested, (f"if {when}:", None), *_indent(lines, 1)]
+                fetched.discard(s)
             if conditions:
                 body.append((f"if {' and '.join(conditions)}:", None))
                 body += _indent(lines, 1)
