@@ -270,6 +270,7 @@ class Run_:
     thread: str
     start: float
     end: float
+    cpu: float | None = None  # the thread CPU time, where the profiler measured one
 
 
 @dataclass(frozen=True)
