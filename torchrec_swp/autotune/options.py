@@ -156,13 +156,22 @@ class Autotune:
         )
 
     def tuning_bound(self, pipeline_depth: int) -> int:
-        """The most ``progress()`` calls until a tuning with these options has ended, its measured
-        step reported, from a starting plan of ``pipeline_depth`` batches without lookahead,
-        drift re-tunes aside (``autotune.tuner.tuning_bound``): how many steps a run must have
-        for the verification to fit."""
-        from torchrec_swp.autotune.tuner import tuning_bound
+        """The most ``progress()`` calls until a tuning with these options has ended (its plan
+        kept, or chosen, switched to and its measured step reported), from a starting plan of
+        ``pipeline_depth`` batches that does not run ahead, drift re-tunes aside: how many steps a
+        run must have for the verification to fit. Per the tuner's phases
+        (``autotune.tuner``): the warm-up and the profile; each round's trial (``trial_bound``);
+        before a later round, the settling (a switch waits at most the largest lookahead), its
+        profile and a quiet call; then the verification's settling and its steps. ``settle``
+        bounds the tuner's settling over every plan the search may choose."""
+        from torchrec_swp.autotune.trial import SETTLE
 
-        return tuning_bound(self, pipeline_depth)
+        lookahead, loads = max(self.lookahead), max(self.loads)
+        settle = lookahead + max(self.max_in_flight, pipeline_depth) + loads + SETTLE
+        trial = self.trial_bound()[0]
+        later_round = settle + lookahead + self.steps + (lookahead + 1) + 1
+        rounds = self.warmup + self.steps + 1 + self.rounds * trial + (self.rounds - 1) * later_round
+        return rounds + settle + self.verify + 1
 
     @classmethod
     def of(cls, value: bool | Autotune | None, owner: str) -> Autotune | None:

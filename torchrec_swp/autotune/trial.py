@@ -38,6 +38,10 @@ from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
 
 #: calls left out after a visit's switch beyond its catch-up, lookahead and loads (first wake-ups)
 TRIAL_SETTLE = 1
+#: steps the tuner leaves out after a switch beyond the new plan's fill and run-ahead: its threads'
+#: first iterations (caches, first wake-ups) cost more than the steady ones a profile or a
+#: verification measures
+SETTLE = 3
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,7 @@ def tried_line(i: int, x: Tried, confidence: float) -> str:
 
 
 __all__ = [
+    "SETTLE",
     "TRIAL_SETTLE",
     "Standing",
     "Trial",

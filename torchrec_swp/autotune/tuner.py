@@ -64,32 +64,13 @@ from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, 
 from torchrec_swp.autotune.options import Autotune, PrintedReport
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
-from torchrec_swp.autotune.trial import Trial, Tried, describe, needs_quiet, pick, settle_steps, tried_line
+from torchrec_swp.autotune.trial import SETTLE, Trial, Tried, describe, needs_quiet, pick, settle_steps, tried_line
 from torchrec_swp.catalog.torchrec import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
 #: consecutive checks past ``Autotune.drift`` that make a drift (a tuning costs a search of seconds)
 DRIFT_CHECKS = 2
-#: steps left out after a switch beyond the new plan's fill and run-ahead: its threads' first
-#: iterations (caches, first wake-ups) cost more than the steady ones a profile or a verification measures
-SETTLE = 3
-
-
-def tuning_bound(options: Autotune, pipeline_depth: int) -> int:
-    """The most ``progress()`` calls, from the first, until a tuning with ``options`` has ended
-    (its plan kept, or chosen, switched to and its measured step reported), from a starting plan
-    of ``pipeline_depth`` batches that does not run ahead; drift re-tunes aside. Per the phases of
-    the module docstring: the warm-up and the profile; each round's trial (``trial_bound``); before
-    a later round, the settling (a switch waits at most the largest lookahead), its profile and a
-    quiet call; then the verification's settling and its steps. ``settle`` below bounds
-    ``Tuner._settle`` over every plan the search may choose."""
-    o = options
-    lookahead, loads = max(o.lookahead), max(o.loads)
-    settle = lookahead + max(o.max_in_flight, pipeline_depth) + loads + SETTLE
-    trial = o.trial_bound()[0]
-    later_round = settle + lookahead + o.steps + (lookahead + 1) + 1
-    return o.warmup + o.steps + 1 + o.rounds * trial + (o.rounds - 1) * later_round + settle + o.verify + 1
 
 
 class TunedEngine(Protocol):
