@@ -112,9 +112,11 @@ def profile_blocks(
     return out
 
 
-def inputs_of(runs: Sequence[ProfiledRun], *, wake: float = DEFAULT_WAKE_S, gil: float | None = None) -> Inputs:
+def inputs_of(
+    runs: Sequence[ProfiledRun], *, wake: float = DEFAULT_WAKE_S, gil: float | None = None, **options: Any
+) -> Inputs:
     """Every rank's calibrated costs from its ProfiledRun of one pipeline (``runs[r]``: rank ``r``'s)."""
-    return from_profiles([r.profile() for r in runs], wake=wake, gil=gil)
+    return from_profiles([r.profile() for r in runs], wake=wake, gil=gil, **options)
 
 
 def predicted_step(

@@ -27,6 +27,11 @@ configuration:
 * **from default**: the configuration's plan simulated with the costs calibrated on the
   *default* run: a prediction for a plan that was not profiled, what the auto-tuner relies on.
 
+Every calibration takes each run's CPU back to what it costs on a warm thread
+(``autosched.inputs.DEFAULT_COLD``, ``torchrec_swp.sim.cold``), and every simulation charges it
+again where the simulated thread wakes cold: the default plan's training thread sleeps in Fetch
+every step, a plan with parallel loads keeps it busy.
+
 Errors are ``predicted / measured - 1``; misses over 10% are listed. Writes
 ``OUT/sim_vs_real.json`` and ``.md`` (default ``out/bench``), and every rank's profiles to
 ``OUT/sim_vs_real.raw.pkl`` (``--from-raw`` analyses them again without running).
@@ -236,6 +241,7 @@ def causes(default: Any, own: Any, plan: Any, measured: float) -> dict[str, floa
                     wake=default.machine.wake,
                     split_draws=default.split_draws,
                     gil=default.machine.gil,
+                    cold=d.cold,
                 )
             )
         got = simulate_ranks(ranks, 40, cores=default.machine.cores).step_period

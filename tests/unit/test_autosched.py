@@ -23,6 +23,7 @@ from torchrec_swp.autosched import (
 )
 from torchrec_swp.autosched.__main__ import main
 from torchrec_swp.autosched.estimate import lead
+from torchrec_swp.autosched.inputs import DEFAULT_COLD, from_profiles
 from torchrec_swp.catalog.torchrec import default_plans, sparse_dist_plan
 from torchrec_swp.plan import DEFAULT_STREAM, PipelinePlan, PipelineTask, PlanError
 from torchrec_swp.profiler import Profile, TaskStats
@@ -304,3 +305,11 @@ def test_cli_reorders_on_request_and_refuses_old_or_missing_files(
     assert main(["--profile", str(path), "--out", str(out), "--quiet"]) == 2
     assert "has no measured iterations" in capsys.readouterr().err
     assert main(["--profile", str(tmp_path / "missing.json"), "--out", str(out), "--quiet"]) == 2
+
+
+def test_the_search_inputs_take_costs_back_to_warm_with_the_machines_cold_rule() -> None:
+    profile = sleep_profile()
+    assert all(c.cold == DEFAULT_COLD for c in from_profiles([profile]).calibration.ranks)
+    assert all(c.cold is None for c in from_profiles([profile], cold=None).calibration.ranks)
+    ranks = from_profiles([profile]).calibration.simulation_ranks("mean")
+    assert ranks[0].cold == DEFAULT_COLD  # the warm costs simulate with the rule they were taken back with

@@ -174,6 +174,7 @@ def test_a_memory_cap_no_plan_meets_keeps_the_plan_in_one_line() -> None:
         ({"drift": 0}, "Autotune: drift must be a share in (0, 1) or None (never re-tune), got 0"),
         ({"drift_every": 0}, "Autotune: drift_every must be an int >= 1, got 0"),
         ({"retunes": -1}, "Autotune: retunes must be an int >= 0, got -1"),
+        ({"cold": 0.45}, "Autotune: cold must be a torchrec_swp.sim.Cold or None, got 0.45"),
     ],
 )
 def test_bad_options_fail_in_one_line(options: dict[str, Any], message: str) -> None:

@@ -68,8 +68,10 @@ def test_a_slower_rank_delays_the_other_at_the_next_collective() -> None:
     # Rank 0 waited 6 - 4 = 2 in each Reduce.
     plan = local_then_collective()
     r = simulate_ranks(
-        [Rank(plan, {"Load": 1, "Local": 1, "Reduce": 2}), Rank(plan, {"Load": 1, "Local": 3, "Reduce": 2})], 2
-    , model="barrier")
+        [Rank(plan, {"Load": 1, "Local": 1, "Reduce": 2}), Rank(plan, {"Load": 1, "Local": 3, "Reduce": 2})],
+        2,
+        model="barrier",
+    )
     fast, slow = r.ranks
     assert runs(fast, "Reduce") == [(0, 2, 6), (1, 8, 12)]
     assert runs(slow, "Reduce") == [(0, 4, 6), (1, 10, 12)]
@@ -270,6 +272,7 @@ class Run_:
     thread: str
     start: float
     end: float
+    cpu: float | None = None  # the thread CPU time, where the profiler measured one
 
 
 @dataclass(frozen=True)
@@ -300,8 +303,10 @@ def records_of(result: SimResult, offset: float = 0.0) -> list[Iteration]:
 def test_calibration_takes_a_collectives_part_after_the_last_rank_arrived() -> None:
     plan = local_then_collective()
     r = simulate_ranks(
-        [Rank(plan, {"Load": 1, "Local": 1, "Reduce": 2}), Rank(plan, {"Load": 1, "Local": 3, "Reduce": 2})], 8
-    , model="barrier")
+        [Rank(plan, {"Load": 1, "Local": 1, "Reduce": 2}), Rank(plan, {"Load": 1, "Local": 3, "Reduce": 2})],
+        8,
+        model="barrier",
+    )
     cal = calibrate(plan, [records_of(x) for x in r.ranks], off_cpu={"Load": 0.25})
     assert cal.iterations == 7  # the steady iterations: Load, Local and Reduce ran
     fast, slow = cal.ranks
@@ -316,9 +321,7 @@ def test_calibration_takes_a_collectives_part_after_the_last_rank_arrived() -> N
 def test_calibrating_a_simulated_run_and_replaying_it_gives_it_back(thread_map: str) -> None:
     plan = sparse_dist_plan().with_thread_map(thread_map)  # type: ignore[arg-type]
     rng = random.Random(7)
-    per_batch = [
-        {(t, b): float(rng.randint(1, 6)) for t in plan.fire_order for b in range(12)} for _ in range(2)
-    ]
+    per_batch = [{(t, b): float(rng.randint(1, 6)) for t in plan.fire_order for b in range(12)} for _ in range(2)]
     ranks = [Rank(plan, lambda t, b, d=d: d[(t, b)]) for d in per_batch]
     truth = simulate_ranks(ranks, 12, model="barrier")
     # rank 1's clock is the same clock (one machine): its records line up with rank 0's

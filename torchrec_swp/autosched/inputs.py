@@ -3,7 +3,8 @@
 ``from_profiles(profiles)`` checks that the profiles belong together - one per rank of one world,
 ranks 0 .. n-1, each of the same plan, each with its measured iterations (format 2) - and
 returns the ``sim.Calibration`` of every rank (its thread CPU times, collectives taken from the
-last rank's arrival on, the calling thread's overhead per step) and the ``Machine``: which rank
+last rank's arrival on, the calling thread's overhead per step, each run's CPU work taken back to
+what it costs warm: ``DEFAULT_COLD``) and the ``Machine``: which rank
 runs where (by host name), each machine's cores, the wake-up latency and the GIL share given.
 
 A rank whose profile is missing is a ProfileError naming the ranks missing, unless
@@ -18,11 +19,19 @@ from dataclasses import dataclass
 
 from torchrec_swp.autosched.overlap import Machine
 from torchrec_swp.profiler.profile import Profile, ProfileError
-from torchrec_swp.sim import Calibration, SimError, calibrate
+from torchrec_swp.sim import Calibration, Cold, SimError, calibrate
 
 #: A blocked thread's wake-up latency on the 2-core machines this project is measured on
 #: (``benchmarks/sim_vs_real.py``: the io plans without lookahead, 1 rank). Seconds.
 DEFAULT_WAKE_S = 0.5e-3
+#: A thread's CPU work after a stretch off the CPU costs more (``sim.cold``) on the 2-core machines
+#: this project is measured on: 2 ms off the CPU make a thread cold, its first work then runs 1.45
+#: times slower, the extra decaying by e every 3 ms of work (a burst pays at most 1.35 ms more).
+#: Fitted by ``benchmarks/cold_fit.py`` to two full ``sim_vs_real`` recordings (1 rank: each
+#: task's CPU time on a training thread that sleeps every step against two parallel loads, where it
+#: never does): extra 0.45 in both, span 3.25 and 2.75 ms; the rule explains 79% of the squared
+#: difference. None: not modelled.
+DEFAULT_COLD = Cold(after=2e-3, extra=0.45, span=3e-3)
 #: The share of a task's CPU work that holds its process's GIL: all of it. TorchRec's tasks are
 #: Python between short kernels (the copy, the input dist's KJT work), and on this machine a
 #: second Python thread doing them never ran beside the training thread's (``benchmarks/overlap.py``:
@@ -49,9 +58,11 @@ def from_profiles(
     gil: float | None = None,
     cores: int | None = None,
     fill_missing: bool = False,
+    cold: Cold | None = DEFAULT_COLD,
 ) -> Inputs:
     """Every rank's costs and the machines (module docstring). ``cores``: cores per machine when
-    the profiles do not say. Raises ProfileError for profiles that do not belong together."""
+    the profiles do not say; ``cold``: the cold-thread rule the costs are taken back to warm ones
+    with (and simulate with). Raises ProfileError for profiles that do not belong together."""
     if not profiles:
         raise ProfileError("no profile given")
     world = {p.where.world_size for p in profiles}
@@ -101,7 +112,12 @@ def from_profiles(
         notes.append("no progress() timings in a profile: its unattributed time per iteration stands for the overhead")
     try:
         cal = calibrate(
-            ordered[0].plan, [p.records for p in ordered], cores=machine_cores, overhead=overhead, overhead_off=waiting
+            ordered[0].plan,
+            [p.records for p in ordered],
+            cores=machine_cores,
+            overhead=overhead,
+            overhead_off=waiting,
+            cold=cold,
         )
     except SimError as e:
         raise ProfileError(str(e)) from None

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE_S
+from torchrec_swp.autosched.inputs import DEFAULT_COLD, DEFAULT_GIL, DEFAULT_WAKE_S
+from torchrec_swp.sim import Cold
 
 LOG = logging.getLogger("torchrec_swp.autotune")
 
@@ -74,7 +75,9 @@ class Autotune:
     ``max_in_flight``, ``lookahead`` and ``loads``: the search's limits and choices (loads only
     where the data splits its draws, ``torchrec_swp.data.MapSource``). ``wake_s``: a blocked
     thread's wake-up latency on this machine; ``gil``: the share of CPU work holding the GIL
-    (default: all of it, ``autosched.inputs.DEFAULT_GIL``; None: not modelled).
+    (default: all of it, ``autosched.inputs.DEFAULT_GIL``; None: not modelled); ``cold``: how much
+    more a thread computes after a stretch off the CPU (``sim.Cold``; default: this project's 2-core
+    machines, ``autosched.inputs.DEFAULT_COLD``; None: not modelled).
 
     ``report``: where the tuner's lines go, on rank 0 only (the other ranks are quiet; every
     rank's ``autotune_decision`` holds the same decision). The default (``PRINTED``) prints each
@@ -95,6 +98,7 @@ class Autotune:
     loads: tuple[int, ...] = (1, 2, 3)
     wake_s: float = DEFAULT_WAKE_S
     gil: float | None = DEFAULT_GIL
+    cold: Cold | None = DEFAULT_COLD
     report: Callable[[str], None] | None = PRINTED
     candidates: int = 3
     trial_steps: int = 6
@@ -137,6 +141,8 @@ class Autotune:
         cap = self.memory_cap_bytes
         if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
             raise ValueError(f"Autotune: memory_cap_bytes must be a number > 0 or None, got {self.memory_cap_bytes!r}")
+        if self.cold is not None and not isinstance(self.cold, Cold):
+            raise ValueError(f"Autotune: cold must be a torchrec_swp.sim.Cold or None, got {self.cold!r}")
         if self.report is not None and not callable(self.report):
             raise ValueError(f"Autotune: report must be a callable taking a line, or None (quiet), got {self.report!r}")
 

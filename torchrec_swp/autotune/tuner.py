@@ -362,7 +362,7 @@ class Tuner:
             ), []
         try:
             profiles = [Profile.from_json(g["profile"]) for g in gathered]
-            inputs = from_profiles(profiles, wake=o.wake_s, gil=o.gil)
+            inputs = from_profiles(profiles, wake=o.wake_s, gil=o.gil, cold=o.cold)
             profiled = profiles[0].plan
             loads = o.loads if profiled.source in DRAW_TASKS and inputs.split_draws else (1,)
             space = Space(

@@ -13,6 +13,7 @@ durations. The test oracle (no deadlock, no race) and the auto-scheduler's cost 
 
 from torchrec_swp.sim.calibrate import Calibration, RankCosts, calibrate
 from torchrec_swp.sim.checks import check_happens_before, find_races
+from torchrec_swp.sim.cold import Cold
 from torchrec_swp.sim.device import Submission, replay_streams
 from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import Blocked, Race, SimDeadlock, SimError, SimRace
@@ -24,6 +25,7 @@ from torchrec_swp.sim.simulator import simulate, simulate_programs, validate_pro
 __all__ = [
     "Blocked",
     "Calibration",
+    "Cold",
     "Durations",
     "Interval",
     "IterationSpan",

@@ -23,6 +23,13 @@ rank:
   ``min(1, cores / runnable)`` over it, so that ``simulate_ranks(..., cores=cores)`` stretches it
   back by as much.
 
+With a ``cold`` rule (``torchrec_swp.sim.cold``), every run's CPU work is then taken back to its
+warm work: each thread's runs in time order (a run's CPU part from ``start + off`` to ``start +
+d``, the simulator's order: off-CPU part, CPU part, rendezvous), a run starting its CPU part
+``cold.after`` or more after the thread's previous one ended is cold, and ``Cold.work``
+inverts what it cost from its position. The ranks then simulate with the same rule
+(``RankCosts.cold``), which charges each run what its position in the simulated plan costs.
+
 Tasks that do not run in the steady state (``when`` first, fill, last) cost the median of
 their recorded runs (0 if none ran).
 
@@ -52,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.sim.cold import Cold, Warmth
 from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import SimError
 from torchrec_swp.sim.multirank import Rank
@@ -81,7 +89,8 @@ class RankCosts:
     """One rank's calibrated costs: per measured iteration (numbers in ``iterations``),
     ``(cpu, off)`` seconds per task; ``once``: the tasks that do not run in the steady state,
     with their cost; ``overhead``: the per-iteration overhead to simulate on the calling thread (CPU
-    work), ``overhead_off`` its part off the CPU (the caller waiting between steps)."""
+    work), ``overhead_off`` its part off the CPU (the caller waiting between steps); ``cold``:
+    the rule the CPU work was calibrated with (it is warm work: simulate with the same)."""
 
     plan: PipelinePlan
     iterations: tuple[int, ...]
@@ -89,6 +98,7 @@ class RankCosts:
     once: Mapping[str, float]
     overhead: float = 0.0
     overhead_off: float = 0.0
+    cold: Cold | None = None
 
     def medians(self) -> tuple[dict[str, float], dict[str, float]]:
         """``(cpu, off)``: the median of each part of every task."""
@@ -146,8 +156,8 @@ class RankCosts:
         gil: float | None = None,
     ) -> Rank:
         """This rank for ``simulate_ranks``: its plan (or another ``plan`` with the same tasks,
-        e.g. one the auto-scheduler proposes) with the calibrated costs (and the engine model's
-        ``wake``, ``split_draws`` and ``gil``, see ``sim.Rank``)."""
+        e.g. one the auto-scheduler proposes) with the calibrated costs and their ``cold`` rule (and
+        the engine model's ``wake``, ``split_draws`` and ``gil``, see ``sim.Rank``)."""
         cpu, off = self.durations(mode, seed)
         return Rank(
             plan or self.plan,
@@ -159,6 +169,7 @@ class RankCosts:
             wake=wake,
             split_draws=split_draws,
             gil=gil,
+            cold=self.cold,
         )
 
 
@@ -208,11 +219,12 @@ def calibrate(
     background: float = 0.0,
     overhead: Sequence[float] | None = None,
     overhead_off: Sequence[float] | None = None,
+    cold: Cold | None = None,
 ) -> Calibration:
     """Each rank's costs from its recorded iterations (module docstring). ``plans``: the plan
     that ran, the same on every rank, or one per rank; ``records[r]``: rank ``r``'s iterations;
     ``overhead[r]``: the per-iteration overhead of rank ``r`` (CPU; default 0), ``overhead_off[r]``
-    its part off the CPU (default 0).
+    its part off the CPU (default 0); ``cold``: take each run's CPU back to its warm work.
 
     Raises SimError when no iteration is complete on every rank after the warm-up.
     """
@@ -237,9 +249,7 @@ def calibrate(
             for x in r.runs:
                 if x.task not in steady:
                     seen.setdefault(x.task, []).append(x.end - x.start)
-        once.append(
-            {t: statistics.median(seen[t]) if t in seen else 0.0 for t in plan.fire_order if t not in steady}
-        )
+        once.append({t: statistics.median(seen[t]) if t in seen else 0.0 for t in plan.fire_order if t not in steady})
     common = sorted(set.intersection(*(set(c) for c in complete)))
     if not common:
         raise SimError(
@@ -265,6 +275,9 @@ def calibrate(
                     row[task] = (run.start, d, min(d, off_table.get(task, 0.0)), None)
             parts[r].append(row)
     work = _deflated(parts, cores, background)
+    if cold is not None:
+        for r, recs in enumerate(records):
+            _warm(recs, {it: k for k, it in enumerate(common)}, parts[r], work[r], cold, off_table)
     costs = tuple(
         RankCosts(
             plan=plan_list[r],
@@ -275,6 +288,7 @@ def calibrate(
             once=once[r],
             overhead=0.0 if overhead is None else float(overhead[r]),
             overhead_off=0.0 if overhead_off is None else float(overhead_off[r]),
+            cold=cold,
         )
         for r in range(n_ranks)
     )
@@ -321,3 +335,40 @@ def _deflated(
         cpu = parts[r][k][t][3]
         out[r][k][t] = cpu if cpu is not None else share[index[b]] - share[index[a]] if b > a else 0.0
     return out
+
+
+def _warm(
+    records: Iterable[IterationLike],
+    index: Mapping[int, int],
+    parts: list[dict[str, tuple[float, float, float, float | None]]],
+    work: list[dict[str, float]],
+    cold: Cold,
+    off_table: Mapping[str, float],
+) -> None:
+    """Take one rank's CPU work (``work[k][task]`` of common iteration ``k``, in place) back to
+    its warm work: each thread's CPU parts in time order under ``cold`` (module docstring). Every
+    recorded run counts for where its thread stands, the runs of iterations not calibrated (the
+    warm-up, incomplete ones) with their CPU part at their end."""
+    by_thread: dict[str, list[tuple[float, float, float, tuple[int, str] | None]]] = {}
+    for rec in records:
+        k = index.get(rec.iteration)
+        for x in rec.runs:
+            if k is not None and x.task in parts[k]:
+                start, d, off, _ = parts[k][x.task]
+                span = (start + off, start + d, work[k][x.task], (k, x.task))
+            else:
+                wall = max(0.0, x.end - x.start)
+                cpu = getattr(x, "cpu", None)
+                cost = (
+                    min(wall, max(0.0, float(cpu))) if cpu is not None else max(0.0, wall - off_table.get(x.task, 0.0))
+                )
+                span = (x.end - cost, x.end, cost, None)
+            by_thread.setdefault(x.thread, []).append(span)
+    for spans in by_thread.values():
+        warmth = Warmth()
+        for begin, end, cost, slot in sorted(spans, key=lambda x: x[:2]):
+            if cost > 0:
+                warm = warmth.work(cold, begin, cost)
+                warmth.ended(end)
+                if slot is not None:
+                    work[slot[0]][slot[1]] = warm

@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, Run
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
+from torchrec_swp.sim.cold import Cold, Warmth
 from torchrec_swp.sim.cores import fair_rates
 from torchrec_swp.sim.durations import Durations, cpu_time, optional_time
 from torchrec_swp.sim.engine_model import MOVES, Await, Call, Done, EngineModel, Gate, Move
@@ -77,7 +78,8 @@ class Rank:
     For the engine model: ``wake``, the latency of a thread woken by another (off the CPU);
     ``split_draws``, whether the data splits a draw in claim and fetch (parallel loads overlap
     their fetches); ``gil``, the share of CPU work that holds the process's GIL (None: not
-    modelled)."""
+    modelled). ``cold``: a thread's CPU work after a long stretch off the CPU costs more
+    (``torchrec_swp.sim.cold``; None: not modelled)."""
 
     plan: PipelinePlan | CompiledPlan
     durations: Durations
@@ -89,6 +91,7 @@ class Rank:
     wake: float = 0.0
     split_draws: bool = False
     gil: float | None = None
+    cold: Cold | None = None
 
     def compiled(self) -> CompiledPlan:
         match self.plan:
@@ -241,6 +244,8 @@ def simulate_rank_programs(
         g = rank.gil
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1):
             raise SimError(f"gil of rank {k} must be None or a number in (0, 1], got {g!r}")
+        if rank.cold is not None and not isinstance(rank.cold, Cold):
+            raise SimError(f"cold of rank {k} must be None or a sim.Cold, got {rank.cold!r}")
         if model == "engine":
             states.append(_EngineRankState(k, rank, plan, phases))
         else:
@@ -271,10 +276,12 @@ class _Lane(ReplayLane):
     """A thread of a rank (see ``simulator.ReplayLane``) and the job it is running, if any. Its
     ``todo`` entries may hold ``None``: the per-iteration overhead (and, with the engine model,
     the engine's moves). ``stalled``: its next instruction had to wait for another lane (it
-    resumes after the rank's wake-up latency)."""
+    resumes after the rank's wake-up latency). ``warmth``: where it stands under the rank's
+    ``cold`` rule."""
 
     job: _Job | None = None
     stalled: bool = False
+    warmth: Warmth = field(default_factory=Warmth)
 
 
 @dataclass(slots=True, eq=False)
@@ -557,11 +564,16 @@ class _Multi:
     def _end_phase(self, job: _Job) -> None:
         now = self.now
         if job.phase == "off":
+            cold = job.rank.spec.cold
+            if cold is not None and job.instr is not None and job.cpu > 0:  # a run's CPU part
+                job.cpu = job.rank.lanes[job.thread].warmth.charge(cold, now, job.cpu)
             job.phase, job.left, job.anchor, job.rate, job.cpu_start = "cpu", job.cpu, now, 1.0, now
             if job.cpu > 0:
                 return
         if job.phase == "cpu":
             job.rank.contention += max(0.0, (now - job.cpu_start) - job.cpu)
+            if job.rank.spec.cold is not None and job.instr is not None and job.cpu > 0:
+                job.rank.lanes[job.thread].warmth.ended(now)
             if job.meet is None:
                 self._finish(job)
                 return

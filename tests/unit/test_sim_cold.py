@@ -1,0 +1,159 @@
+"""A cold thread computes slower (``torchrec_swp.sim.cold``): the rule, the simulator charging it,
+the calibration taking measured costs back to warm ones, and a prediction for another plan on a
+synthetic profile where the effect is known.
+
+The synthetic profile: the default plan loads on the calling thread (4 off the CPU, then 0.5 of
+CPU) and trains (3 of CPU) after it, so every step the training thread wakes cold; with two
+parallel loads on their own threads the training thread works back to back and stays warm. A
+profile of the first plan shows Train costing ``cost(0.5, 3)``; the second plan trains at 3.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from tests.unit.test_sim_ranks import Iteration, Run_
+from torchrec_swp.catalog.torchrec import sparse_dist_plan
+from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
+from torchrec_swp.sim import Cold, Rank, SimError, SimResult, calibrate, simulate_ranks
+from torchrec_swp.sim.cold import Warmth
+
+S = TaskSchedule
+COLD = Cold(after=1.0, extra=0.5, span=2.0)
+
+
+def load_then_train(**changes: object) -> PipelinePlan:
+    """Load (the source, stage 0) feeds Train (stage 1), both on the calling thread."""
+    args: dict[str, object] = dict(
+        schedule={"Load": S(0), "Train": S(1)},
+        tasks=[PipelineTask("Load", writes=("batch",)), PipelineTask("Train", reads=("batch",))],
+        source="Load",
+        name="load_then_train",
+    )
+    args.update(changes)
+    return PipelinePlan(**args)  # type: ignore[arg-type]
+
+
+def profile_of(result: SimResult, off: Callable[[str, int], float]) -> list[Iteration]:
+    """What a TaskProfiler records of a simulated rank with enough cores: the runs the engine
+    admits, each with its wall time and its thread CPU time (the wall time less its off-CPU part)."""
+    plan, n = result.plan, result.num_batches
+    by_iteration: dict[int, list[Run_]] = {}
+    for i in result.timeline:
+        if i.lane.startswith("cpu:") and plan.task(i.task).when.admits(i.batch, n, i.iteration, plan.max_stage):
+            cpu = i.end - i.start - off(i.task, i.batch)
+            run = Run_(i.task, i.batch, i.lane.removeprefix("cpu:"), i.start, i.end, cpu)
+            by_iteration.setdefault(i.iteration, []).append(run)
+    return [
+        Iteration(p, min(r.start for r in rs), max(r.end for r in rs), tuple(rs))
+        for p, rs in sorted(by_iteration.items())
+    ]
+
+
+# ------------------------------------------------------------------------- the rule
+def test_cold_work_costs_more_first_and_the_extra_decays() -> None:
+    assert COLD.cost(math.inf, 3.0) == 3.0  # warm
+    assert Cold(1.0, 0.0, 2.0).cost(0.0, 3.0) == 3.0
+    # the first instant runs 1 + extra times slower
+    assert COLD.cost(0.0, 1e-6) == pytest.approx(1.5e-6)
+    # a whole burst pays extra * span at most
+    assert COLD.cost(0.0, 1e3) - 1e3 == pytest.approx(0.5 * 2.0)
+    # closed form and additivity: work split in two parts costs what it costs in one
+    assert COLD.cost(0.5, 3.0) == pytest.approx(3.0 + 0.5 * 2.0 * (math.exp(-0.25) - math.exp(-1.75)))
+    assert COLD.cost(0.0, 1.0) + COLD.cost(1.0, 2.0) == pytest.approx(COLD.cost(0.0, 3.0))
+
+
+@pytest.mark.parametrize("position", [0.0, 0.3, 2.0, 7.0, math.inf])
+def test_work_inverts_cost(position: float) -> None:
+    for work in (0.0, 1e-4, 0.2, 1.0, 3.0, 20.0):
+        assert COLD.work(position, COLD.cost(position, work)) == pytest.approx(work, abs=1e-9)
+
+
+def test_a_thread_is_cold_after_a_long_stretch_off_the_cpu() -> None:
+    w = Warmth()
+    assert w.charge(COLD, 0.0, 1.0) == 1.0  # never ran: warm
+    w.ended(1.0)
+    assert w.charge(COLD, 1.5, 1.0) == 1.0  # 0.5 off the CPU: still warm
+    w.ended(2.5)
+    assert w.charge(COLD, 3.5, 1.0) == pytest.approx(COLD.cost(0.0, 1.0))  # 1.0 off: cold
+    w.ended(4.5 + 0.2)
+    assert w.charge(COLD, 4.8, 1.0) == pytest.approx(COLD.cost(1.0, 1.0))  # warming up
+
+
+def test_bad_rules() -> None:
+    for bad in (dict(after=-1.0), dict(extra=math.nan), dict(span=math.inf), dict(after=True)):
+        with pytest.raises(ValueError, match="Cold"):
+            Cold(**{"after": 1.0, "extra": 0.5, "span": 2.0, **bad})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="span"):
+        Cold(1.0, 0.5, 0.0)
+    with pytest.raises(SimError, match="cold"):
+        simulate_ranks([Rank(load_then_train(), {"Load": 1, "Train": 1}, cold=0.5)], 4)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------- the simulator
+def test_the_simulator_charges_a_cold_thread() -> None:
+    # Load sleeps 4 then computes 0.5; Train computes 3 right after it on the same thread. From
+    # the second step on, Load's CPU part starts 4 after Train's ended: cold at position 0;
+    # Train goes on from position 0.5.
+    warm = {"Load": 0.5, "Train": 3.0}
+    r = simulate_ranks([Rank(load_then_train(), warm, off_cpu={"Load": 4.0}, cold=COLD)], 12)
+    step = 4.0 + COLD.cost(0.0, 0.5) + COLD.cost(0.5, 3.0)
+    assert r.step_period == pytest.approx(step)
+    assert step > 7.5
+    # off the CPU for less than ``after``: nothing changes
+    short = simulate_ranks([Rank(load_then_train(), warm, off_cpu={"Load": 0.9}, cold=COLD)], 12)
+    assert short.step_period == pytest.approx(0.9 + 3.5)
+
+
+def test_a_thread_working_back_to_back_stays_warm() -> None:
+    plan = load_then_train(schedule={"Load": S(0, thread_group="load"), "Train": S(1)}, loads=2, lookahead=2)
+    warm = {"Load": 0.5, "Train": 3.0}
+    r = simulate_ranks([Rank(plan, warm, off_cpu={"Load": 4.0}, split_draws=True, cold=COLD)], 20)
+    assert r.step_period == pytest.approx(3.0)  # Train binds, back to back
+
+
+# ------------------------------------------------------------------- the calibration
+def test_calibration_takes_cold_costs_back_to_warm_and_predicts_the_plan_that_stays_warm() -> None:
+    default = load_then_train()
+    warm, off = {"Load": 0.5, "Train": 3.0}, {"Load": 4.0}
+    truth = simulate_ranks([Rank(default, warm, off_cpu=off, cold=COLD)], 16)
+    profile = [profile_of(truth.ranks[0], lambda t, b: off.get(t, 0.0))]
+
+    cal = calibrate(default, profile, warmup=2, cold=COLD)
+    cpu, off_cpu = cal.ranks[0].medians()
+    assert cpu == pytest.approx(warm)
+    assert off_cpu == pytest.approx({"Load": 4.0, "Train": 0.0})
+    # the profiled plan replays as it ran
+    again = simulate_ranks(cal.simulation_ranks("median"), 16)
+    assert again.step_period == pytest.approx(truth.step_period)
+
+    # the plan with two loads: the training thread stays warm
+    loads = load_then_train(schedule={"Load": S(0, thread_group="load"), "Train": S(1)}, loads=2, lookahead=2)
+    real = simulate_ranks([Rank(loads, warm, off_cpu=off, split_draws=True, cold=COLD)], 20).step_period
+    predicted = simulate_ranks(cal.simulation_ranks("mean", plans=[loads], split_draws=True), 20).step_period
+    assert predicted == pytest.approx(real) == pytest.approx(3.0)
+    # without the rule, the profile's cold Train is taken for what Train costs
+    blind = calibrate(default, profile, warmup=2)
+    assert blind.ranks[0].medians()[0]["Train"] == pytest.approx(COLD.cost(0.5, 3.0))
+    unaware = simulate_ranks(blind.simulation_ranks("mean", plans=[loads], split_draws=True), 20).step_period
+    assert unaware == pytest.approx(COLD.cost(0.5, 3.0))  # 20% too long
+
+
+@pytest.mark.parametrize("thread_map", ["main", "io", "per_task"])
+def test_calibrating_a_cold_simulated_run_and_replaying_it_gives_it_back(thread_map: str) -> None:
+    plan = sparse_dist_plan().with_thread_map(thread_map)  # type: ignore[arg-type]
+    rng = random.Random(11)
+    costs = {(t, b): float(rng.randint(1, 6)) for t in plan.fire_order for b in range(14)}
+    sleeps = {(t, b): float(rng.choice([0, 0, 2])) for t in plan.fire_order for b in range(14)}
+    truth = simulate_ranks([Rank(plan, lambda t, b: costs[(t, b)], off_cpu=lambda t, b: sleeps[(t, b)], cold=COLD)], 14)
+    cal = calibrate(plan, [profile_of(truth.ranks[0], lambda t, b: sleeps[(t, b)])], cold=COLD)
+    # every steady run's warm cost comes back
+    stage = {t: s.stage for t, s in plan.schedule.items()}
+    for p, sample in zip(cal.ranks[0].iterations, cal.ranks[0].samples, strict=True):
+        for t, (cpu, off) in sample.items():
+            assert cpu == pytest.approx(costs[(t, p - stage[t])])
+            assert off == pytest.approx(sleeps[(t, p - stage[t])])
