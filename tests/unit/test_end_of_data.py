@@ -67,7 +67,7 @@ def in_state(state: EndState) -> Batches:
     batches.found_end(M, stop=state is EndState.STOPPED)
     if state is EndState.DRAINED:
         for d in range(M):
-            batches.retire(d, None, 0, 0, ())
+            batches.retire(d, None, 0, frozenset(), 0, ())
     assert batches.end.state is state
     return batches
 
@@ -146,7 +146,7 @@ def test_draining_becomes_drained_when_the_last_batch_is_returned() -> None:
     batches = in_state(EndState.DRAINING)
     for d in range(M):
         assert batches.end.state is EndState.DRAINING and not batches.end.ended()
-        batches.retire(d, None, 0, 0, ())
+        batches.retire(d, None, 0, frozenset(), 0, ())
     assert batches.end.state is EndState.DRAINED and batches.end.ended()
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import pytest
@@ -620,3 +622,51 @@ def test_one_thread_plans_enter_each_task_stream_on_a_device_with_streams() -> N
     assert engine.compiled.program(1, None).flat
     assert engine.run_to_end() == [0, 2, 4]
     assert streams.log == [("enter", "postproc")] * 3  # Post, once per batch; Load stays on the default stream
+
+
+class _Value:
+    """A value a task writes, to watch when the engine lets it go."""
+
+    def __init__(self, name: str, b: int) -> None:
+        self.name, self.b = name, b
+
+
+@pytest.mark.parametrize("thread_map", ["main", {"Load": "io"}, "per_task"], ids=str)
+def test_a_batch_that_leaves_keeps_only_what_a_later_batch_reads(thread_map: Any) -> None:
+    """Where a task reads a value of the batch before (``x@1``), the batch that leaves keeps that
+    value until the next one leaves, and nothing else: its other values (here ``big``, as a
+    PEC batch's losses, batch and gradients) go when it leaves, as upstream drops them."""
+    plan = PipelinePlan(
+        schedule={"Load": S(0), "Pair": S(1), "Top": S(2)},
+        tasks=[
+            PipelineTask("Load", writes=("x",)),
+            PipelineTask("Pair", reads=("x", "x@1"), writes=("pair",)),
+            PipelineTask("Top", reads=("pair",), writes=("big", "out")),
+        ],
+        source="Load",
+        output="out",
+        name="previous",
+    ).with_thread_map(thread_map)
+    made: dict[tuple[str, int], weakref.ref] = {}
+
+    def value(name: str, b: int) -> _Value:
+        v = _Value(name, b)
+        made[(name, b)] = weakref.ref(v)
+        return v
+
+    data = iter(range(8))
+    bindings = {
+        "Load": lambda b, data: (next(data), value("x", b))[1],
+        "Pair": lambda b, x, prev_x: value("pair", b),
+        "Top": lambda b, pair: (value("big", b), b),
+    }
+    engine = Engine(plan, bindings, timeout_s=10)
+    try:
+        for d in range(5):
+            assert engine.step(data) == d
+            gc.collect()
+            assert made[("big", d)]() is None and made[("pair", d)]() is None, d
+            assert made[("x", d)]() is not None, d  # batch d + 1's Pair read it (kept: a later read)
+            assert d == 0 or made[("x", d - 1)]() is None, d
+    finally:
+        engine.close()

@@ -129,16 +129,30 @@ class Batches:
         """``step()`` raised StopIteration for the end of the data."""
         self.end.report()
 
-    def retire(self, d: int, output: str | None, keep_slots: int, keep_events: int, recorded: tuple[str, ...]) -> Any:
-        """Batch ``d`` leaves: its ``output`` value; its slot and ``recorded`` tasks' events go once
-        no later batch reads them (``keep_slots`` / ``keep_events`` batches back)."""
+    def retire(
+        self,
+        d: int,
+        output: str | None,
+        keep_slots: int,
+        kept: frozenset[str],
+        keep_events: int,
+        recorded: tuple[str, ...],
+    ) -> Any:
+        """Batch ``d`` leaves: its ``output`` value; of its slot, the values a later batch reads
+        (``kept``) stay until ``keep_slots`` batches later, the others go now (as upstream drops a
+        batch's losses and gradients when its step ends); ``recorded`` tasks' events go once no
+        later batch waits for them (``keep_events`` batches back)."""
         book = self.book
         slots = book.slots
         value = slots[d].get(output) if output is not None else None
+        slot = slots.get(d)
         book.returned = d + 1
         book.in_flight.discard(d)
         book.numbers.pop(d, None)
         self.ledger.trained += 1
+        if keep_slots and slot:
+            for name in [n for n in slot if n not in kept]:
+                del slot[name]
         slots.pop(d - keep_slots, None)
         events = book.events
         if events:  # batches leave one by one, in order: each pop removes what every earlier one left

@@ -384,7 +384,7 @@ class Engine(Interpreter):
             board.lock.acquire()
         try:
             output = self.batches.retire(
-                d, installed.current.output, shape.keep_slots, shape.keep_events, installed.recorded
+                d, installed.current.output, shape.keep_slots, shape.kept, shape.keep_events, installed.recorded
             )
             if installed.latched:  # (no latch on one thread, unless a plan on threads ran before)
                 board.forget_latches(installed.latched, d)

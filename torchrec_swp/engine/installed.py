@@ -45,7 +45,8 @@ class PlanShape:
 
     Stages: ``top`` (the highest), ``lanes`` (the source's loads), ``lookahead``, ``source``, each
     task's ``stage``; ``keep_slots`` / ``keep_events``: how many batches back values and events
-    are read (kept that long; a switch keeps at least the running plan's). Threads: ``walkers``,
+    are read (kept that long; a switch keeps at least the running plan's), ``kept``: the values
+    read back so (a batch that leaves keeps only those). Threads: ``walkers``,
     one per thread of any installed program, the calling thread's (``main``) first, one per lane
     for the source's thread; ``tasked``: those whose threads have tasks; ``threaded``: threads
     other than the caller's walk (the book is shared, waits take the board's lock)."""
@@ -56,6 +57,7 @@ class PlanShape:
     source: str | None
     stage: Mapping[str, int]
     keep_slots: int
+    kept: frozenset[str]
     keep_events: int
     walkers: Mapping[str, Walker]
     main: Walker
@@ -73,7 +75,7 @@ class PlanShape:
         """``phased``'s shape, with a walker per thread of its ``installed`` programs (the source's
         thread as ``current``, the phase running now, maps it)."""
         plans = phased.plans
-        reads = [parse_read(r)[1] for p in plans for io in p.tasks.values() for r in io.reads]
+        reads = [parse_read(r) for p in plans for io in p.tasks.values() for r in io.reads]
         distances = [d.distance for p in plans for d in p.deps]
         lanes, lookahead, source = max(p.loads for p in plans), max(p.lookahead for p in plans), plans[0].source
         source_thread = current.task(source).thread_group if source else None
@@ -84,7 +86,8 @@ class PlanShape:
             lookahead=lookahead,
             source=source,
             stage={t: s.stage for p in plans for t, s in p.schedule.items()},
-            keep_slots=max([*reads, after.keep_slots if after else 0]),
+            keep_slots=max([*(k for _, k in reads), after.keep_slots if after else 0]),
+            kept=frozenset({name for name, k in reads if k} | (after.kept if after else set())),
             keep_events=max([*distances, after.keep_events if after else 0]),
             walkers=walkers,
             main=walkers[MAIN_THREAD],
