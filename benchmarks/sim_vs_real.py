@@ -114,6 +114,16 @@ def _runner(
     return runner, MapSource(latency_dataset(size, rank, total, latency_s))
 
 
+def rounds_of(args: argparse.Namespace, world_size: int) -> int:
+    """The rounds of blocks on ``world_size`` ranks: ``args.rounds``, one number for every world
+    size or one per entry of ``args.ranks``."""
+    if isinstance(args.rounds, int):
+        return args.rounds
+    if len(args.rounds) == 1:
+        return args.rounds[0]
+    return dict(zip(args.ranks, args.rounds, strict=True))[world_size]
+
+
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, list[ProfiledRun]]:
     rank_setup()
     from tqdm import tqdm
@@ -122,8 +132,9 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, lis
 
     host, cores = machine()
     retries = getattr(args, "retries", 0)
-    total = args.warmup + args.rounds * args.block * (1 + retries) + 8
-    steps = sum(len(configs_of(n)) for n in args.pipelines) * (args.warmup + args.rounds * args.block)
+    rounds = rounds_of(args, world_size)
+    total = args.warmup + rounds * args.block * (1 + retries) + 8
+    steps = sum(len(configs_of(n)) for n in args.pipelines) * (args.warmup + rounds * args.block)
     bar = tqdm(total=steps, disable=rank != 0, unit="step", mininterval=1.0, file=sys.stdout)
     out: dict[str, list[ProfiledRun]] = {}
     try:
@@ -152,7 +163,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, lis
                     runners,
                     data,
                     warmup=args.warmup,
-                    rounds=args.rounds,
+                    rounds=rounds,
                     block=args.block,
                     skip=args.skip,
                     where=where,
@@ -423,6 +434,13 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def _rounds_text(meta: dict[str, Any]) -> str:
+    rounds = meta["rounds"] if isinstance(meta["rounds"], list) else [meta["rounds"]]
+    if len(rounds) == 1:
+        return f"{rounds[0]} rounds"
+    return "rounds (" + ", ".join(f"{r} on {w} rank(s)" for w, r in zip(meta["ranks"], rounds, strict=True)) + ")"
+
+
 def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     def cell(r: dict[str, Any], key: str) -> str:
         if f"{key}_ms" not in r:
@@ -444,7 +462,7 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['date']}; `{meta['command']}`",
         (
             f"{meta['size']} DLRM, loader latency {meta['latency_ms']:g} ms, {meta['warmup']} warm-up steps, then "
-            f"{meta['rounds']} rounds of {meta['block']} consecutive steps per configuration ({meta['skip']} untimed); "
+            f"{_rounds_text(meta)} of {meta['block']} consecutive steps per configuration ({meta['skip']} untimed); "
             f"measured: rank 0's mean step (ms) ± the half-width of the {100 * CONFIDENCE:.0f}% t interval of the "
             "mean of its blocks; other load: the cores other programs used meanwhile (mean over the blocks, "
             "largest block); predictions: ms (error vs measured), misses over 10% in bold."
@@ -526,7 +544,12 @@ def main(argv: list[str] | None = None) -> None:
         "--quick", action="store_true", help="2 ranks only, 2 rounds of 40 steps, no compiled pipelines"
     )
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=None, help="(default: 2,1)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default: 3, --quick 2)")
+    parser.add_argument(
+        "--rounds",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="rounds of blocks, one number or one per --ranks entry (default: 3, --quick 2)",
+    )
     parser.add_argument("--block", type=int, default=None, help="consecutive steps per block (default: 60, --quick 40)")
     parser.add_argument("--skip", type=int, default=None, help="untimed steps per block (default: a third)")
     parser.add_argument("--warmup", type=int, default=None, help="dropped steps, interleaved (default: 20, --quick 10)")
@@ -550,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         "--from-raw", type=Path, metavar="FILE", help="analyse the profiles a run saved (OUT/sim_vs_real.raw.pkl)"
     )
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.rounds = args.rounds or [2 if args.quick else 3]
     args.block = args.block or (40 if args.quick else 60)
     args.skip = args.skip if args.skip is not None else args.block // 3
     args.warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
@@ -559,8 +582,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [p for p in args.pipelines if p not in INFO]
     if unknown:
         parser.error(f"unknown pipeline(s) {unknown}; choose among {', '.join(PIPELINES)}")
-    if args.block - args.skip < 4 or args.skip < 1 or args.warmup < 2 or args.latency_ms < 0 or args.rounds < 1:
+    if args.block - args.skip < 4 or args.skip < 1 or args.warmup < 2 or args.latency_ms < 0 or min(args.rounds) < 1:
         parser.error("--block - --skip >= 4, --skip >= 1, --warmup >= 2, --rounds >= 1, --latency-ms >= 0")
+    if len(args.rounds) not in (1, len(args.ranks)):
+        parser.error(f"--rounds takes one number or one per --ranks entry ({len(args.ranks)})")
     if len(args.size) != 1:
         parser.error("--size takes one size")
 
@@ -581,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
             pickle.dump({"runs": runs, "latency_ms": args.latency_ms, "options": options}, f)
     rows = [row for w, per_rank in runs.items() for row in analyse(per_rank, w)]
     meta = run_meta("sim_vs_real.py", argv, args, "latency_ms", *RECORDED)
-    meta.update(size=args.size[0])
+    meta.update(size=args.size[0], ranks=list(runs))
     write_report(args.out, "sim_vs_real", {"meta": meta, "summary": summary(rows), "rows": rows}, _markdown(rows, meta))
 
 

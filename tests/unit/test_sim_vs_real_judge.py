@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 import torchrec_swp
 from benchmarks.profiled import ProfiledRun, Usage, profile_blocks
-from benchmarks.sim_vs_real import measurement, summary, within_noise
+from benchmarks.sim_vs_real import main, measurement, rounds_of, summary, within_noise
 from torchrec_swp.autotune.trial import t_quantile
 
 
@@ -122,3 +123,14 @@ def test_usage_says_what_this_process_threads_did() -> None:
     assert got["wall_s"] >= 0.1
     if got["threads"]:  # Linux
         assert got["cpu_s"] > 0 and got["busy_s"] is not None
+
+
+def test_rounds_are_one_number_for_every_rank_count_or_one_per_rank_count() -> None:
+    per_rank = argparse.Namespace(ranks=[2, 1], rounds=[5, 3])
+    assert (rounds_of(per_rank, 2), rounds_of(per_rank, 1)) == (5, 3)
+    assert rounds_of(argparse.Namespace(ranks=[2, 1], rounds=[4]), 1) == 4
+    assert rounds_of(argparse.Namespace(ranks=[2], rounds=3), 2) == 3  # a recording from before the option
+    with pytest.raises(SystemExit):  # three numbers for two rank counts: refused before anything runs
+        main(["--ranks", "2,1", "--rounds", "5,3,2"])
+    with pytest.raises(SystemExit):
+        main(["--ranks", "2,1", "--rounds", "5,0"])
