@@ -32,13 +32,23 @@ from torchrec_swp.sim import simulate_ranks
 @dataclass
 class ProfiledRun:
     """One pipeline on one rank: the plan it ran (text), each timed step's period (s), every
-    step's loss, and one ``Profile.to_json()`` per block (records, call costs, where it ran)."""
+    step's loss, one ``Profile.to_json()`` per block (records, call costs, where it ran), what
+    the machine did during each block's timed steps (``usage``: ``Usage.since``) and during the
+    blocks run again because it was busy with other programs (``dropped``)."""
 
     label: str
     plan: str = ""
     periods: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     blocks: list[dict[str, Any]] = field(default_factory=list)
+    usage: list[dict[str, Any]] = field(default_factory=list)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+
+    def block_means(self) -> list[float]:
+        """Each block's mean step period (s), in the order the blocks ran."""
+        n = len(self.blocks)
+        per = len(self.periods) // n if n else 0
+        return [statistics.fmean(self.periods[k * per : (k + 1) * per]) for k in range(n)] if per else []
 
     @property
     def mean_step_s(self) -> float:
@@ -63,6 +73,67 @@ class ProfiledRun:
         return replace(first, records=tuple(r for p in profiles for r in p.records), steps=merged_steps)
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What the machine and this process's threads did up to a moment (Linux ``/proc``; empty
+    elsewhere): ``busy``, the machine's CPU seconds not idle (every core, every process), ``steal``,
+    the seconds the hypervisor ran something else; ``threads``: per thread id, its name and the
+    seconds it ran on a core and waited for one (``/proc/self/task/*/schedstat``)."""
+
+    wall: float
+    busy: float | None = None
+    steal: float | None = None
+    threads: dict[int, tuple[str, float, float]] = field(default_factory=dict)
+
+    @classmethod
+    def now(cls) -> Usage:
+        import os
+
+        wall = time.perf_counter()
+        busy = steal = None
+        try:
+            with open("/proc/stat") as f:
+                cpu = [int(x) for x in f.readline().split()[1:]]
+            tick = os.sysconf("SC_CLK_TCK")
+            busy = (sum(cpu) - cpu[3] - cpu[4]) / tick  # all but idle and iowait
+            steal = (cpu[7] if len(cpu) > 7 else 0) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+        threads: dict[int, tuple[str, float, float]] = {}
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        name = f.read().strip()
+                    with open(f"/proc/self/task/{tid}/schedstat") as f:
+                        run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+                except (OSError, ValueError):
+                    continue
+                threads[int(tid)] = (name, run_ns / 1e9, wait_ns / 1e9)
+        except OSError:
+            pass
+        return cls(wall, busy, steal, threads)
+
+    def since(self, before: Usage) -> dict[str, Any]:
+        """What happened from ``before`` to this moment: ``wall_s``, the machine's ``busy_s`` and
+        ``steal_s`` (None where unknown), this process's ``cpu_s`` (every thread) and ``threads``
+        (thread name -> [seconds on a core, seconds waiting for one], threads of one name added)."""
+        out: dict[str, Any] = {"wall_s": self.wall - before.wall, "busy_s": None, "steal_s": None}
+        if self.busy is not None and before.busy is not None:
+            out["busy_s"] = self.busy - before.busy
+        if self.steal is not None and before.steal is not None:
+            out["steal_s"] = self.steal - before.steal
+        threads: dict[str, list[float]] = {}
+        for tid, (name, run, wait) in self.threads.items():
+            _, run0, wait0 = before.threads.get(tid, (name, 0.0, 0.0))
+            got = threads.setdefault(name, [0.0, 0.0])
+            got[0] += run - run0
+            got[1] += wait - wait0
+        out["threads"] = threads
+        out["cpu_s"] = sum(r for r, _ in threads.values())
+        return out
+
+
 def profile_blocks(
     labels: Sequence[str],
     runners: Sequence[Any],
@@ -74,11 +145,17 @@ def profile_blocks(
     skip: int,
     where: Callable[[Any], dict[str, Any]],
     tick: Callable[[], None] | None = None,
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+    retries: int = 0,
 ) -> list[ProfiledRun]:
     """In a rank: ``warmup`` steps of every runner (``harness.dlrm.Runner`` of our pipelines)
     interleaved call by call, then ``rounds`` rounds of a block of ``block`` consecutive steps per
     runner (module docstring). ``where(runner)``: the profile's ``where`` fields (rank, machine,
-    what the data allows). Returns a ProfiledRun per runner."""
+    what the data allows). ``keep(usage)``: whether a block counts, from what the machine did
+    meanwhile (``Usage.since``; every rank must decide alike: the caller gathers them); a block
+    that does not is run again, up to ``retries`` times (its steps still train: ``losses`` has
+    them, ``ProfiledRun.dropped`` keeps their usage). Returns
+    a ProfiledRun per runner."""
     from torchrec_swp.profiler import TaskProfiler
 
     n = len(runners)
@@ -93,22 +170,33 @@ def profile_blocks(
         for k in range(n):
             i = (round_ + k) % n
             r, run = runners[i], out[i]
-            profiler = TaskProfiler(warmup=0)
-            last = None
-            for step in range(block):
-                if step == skip:
-                    r.pipeline.engine.instrument(profiler)
-                start = time.perf_counter()
-                if step > skip and last is not None:
-                    run.periods.append(start - last)
-                last = start
-                run.losses.append(float(r.finish(r.pipeline.progress(data[i]))[0]))
-                if tick is not None:
-                    tick()
-            r.pipeline.engine.instrument()
-            plan = r.pipeline.engine.plan
-            run.plan = plan.to_text()
-            run.blocks.append(profiler.profile(plan).with_where(**where(r)).to_json())
+            for attempt in range(retries + 1):
+                profiler = TaskProfiler(warmup=0)
+                last = None
+                before: Usage | None = None
+                periods: list[float] = []
+                for step in range(block):
+                    if step == skip:
+                        r.pipeline.engine.instrument(profiler)
+                        before = Usage.now()
+                    start = time.perf_counter()
+                    if step > skip and last is not None:
+                        periods.append(start - last)
+                    last = start
+                    run.losses.append(float(r.finish(r.pipeline.progress(data[i]))[0]))
+                    if tick is not None and attempt == 0:
+                        tick()
+                usage = Usage.now().since(before) if before is not None else {}
+                r.pipeline.engine.instrument()
+                if attempt < retries and keep is not None and not keep(usage):
+                    run.dropped.append(usage)
+                    continue
+                run.periods.extend(periods)
+                run.usage.append(usage)
+                plan = r.pipeline.engine.plan
+                run.plan = plan.to_text()
+                run.blocks.append(profiler.profile(plan).with_where(**where(r)).to_json())
+                break
     return out
 
 

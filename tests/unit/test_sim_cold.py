@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -157,3 +158,50 @@ def test_calibrating_a_cold_simulated_run_and_replaying_it_gives_it_back(thread_
         for t, (cpu, off) in sample.items():
             assert cpu == pytest.approx(costs[(t, p - stage[t])])
             assert off == pytest.approx(sleeps[(t, p - stage[t])])
+
+
+# ------------------------------------------------------- a collective's waits are no sleep
+def load_then_collective(collective: bool) -> PipelinePlan:
+    """``load_then_train`` with Train a collective (a comm group) or not."""
+    return load_then_train(schedule={"Load": S(0), "Train": S(1, comm_group="world" if collective else None)})
+
+
+def test_a_collectives_waits_do_not_make_its_thread_cold_a_sleep_before_it_does() -> None:
+    # Load sleeps 4 then computes 0.5 (cold: Train's CPU ended 4 before); Train waits 3 off the CPU
+    # then computes 3. As a collective, Train's 3 are waits between its own CPU work (its
+    # transfers): it goes on warming up from 0.5, where the run started. As a task that sleeps
+    # 3 first (not a collective), its thread is cold again.
+    warm, off = {"Load": 0.5, "Train": 3.0}, {"Load": 4.0, "Train": 3.0}
+    load = 4.0 + COLD.cost(0.0, 0.5)
+    collective = simulate_ranks([Rank(load_then_collective(True), warm, off_cpu=off, cold=COLD)], 12)
+    assert collective.step_period == pytest.approx(load + 3.0 + COLD.cost(0.5, 3.0))
+    sleeps = simulate_ranks([Rank(load_then_collective(False), warm, off_cpu=off, cold=COLD)], 12)
+    assert sleeps.step_period == pytest.approx(load + 3.0 + COLD.cost(0.0, 3.0))
+    # a collective that starts after a long stretch off the CPU is cold all the same
+    after_sleep = {"Load": 0.0, "Train": 3.0}
+    off_first = simulate_ranks([Rank(load_then_collective(True), after_sleep, off_cpu=off, cold=COLD)], 12)
+    assert off_first.step_period == pytest.approx(4.0 + 3.0 + COLD.cost(0.0, 3.0))
+
+
+def test_two_ranks_calibrated_with_their_collectives_waits_give_back_the_warm_costs() -> None:
+    # rank 1's Load sleeps 1 longer: rank 0 arrives at every rendezvous first and waits for it.
+    # Each rank's Train computed cost(0.5, 3) (asked where the run started, right after Load's
+    # CPU) between its waits; the calibration asks at the same moment and gives back 3.
+    plan = load_then_collective(True)
+    warm = {"Load": 0.5, "Train": 3.0}
+    off = [{"Load": 4.0, "Train": 3.0}, {"Load": 5.0, "Train": 3.0}]
+    truth = simulate_ranks([Rank(plan, warm, off_cpu=o, cold=COLD) for o in off], 16)
+    charged = {"Load": COLD.cost(0.0, 0.5), "Train": COLD.cost(0.5, 3.0)}
+    profiles = []
+    for r in truth.ranks:  # what a TaskProfiler records: each run's thread CPU time, waits not in it
+        profiles.append(
+            [
+                Iteration(it.iteration, it.start, it.end, tuple(replace(x, cpu=charged[x.task]) for x in it.runs))
+                for it in profile_of(r, lambda t, b: 0.0)
+            ]
+        )
+    cal = calibrate(plan, profiles, warmup=2, cold=COLD)
+    for got, o in zip(cal.ranks, off, strict=True):
+        assert got.medians() == (pytest.approx(warm), pytest.approx(o))
+    again = simulate_ranks(cal.simulation_ranks("median"), 16)
+    assert again.step_period == pytest.approx(truth.step_period)

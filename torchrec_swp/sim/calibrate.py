@@ -277,7 +277,8 @@ def calibrate(
     work = _deflated(parts, cores, background)
     if cold is not None:
         for r, recs in enumerate(records):
-            _warm(recs, {it: k for k, it in enumerate(common)}, parts[r], work[r], cold, off_table)
+            comm = frozenset(t for t in plan_list[r].fire_order if plan_list[r].task(t).comm_group is not None)
+            _warm(recs, {it: k for k, it in enumerate(common)}, parts[r], work[r], cold, off_table, comm)
     costs = tuple(
         RankCosts(
             plan=plan_list[r],
@@ -344,31 +345,37 @@ def _warm(
     work: list[dict[str, float]],
     cold: Cold,
     off_table: Mapping[str, float],
+    comm: frozenset[str] = frozenset(),
 ) -> None:
     """Take one rank's CPU work (``work[k][task]`` of common iteration ``k``, in place) back to
     its warm work: each thread's CPU parts in time order under ``cold`` (module docstring). Every
     recorded run counts for where its thread stands, the runs of iterations not calibrated (the
-    warm-up, incomplete ones) with their CPU part at their end."""
-    by_thread: dict[str, list[tuple[float, float, float, tuple[int, str] | None]]] = {}
+    warm-up, incomplete ones) with their CPU part at their end. A collective's (``comm``: the tasks
+    with a comm group) off-CPU part is no stretch off the CPU: whether it is cold is asked at its
+    start, as the simulator does."""
+    # per thread: (CPU part's begin, its end, its cost, the slot it calibrates, when the run asks
+    # whether its thread is cold)
+    by_thread: dict[str, list[tuple[float, float, float, tuple[int, str] | None, float]]] = {}
     for rec in records:
         k = index.get(rec.iteration)
         for x in rec.runs:
             if k is not None and x.task in parts[k]:
                 start, d, off, _ = parts[k][x.task]
-                span = (start + off, start + d, work[k][x.task], (k, x.task))
+                asked = start if x.task in comm else start + off
+                span = (start + off, start + d, work[k][x.task], (k, x.task), asked)
             else:
                 wall = max(0.0, x.end - x.start)
                 cpu = getattr(x, "cpu", None)
                 cost = (
                     min(wall, max(0.0, float(cpu))) if cpu is not None else max(0.0, wall - off_table.get(x.task, 0.0))
                 )
-                span = (x.end - cost, x.end, cost, None)
+                span = (x.end - cost, x.end, cost, None, x.start if x.task in comm else x.end - cost)
             by_thread.setdefault(x.thread, []).append(span)
     for spans in by_thread.values():
         warmth = Warmth()
-        for begin, end, cost, slot in sorted(spans, key=lambda x: x[:2]):
+        for _, end, cost, slot, asked in sorted(spans, key=lambda x: x[:2]):
             if cost > 0:
-                warm = warmth.work(cold, begin, cost)
+                warm = warmth.work(cold, asked, cost)
                 warmth.ended(end)
                 if slot is not None:
                     work[slot[0]][slot[1]] = warm

@@ -17,7 +17,12 @@ CPU before they compute, so the model follows that:
   take ``cost(p, u) = u + extra * span * (exp(-p / span) - exp(-(p + u) / span))`` CPU seconds:
   the first work after the wake runs ``1 + extra`` times slower, the slowdown decays by ``e``
   every ``span`` seconds of work, and a whole burst pays at most ``extra * span`` seconds more;
-* a thread that never waits that long stays warm (position infinite: work costs what it is).
+* a thread that never waits that long stays warm (position infinite: work costs what it is);
+* a **collective**'s off-CPU part (a task with a comm group: the waits for its transfers and the
+  other ranks between its own CPU work) is no stretch off the CPU before it: whether the run is
+  cold is asked where it starts. The simulator places that part first, but on gloo a task such
+  as Forward or Backward computes and waits in turns, each wait short; counting the whole of it
+  as one sleep would make every collective with 2 ms of waits cold, in every plan alike.
 
 The calibration (``sim.calibrate(..., cold=)``) walks each thread's measured runs in time
 order with the same rule and takes each run's measured CPU back to its warm work

@@ -566,7 +566,10 @@ class _Multi:
         if job.phase == "off":
             cold = job.rank.spec.cold
             if cold is not None and job.instr is not None and job.cpu > 0:  # a run's CPU part
-                job.cpu = job.rank.lanes[job.thread].warmth.charge(cold, now, job.cpu)
+                # a collective's off-CPU part is the waits between its own CPU work (its transfers),
+                # not a stretch off the CPU before it: the thread stands where the run started
+                begin = job.start if job.meet is not None else now
+                job.cpu = job.rank.lanes[job.thread].warmth.charge(cold, begin, job.cpu)
             job.phase, job.left, job.anchor, job.rate, job.cpu_start = "cpu", job.cpu, now, 1.0, now
             if job.cpu > 0:
                 return
