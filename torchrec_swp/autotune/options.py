@@ -63,8 +63,9 @@ class Autotune:
       cycle) or after ``trial_cycles`` cycles; the measured best is kept (``candidates`` 0:
       switch on the prediction alone);
     * ``verify`` steps later, the measured step is reported beside the prediction;
-    * then every ``drift_every`` steps the median step of the last ``verify`` is compared with the
-      one measured when the plan was chosen: beyond ``drift`` (a share) at two checks in a row,
+    * then every ``drift_every`` steps the mean step of the last ``verify`` (the time per batch:
+      parallel loads deliver in bursts, which a median misses) is compared with the one
+      measured when the plan was chosen: beyond ``drift`` (a share) at two checks in a row,
       the running plan is profiled, searched from and tried again, at most ``retunes`` times
       (``drift`` None: never). A re-tune costs a search (seconds on rank 0) and a trial.
 

@@ -23,8 +23,9 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
    against it; the prediction of the plan kept, made from its own profile, is the one reported;
 6. **verification**: after the run-ahead has settled, ``verify`` periods are measured and
    reported beside the prediction;
-7. **watching** (``drift``): every ``drift_every`` steps, the median of the last ``verify``
-   periods against the one measured when the plan was chosen; past ``drift`` at two checks in a
+7. **watching** (``drift``): every ``drift_every`` steps, the mean of the last ``verify``
+   periods (``step_of``: the time per batch; their median misses loads that deliver in bursts)
+   against the one measured when the plan was chosen; past ``drift`` at two checks in a
    row (``DRIFT_CHECKS``) every rank profiles the running plan again, searches and tries (a
    re-tune: at most ``retunes``).
 
@@ -54,7 +55,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -71,6 +72,14 @@ from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
 #: consecutive checks past ``Autotune.drift`` that make a drift (a tuning costs a search of seconds)
 DRIFT_CHECKS = 2
+
+
+def step_of(periods: Sequence[float]) -> float:
+    """The step that consecutive calls' ``periods`` say: their mean, the time per batch. Not
+    their median: a plan with parallel loads delivers in bursts (one call waits for the loads,
+    the next ``loads - 1`` find their batches ready), and the median of such calls is the short
+    one's, however slow the loads."""
+    return statistics.fmean(periods)
 
 
 class TunedEngine(Protocol):
@@ -192,7 +201,7 @@ class Tuner:
         self._trial_steps = 0
         self._retunes = 0
         self._drift_round = False
-        self._reference: float | None = None  # the median step the drift is measured against
+        self._reference: float | None = None  # the step the drift is measured against (step_of)
         self._window: deque[float] = deque(maxlen=options.verify)
         self._watch_from = 0
         self._drifting = 0  # consecutive checks past the drift
@@ -330,7 +339,7 @@ class Tuner:
 
     # ------------------------------------------------------------------ the decision
     def _decide(self) -> None:
-        measured = statistics.fmean(self._periods) if self._periods else None
+        measured = step_of(self._periods) if self._periods else None
         self._periods = []
         try:
             mine: dict[str, Any] | None = self._profile().to_json()
@@ -479,7 +488,7 @@ class Tuner:
     def _verified(self) -> None:
         assert self.decision is not None
         periods = self._periods[self._settle :]
-        self.decision = replace(self.decision, measured_s=statistics.fmean(periods))
+        self.decision = replace(self.decision, measured_s=step_of(periods))
         d = self.decision
         assert d.measured_s is not None and d.predicted_s is not None
         off = 100 * (d.predicted_s / d.measured_s - 1)
@@ -489,7 +498,7 @@ class Tuner:
             f"with the chosen plan (predicted {1e3 * d.predicted_s:.2f} ms, {abs(off):.0f}% {side})",
             headline=True,
         )
-        self._watch(statistics.median(periods))
+        self._watch(step_of(periods))
 
     # ------------------------------------------------------------------ the trial
     def _start_trial(self, proposal: Decision, candidates: list[Any]) -> None:
@@ -632,11 +641,11 @@ class Tuner:
         self._window.clear()
 
     def _check_drift(self) -> None:
-        """Every rank: rank 0 compares every rank's median step of the window with the reference
+        """Every rank: rank 0 compares every rank's step of the window (``step_of``) with the reference
         and tells every rank whether to tune again."""
         o = self.options
         assert o.drift is not None
-        gathered = gather_to_all(statistics.median(self._window))
+        gathered = gather_to_all(step_of(self._window))
         verdict = None
         if world()[0] == 0:
             now = statistics.fmean(gathered)
