@@ -144,8 +144,8 @@ class Batches:
         later batch waits for them (``keep_events`` batches back)."""
         book = self.book
         slots = book.slots
-        value = slots[d].get(output) if output is not None else None
-        slot = slots.get(d)
+        slot = slots[d] if output is not None else slots.get(d)
+        value = slot.get(output) if output is not None else None
         book.returned = d + 1
         book.in_flight.discard(d)
         book.numbers.pop(d, None)
