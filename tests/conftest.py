@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = Path(str(item.path))
         if path.is_relative_to(ROOT) and torchrec_free(path):
             item.add_marker(pytest.mark.torchrec_free)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """A default process group of one gloo rank in this process for a module's tests. One made
+    here is destroyed after them (a later module may need a process without one); a group of
+    another size already there skips them."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a default process group of another size exists in this process")
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,14 +1,12 @@
 """``harness.upstream_streams``: upstream's pipelines and our Maglev drop-ins run under a fresh
 stream checker, their CUDA branches on emulated streams.
 
-Needs a default process group of one gloo rank in this process (made here if there is none;
-a later test that wants another world size would have to run in its own process).
+Needs a default process group of one gloo rank in this process (``one_rank``, tests/conftest.py;
+a test that wants another world size runs in its own process).
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -16,22 +14,6 @@ import pytest
 pytest.importorskip("torchrec.distributed.train_pipeline.train_pipelines")
 
 from torchrec_swp.streamcheck import StreamChecker, active_checker
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a default process group of another size exists in this process")
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 @pytest.fixture

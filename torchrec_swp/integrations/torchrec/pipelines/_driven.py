@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
 from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven, check_keywords
+from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import without_stream_lookups
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.protocol import check_class, task_methods
 from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError
@@ -112,6 +113,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
 
     def _swp_setup(self, default_plan: PipelinePlan | PhasedPlan, options: EngineOptions, streams: StreamPool) -> None:
         owner = type(self).__name__
+        without_stream_lookups(self)
         chosen = options.plan_for(default_plan, owner, tasks=self._swp_task_functions())
         for p in _plans(chosen):
             if p.loads > 1 and p.source not in DRAW_TASKS:

@@ -13,6 +13,12 @@ fix that in their own types and helpers, never by patching torchrec:
 * ``streamless_on_cpu``: any upstream pipelined-forward type made to treat a stream of a device
   without streams (``torch.Stream(device="cpu")``, which users pass to ``SparseDataDistUtil``
   on CPU) as no stream: upstream's forward would ``record_stream`` CPU tensors on it.
+* ``without_stream_lookups``: on a device without streams, a pipeline's stream contexts that
+  enter nothing for no stream without asking torch. Upstream keeps ``torch.cuda.stream`` as
+  ``_stream_context`` on such a device and calls it with a None stream (its memcpy and data dist
+  streams) about four times a step, and its ``PipelinedForward`` without a stream assumes CUDA
+  and does the same: each ``torch.cuda.stream(None)`` looks the current CUDA device up (4.5 us on
+  the 2-core CI machine; on a machine with a GPU it initialises CUDA) to then enter nothing.
 * (in ``fused.py``) ``start_embedding_lookup`` records the looked-up KJTs on the engine's
   compute stream, which is None on CPU; upstream records them on ``current_stream()``, which
   on CPU is a ``torch.cpu.Stream`` that ``Tensor.record_stream`` rejects ("unknown parameter type").
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +44,14 @@ from torchrec.distributed.train_pipeline.types import CallArgs
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.engine.labels import record_function
 
-__all__ = ["InSyncEmbeddingForward", "prefetch_embeddings", "stream_of_a_streamed_device", "streamless_on_cpu"]
+__all__ = [
+    "InSyncEmbeddingForward",
+    "none_is_no_stream",
+    "prefetch_embeddings",
+    "stream_of_a_streamed_device",
+    "streamless_on_cpu",
+    "without_stream_lookups",
+]
 
 
 class InSyncEmbeddingForward(runtime_forwards.InSyncEmbeddingPipelinedForward):
@@ -148,3 +161,37 @@ def streamless_on_cpu(forward_type: type[runtime_forwards.BaseForward]) -> type[
         (forward_type,),
         {"__init__": __init__, "__module__": __name__, "__doc__": forward_type.__doc__, "_swp_streamless_on_cpu": True},
     )
+
+
+#: what a stream context of no stream enters: nothing (stateless, so one serves every call and thread)
+_NO_STREAM: AbstractContextManager[None] = nullcontext()
+
+
+def none_is_no_stream(stream_context: Callable[[Any], AbstractContextManager[Any]]) -> Callable[[Any], Any]:
+    """``stream_context`` (``torch.cuda.stream`` or a device module's ``stream``) entering nothing
+    for a None stream without building a ``StreamContext``, which enters nothing for None either;
+    any other stream goes to ``stream_context`` as it is (looked up by it at call time, so the
+    stream checker's patches still see it)."""
+    if getattr(stream_context, "_swp_none_is_no_stream", False):
+        return stream_context
+
+    def context(stream: Any) -> AbstractContextManager[Any]:
+        return _NO_STREAM if stream is None else stream_context(stream)
+
+    context._swp_none_is_no_stream = True  # type: ignore[attr-defined]
+    return context
+
+
+def without_stream_lookups(pipeline: Any) -> None:
+    """On a device without streams (not in checked mode): ``pipeline._stream_context`` through
+    ``none_is_no_stream``, and upstream's ``PipelinedForward`` (which assumes CUDA without a
+    stream) as ``streamless_on_cpu``'s, whose device is the CPU. Nothing changes what runs: every
+    context replaced entered nothing. With streams the pipeline is left as it is."""
+    device = getattr(pipeline, "_device", None)
+    if not isinstance(device, torch.device) or device_has_streams(device):
+        return
+    stream_context = getattr(pipeline, "_stream_context", None)
+    if callable(stream_context):
+        pipeline._stream_context = none_is_no_stream(stream_context)
+    if getattr(pipeline, "_pipelined_forward_type", None) is runtime_forwards.PipelinedForward:
+        pipeline._pipelined_forward_type = streamless_on_cpu(runtime_forwards.PipelinedForward)
