@@ -32,7 +32,6 @@ Writes ``OUT/compare.json``, ``OUT/compare.md`` and ``OUT/compare.png`` (default
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -56,6 +55,7 @@ from benchmarks.common import (
     step_stats,
     write_json,
 )
+from benchmarks.report import load_average
 from harness.dlrm import INFO, PIPELINES
 from harness.dlrm_data import SIZES, batches
 
@@ -404,12 +404,6 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _load_average() -> str:
-    with contextlib.suppress(OSError):
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return "n/a"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -467,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     if not plan:
         parser.error("nothing to run: every pipeline asked for is skipped")
 
-    load_before = _load_average()
+    load_before = load_average()
     report = run_ranks(_rank, args, plan, world_size=args.ranks)
     report["skipped"] = skipped
     if any(what == "shortcut" for what, _ in plan):
@@ -482,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "load_before": load_before,
-        "load_after": _load_average(),
+        "load_after": load_average(),
     }
     write_json(args.out / "compare.json", report)
     (args.out / "compare.md").write_text(_markdown(report))

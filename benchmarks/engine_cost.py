@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import run_meta, write_report
+from benchmarks.report import load_average, run_meta, write_report
 
 TASKS = (10, 30, 100)
 THREADS = (1, 2, 4, 8)
@@ -278,13 +278,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _load_average() -> str:
-    try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -318,13 +311,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeats and --task-calls must be >= 1, --warmup >= 0")
     if args.baseline is not None and not (args.baseline / "torchrec_swp" / "engine").is_dir():
         parser.error(f"--baseline {args.baseline}: no torchrec_swp/engine there")
-    load_before = _load_average()
+    load_before = load_average()
     rows = measure(args)
     meta = run_meta("engine_cost.py", argv, args, "repeats", "task_calls", "warmup")
     meta.update(
         baseline=None if args.baseline is None else str(args.baseline),
         load_before=load_before,
-        load_after=_load_average(),
+        load_after=load_average(),
     )
     report = {"meta": meta, "rows": rows}
     write_report(args.out, "engine_cost", report, markdown(report))

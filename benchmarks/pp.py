@@ -25,7 +25,6 @@ with the measured one (the engine's step time in the same instrumented steps).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 import platform
@@ -40,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import percentile, rank_setup, ratio_interval, write_json
+from benchmarks.report import load_average
 
 OUT = Path("out/pp")
 MICROBATCHES = 8
@@ -304,19 +304,13 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace, wall_s: flo
         "pairs": pairs,
         "machine": {
             "cpus": os.cpu_count(),
-            "load_average_after": _load_average(),
+            "load_average_after": load_average(),
             "python": platform.python_version(),
             "note": "2 gloo ranks share the machine's cores; other work may run beside them: compare ratios",
         },
         "wall_s": wall_s,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-
-
-def _load_average() -> str:
-    with contextlib.suppress(OSError):
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return "n/a"
 
 
 def _markdown(report: dict[str, Any]) -> str:

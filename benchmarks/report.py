@@ -1,15 +1,24 @@
-"""What the newer benchmark scripts share: the ``--pipeline`` option, and writing the results
-(``OUT/<stem>.json`` and ``OUT/<stem>.md``, the markdown printed)."""
+"""What the newer benchmark scripts share: the ``--pipeline`` option, the machine's load average,
+and writing the results (``OUT/<stem>.json`` and ``OUT/<stem>.md``, the markdown printed)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_json
+
+
+def load_average() -> str:
+    """The machine's load average over 1, 5 and 15 minutes ("n/a" where the OS has none)."""
+    with contextlib.suppress(OSError):
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return "n/a"
 
 
 def write_report(out: Path, stem: str, data: Any, markdown: str) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import rank_setup, ratio_interval, run_ranks
-from benchmarks.report import run_meta, write_report
+from benchmarks.report import load_average, run_meta, write_report
 
 
 class TaskClock:
@@ -195,8 +195,6 @@ def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import os
-
     from harness.dlrm import INFO, PIPELINES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,10 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown pipeline(s) {unknown}; choose among {', '.join(PIPELINES)}")
     if args.steps < 10 or args.warmup < 1:
         parser.error("--steps >= 10 and --warmup >= 1")
-    load_before = os.getloadavg()
+    load_before = load_average()
     result = run_ranks(_rank, args, world_size=1)
     meta = run_meta("task_split.py", argv, args, "steps", "warmup")
-    meta.update(load_before=f"{load_before[0]:.2f}", load_after=f"{os.getloadavg()[0]:.2f}")
+    meta.update(load_before=load_before, load_after=load_average())
     write_report(args.out, "task_split", {"meta": meta, **result}, _markdown(result, meta))
 
 

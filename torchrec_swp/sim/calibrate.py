@@ -258,11 +258,13 @@ def calibrate(
         )
     # per rank, per iteration: task -> (start, own part d, off, measured CPU or None)
     parts: list[list[dict[str, tuple[float, float, float, float | None]]]] = [[] for _ in range(n_ranks)]
+    # per rank, its collectives: the tasks with a comm group
+    comms = [frozenset(t for t in p.fire_order if p.task(t).comm_group is not None) for p in plan_list]
     for it in common:
         for r in range(n_ranks):
             row: dict[str, tuple[float, float, float, float | None]] = {}
             for task, run in complete[r][it].items():
-                if n_ranks > 1 and plan_list[r].task(task).comm_group is not None:
+                if n_ranks > 1 and task in comms[r]:
                     late = max(complete[q][it][task].start for q in range(n_ranks) if task in complete[q][it])
                     d = max(0.0, run.end - late)
                 else:
@@ -277,8 +279,7 @@ def calibrate(
     work = _deflated(parts, cores, background)
     if cold is not None:
         for r, recs in enumerate(records):
-            comm = frozenset(t for t in plan_list[r].fire_order if plan_list[r].task(t).comm_group is not None)
-            _warm(recs, {it: k for k, it in enumerate(common)}, parts[r], work[r], cold, off_table, comm)
+            _warm(recs, {it: k for k, it in enumerate(common)}, parts[r], work[r], cold, off_table, comms[r])
     costs = tuple(
         RankCosts(
             plan=plan_list[r],
@@ -345,7 +346,7 @@ def _warm(
     work: list[dict[str, float]],
     cold: Cold,
     off_table: Mapping[str, float],
-    comm: frozenset[str] = frozenset(),
+    comm: frozenset[str],
 ) -> None:
     """Take one rank's CPU work (``work[k][task]`` of common iteration ``k``, in place) back to
     its warm work: each thread's CPU parts in time order under ``cold`` (module docstring). Every
