@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.unit.test_sim_ranks import Iteration, Run_
+from tests.unit.test_sim_ranks import Iteration, Run_, local_then_collective
 from torchrec_swp.catalog.torchrec import sparse_dist_plan
 from torchrec_swp.plan import PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.sim import Cold, Rank, SimError, SimResult, calibrate, simulate_ranks
@@ -149,7 +149,13 @@ def test_calibrating_a_cold_simulated_run_and_replaying_it_gives_it_back(thread_
     plan = sparse_dist_plan().with_thread_map(thread_map)  # type: ignore[arg-type]
     rng = random.Random(11)
     costs = {(t, b): float(rng.randint(1, 6)) for t in plan.fire_order for b in range(14)}
-    sleeps = {(t, b): float(rng.choice([0, 0, 2])) for t in plan.fire_order for b in range(14)}
+    # the collectives wait nothing of their own (``profile_of`` takes what is not CPU for the sleep
+    # given; a collective's waits are charged on its transport, tested above)
+    sleeps = {
+        (t, b): 0.0 if plan.task(t).comm_group else float(rng.choice([0, 0, 2]))
+        for t in plan.fire_order
+        for b in range(14)
+    }
     truth = simulate_ranks([Rank(plan, lambda t, b: costs[(t, b)], off_cpu=lambda t, b: sleeps[(t, b)], cold=COLD)], 14)
     cal = calibrate(plan, [profile_of(truth.ranks[0], lambda t, b: sleeps[(t, b)])], cold=COLD)
     # every steady run's warm cost comes back
@@ -170,17 +176,54 @@ def test_a_collectives_waits_do_not_make_its_thread_cold_a_sleep_before_it_does(
     # Load sleeps 4 then computes 0.5 (cold: Train's CPU ended 4 before); Train waits 3 off the CPU
     # then computes 3. As a collective, Train's 3 are waits between its own CPU work (its
     # transfers): it goes on warming up from 0.5, where the run started. As a task that sleeps
-    # 3 first (not a collective), its thread is cold again.
+    # 3 first (not a collective), its thread is cold again. The collective's 3 are transfers on
+    # a transport idle since the last step's: cold too (the next test).
     warm, off = {"Load": 0.5, "Train": 3.0}, {"Load": 4.0, "Train": 3.0}
     load = 4.0 + COLD.cost(0.0, 0.5)
     collective = simulate_ranks([Rank(load_then_collective(True), warm, off_cpu=off, cold=COLD)], 12)
-    assert collective.step_period == pytest.approx(load + 3.0 + COLD.cost(0.5, 3.0))
+    assert collective.step_period == pytest.approx(load + COLD.cost(0.0, 3.0) + COLD.cost(0.5, 3.0))
     sleeps = simulate_ranks([Rank(load_then_collective(False), warm, off_cpu=off, cold=COLD)], 12)
     assert sleeps.step_period == pytest.approx(load + 3.0 + COLD.cost(0.0, 3.0))
     # a collective that starts after a long stretch off the CPU is cold all the same
     after_sleep = {"Load": 0.0, "Train": 3.0}
     off_first = simulate_ranks([Rank(load_then_collective(True), after_sleep, off_cpu=off, cold=COLD)], 12)
-    assert off_first.step_period == pytest.approx(4.0 + 3.0 + COLD.cost(0.0, 3.0))
+    assert off_first.step_period == pytest.approx(4.0 + COLD.cost(0.0, 3.0) + COLD.cost(0.0, 3.0))
+
+
+def load_then_two_collectives() -> PipelinePlan:
+    """``local_then_collective`` with Local a collective too: Load feeds A (Local) then B (Reduce)."""
+    return local_then_collective(
+        schedule={"Load": S(0), "Local": S(1, comm_group="world"), "Reduce": S(1, comm_group="world")}
+    )
+
+
+def test_a_rank_transfers_slower_after_its_transport_sat_idle_and_warms_up_as_it_transfers() -> None:
+    # A's 2 of transfers come 4 + after B's of the step before: the transport is cold. B's come
+    # right after A ended (A computed 1.5 after its transfers, longer than ``after``, but a run
+    # computes and transfers in turns: the transport idles between collectives, not inside one):
+    # it goes on from position 2. Each thread part as in the rule: A's CPU after the 4 of Load's
+    # sleep (cold), B's right after A's (from 1.5).
+    warm, off = {"Load": 0.0, "Local": 1.5, "Reduce": 0.5}, {"Load": 4.0, "Local": 2.0, "Reduce": 2.0}
+    r = simulate_ranks([Rank(load_then_two_collectives(), warm, off_cpu=off, cold=COLD)], 12)
+    transfers = COLD.cost(0.0, 2.0) + COLD.cost(2.0, 2.0)
+    assert transfers == pytest.approx(COLD.cost(0.0, 4.0))  # one warm-up over both
+    assert r.step_period == pytest.approx(4.0 + transfers + COLD.cost(0.0, 1.5) + COLD.cost(1.5, 0.5))
+    # back to back, the transport never sits idle that long: the transfers take what they take
+    busy = simulate_ranks([Rank(load_then_two_collectives(), warm, off_cpu={**off, "Load": 0.0}, cold=COLD)], 12)
+    assert busy.step_period == pytest.approx(6.0)
+    # with a profile of the idle run, the calibration gives back the warm transfers
+    profile = [profile_of(r.ranks[0], lambda t, b: 0.0)]
+    profile = [
+        Iteration(it.iteration, it.start, it.end, tuple(replace(x, cpu=r_cpu(x.task)) for x in it.runs))
+        for it in profile[0]
+    ]
+    cal = calibrate(load_then_two_collectives(), [profile], warmup=2, cold=COLD)
+    assert cal.ranks[0].medians() == (pytest.approx(warm), pytest.approx(off))
+
+
+def r_cpu(task: str) -> float:
+    """The CPU each task of ``load_then_two_collectives`` is charged in the idle run above."""
+    return {"Load": 0.0, "Local": COLD.cost(0.0, 1.5), "Reduce": COLD.cost(1.5, 0.5)}[task]
 
 
 def test_two_ranks_calibrated_with_their_collectives_waits_give_back_the_warm_costs() -> None:

@@ -27,8 +27,11 @@ With a ``cold`` rule (``torchrec_swp.sim.cold``), every run's CPU work is then t
 warm work: each thread's runs in time order (a run's CPU part from ``start + off`` to ``start +
 d``, the simulator's order: off-CPU part, CPU part, rendezvous), a run starting its CPU part
 ``cold.after`` or more after the thread's previous one ended is cold, and ``Cold.work``
-inverts what it cost from its position. The ranks then simulate with the same rule
-(``RankCosts.cold``), which charges each run what its position in the simulated plan costs.
+inverts what it cost from its position; each rank's collectives' off-CPU parts (their
+transfers, after the rendezvous) are taken back the same way on the rank's transport, walked
+in time order over the rank's collectives (``torchrec_swp.sim.cold``). The ranks then simulate
+with the same rule (``RankCosts.cold``), which charges each run what its position in the
+simulated plan costs, and each collective what its transport's.
 
 Tasks that do not run in the steady state (``when`` first, fill, last) cost the median of
 their recorded runs (0 if none ran).
@@ -279,7 +282,9 @@ def calibrate(
     work = _deflated(parts, cores, background)
     if cold is not None:
         for r, recs in enumerate(records):
-            _warm(recs, {it: k for k, it in enumerate(common)}, parts[r], work[r], cold, off_table, comms[r])
+            index = {it: k for k, it in enumerate(common)}
+            _warm(recs, index, parts[r], work[r], cold, off_table, comms[r])
+            _warm_transport(recs, index, parts[r], cold, comms[r])
     costs = tuple(
         RankCosts(
             plan=plan_list[r],
@@ -380,3 +385,37 @@ def _warm(
                 warmth.ended(end)
                 if slot is not None:
                     work[slot[0]][slot[1]] = warm
+
+
+def _warm_transport(
+    records: Iterable[IterationLike],
+    index: Mapping[int, int],
+    parts: list[dict[str, tuple[float, float, float, float | None]]],
+    cold: Cold,
+    comm: frozenset[str],
+) -> None:
+    """Take one rank's collectives' off-CPU parts (``parts[k][task]``, in place) back to what
+    they take on a warm transport: the rank's collectives in time order under ``cold``, asked at
+    their run's start whether the transport sat idle ``cold.after`` or more since the previous
+    collective ended (module docstring). Runs of iterations not calibrated count for where the
+    transport stands with their wall time less their CPU time."""
+    spans: list[tuple[float, float, float, tuple[int, str] | None]] = []
+    for rec in records:
+        k = index.get(rec.iteration)
+        for x in rec.runs:
+            if x.task not in comm:
+                continue
+            if k is not None and x.task in parts[k]:
+                off = parts[k][x.task][2]
+                spans.append((x.start, x.end, off, (k, x.task)))
+            else:
+                cpu = getattr(x, "cpu", None)
+                off = max(0.0, x.end - x.start - (float(cpu) if cpu is not None else 0.0))
+                spans.append((x.start, x.end, off, None))
+    transport = Warmth()
+    for start, end, off, slot in sorted(spans, key=lambda x: x[:2]):
+        warm = transport.work(cold, start, off)
+        transport.ended(end)
+        if slot is not None:
+            begin, d, _, cpu = parts[slot[0]][slot[1]]
+            parts[slot[0]][slot[1]] = (begin, d, warm, cpu)

@@ -23,10 +23,20 @@ CPU before they compute, so the model follows that:
   cold is asked where it starts. The simulator places that part first, but on gloo a task such
   as Forward or Backward computes and waits in turns, each wait short; counting the whole of it
   as one sleep would make every collective with 2 ms of waits cold, in every plan alike.
+* a rank's **transport** (what moves its collectives' data: gloo's threads) follows the same rule
+  with the collectives' off-CPU parts as its work: a collective whose waits start ``after`` or
+  more after the rank's previous collective ended transfers cold, and its transfers warm up as
+  the rank's collectives go on (the transport idles between collectives, not inside one). In a
+  plan whose step sleeps (the default's, where the calling thread loads), gloo's threads spend
+  more CPU per step for the same transfers and the collectives that stay on the training thread
+  wait 20-70% longer inside than in plans that do not sleep (``docs/autosched.md`` section 7,
+  measured on 2 ranks): with the rule, a plan that keeps the transport busy is predicted with
+  the warm transfers it will have.
 
 The calibration (``sim.calibrate(..., cold=)``) walks each thread's measured runs in time
 order with the same rule and takes each run's measured CPU back to its warm work
-(``Cold.work``, the inverse of ``cost``); the simulator (``Rank.cold``) charges a run the
+(``Cold.work``, the inverse of ``cost``), and each rank's collectives' off-CPU parts back to
+their warm transfers; the simulator (``Rank.cold``) charges a run the
 ``cost`` of its position in the plan it simulates. Replaying the profiled plan gives the
 measured costs back; a plan whose threads wait less (parallel loads keeping the training thread
 busy) is predicted with the warm costs it will have. The caller's overhead between steps and the

@@ -78,7 +78,8 @@ class Rank:
     For the engine model: ``wake``, the latency of a thread woken by another (off the CPU);
     ``split_draws``, whether the data splits a draw in claim and fetch (parallel loads overlap
     their fetches); ``gil``, the share of CPU work that holds the process's GIL (None: not
-    modelled). ``cold``: a thread's CPU work after a long stretch off the CPU costs more
+    modelled). ``cold``: a thread's CPU work after a long stretch off the CPU costs more, and
+    so do the rank's collectives' transfers after its transport sat idle
     (``torchrec_swp.sim.cold``; None: not modelled)."""
 
     plan: PipelinePlan | CompiledPlan
@@ -337,6 +338,7 @@ class _RankState(Replay):
         self.collectives: dict[str, int] = {}  # comm group -> collectives started
         self.rendezvous_wait: dict[str, float] = {}
         self.contention = 0.0
+        self.transport = Warmth()  # the rank's collectives' transfers under its ``cold`` rule
         self.segment = 0  # next segment to load
         self.in_preamble = False  # the calling thread is running the overhead before that segment
         self.done = False
@@ -537,8 +539,10 @@ class _Multi:
                 admitted = s.admits(instr, p)
                 cpu = cpu_time(s.spec.durations, task, b, where) if admitted else 0.0
                 off = optional_time(s.spec.off_cpu, task, b, where, "off-CPU") if admitted else 0.0
-                job = _Job(s, thread, p, index, instr, b, now, cpu, "off", off, now, sources=sources)
                 group = s.comm[task]
+                if admitted and group is not None and s.spec.cold is not None:
+                    off = s.transport.charge(s.spec.cold, now, off)  # a cold transport transfers slower
+                job = _Job(s, thread, p, index, instr, b, now, cpu, "off", off, now, sources=sources)
                 if admitted and group is not None:
                     k = s.collectives.get(group, 0)
                     s.collectives[group] = k + 1
@@ -596,6 +600,8 @@ class _Multi:
         if job.phase == "meet":
             task = job.instr.task if job.instr is not None else ""
             s.rendezvous_wait[task] = s.rendezvous_wait.get(task, 0.0) + (now - job.anchor)
+        if job.meet is not None and s.spec.cold is not None:  # the transport idles from here
+            s.transport.ended(now)
         if job.instr is None:  # the overhead or a wake-up: time on the lane, no step
             lane.time = now
             return
