@@ -29,12 +29,17 @@ configuration:
   simulated iteration costing what a measured one cost: the model of the run itself;
 * **mean**: the same with every task at its mean cost;
 * **from default**: the configuration's plan simulated with the costs calibrated on the
-  *default* run: a prediction for a plan that was not profiled, what the auto-tuner relies on.
+  *default* run, its measured iterations replayed in turn: a prediction for a plan that was not
+  profiled, what the auto-tuner relies on; **from default, mean costs**: the same with every
+  task at its mean (what the tuner's first round used before 2026-11-29: it falls short on two
+  ranks, where the rendezvous of ranks that vary from step to step takes longer than that of
+  their means).
 
 Every calibration takes each run's CPU back to what it costs on a warm thread
 (``autosched.inputs.DEFAULT_COLD``, ``torchrec_swp.sim.cold``), and every simulation charges it
 again where the simulated thread wakes cold: the default plan's training thread sleeps in Fetch
-every step, a plan with parallel loads keeps it busy.
+every step, a plan with parallel loads keeps it busy. The same rule takes each rank's collectives'
+transfers back to a warm transport and charges them where the simulated transport sat idle.
 
 Errors are ``predicted / measured - 1``; misses over 10% are listed, and counted apart where the
 prediction is within 10% of some step inside the measured mean's interval (a miss the
@@ -287,7 +292,10 @@ def analyse(per_rank: list[dict[str, list[ProfiledRun]]], world_size: int) -> li
             }
             if label != "default":
                 plan = PipelinePlan.from_text(ranks_runs[0].plan)
-                predictions["from_default"] = predicted_step(inputs["default"], mode="mean", plan=plan)
+                # what the tuner predicts for a plan it has not run (autotune/tuner.py): the default's
+                # iterations replayed on it; beside it, the same with every task at its mean cost
+                predictions["from_default"] = predicted_step(inputs["default"], mode="replay", plan=plan)
+                predictions["from_default_mean"] = predicted_step(inputs["default"], mode="mean", plan=plan)
                 row["causes"] = causes(inputs["default"], inputs[label], plan, measured)
             for key, value in predictions.items():
                 row[f"{key}_ms"] = 1e3 * value
@@ -303,17 +311,23 @@ CAUSES = {
     "stayed_cpu": "CPU of the tasks that stayed (contention from the moved ones)",
     "stayed_off": "waits inside the tasks that stayed (collectives, copies)",
     "overhead": "the caller's overhead between steps",
-    "model": "the model itself (its error with the configuration's own mean costs)",
+    "variation": "how the tasks vary from step to step (the default's iterations' for the configuration's own)",
+    "model": "the model itself (its error replaying the configuration's own iterations)",
 }
 
 
 def causes(default: Any, own: Any, plan: Any, measured: float) -> dict[str, float]:
-    """Where a prediction of ``plan`` from ``default``'s profile misses: each cause's share of the
-    measured step (``CAUSES``), by swapping that part of the default costs for the configuration's
-    own (its mean CPU or off-CPU time of those tasks, or the caller's overhead) and simulating
-    again; ``model``: the error left with every cost its own; ``interaction``: what the causes
-    do not add up to."""
-    from torchrec_swp.sim import Rank, simulate_ranks
+    """Where a prediction of ``plan`` from ``default``'s profile (its iterations replayed, as
+    ``from_default``) misses: each cause's share of the measured step (``CAUSES``), by swapping
+    that part of the default costs for the configuration's own and simulating again. A mean
+    swap moves each of those tasks' CPU or off-CPU time (or the caller's overhead) to the
+    configuration's own mean, keeping the default's iteration-to-iteration deviations;
+    ``variation`` takes the configuration's own deviations (its iterations) about the same means;
+    ``model``: the error left with every cost the configuration's own (its own replay);
+    ``interaction``: what the causes do not add up to."""
+    from dataclasses import replace
+
+    from torchrec_swp.sim import simulate_ranks
 
     start = default.calibration.ranks[0].plan
     moved = {
@@ -324,29 +338,41 @@ def causes(default: Any, own: Any, plan: Any, measured: float) -> dict[str, floa
         ranks = []
         for k, (d, o) in enumerate(zip(default.calibration.ranks, own.calibration.ranks, strict=True)):
             (d_cpu, d_off), (o_cpu, o_off) = d.means(), o.means()
-            cpu, off = dict(d_cpu), dict(d_off)
-            for t in plan.fire_order:
-                group = "moved" if t in moved else "stayed"
-                if f"{group}_cpu" in swap and t in o_cpu:
-                    cpu[t] = o_cpu[t]
-                if f"{group}_off" in swap and t in o_off:
-                    off[t] = o_off[t]
+            deviating = o if "variation" in swap else d  # whose iterations vary about the means
+            v_cpu, v_off = deviating.means()
+            samples = []
+            for sample in deviating.samples:
+                row = {}
+                for t, (c, f) in sample.items():
+                    group = "moved" if t in moved else "stayed"
+                    mc = o_cpu.get(t, d_cpu.get(t, 0.0)) if f"{group}_cpu" in swap else d_cpu.get(t, v_cpu[t])
+                    mo = o_off.get(t, d_off.get(t, 0.0)) if f"{group}_off" in swap else d_off.get(t, v_off[t])
+                    row[t] = (max(0.0, mc + c - v_cpu[t]), max(0.0, mo + f - v_off[t]))
+                samples.append(row)
             src = o if "overhead" in swap else d
+            costs = replace(
+                deviating,
+                plan=d.plan,
+                samples=tuple(samples),
+                once=d.once,
+                overhead=src.overhead,
+                overhead_off=src.overhead_off,
+                cold=d.cold,
+            )
             ranks.append(
-                Rank(
-                    plan,
-                    cpu,
-                    off_cpu=off,
-                    overhead=src.overhead,
-                    overhead_off=src.overhead_off,
+                costs.rank(
+                    "replay",
+                    plan=plan,
                     machine=default.machine.machines[k],
                     wake=default.machine.wake,
                     split_draws=default.split_draws,
                     gil=default.machine.gil,
-                    cold=d.cold,
                 )
             )
-        got = simulate_ranks(ranks, 40, cores=default.machine.cores).step_period
+        # as many batches as ``predicted_step`` replays: every measured iteration, the fill and drain
+        measured_its = (own if "variation" in swap else default).calibration.iterations
+        n = measured_its + 2 * (plan.pipeline_depth + plan.lookahead + plan.loads)
+        got = simulate_ranks(ranks, n, cores=default.machine.cores).step_period
         assert got is not None
         return got
 
@@ -395,7 +421,12 @@ def _causes_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 #: the predictions, in the report's order, and their titles
-PREDICTIONS = {"replay": "replay", "mean": "mean", "from_default": "from default"}
+PREDICTIONS = {
+    "replay": "replay",
+    "mean": "mean",
+    "from_default": "from default",
+    "from_default_mean": "from default, mean costs",
+}
 #: the tolerance a prediction is judged by
 TOLERANCE = 0.10
 
@@ -468,13 +499,14 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "largest block); predictions: ms (error vs measured), misses over 10% in bold."
         ),
         "",
-        "| ranks | pipeline | config | measured ms | other load | replay | mean | from default's profile |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks | pipeline | config | measured ms | other load | replay | mean | from default's profile "
+        "| from default's, mean costs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['ranks']} | {r['pipeline']} | {r['config']} | {measured(r)} | {other(r)} | {cell(r, 'replay')} "
-            f"| {cell(r, 'mean')} | {cell(r, 'from_default')} |"
+            f"| {cell(r, 'mean')} | {cell(r, 'from_default')} | {cell(r, 'from_default_mean')} |"
         )
     dropped = sum(r.get("blocks_dropped", 0) for r in rows)
     if meta.get("retries"):

@@ -114,6 +114,25 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
     assert pipeline.batch_ledger.trained == n and not pipeline.untrained_batches()
 
 
+def test_every_round_predicts_by_replaying_the_measured_iterations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # on several ranks the rendezvous of ranks that vary from step to step takes longer than that
+    # of their mean costs: the plans a round has not run are predicted from the measured
+    # iterations replayed in turn, the first round's as the later ones' (docs/autosched.md section 7)
+    from torchrec_swp.autotune import tuner
+
+    modes: list[str] = []
+    real = tuner.search_overlap
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        modes.append(args[3].mode)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "search_overlap", spy)
+    n = Autotune(**FAST).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    train(n, 0.006, autotune=Autotune(**FAST, report=None))
+    assert len(modes) == 2 and set(modes) == {"replay"}, modes
+
+
 def test_where_compute_binds_it_keeps_its_plan_and_says_why() -> None:
     # a step of milliseconds of matrix products, a loader of a tenth of one: moving the loader
     # off the training thread gains about 5% (x1.17 was predicted once of about 10 runs on the

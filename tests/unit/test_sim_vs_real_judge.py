@@ -134,3 +134,69 @@ def test_rounds_are_one_number_for_every_rank_count_or_one_per_rank_count() -> N
         main(["--ranks", "2,1", "--rounds", "5,3,2"])
     with pytest.raises(SystemExit):
         main(["--ranks", "2,1", "--rounds", "5,0"])
+
+
+# ------------------------------------------------------------------ where a prediction misses
+def two_ranks(spread: float, *, cold: bool = False) -> Any:
+    """The search's inputs of two ranks running ``local_then_collective`` (Load on the calling
+    thread), 12 measured iterations: Local's CPU varies by ``spread`` about 2 ms, the ranks in
+    opposite turns (rank 0 slow where rank 1 is fast), so that they wait for each other in Reduce."""
+    from tests.unit.test_sim_ranks import local_then_collective
+    from torchrec_swp.autosched.inputs import DEFAULT_COLD, Inputs
+    from torchrec_swp.autosched.overlap import Machine
+    from torchrec_swp.sim import Calibration, RankCosts
+
+    plan = local_then_collective()
+    ranks = tuple(
+        RankCosts(
+            plan=plan,
+            iterations=tuple(range(2, 14)),
+            samples=tuple(
+                {
+                    "Load": (0.2e-3, 1e-3),
+                    "Local": (2e-3 + spread * (1 if (i + r) % 2 else -1), 0.0),
+                    "Reduce": (0.5e-3, 0.3e-3),
+                }
+                for i in range(12)
+            ),
+            once={},
+            cold=DEFAULT_COLD if cold else None,
+        )
+        for r in range(2)
+    )
+    return Inputs(Calibration(ranks, 12, 2), Machine(2, (0, 0), 0.0), False, 0.0)
+
+
+def test_a_configuration_against_itself_has_no_cause_but_the_model() -> None:
+    from benchmarks.profiled import predicted_step
+    from benchmarks.sim_vs_real import CAUSES, causes
+
+    same = two_ranks(0.8e-3, cold=True)
+    io = same.calibration.ranks[0].plan.with_thread_map({"Load": "io"})
+    replayed = predicted_step(same, mode="replay", plan=io)
+    measured = replayed * 1.05
+    got = causes(same, same, io, measured)
+    assert set(got) == {*CAUSES, "interaction"}
+    for c in CAUSES:
+        if c != "model":
+            assert got[c] == pytest.approx(0.0, abs=1e-12), (c, got)
+    # every cost its own: the prediction is the replay, from the default's profile as from its own
+    assert got["model"] == pytest.approx(replayed / measured - 1)
+    assert got["interaction"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_default_varying_where_the_configuration_does_not_is_the_variation_cause() -> None:
+    from benchmarks.profiled import predicted_step
+    from benchmarks.sim_vs_real import causes
+
+    varying, steady = two_ranks(0.8e-3), two_ranks(0.0)
+    io = varying.calibration.ranks[0].plan.with_thread_map({"Load": "io"})
+    # the same means: the mean costs cannot tell them apart; replayed, the varying ranks meet later
+    assert predicted_step(varying, mode="mean", plan=io) == pytest.approx(predicted_step(steady, mode="mean", plan=io))
+    longer, own = predicted_step(varying, mode="replay", plan=io), predicted_step(steady, mode="replay", plan=io)
+    assert longer > own * 1.1
+    got = causes(varying, steady, io, own)
+    assert got["variation"] == pytest.approx(longer / own - 1)  # all of the error, and no other cause
+    assert got["model"] == pytest.approx(0.0, abs=1e-9)
+    for c in ("moved_cpu", "moved_off", "stayed_cpu", "stayed_off", "overhead"):
+        assert got[c] == pytest.approx(0.0, abs=1e-9), (c, got)

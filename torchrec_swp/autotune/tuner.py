@@ -383,10 +383,12 @@ class Tuner:
                 batch_bytes=inputs.batch_bytes,
                 memory_cap_bytes=o.memory_cap_bytes,
                 split_draws=inputs.split_draws,
-                # the first round predicts plans it has not seen: every task at its mean cost (the
-                # closer on other plans, benchmarks/sim_vs_real.py); a later one the plan it
-                # profiled and its neighbours: the measured iterations in turn (the closer there)
-                mode="mean" if self.round == 1 else "replay",
+                # every round replays the measured iterations in turn on the plans it predicts:
+                # two ranks meet in every collective, and ranks that vary from step to step meet
+                # later than their means would (mean costs fall short there; with the transport
+                # under the cold rule the replay is unbiased on plans not profiled too,
+                # benchmarks/sim_vs_real.py, docs/autosched.md section 7)
+                mode="replay",
             )
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         except (PlanError, ProfileError, ValueError) as e:
