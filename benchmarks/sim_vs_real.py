@@ -29,11 +29,10 @@ configuration:
   simulated iteration costing what a measured one cost: the model of the run itself;
 * **mean**: the same with every task at its mean cost;
 * **from default**: the configuration's plan simulated with the costs calibrated on the
-  *default* run, its measured iterations replayed in turn: a prediction for a plan that was not
-  profiled, what the auto-tuner relies on; **from default, mean costs**: the same with every
-  task at its mean (what the tuner's first round used before 2026-11-29: it falls short on two
-  ranks, where the rendezvous of ranks that vary from step to step takes longer than that of
-  their means).
+  *default* run, its measured iterations replayed in turn: the model's prediction for a plan
+  that was not profiled; **from default, mean costs**: the same with every task at its mean,
+  what the auto-tuner's first round ranks plans by (it falls short on two ranks, where the
+  rendezvous of ranks that vary from step to step takes longer than that of their means).
 
 Every calibration takes each run's CPU back to what it costs on a warm thread
 (``autosched.inputs.DEFAULT_COLD``, ``torchrec_swp.sim.cold``), and every simulation charges it
@@ -292,8 +291,8 @@ def analyse(per_rank: list[dict[str, list[ProfiledRun]]], world_size: int) -> li
             }
             if label != "default":
                 plan = PipelinePlan.from_text(ranks_runs[0].plan)
-                # what the tuner predicts for a plan it has not run (autotune/tuner.py): the default's
-                # iterations replayed on it; beside it, the same with every task at its mean cost
+                # the model's prediction for a plan not run: the default's iterations replayed on it;
+                # beside it, every task at its mean cost (what the tuner's first round ranks by)
                 predictions["from_default"] = predicted_step(inputs["default"], mode="replay", plan=plan)
                 predictions["from_default_mean"] = predicted_step(inputs["default"], mode="mean", plan=plan)
                 row["causes"] = causes(inputs["default"], inputs[label], plan, measured)

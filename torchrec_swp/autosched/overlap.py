@@ -16,9 +16,9 @@ plan found here trains bit for bit like the plan it starts from and can replace 
   their own, ``input_dist`` (only where the pipeline gives them a process group of their own).
 
 A candidate is scored by the multi-rank simulator's engine model (``sim.simulate_ranks``) with
-every rank's calibrated costs (``sim.calibrate``: by default the measured iterations replayed in
-turn, ``Space.mode``), the machine's cores, each process's GIL and the wake-up latency of a
-blocked thread: its mean step. Memory is part of the objective:
+every rank's calibrated costs (``sim.calibrate``: by default each task at its mean, or the
+measured iterations replayed in turn, ``Space.mode``), the machine's cores, each process's GIL
+and the wake-up latency of a blocked thread: its mean step. Memory is part of the objective:
 ``depth + lookahead`` batches are held at once, each ``Space.batch_bytes``; a candidate over
 ``Space.memory_cap_bytes`` is left out. Within ``Space.tie`` of the best step, fewer batches in
 flight, then fewer threads, fewer loads and fewer changes win.
@@ -78,11 +78,11 @@ class Space:
     beam: int = 4
     passes: int = 2
     batches: int = 28
-    #: how the calibrated costs are replayed: ``"replay"`` (the measured iterations in turn, every
-    #: rank's from the same iteration: ranks that vary from step to step meet in their collectives
-    #: later than their means do; with the cold rule's transport, the closer on the profiled plan
-    #: and on others, ``benchmarks/sim_vs_real.py``) or ``"mean"`` (every task at its mean cost)
-    mode: str = "replay"
+    #: how the calibrated costs are replayed: ``"mean"`` (every task at its mean cost: the ranking
+    #: of plans other than the profiled one) or ``"replay"`` (the measured iterations in turn,
+    #: every rank's from the same iteration: the profiled plan and its neighbours; ranks that vary
+    #: from step to step meet in their collectives later than their means do)
+    mode: str = "mean"
 
     def __post_init__(self) -> None:
         if not self.lookahead or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.lookahead):

@@ -383,12 +383,13 @@ class Tuner:
                 batch_bytes=inputs.batch_bytes,
                 memory_cap_bytes=o.memory_cap_bytes,
                 split_draws=inputs.split_draws,
-                # every round replays the measured iterations in turn on the plans it predicts:
-                # two ranks meet in every collective, and ranks that vary from step to step meet
-                # later than their means would (mean costs fall short there; with the transport
-                # under the cold rule the replay is unbiased on plans not profiled too,
-                # benchmarks/sim_vs_real.py, docs/autosched.md section 7)
-                mode="replay",
+                # the first round ranks plans it has not seen by their mean costs: the replay of
+                # the profiled iterations predicts them closer on two ranks (benchmarks/
+                # sim_vs_real.py) but its favourites there measured worse in benchmarks/overlap.py
+                # (a thread of its own for H2D, 20% slower than predicted; docs/autosched.md
+                # section 7); a later round the plan it profiled and its neighbours: the measured
+                # iterations in turn (the closer there)
+                mode="mean" if self.round == 1 else "replay",
             )
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         except (PlanError, ProfileError, ValueError) as e:
