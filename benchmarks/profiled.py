@@ -207,6 +207,12 @@ def inputs_of(
     return from_profiles([r.profile() for r in runs], wake=wake, gil=gil, **options)
 
 
+def replay_batches(iterations: int, plan: PipelinePlan) -> int:
+    """How many batches a replay of ``iterations`` measured ones simulates on ``plan``: every
+    measured iteration, with the pipeline's fill and drain."""
+    return iterations + 2 * (plan.pipeline_depth + plan.lookahead + plan.loads)
+
+
 def predicted_step(
     inputs: Inputs, *, mode: str = "mean", plan: PipelinePlan | None = None, batches: int | None = None
 ) -> float:
@@ -215,7 +221,7 @@ def predicted_step(
     cal = inputs.calibration
     base = cal.ranks[0].plan
     run = plan or base
-    n = batches or (cal.iterations + 2 * (run.pipeline_depth + run.lookahead + run.loads) if mode == "replay" else 40)
+    n = batches or (replay_batches(cal.iterations, run) if mode == "replay" else 40)
     ranks = cal.simulation_ranks(  # type: ignore[arg-type]
         mode,
         plans=[run] * len(cal.ranks),

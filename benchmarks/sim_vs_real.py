@@ -61,7 +61,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import rank_setup, size_arg
-from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks
+from benchmarks.profiled import ProfiledRun, inputs_of, predicted_step, profile_blocks, replay_batches
 from benchmarks.report import run_meta, write_report
 from harness.dlrm import INFO, PIPELINES
 from harness.dlrm_data import SIZES
@@ -368,9 +368,7 @@ def causes(default: Any, own: Any, plan: Any, measured: float) -> dict[str, floa
                     gil=default.machine.gil,
                 )
             )
-        # as many batches as ``predicted_step`` replays: every measured iteration, the fill and drain
-        measured_its = (own if "variation" in swap else default).calibration.iterations
-        n = measured_its + 2 * (plan.pipeline_depth + plan.lookahead + plan.loads)
+        n = replay_batches((own if "variation" in swap else default).calibration.iterations, plan)
         got = simulate_ranks(ranks, n, cores=default.machine.cores).step_period
         assert got is not None
         return got
