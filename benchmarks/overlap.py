@@ -53,6 +53,13 @@ against the **lower bound**: an iteration cannot take less than its busiest thre
 (an observer, ``StepAccounting``, attached to our engines during the timed steps; a source's
 time counts divided by its parallel loads, which share it); efficiency = bound / step, both means.
 
+``ours+autotune`` is compared with the best hand-picked contender of ours twice: by the mean
+steps of all rounds, and **without the winner's curse** (``held_out``): the best chosen on the
+even rounds judged against it on the odd ones, and the other way round. Where several plans of
+ours hit the same bound (compute binds), the fastest of them by the same rounds' means is the
+luckiest, and a plan as fast as they are falls short of it by that luck alone. Beside it, the
+run's own noise (``halves_noise``): how far each contender's even and odd rounds lie apart.
+
 Then a memory pass: each contender alone in new rank processes for ``--memory-steps`` steps at
 the first latency; its peak RSS per rank (the largest rank's ``ru_maxrss``; for DataLoader
 contenders also the largest worker's) goes into its rows: running ahead holds more batches.
@@ -67,6 +74,7 @@ Writes ``OUT/overlap.json`` and ``OUT/overlap.md`` (default ``out/bench``).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -298,10 +306,56 @@ def _same_prefix(a: list[float], b: list[float]) -> bool:
     return n > 0 and a[:n] == b[:n]
 
 
-def _stats(times: list[float], examples_per_step: int) -> dict[str, float]:
-    """Mean and median step (ms), QPS at the mean step (the throughput), P90."""
+def _stats(times: list[float], examples_per_step: int, per_round: int) -> dict[str, Any]:
+    """Mean and median step (ms), QPS at the mean step (the throughput), P90, and each round's
+    mean step (``rounds_ms``: ``per_round`` timed steps a round)."""
     mean = statistics.fmean(times)
-    return {**step_stats(times, examples_per_step), "mean_ms": 1e3 * mean, "qps": examples_per_step / mean}
+    rounds = [1e3 * statistics.fmean(times[k : k + per_round]) for k in range(0, len(times), per_round)]
+    return {
+        **step_stats(times, examples_per_step),
+        "mean_ms": 1e3 * mean,
+        "qps": examples_per_step / mean,
+        "rounds_ms": rounds,
+    }
+
+
+def held_out(r: dict[str, Any], picked: list[str], against: str) -> dict[str, Any] | None:
+    """``against`` and the best of ``picked`` without the winner's curse: the best chosen on one
+    half of the rounds (even, then odd) and both judged on the other half, where the choice saw
+    none of the noise. The best of several contenders by the same rounds' means is, on average,
+    faster there than it is (its luck chose it); where they are as fast as one another (compute
+    binds), that luck is what ``against`` would be compared with. ``ratio``: the geometric mean
+    of the two halves' ``best / against`` mean steps (above 1: ``against`` is faster). None with
+    fewer than 2 rounds."""
+    rounds = {label: r[label].get("rounds_ms") or [] for label in [*picked, against]}
+    n = min(len(v) for v in rounds.values())
+    if n < 2 or not picked:
+        return None
+    halves = (range(0, n, 2), range(1, n, 2))
+    picks, ratios = [], []
+    for chosen_on, judged_on in (halves, halves[::-1]):
+        best = min(picked, key=lambda label: statistics.fmean(rounds[label][i] for i in chosen_on))
+        judged = statistics.fmean(rounds[best][i] for i in judged_on)
+        picks.append(best)
+        ratios.append(judged / statistics.fmean(rounds[against][i] for i in judged_on))
+    return {"picks": picks, "ratios": ratios, "ratio": math.sqrt(ratios[0] * ratios[1])}
+
+
+def halves_noise(r: dict[str, Any], labels: list[str]) -> dict[str, Any] | None:
+    """How far one contender's two halves of the rounds (even, odd) lie apart in this run: per
+    contender ``|log(even mean / odd mean)|`` as a percentage; the median and the largest (with
+    its contender). The same plan on the same machine in the same run: the noise of a half's mean
+    step. None with fewer than 2 rounds."""
+    spread = {}
+    for label in labels:
+        rounds = r[label].get("rounds_ms") or []
+        if len(rounds) >= 2:
+            even, odd = statistics.fmean(rounds[0::2]), statistics.fmean(rounds[1::2])
+            spread[label] = 100 * abs(math.log(even / odd))
+    if not spread:
+        return None
+    worst = max(spread, key=spread.__getitem__)
+    return {"median_pct": statistics.median(spread.values()), "largest_pct": spread[worst], "largest": worst}
 
 
 def _case(
@@ -335,7 +389,7 @@ def _case(
                 c.batches.close()
         release(*contenders)
     examples = size.batch_size * world_size
-    stats = {c.label: _stats(c.times, examples) for c in contenders}
+    stats = {c.label: _stats(c.times, examples, args.block - args.skip) for c in contenders}
     bounds = {
         label: {
             "bound_ms": 1e3 * statistics.fmean(max(r.busy.values(), default=0.0) for r in recs),
@@ -355,6 +409,10 @@ def _case(
         "efficiency": {label: b["bound_ms"] / stats[label]["mean_ms"] for label, b in bounds.items()},
         "autotune": tuned.get("ours+autotune"),
     }
+    picked = [label for label in args.contenders if label in OURS and label != "ours+autotune"]
+    if "ours+autotune" in stats:
+        out["held_out"] = held_out(out, picked, "ours+autotune")
+    out["halves_noise"] = halves_noise(out, list(args.contenders))
     if "upstream" in stats:
         out["latency_share_of_upstream_step"] = latency_ms / stats["upstream"]["mean_ms"]
     return out
@@ -473,6 +531,13 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
     if picked:
         best = min(picked, key=lambda o: r[o]["mean_ms"])
         out.append(f"- ours+autotune vs the best hand-picked of ours ({best}): {r[best]['mean_ms'] / mean:.2f}x")
+        h = held_out(r, picked, "ours+autotune")
+        if h is not None:
+            out.append(
+                "- ours+autotune vs the best hand-picked of ours chosen on the other half of the rounds (without the "
+                f"winner's curse): {h['picks'][0]} (chosen on the even rounds) {h['ratios'][0]:.2f}x on the odd ones, "
+                f"{h['picks'][1]} {h['ratios'][1]:.2f}x on the even ones: **{h['ratio']:.2f}x**"
+            )
     if peers:
         best = min(peers, key=lambda p: r[p]["mean_ms"])
         out.append(f"- ours+autotune vs the best peer ({best}): {r[best]['mean_ms'] / mean:.2f}x")
@@ -529,6 +594,12 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for ours, peer, ratio, verdict in comparisons(r, labels, meta["tolerance"]):
             lines.append(f"- {ours} vs {peer}: {ratio:.2f}x, **{verdict}**")
         lines += _autotune_lines(r, labels)
+        noise = halves_noise(r, labels)
+        if noise is not None:
+            lines.append(
+                f"- the noise: one contender's mean step over the even rounds and over the odd ones differ by a median "
+                f"{noise['median_pct']:.1f}% (largest {noise['largest_pct']:.1f}%, {noise['largest']})"
+            )
         lines.append(
             "- same losses at every step: "
             + ("yes" if r["same_losses"] else f"NO ({', '.join(r['losses_differ'])})")

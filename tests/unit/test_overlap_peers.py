@@ -5,6 +5,7 @@ block interleaving and the ahead / equal / behind verdicts."""
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.common import Contender
-from benchmarks.overlap import comparisons, interleave_blocks, io_dist_map, io_map
+from benchmarks.overlap import _stats, comparisons, halves_noise, held_out, interleave_blocks, io_dist_map, io_map
 from benchmarks.peers import ThreadPrefetcher, dataloader
 from harness.dlrm_data import SIZES, batches
 from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan
@@ -130,3 +131,44 @@ def test_verdicts_compare_like_loaders_and_the_best_of_each_side() -> None:
         ("ours+io+thread", "upstream+thread", pytest.approx(10 / 9), "ahead"),
         ("ours+dataloader", "upstream+dataloader", pytest.approx(6 / 6.5), "behind"),  # also the best of each
     ]
+
+
+def test_each_rounds_mean_step_is_kept() -> None:
+    got = _stats([0.010, 0.012, 0.020, 0.022, 0.030, 0.032], 100, per_round=2)
+    assert got["rounds_ms"] == pytest.approx([11.0, 21.0, 31.0])
+    assert got["mean_ms"] == pytest.approx(21.0)
+
+
+def test_the_held_out_best_is_chosen_on_one_half_and_judged_on_the_other() -> None:
+    # three plans as fast as one another (10 ms), two of them lucky in turns
+    row = {
+        "ours+a": {"rounds_ms": [9.0, 10.5, 9.0, 10.5]},
+        "ours+b": {"rounds_ms": [10.5, 9.5, 10.5, 9.5]},
+        "ours+autotune": {"rounds_ms": [10.0, 10.0, 10.0, 10.0]},
+    }
+    # by the same rounds' means "a" looks best (9.75 ms) and the tuner 0.975x of it
+    assert min(("ours+a", "ours+b"), key=lambda k: sum(row[k]["rounds_ms"])) == "ours+a"
+    got = held_out(row, ["ours+a", "ours+b"], "ours+autotune")
+    assert got is not None
+    # chosen on the even rounds: a (9 < 10.5), judged on the odd ones: 10.5 / 10
+    # chosen on the odd rounds: b (9.5 < 10.5), judged on the even ones: 10.5 / 10
+    assert got["picks"] == ["ours+a", "ours+b"]
+    assert got["ratios"] == pytest.approx([1.05, 1.05])
+    assert got["ratio"] == pytest.approx(1.05)
+    one_round = {k: {"rounds_ms": v["rounds_ms"][:1]} for k, v in row.items()}
+    assert held_out(one_round, ["ours+a"], "ours+autotune") is None
+
+
+def test_the_halves_noise_is_how_far_one_contenders_even_and_odd_rounds_lie_apart() -> None:
+    row = {
+        "a": {"rounds_ms": [10.0, 11.0, 10.0, 11.0]},
+        "b": {"rounds_ms": [10.0, 10.0, 10.0, 10.0]},
+        "c": {"rounds_ms": [12.0, 10.0]},
+        "d": {"rounds_ms": [10.0]},  # one round: no halves
+    }
+    got = halves_noise(row, list(row))
+    assert got is not None
+    assert got["largest"] == "c"
+    assert got["largest_pct"] == pytest.approx(100 * math.log(1.2))
+    assert got["median_pct"] == pytest.approx(100 * math.log(1.1))
+    assert halves_noise(row, ["d"]) is None
