@@ -96,6 +96,24 @@ def test_candidates_are_the_best_then_other_loads_then_other_layouts() -> None:
     assert pick(loads, running, 2) == [loads[0], loads[2]]
 
 
+def test_where_the_best_moves_more_tasks_the_layout_moving_the_fewest_comes_second() -> None:
+    # the model's favourite takes the input dist to a thread of its own besides the loads; the
+    # plan moving the loads alone (what a user picks by hand) is ranked lower, but tried before
+    # the favourite's deeper run-ahead and before another number of loads
+    running = plans.default_plans()["TrainPipelineSparseDist"].replace(lookahead=0)
+    loads = plans.with_parallel_loads(running, 2, lookahead=2)
+    dist = loads.with_thread_map({"InputDistStart": "dist", "InputDistWait": "dist"})
+    three = plans.with_parallel_loads(running, 3, lookahead=3)
+    ranked = [dist, dist.replace(lookahead=3), loads.replace(lookahead=1), three, loads, running]
+    assert pick(ranked, running, 1) == [dist]
+    assert pick(ranked, running, 2) == [dist, loads]  # the loads-only layout, furthest ahead
+    assert pick(ranked, running, 3) == [dist, loads, dist.replace(lookahead=3)]
+    assert pick(ranked, running, 4) == [dist, loads, dist.replace(lookahead=3), three]
+    # where the favourite moves as few tasks as any other, nothing changes
+    assert pick(ranked[2:], running, 2) == [ranked[2], loads]
+    assert pick(ranked[2:], running, 3) == [ranked[2], loads, three]
+
+
 def test_a_plan_that_runs_ahead_with_a_collective_off_the_calling_thread_needs_a_quiet_call() -> None:
     sparse = plans.default_plans()["TrainPipelineSparseDist"]
     dist_thread = sparse.with_thread_map({"InputDistStart": "dist", "InputDistWait": "dist"})

@@ -18,10 +18,11 @@ switch; ``tuner.py`` drives it call by call, this module holds what is pure).
 * **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
   switch and at most ``visit_steps`` calls (``trial_bound``).
 
-Candidates (``pick``): the search's best, its layout running furthest ahead, then the best
-layout of each other number of loads and the next distinct thread layouts, each running furthest
-ahead, in the model's order: plans the model tells apart least well (loads that wait on one
-another, threads that contend, a run-ahead that absorbs a loader's jitter) are those the trial
+Candidates (``pick``): the search's best, the best layout moving the fewest tasks off the
+calling thread (where the best moves more), the best's layout running furthest ahead, then the
+best layout of each other number of loads and the next distinct thread layouts, each running
+furthest ahead, in the model's order: plans the model tells apart least well (loads that wait on
+one another, threads that contend, a run-ahead that absorbs a loader's jitter) are those the trial
 measures.
 """
 
@@ -129,12 +130,16 @@ def needs_quiet(plan: PipelinePlan) -> bool:
 
 def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> list[PipelinePlan]:
     """Up to ``count`` plans to try beside ``running``, from ``ranked`` (the model's order, best
-    first): the best; the best's layout running furthest ahead; then, for each number of loads not
-    yet picked, its best layout running furthest ahead; then the same for each thread layout
-    (threads, loads, comm groups) not yet picked. The model, of mean costs, does not see what a
-    deeper run-ahead absorbs of a loader's jitter (nor parallel loads without one) and within its
-    tie prefers fewer batches in flight: the trial measures it. ``running`` and repeats are left
-    out."""
+    first): the best; where the best moves more tasks off the calling thread than another layout
+    does, the best layout moving the fewest (at least one); the best's layout running furthest
+    ahead; then, for each number of loads not yet picked, its best layout running furthest ahead;
+    then the same for each thread layout (threads, loads, comm groups) not yet picked. The model,
+    of mean costs, does not see what a deeper run-ahead absorbs of a loader's jitter (nor parallel
+    loads without one) and within its tie prefers fewer batches in flight; it underrates what a
+    thread of its own costs the tasks that share the cores with it (an input dist or a copy moved
+    off the calling thread, on ranks that share two cores, measured slower than the plan moving the
+    loads alone): the trial measures both. ``running`` and repeats are left out. Each picked layout
+    but the best's runs furthest ahead."""
 
     def layout(p: PipelinePlan) -> tuple[object, ...]:
         return (
@@ -150,8 +155,16 @@ def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> l
     def deepest(p: PipelinePlan) -> PipelinePlan:
         return max((q for q in others if layout(q) == layout(p)), key=lambda q: q.lookahead)
 
+    def moved(p: PipelinePlan) -> int:
+        return sum(p.task(t).thread_group != MAIN_THREAD for t in p.fire_order)
+
     picked = [others[0]]
-    wanted = [deepest(others[0])]
+    wanted = []
+    least = min((moved(p) for p in others if moved(p) > 0), default=0)
+    fewest = next((p for p in others if moved(p) == least), None)
+    if fewest is not None and layout(fewest) not in (layout(others[0]), layout(running)):
+        wanted.append(deepest(fewest))
+    wanted.append(deepest(others[0]))
     loads_seen = {others[0].loads}
     for p in others:
         if p.loads not in loads_seen:
