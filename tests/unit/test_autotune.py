@@ -273,7 +273,7 @@ def io_plan() -> Any:
 
 HEADLINE = re.compile(
     r"autotune TrainPipelineBase: profiled 12 steps \(\d+\.\d\d ms per step measured\); switches to threads "
-    r"\['io', 'default'\], lookahead 2, loads 1: predicted 1\.00 ms per step \(x2\.00\)"
+    r"\['io', 'default'\] \(LoadBatch on io\), lookahead 2, loads 1: predicted 1\.00 ms per step \(x2\.00\)"
 )
 
 

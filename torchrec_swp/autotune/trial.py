@@ -399,8 +399,19 @@ class Trial:
 
 
 def describe(plan: PipelinePlan) -> str:
-    """A plan's overlap choices in words: its threads, lookahead and loads."""
-    return f"threads {list(plan.thread_groups)}, lookahead {plan.lookahead}, loads {plan.loads}"
+    """A plan's overlap choices in words: its threads with the tasks off the calling thread (two
+    plans may share threads and differ in what runs there), lookahead and loads."""
+    moved: dict[str, list[str]] = {}
+    for t in plan.fire_order:
+        thread = plan.task(t).thread_group
+        if thread != MAIN_THREAD:
+            moved.setdefault(thread, []).append(t)
+    where = "; ".join(f"{', '.join(tasks)} on {thread}" for thread, tasks in moved.items())
+    return (
+        f"threads {list(plan.thread_groups)}"
+        + (f" ({where})" if where else "")
+        + f", lookahead {plan.lookahead}, loads {plan.loads}"
+    )
 
 
 def tried_line(i: int, x: Tried, confidence: float) -> str:
