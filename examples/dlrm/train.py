@@ -196,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--steps",
         type=int,
-        help=f"batches per rank (default: {STEPS}; with --data-source global, what the epoch leaves for each rank)",
+        help=f"batches per rank (default: {STEPS}; with --autotune, {STEPS} more than its tuning takes at most; with "
+        "--data-source global, what the epoch leaves for each rank)",
     )
     model.add_argument(
         "--batch-size", type=int, default=d.batch_size, help="examples per batch and rank (default: %(default)s)"
@@ -469,7 +470,7 @@ def _check_global(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if given:
             parser.error(f"{', '.join(given)}: with --data-source global only")
         if args.steps is None:
-            args.steps = STEPS
+            args.steps = STEPS + (tuning_steps(args.pipeline) if args.autotune and args.impl == "ours" else 0)
         return
     if args.epoch_batches is None or args.epoch_batches < 1:
         parser.error("--data-source global: give the epoch's length over all ranks, --epoch-batches N (N >= 1)")
@@ -480,6 +481,17 @@ def _check_global(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.eval_every:
         parser.error("--eval-every: not with --data-source global (yet): the evaluations follow --steps")
     args.steps = args.epoch_batches  # at most: one rank; train() sets what this world's share leaves
+
+
+def tuning_steps(pipeline: str) -> int:
+    """The most steps ``--autotune``'s tuning takes on ``pipeline`` with the defaults (both rounds,
+    each trial at its bound, the verification): without ``--steps``, a run with ``--autotune`` trains
+    that many besides ``STEPS``, so that the tuning ends and the chosen plan trains after it."""
+    from torchrec_swp import Autotune
+
+    plans = default_plans()
+    depth = plans[pipeline].pipeline_depth if pipeline in plans else max(p.pipeline_depth for p in plans.values())
+    return Autotune().tuning_bound(depth)
 
 
 def _check_thread_map(args: argparse.Namespace) -> None:
@@ -1270,7 +1282,11 @@ def print_summary(s: dict[str, Any]) -> None:
     elif tuned:
         print(f"  autotune: {tuned['why'][-1] if tuned['why'] else 'kept its plan'}")
     elif s.get("autotune_requested"):
-        print("  autotune: no decision (the run ended before the profile did)")
+        bound = tuning_steps(s["pipeline"])
+        print(
+            f"  autotune: no decision: the run ended after {s['total_steps']} steps, the pipeline still tuning "
+            f"(a tuning takes up to {bound} steps here: give --steps {bound + STEPS}, or leave --steps out)"
+        )
     if s.get("val_auc") is not None:
         last = s["evaluations"][-1]
         count = len(s["evaluations"])

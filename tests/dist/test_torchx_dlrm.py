@@ -322,3 +322,14 @@ def test_bad_data_source_arguments_are_refused_with_one_line(case: str) -> None:
 )
 def test_good_data_source_arguments_pass_the_check(argv: list[str]) -> None:
     assert _check(argv) == (0, "")
+
+
+def test_autotune_without_steps_trains_past_the_longest_tuning() -> None:
+    # a run with --autotune and no --steps has room for the tuning to end (two rounds, each trial
+    # at its bound, the verification) and for the chosen plan to train the usual steps after it
+    from examples.dlrm import train
+
+    bound = Autotune().tuning_bound(plans.default_plans()["TrainPipelineSparseDist"].pipeline_depth)
+    assert train.parse_args(["--autotune"]).steps == bound + train.STEPS
+    assert train.parse_args(["--autotune", "--steps", "40"]).steps == 40  # as given
+    assert train.parse_args([]).steps == train.STEPS
