@@ -531,7 +531,7 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
     if picked:
         best = min(picked, key=lambda o: r[o]["mean_ms"])
         out.append(f"- ours+autotune vs the best hand-picked of ours ({best}): {r[best]['mean_ms'] / mean:.2f}x")
-        h = held_out(r, picked, "ours+autotune")
+        h = r.get("held_out")
         if h is not None:
             out.append(
                 "- ours+autotune vs the best hand-picked of ours chosen on the other half of the rounds (without the "
@@ -594,7 +594,7 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for ours, peer, ratio, verdict in comparisons(r, labels, meta["tolerance"]):
             lines.append(f"- {ours} vs {peer}: {ratio:.2f}x, **{verdict}**")
         lines += _autotune_lines(r, labels)
-        noise = halves_noise(r, labels)
+        noise = r.get("halves_noise")
         if noise is not None:
             lines.append(
                 f"- the noise: one contender's mean step over the even rounds and over the odd ones differ by a median "
