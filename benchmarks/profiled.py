@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torchrec_swp.autosched.inputs import DEFAULT_WAKE_S, Inputs, from_profiles
+from torchrec_swp.autosched.inputs import DEFAULT_WAKE, Inputs, from_profiles
 from torchrec_swp.plan import PipelinePlan
 from torchrec_swp.profiler import Profile
-from torchrec_swp.sim import simulate_ranks
+from torchrec_swp.sim import Wake, simulate_ranks
 
 
 @dataclass
@@ -201,7 +201,7 @@ def profile_blocks(
 
 
 def inputs_of(
-    runs: Sequence[ProfiledRun], *, wake: float = DEFAULT_WAKE_S, gil: float | None = None, **options: Any
+    runs: Sequence[ProfiledRun], *, wake: float | Wake = DEFAULT_WAKE, gil: float | None = None, **options: Any
 ) -> Inputs:
     """Every rank's calibrated costs from its ProfiledRun of one pipeline (``runs[r]``: rank ``r``'s)."""
     return from_profiles([r.profile() for r in runs], wake=wake, gil=gil, **options)

@@ -269,6 +269,29 @@ def test_cli_searches_the_overlap_from_every_ranks_profile(tmp_path: Path, capsy
     assert "each task at its slowest median of rank(s) [0, 1]" in capsys.readouterr().out
 
 
+def test_cli_wakes_threads_by_the_default_rule_unless_given_one_latency(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchrec_swp.autosched.__main__ as cli
+    from torchrec_swp.autosched.inputs import DEFAULT_WAKE
+
+    path = tmp_path / "rank0.profile.json"
+    sleep_profile().save(str(path))
+    seen: list[object] = []
+    real = cli.from_profiles
+
+    def spy(profiles: object, **kwargs: object) -> object:
+        seen.append(kwargs["wake"])
+        return real(profiles, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli, "from_profiles", spy)
+    out = tmp_path / "best.plan"
+    assert main(["--profile", str(path), "--out", str(out), "--quiet"]) == 0
+    assert main(["--profile", str(path), "--out", str(out), "--quiet", "--wake-us", "300"]) == 0
+    assert seen[0] == DEFAULT_WAKE and not DEFAULT_WAKE.uniform  # by what the other threads do
+    assert seen[1] == pytest.approx(300e-6)  # one latency, whatever they do
+
+
 def test_the_reordering_problem_costs_each_task_on_its_slowest_rank() -> None:
     import dataclasses
 

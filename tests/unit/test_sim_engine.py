@@ -1,5 +1,6 @@
 """The simulator's engine model: walkers without a barrier, the caller's calls, run-ahead within
-the source's credit, parallel loads taking turns, wake-up latency, cores and each process's GIL.
+the source's credit, parallel loads taking turns, wake-up latency (by what the other threads do),
+cores and each process's GIL.
 
 Golden timelines are computed by hand in the comments; properties check the engine's
 invariants on the simulated timelines (credit, collectives never ahead of the call, the
@@ -15,7 +16,7 @@ import pytest
 
 from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan, with_parallel_loads
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PipelineTask, TaskSchedule
-from torchrec_swp.sim import Rank, SimDeadlock, SimError, check_happens_before, simulate_ranks
+from torchrec_swp.sim import Rank, SimDeadlock, SimError, Wake, check_happens_before, simulate_ranks
 from torchrec_swp.sim.cores import fair_rates
 
 S = TaskSchedule
@@ -86,6 +87,31 @@ def test_a_woken_thread_resumes_after_the_wake_up_latency() -> None:
     # waits for io in every step, so a steady step is 4 + 2 * 0.5.
     r = simulate_ranks([Rank(load_then_train(), {"Load": 0, "Train": 3}, off_cpu={"Load": 4}, wake=0.5)], 8)
     assert r.step_period == pytest.approx(5)
+
+
+def test_the_wake_up_latency_follows_what_the_other_threads_do() -> None:
+    # With sim.Wake(busy=0.5, idle=0.1, walk_end=0.25): at each call io is woken at its gate while
+    # the caller starts Train (computing: 0.5); the caller, waiting for io's iteration, is woken
+    # when io ends its walk (0.25). A steady step: 0.5 + Load's 4 + 0.25. With Train costing
+    # nothing the caller is idle when io wakes (0.1): 0.1 + 4 + 0.25.
+    wake = Wake(busy=0.5, idle=0.1, walk_end=0.25)
+    for train, step in ((3, 4.75), (0, 4.35)):
+        r = simulate_ranks([Rank(load_then_train(), {"Load": 0, "Train": train}, off_cpu={"Load": 4}, wake=wake)], 10)
+        assert r.step_period == pytest.approx(step), train
+    # a number is the same latency in every case, as a Wake with it three times
+    assert Wake.of(0.5) == Wake(busy=0.5, idle=0.5, walk_end=0.5) and Wake.of(0.5).uniform
+    same = Rank(load_then_train(), {"Load": 0, "Train": 3}, off_cpu={"Load": 4}, wake=Wake.of(0.5))
+    assert simulate_ranks([same], 8).step_period == pytest.approx(5)
+
+
+def test_a_bad_wake_up_latency_is_refused() -> None:
+    with pytest.raises(ValueError, match="Wake.idle must be a finite number >= 0"):
+        Wake(busy=0.5, idle=-1, walk_end=0.25)
+    with pytest.raises(ValueError, match="a number of seconds or a sim.Wake"):
+        Wake.of("0.5")  # type: ignore[arg-type]
+    plan = load_then_train()
+    with pytest.raises(SimError, match="wake of rank 0 must be a finite number >= 0 or a sim.Wake"):
+        simulate_ranks([Rank(plan, {"Load": 0, "Train": 1}, wake=float("nan"))], 2)
 
 
 def test_the_gil_keeps_one_process_threads_from_computing_at_once() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from torchrec_swp.autosched.beam import beam_search
-from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE_S, from_profiles
+from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE, from_profiles
 from torchrec_swp.autosched.overlap import Space, search_overlap
 from torchrec_swp.autosched.periodic import solve_periodic
 from torchrec_swp.autosched.problem import Problem
@@ -70,8 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--wake-us",
         type=float,
-        default=DEFAULT_WAKE_S * 1e6,
-        help="a blocked thread's wake-up latency (default: %(default)g)",
+        default=None,
+        help=(
+            "a blocked thread's wake-up latency, whatever the other threads do (default: "
+            f"{DEFAULT_WAKE.busy * 1e6:g} while another thread computes, {DEFAULT_WAKE.walk_end * 1e6:g} where one "
+            f"just ended its walk, {DEFAULT_WAKE.idle * 1e6:g} otherwise: torchrec_swp.sim.wake)"
+        ),
     )
     p.add_argument(
         "--gil",
@@ -102,7 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         files = sorted(((Profile.load(path), path) for path in paths), key=lambda pp: pp[0].where.rank)
         profiles = [profile for profile, _ in files]
         inputs = from_profiles(
-            profiles, wake=args.wake_us * 1e-6, gil=args.gil or None, cores=None, fill_missing=args.fill_missing
+            profiles,
+            wake=DEFAULT_WAKE if args.wake_us is None else args.wake_us * 1e-6,
+            gil=args.gil or None,
+            cores=None,
+            fill_missing=args.fill_missing,
         )
     except (OSError, ProfileError, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

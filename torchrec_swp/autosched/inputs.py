@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 from torchrec_swp.autosched.overlap import Machine
 from torchrec_swp.profiler.profile import Profile, ProfileError
-from torchrec_swp.sim import Calibration, Cold, SimError, calibrate
+from torchrec_swp.sim import Calibration, Cold, SimError, Wake, calibrate
 
 #: A blocked thread's wake-up latency on the 2-core machines this project is measured on
-#: (``benchmarks/sim_vs_real.py``: the io plans without lookahead, 1 rank). Seconds.
-DEFAULT_WAKE_S = 0.5e-3
+#: (``torchrec_swp.sim.wake``, from ``benchmarks/sim_vs_real.py``'s io plans on 1 rank): 0.5 ms
+#: while another thread of the process computes, 0.25 ms where none does but one just ended its
+#: walk, 0.05 ms where none does. Seconds.
+DEFAULT_WAKE = Wake(busy=0.5e-3, idle=0.05e-3, walk_end=0.25e-3)
 #: A thread's CPU work after a stretch off the CPU costs more (``sim.cold``) on the 2-core machines
 #: this project is measured on: 2 ms off the CPU make a thread cold, its first work then runs 1.45
 #: times slower, the extra decaying by e every 3 ms of work (a burst pays at most 1.35 ms more).
@@ -54,7 +56,7 @@ class Inputs:
 def from_profiles(
     profiles: Sequence[Profile],
     *,
-    wake: float = DEFAULT_WAKE_S,
+    wake: float | Wake = DEFAULT_WAKE,
     gil: float | None = None,
     cores: int | None = None,
     fill_missing: bool = False,

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from torchrec_swp.autosched.bounds import Bound, BoundReport
 from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
-from torchrec_swp.sim import Calibration, SimError, simulate_ranks
+from torchrec_swp.sim import Calibration, SimError, Wake, simulate_ranks
 
 #: The comm group the input dist's tasks move to (``catalog.torchrec.INPUT_DIST``).
 OWN_GROUP = "input_dist"
@@ -52,12 +52,12 @@ ProgressCallback = Callable[[int, float], None]
 @dataclass(frozen=True)
 class Machine:
     """Where the ranks run: ``cores`` per machine, the machine of each rank, the wake-up latency
-    of a thread another one signals (seconds, off the CPU), and the share of CPU work that holds
-    a process's GIL (None: not modelled)."""
+    of a thread another one signals (seconds, off the CPU; a ``sim.Wake``: by what the other
+    threads do then), and the share of CPU work that holds a process's GIL (None: not modelled)."""
 
     cores: int | None
     machines: tuple[int, ...]
-    wake: float = 0.0
+    wake: float | Wake = 0.0
     gil: float | None = None
 
 

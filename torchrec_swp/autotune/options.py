@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchrec_swp.autosched.inputs import DEFAULT_COLD, DEFAULT_GIL, DEFAULT_WAKE_S
-from torchrec_swp.sim import Cold
+from torchrec_swp.autosched.inputs import DEFAULT_COLD, DEFAULT_GIL, DEFAULT_WAKE
+from torchrec_swp.sim import Cold, Wake
 
 LOG = logging.getLogger("torchrec_swp.autotune")
 
@@ -75,7 +75,8 @@ class Autotune:
     batches in flight (each measured when the profile ends). ``max_threads``,
     ``max_in_flight``, ``lookahead`` and ``loads``: the search's limits and choices (loads only
     where the data splits its draws, ``torchrec_swp.data.MapSource``). ``wake_s``: a blocked
-    thread's wake-up latency on this machine; ``gil``: the share of CPU work holding the GIL
+    thread's wake-up latency on this machine (seconds; default ``autosched.inputs.DEFAULT_WAKE``,
+    a ``sim.Wake`` by what the other threads do then); ``gil``: the share of CPU work holding the GIL
     (default: all of it, ``autosched.inputs.DEFAULT_GIL``; None: not modelled); ``cold``: how much
     more a thread computes after a stretch off the CPU (``sim.Cold``; default: this project's 2-core
     machines, ``autosched.inputs.DEFAULT_COLD``; None: not modelled).
@@ -97,7 +98,7 @@ class Autotune:
     max_in_flight: int = 6
     lookahead: tuple[int, ...] = (0, 1, 2, 3)
     loads: tuple[int, ...] = (1, 2, 3)
-    wake_s: float = DEFAULT_WAKE_S
+    wake_s: float | Wake = DEFAULT_WAKE
     gil: float | None = DEFAULT_GIL
     cold: Cold | None = DEFAULT_COLD
     report: Callable[[str], None] | None = PRINTED

@@ -21,6 +21,7 @@ from torchrec_swp.sim.multirank import Rank, RanksResult, simulate_rank_programs
 from torchrec_swp.sim.render import format_timeline, to_chrome_trace
 from torchrec_swp.sim.result import Interval, IterationSpan, SimResult, Step
 from torchrec_swp.sim.simulator import simulate, simulate_programs, validate_programs
+from torchrec_swp.sim.wake import Wake
 
 __all__ = [
     "Blocked",
@@ -38,6 +39,7 @@ __all__ = [
     "SimRace",
     "SimResult",
     "Step",
+    "Wake",
     "Submission",
     "calibrate",
     "check_happens_before",

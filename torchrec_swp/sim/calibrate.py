@@ -66,6 +66,7 @@ from torchrec_swp.sim.cold import Cold, Warmth
 from torchrec_swp.sim.durations import Durations
 from torchrec_swp.sim.errors import SimError
 from torchrec_swp.sim.multirank import Rank
+from torchrec_swp.sim.wake import Wake
 
 Mode = Literal["mean", "median", "replay", "resample"]
 MODES = ("mean", "median", "replay", "resample")
@@ -154,7 +155,7 @@ class RankCosts:
         seed: int = 0,
         plan: PipelinePlan | None = None,
         machine: int = 0,
-        wake: float = 0.0,
+        wake: float | Wake = 0.0,
         split_draws: bool = False,
         gil: float | None = None,
     ) -> Rank:

@@ -48,6 +48,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torchrec_swp.sim.errors import check_non_negative
+
 
 @dataclass(frozen=True)
 class Cold:
@@ -60,10 +62,7 @@ class Cold:
     span: float
 
     def __post_init__(self) -> None:
-        for name in ("after", "extra", "span"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"Cold.{name} must be a finite number >= 0, got {v!r}")
+        check_non_negative(self, ("after", "extra", "span"))
         if self.span == 0 and self.extra > 0:
             raise ValueError("Cold.span must be > 0 where extra is")
 

@@ -24,8 +24,9 @@ an iteration barrier:
   ``torchrec_swp.data.MapSource``) batch ``b``'s load starts after batch ``b - 1``'s started
   (the fetches overlap); otherwise after it ended.
 * **Waking.** A thread that had to wait for another (a wait, a gate, the credit, a ticket, the
-  caller waiting for its walkers) resumes ``Rank.wake`` seconds after what it waited for
-  happened: the wake-up latency of a blocked thread, off the CPU.
+  caller waiting for its walkers) resumes the rank's wake-up latency after what it waited for
+  happened, off the CPU: ``Rank.wake``, one number or a ``sim.Wake`` by whether another thread
+  of the rank computes then, or just ended its walk (``torchrec_swp.sim.wake``).
 
 Cores and each process's GIL are shared as ``torchrec_swp.sim.cores`` says. With lookahead 0
 and one load the steady state is the barrier model's (every walker finishes iteration ``P``

@@ -5,6 +5,7 @@ Every message says where: thread, internal iteration, instruction or task, batch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -76,3 +77,11 @@ class SimRace(SimError):
     def __init__(self, message: str, races: tuple[Race, ...]) -> None:
         super().__init__(message)
         self.races = races
+
+
+def check_non_negative(owner: object, names: tuple[str, ...]) -> None:
+    """ValueError unless each of ``owner``'s fields ``names`` is a finite number >= 0."""
+    for name in names:
+        v = getattr(owner, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{type(owner).__name__}.{name} must be a finite number >= 0, got {v!r}")

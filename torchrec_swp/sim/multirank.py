@@ -62,6 +62,7 @@ from torchrec_swp.sim.errors import Blocked, SimDeadlock, SimError
 from torchrec_swp.sim.render import format_timeline, to_chrome_trace
 from torchrec_swp.sim.result import SimResult, Step
 from torchrec_swp.sim.simulator import Replay, ReplayLane, check_num_batches, validate_programs
+from torchrec_swp.sim.wake import Wake
 
 Phases = Sequence[tuple[int, IterationProgram]]
 Model = Literal["engine", "barrier", "free"]
@@ -75,7 +76,8 @@ _EPS = 1e-12
 class Rank:
     """One rank: its plan (compiled with device syncs iff ``device_durations`` is given) or
     compiled plan, and its costs (module docstring). ``machine`` groups the ranks sharing cores.
-    For the engine model: ``wake``, the latency of a thread woken by another (off the CPU);
+    For the engine model: ``wake``, the latency of a thread woken by another (off the CPU): a
+    number, or a ``sim.Wake`` with one by what the rank's other threads do then;
     ``split_draws``, whether the data splits a draw in claim and fetch (parallel loads overlap
     their fetches); ``gil``, the share of CPU work that holds the process's GIL (None: not
     modelled). ``cold``: a thread's CPU work after a long stretch off the CPU costs more, and
@@ -89,7 +91,7 @@ class Rank:
     overhead_off: float = 0.0
     machine: int = 0
     device_durations: Durations | None = None
-    wake: float = 0.0
+    wake: float | Wake = 0.0
     split_draws: bool = False
     gil: float | None = None
     cold: Cold | None = None
@@ -238,7 +240,11 @@ def simulate_rank_programs(
         plan = rank.compiled().plan
         phases = tuple(phases)
         validate_programs(plan, phases)
-        for name in ("overhead", "overhead_off", "wake"):
+        try:
+            Wake.of(rank.wake)
+        except ValueError as e:
+            raise SimError(f"wake of rank {k} must be a finite number >= 0 or a sim.Wake: {e}") from None
+        for name in ("overhead", "overhead_off"):
             o = getattr(rank, name)
             if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
                 raise SimError(f"{name} of rank {k} must be a finite number >= 0, got {o!r}")
@@ -271,6 +277,13 @@ def _per_machine(value: Any, machine: int, name: str) -> Any:
     return value
 
 
+def _computes(job: _Job) -> bool:
+    """Whether ``job``'s thread computes now, holding its process's GIL (``sim.wake``): in its
+    CPU part, or in an off-CPU part no longer than the CPU part to follow (a run's waits and work
+    interleave); a wake-up or a run that mostly waits (a load) does not."""
+    return job.phase == "cpu" or (job.phase == "off" and 0 < job.left <= job.cpu)
+
+
 # ---------------------------------------------------------------------- state
 @dataclass(slots=True)
 class _Lane(ReplayLane):
@@ -283,6 +296,7 @@ class _Lane(ReplayLane):
     job: _Job | None = None
     stalled: bool = False
     warmth: Warmth = field(default_factory=Warmth)
+    walk_ended: float = -math.inf  # when it last finished its part of an internal iteration
 
 
 @dataclass(slots=True, eq=False)
@@ -333,6 +347,7 @@ class _RankState(Replay):
         self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.number = number
         self.spec = spec
+        self.wake = Wake.of(0.0)  # the barrier model does not wake threads up late
         self.barrier_mode = barrier
         self.comm = {t: s.comm_group for t, s in plan.schedule.items()}
         self.collectives: dict[str, int] = {}  # comm group -> collectives started
@@ -399,6 +414,7 @@ class _EngineRankState(_RankState):
         self, number: int, spec: Rank, plan: PipelinePlan, phases: tuple[tuple[int, IterationProgram], ...]
     ) -> None:
         super().__init__(number, spec, plan, phases, barrier=False)
+        self.wake = Wake.of(spec.wake)
         self.walkers = EngineModel(plan, phases, spec.split_draws)
         self.threads = self.walkers.names
         self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
@@ -436,6 +452,7 @@ class _EngineRankState(_RankState):
             self.call_clock[instr.d] = list(lane.clock)
         elif isinstance(instr, Done):
             self.done_clock[thread] = list(lane.clock)
+            lane.walk_ended = now  # type: ignore[attr-defined]
 
     def _merge(self, thread: str, lane: ReplayLane, move: Move) -> None:
         """A move that waited for another lane is ordered after what it waited for (vector clocks:
@@ -499,23 +516,21 @@ class _Multi:
         changed = True
         while changed:
             changed = False
+            woken: list[tuple[_RankState, str, _Lane, int, int]] = []
             for s in self.states:
                 while not s.done and s.segment_done():
                     s.load_next_segment(self.now)
                     changed = True
                 if s.done:
                     continue
-                wake = s.spec.wake if isinstance(s, _EngineRankState) else 0.0
                 for thread, lane in s.lanes.items():
                     while lane.job is None and lane.at < len(lane.todo):
                         p, index, instr = lane.todo[lane.at]
                         if s.lane_blocker(thread, p, instr) is not None:
                             lane.stalled = True
                             break
-                        if lane.stalled and wake > 0:  # woken by another thread: off the CPU a while
-                            lane.stalled = False
-                            self._start(_Job(s, thread, p, index, None, p, self.now, 0.0, "off", wake, self.now))
-                            changed = True
+                        if lane.stalled and s.wake.longest > 0:  # woken by another thread: off the CPU a while
+                            woken.append((s, thread, lane, p, index))
                             break
                         lane.stalled = False
                         lane.at += 1
@@ -525,6 +540,25 @@ class _Multi:
                 for job in self.meets.pop(key).values():
                     self._finish(job)
                 changed = True
+            if not changed:
+                changed = self._wake(woken)
+
+    def _wake(self, woken: list[tuple[_RankState, str, _Lane, int, int]]) -> bool:
+        """The threads woken at ``now``, once every other thread did what it can at ``now``: each
+        is off the CPU for its rank's wake-up latency (``sim.wake``: by whether another thread of
+        the rank computes, or just ended its walk). True if one resumes at once (latency 0)."""
+        again = False
+        for s, thread, lane, p, index in woken:
+            lane.stalled = False
+            others = [o for t, o in s.lanes.items() if t != thread]
+            busy = any(o.job is not None and _computes(o.job) for o in others)
+            ended = any(o.walk_ended == self.now for o in others)
+            latency = s.wake.latency(busy=busy, walk_ended=ended)
+            if latency > 0:
+                self._start(_Job(s, thread, p, index, None, p, self.now, 0.0, "off", latency, self.now))
+            else:
+                again = True
+        return again
 
     def _execute(self, s: _RankState, thread: str, lane: _Lane, p: int, index: int, instr: Instr | None) -> None:
         where = f"rank {s.number}, thread {thread!r}, internal iteration {p}"
