@@ -8,9 +8,10 @@ plans: from the end of the task a thread waited for to the start of its next tas
 
 * **busy**: another thread of the process computes. The woken thread waits until that one
   lets go of the GIL: 0.07 ms beside TrainPipelinePEC's embedding lookup, about 0.5 ms beside
-  TrainPipelineSparseDist's first tasks of a step, 1.3-3.3 ms beside TrainPipelineBase's and
-  PrefetchTrainPipelineSparseDist's forward. What a task does between its kernels decides it,
-  and a profile of the default plan (one thread) cannot tell; 0.5 ms is the middle.
+  TrainPipelineSparseDist's first tasks of a step, 1.4-3.3 ms beside
+  PrefetchTrainPipelineSparseDist's forward, the whole forward (2.9 ms) beside
+  TrainPipelineBase's. What a task does between its kernels decides it, and a profile of the
+  default plan (one thread) cannot tell; 0.5 ms is the middle.
 * **walk_end**: no other thread computes, but one has just finished its part of an internal
   iteration (``engine_model.Done``): the engine's bookkeeping at a walk's end runs before the
   woken thread gets the GIL, 0.16-0.29 ms.
