@@ -156,7 +156,7 @@ def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> l
         return max((q for q in others if layout(q) == layout(p)), key=lambda q: q.lookahead)
 
     def moved(p: PipelinePlan) -> int:
-        return sum(p.task(t).thread_group != MAIN_THREAD for t in p.fire_order)
+        return sum(len(tasks) for tasks in off_main(p).values())
 
     picked = [others[0]]
     wanted = []
@@ -398,15 +398,20 @@ class Trial:
         return out
 
 
-def describe(plan: PipelinePlan) -> str:
-    """A plan's overlap choices in words: its threads with the tasks off the calling thread (two
-    plans may share threads and differ in what runs there), lookahead and loads."""
+def off_main(plan: PipelinePlan) -> dict[str, list[str]]:
+    """The tasks off the calling thread, by thread, in fire order."""
     moved: dict[str, list[str]] = {}
     for t in plan.fire_order:
         thread = plan.task(t).thread_group
         if thread != MAIN_THREAD:
             moved.setdefault(thread, []).append(t)
-    where = "; ".join(f"{', '.join(tasks)} on {thread}" for thread, tasks in moved.items())
+    return moved
+
+
+def describe(plan: PipelinePlan) -> str:
+    """A plan's overlap choices in words: its threads with the tasks off the calling thread (two
+    plans may share threads and differ in what runs there), lookahead and loads."""
+    where = "; ".join(f"{', '.join(tasks)} on {thread}" for thread, tasks in off_main(plan).items())
     return (
         f"threads {list(plan.thread_groups)}"
         + (f" ({where})" if where else "")
