@@ -1,7 +1,7 @@
 """What the engine is for: a data loader that waits on storage, overlapped with training - against
 the ways a user of upstream TorchRec would hide that wait.
 
-    python benchmarks/overlap.py                    # 2 ranks then 1 rank; latencies 5, 10, 20 ms (24 min on 2026-11-24)
+    python benchmarks/overlap.py                    # 2 ranks then 1 rank; latencies 5, 10, 20 ms (21 min on 2026-11-29)
     python benchmarks/overlap.py --quick            # latencies 5 and 20 ms, fewer steps (3 min before the memory pass)
     python benchmarks/overlap.py --ranks 1 --latencies-ms 10 --steps 300
 
@@ -627,10 +627,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sizes", type=size_arg, default=["small"], help=f"comma-separated, of {', '.join(SIZES)} (default: small)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="timed steps at least (default: 150, --quick 40)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps at least (default: 200, --quick 40)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20, --quick 10)")
     parser.add_argument(
-        "--block", type=int, default=None, help="steps of a contender per round (default: 60, --quick 40)"
+        "--block", type=int, default=None, help="steps of a contender per round (default: 40, --quick 40)"
     )
     parser.add_argument("--skip", type=int, default=None, help="untimed steps per block (default: half the block)")
     parser.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers (default: %(default)s)")
@@ -651,9 +651,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
     args.latencies_ms = args.latencies_ms or ([5.0, 20.0] if args.quick else [5.0, 10.0, 20.0])
-    args.steps = args.steps or (40 if args.quick else 150)
+    args.steps = args.steps or (40 if args.quick else 200)
     args.warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
-    args.block = args.block or (40 if args.quick else 60)
+    args.block = args.block or 40
     args.skip = args.skip if args.skip is not None else args.block // 2
     unknown = [c for c in args.contenders if c not in CONTENDERS]
     if unknown:
