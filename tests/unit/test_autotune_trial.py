@@ -18,7 +18,16 @@ import torch
 import torchrec_swp
 from tests.unit.test_autotune import FAST, Slow, Summing, same, train
 from torchrec_swp import Autotune, plans
-from torchrec_swp.autotune.trial import measured_steps, needs_quiet, pick, race, t_quantile, trial_bound
+from torchrec_swp.autotune.trial import (
+    Trial,
+    engine_threads,
+    measured_steps,
+    needs_quiet,
+    pick,
+    race,
+    t_quantile,
+    trial_bound,
+)
 from torchrec_swp.autotune.tuner import DRIFT_CHECKS
 from torchrec_swp.data import MapSource
 from torchrec_swp.plan import PipelinePlan
@@ -59,6 +68,44 @@ def test_a_candidate_out_of_the_race_is_not_judged_again() -> None:
     assert best == 1 and standing[0] is None and standing[2] is not None and standing[2].state == "slower"
 
 
+def _ended(samples: list[list[float]], plans_: list[PipelinePlan]) -> tuple[Trial, int]:
+    """A trial of ``plans_`` whose cycles measured ``samples`` (one rank; a plan out of the race
+    measures no more), judged after each cycle; and its measured best."""
+    t = Trial(plans_, [None] * len(plans_), 0, 6, len(samples[0]))
+    for c in range(1, len(samples[0]) + 1):
+        t.cycle = c
+        rows = [row[: c if t.alive[i] else t.out_after[i]] for i, row in enumerate(samples)]
+        verdict = Trial.judge([rows], t.alive, 0.05, 0.9)
+        if not t.take(verdict):
+            break
+    return t, verdict["best"]
+
+
+def test_a_plan_not_told_apart_from_the_best_wins_on_fewer_threads_within_the_margin() -> None:
+    running = plans.default_plans()["TrainPipelineSparseDist"].replace(lookahead=0)
+    three = plans.with_parallel_loads(running, 3, lookahead=3)  # 3 engine threads
+    two = plans.with_parallel_loads(running, 2, lookahead=2)  # 2
+    one = plans.with_parallel_loads(running, 1, lookahead=3)  # 1
+    assert [engine_threads(p) for p in (running, three, two, one)] == [0, 3, 2, 1]
+    samples = [
+        [20.0, 20.5, 19.8, 20.2],  # the running plan: slower
+        [7.0, 7.4, 6.9, 7.3],  # the measured best
+        [7.9, 6.9, 8.0, 7.2],  # x1.05 the best's step, the interval wide: not told apart
+        [9.0, 9.2, 8.9, 9.1],  # one thread, but slower: told apart
+    ]
+    t, best = _ended(samples, [running, three, two, one])
+    assert best == 1 and t.cycle == 4
+    states = [None if s is None else s.state for s in t.standings]
+    assert states[2] == "racing" and states[3] == "slower" and states[0] == "slower"
+    assert not t.keeps_running(best, 0.05)
+    assert t.winner(best, 0.1) == 2  # two loads: within 10% of the best, one thread fewer
+    assert t.winner(best, 0.03) == 1  # x1.05 is beyond a 3% margin
+    assert t.winner(best, None) == 1
+    # where the cheaper plan measured faster still, the faster of the close ones with its threads
+    t, best = _ended([samples[0], samples[1], samples[2], [7.0, 7.6, 6.8, 7.4]], [running, three, two, one])
+    assert t.winner(best, 0.1) == 3
+
+
 def test_the_bound_counts_every_visit_wait_and_switch() -> None:
     # 3 plans, 5 steps, 4 cycles, lookahead <= 3, loads <= 3: a visit catches up 3, settles 3 + 3
     # + 1, measures 5 rounded up to loads (7); a cycle waits 3 + 1 for the ranks to agree
@@ -71,7 +118,7 @@ def base(**changes: Any) -> PipelinePlan:
     return plans.default_plans()["TrainPipelineBase"].replace(**changes)
 
 
-def test_candidates_are_the_best_then_other_loads_then_other_layouts() -> None:
+def test_candidates_are_the_best_then_other_loads_then_its_run_ahead_then_other_layouts() -> None:
     running = base(lookahead=0)
     io = running.with_thread_map({"LoadBatch": "io"})
     ranked = [
@@ -86,32 +133,41 @@ def test_candidates_are_the_best_then_other_loads_then_other_layouts() -> None:
     assert pick(ranked, running, 3) == [ranked[0], ranked[2], ranked[3]]
     assert pick(ranked, running, 9) == [ranked[0], ranked[2], ranked[3]]  # never the running one
     assert pick(ranked, running, 0) == []
-    # the best's layout further ahead comes second
+    # one load on a thread is another number of loads: it comes before the best's deeper run-ahead
     deeper = [io.replace(lookahead=1), ranked[2], io.replace(lookahead=3), io.replace(lookahead=2)]
-    assert pick(deeper, running, 2) == [deeper[0], deeper[2]]
-    assert pick(deeper, running, 3) == [deeper[0], deeper[2], deeper[1]]
+    assert pick(deeper, running, 2) == [deeper[0], deeper[1]]
+    assert pick(deeper, running, 3) == [deeper[0], deeper[1], deeper[2]]
+    # with one number of loads only, the best's deeper run-ahead comes second
+    alone = [io.replace(lookahead=1), io.replace(lookahead=3), io.replace(lookahead=2)]
+    assert pick(alone, running, 2) == [alone[0], alone[1]]
     # another number of loads at its deepest run-ahead: parallel loads without one barely overlap
     loads = [io.replace(lookahead=1), plans.with_parallel_loads(running, 2, lookahead=0)]
     loads.append(plans.with_parallel_loads(running, 2, lookahead=2))
     assert pick(loads, running, 2) == [loads[0], loads[2]]
 
 
-def test_where_the_best_moves_more_tasks_the_layout_moving_the_fewest_comes_second() -> None:
+def test_the_loads_alone_of_every_number_of_loads_come_before_the_favourites_other_moves() -> None:
     # the model's favourite takes the input dist to a thread of its own besides the loads; the
-    # plan moving the loads alone (what a user picks by hand) is ranked lower, but tried before
-    # the favourite's deeper run-ahead and before another number of loads
+    # plan moving the loads alone (what a user picks by hand) is ranked lower, but tried second,
+    # then the loads alone of each other number of loads, then the favourite's deeper run-ahead
     running = plans.default_plans()["TrainPipelineSparseDist"].replace(lookahead=0)
     loads = plans.with_parallel_loads(running, 2, lookahead=2)
     dist = loads.with_thread_map({"InputDistStart": "dist", "InputDistWait": "dist"})
     three = plans.with_parallel_loads(running, 3, lookahead=3)
-    ranked = [dist, dist.replace(lookahead=3), loads.replace(lookahead=1), three, loads, running]
+    three_dist = three.with_thread_map({"InputDistStart": "dist", "InputDistWait": "dist"})
+    one = plans.with_parallel_loads(running, 1, lookahead=1)  # the Fetch alone on a thread
+    ranked = [dist, three_dist, dist.replace(lookahead=3), loads.replace(lookahead=1), three, loads]
+    ranked += [one.replace(lookahead=1), one.replace(lookahead=3), running]
     assert pick(ranked, running, 1) == [dist]
     assert pick(ranked, running, 2) == [dist, loads]  # the loads-only layout, furthest ahead
-    assert pick(ranked, running, 3) == [dist, loads, dist.replace(lookahead=3)]
-    assert pick(ranked, running, 4) == [dist, loads, dist.replace(lookahead=3), three]
-    # where the favourite moves as few tasks as any other, nothing changes
-    assert pick(ranked[2:], running, 2) == [ranked[2], loads]
-    assert pick(ranked[2:], running, 3) == [ranked[2], loads, three]
+    assert pick(ranked, running, 3) == [dist, loads, three]  # not three_dist, ranked above it
+    assert pick(ranked, running, 4) == [dist, loads, three, one.replace(lookahead=3)]
+    assert pick(ranked, running, 5) == [dist, loads, three, one.replace(lookahead=3), dist.replace(lookahead=3)]
+    assert pick(ranked, running, 6)[-1] == three_dist  # then the other layouts
+    # where the favourite moves as few tasks as any other, the other numbers of loads come next
+    assert pick(ranked[3:], running, 2) == [ranked[3], three]
+    assert pick(ranked[3:], running, 3) == [ranked[3], three, one.replace(lookahead=3)]
+    assert pick(ranked[3:], running, 4) == [ranked[3], three, one.replace(lookahead=3), loads]
 
 
 def test_a_plan_that_runs_ahead_with_a_collective_off_the_calling_thread_needs_a_quiet_call() -> None:

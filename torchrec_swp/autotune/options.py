@@ -60,8 +60,10 @@ class Autotune:
       (``autotune.trial``): the running plan and the search's best ``candidates`` others run in
       turn (A, B, C, A, B, C ...), ``trial_steps`` steps measured per visit, until the
       measurements tell them apart at ``confidence`` (a t interval of the step ratio, paired by
-      cycle) or after ``trial_cycles`` cycles; the measured best is kept (``candidates`` 0:
-      switch on the prediction alone);
+      cycle) or after ``trial_cycles`` cycles; the measured best is kept, or a candidate not
+      told apart from it, measured at most ``thread_margin`` (a share) slower, that runs fewer
+      engine threads (None: the measured best alone; ``candidates`` 0: switch on the prediction
+      alone);
     * ``verify`` steps later, the measured step is reported beside the prediction;
     * then every ``drift_every`` steps the mean step of the last ``verify`` (the time per batch:
       parallel loads deliver in bursts, which a median misses) is compared with the one
@@ -106,6 +108,7 @@ class Autotune:
     trial_steps: int = 6
     trial_cycles: int = 4
     confidence: float = 0.9
+    thread_margin: float | None = 0.1
     drift: float | None = 0.25
     drift_every: int = 200
     retunes: int = 2
@@ -137,6 +140,11 @@ class Autotune:
         c = self.confidence
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.5 <= c < 1:
             raise ValueError(f"Autotune: confidence must be a share in [0.5, 1), got {c!r}")
+        m = self.thread_margin
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1):
+            raise ValueError(
+                f"Autotune: thread_margin must be a share in [0, 1) or None (the measured best), got {m!r}"
+            )
         d = self.drift
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < 1):
             raise ValueError(f"Autotune: drift must be a share in (0, 1) or None (never re-tune), got {d!r}")

@@ -18,12 +18,11 @@ switch; ``tuner.py`` drives it call by call, this module holds what is pure).
 * **bound**: at most ``trial_cycles`` cycles of ``len(candidates)`` visits each, each visit one
   switch and at most ``visit_steps`` calls (``trial_bound``).
 
-Candidates (``pick``): the search's best, the best layout moving the fewest tasks off the
-calling thread (where the best moves more), the best's layout running furthest ahead, then the
-best layout of each other number of loads and the next distinct thread layouts, each running
-furthest ahead, in the model's order: plans the model tells apart least well (loads that wait on
-one another, threads that contend, a run-ahead that absorbs a loader's jitter) are those the trial
-measures.
+Candidates (``pick``): the search's best; the plan moving the loads alone (the fewest tasks off
+the calling thread) of each number of loads, its best's first; the best's layout running further
+ahead; then the next distinct thread layouts, each running furthest ahead, in the model's order:
+plans the model tells apart least well (loads that wait on one another, threads that contend, a
+run-ahead that absorbs a loader's jitter) are those the trial measures.
 """
 
 from __future__ import annotations
@@ -130,16 +129,18 @@ def needs_quiet(plan: PipelinePlan) -> bool:
 
 def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> list[PipelinePlan]:
     """Up to ``count`` plans to try beside ``running``, from ``ranked`` (the model's order, best
-    first): the best; where the best moves more tasks off the calling thread than another layout
-    does, the best layout moving the fewest (at least one); the best's layout running furthest
-    ahead; then, for each number of loads not yet picked, its best layout running furthest ahead;
-    then the same for each thread layout (threads, loads, comm groups) not yet picked. The model,
-    of mean costs, does not see what a deeper run-ahead absorbs of a loader's jitter (nor parallel
-    loads without one) and within its tie prefers fewer batches in flight; it underrates what a
-    thread of its own costs the tasks that share the cores with it (an input dist or a copy moved
-    off the calling thread, on ranks that share two cores, measured slower than the plan moving the
-    loads alone): the trial measures both. ``running`` and repeats are left out. Each picked layout
-    but the best's runs furthest ahead."""
+    first): the best; then, for each number of loads (the best's first, then in the model's
+    order), the best layout moving the fewest tasks off the calling thread (at least one) with
+    that many loads, running furthest ahead - where it is the best's own layout and number of
+    loads, it is left for later; then the best's layout running furthest ahead; then the best
+    layout of each other thread layout (threads, loads, comm groups) not yet picked, furthest
+    ahead. The model, of mean costs, tells the number of loads apart least well (loads that wait
+    on one another, bursts that a run-ahead absorbs or not) and within its tie prefers fewer
+    batches in flight; it underrates what a thread of its own costs the tasks that share the
+    cores with it (an input dist or a copy moved off the calling thread, on ranks that share two
+    cores, measured slower than the plan moving the loads alone): the trial measures both, and a
+    deeper run-ahead of one layout (measured within a few percent of its shallower one on this
+    project's machines) only after. ``running`` and repeats are left out."""
 
     def layout(p: PipelinePlan) -> tuple[object, ...]:
         return (
@@ -151,6 +152,7 @@ def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> l
     others = [p for p in dict.fromkeys(ranked) if p != running]
     if not others or count < 1:
         return []
+    best = others[0]
 
     def deepest(p: PipelinePlan) -> PipelinePlan:
         return max((q for q in others if layout(q) == layout(p)), key=lambda q: q.lookahead)
@@ -158,23 +160,20 @@ def pick(ranked: Sequence[PipelinePlan], running: PipelinePlan, count: int) -> l
     def moved(p: PipelinePlan) -> int:
         return sum(len(tasks) for tasks in off_main(p).values())
 
-    picked = [others[0]]
     wanted = []
-    least = min((moved(p) for p in others if moved(p) > 0), default=0)
-    fewest = next((p for p in others if moved(p) == least), None)
-    if fewest is not None and layout(fewest) not in (layout(others[0]), layout(running)):
-        wanted.append(deepest(fewest))
-    wanted.append(deepest(others[0]))
-    loads_seen = {others[0].loads}
-    for p in others:
-        if p.loads not in loads_seen:
-            loads_seen.add(p.loads)
-            wanted.append(deepest(p))
-    layouts_seen = {layout(others[0]), layout(running)}
+    for loads in dict.fromkeys([best.loads] + [p.loads for p in others]):
+        moving = [p for p in others if p.loads == loads and moved(p) > 0]
+        least = min((moved(p) for p in moving), default=0)
+        fewest = next((p for p in moving if moved(p) == least), None)
+        if fewest is not None and layout(fewest) not in (layout(best), layout(running)):
+            wanted.append(deepest(fewest))
+    wanted.append(deepest(best))
+    layouts_seen = {layout(best), layout(running)}
     for p in others:
         if layout(p) not in layouts_seen:
             layouts_seen.add(layout(p))
             wanted.append(deepest(p))
+    picked = [best]
     for p in wanted:
         if len(picked) >= count:
             break
@@ -372,6 +371,25 @@ class Trial:
         s0 = self.standings[0]
         return best != 0 and self.alive[0] and s0 is not None and s0.ratio < 1 + noise
 
+    def winner(self, best: int, margin: float | None) -> int:
+        """At the end, the running plan not kept (``keeps_running``): the plan to run. The
+        measured best ``best``, unless candidates the trial could not tell from it (still racing
+        at the bound, or left *equal*) measured at most ``margin`` (a share) slower run fewer
+        engine threads (``engine_threads``): then the one of them running the fewest, the faster
+        of those alike. On a machine whose cores the job shares, a thread more costs the other
+        tasks CPU that a short visit shows only in part; where the measurements do not tell two
+        plans apart, the cheaper is the safer bet. ``margin`` None: the measured best."""
+        if margin is None:
+            return best
+        close = [best]
+        for i in range(1, len(self.plans)):
+            s = self.standings[i]
+            if i == best or s is None or s.ratio > 1 + margin:
+                continue
+            if (self.alive[i] and s.state == "racing") or s.state == "equal":
+                close.append(i)
+        return min(close, key=lambda i: (engine_threads(self.plans[i]), 1.0 if i == best else self.standings[i].ratio))  # type: ignore[union-attr]
+
     def results(self, best: int, combined: Sequence[Sequence[float]], confidence: float) -> list[Tried]:
         """Every candidate's record (``Tried``) at the end, against the measured best ``best``."""
         out = []
@@ -396,6 +414,12 @@ class Trial:
                 )
             )
         return out
+
+
+def engine_threads(plan: PipelinePlan) -> int:
+    """The threads ``plan`` runs besides the calling thread: its thread groups, one per load of
+    its source."""
+    return len((set(plan.thread_groups) | set(plan.source_lanes())) - {MAIN_THREAD})
 
 
 def off_main(plan: PipelinePlan) -> dict[str, list[str]]:
@@ -450,6 +474,7 @@ __all__ = [
     "Tried",
     "Visit",
     "describe",
+    "engine_threads",
     "mean_interval",
     "measured_steps",
     "needs_quiet",

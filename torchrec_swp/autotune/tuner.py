@@ -65,7 +65,17 @@ from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, 
 from torchrec_swp.autotune.options import Autotune, PrintedReport
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
-from torchrec_swp.autotune.trial import SETTLE, Trial, Tried, describe, needs_quiet, pick, settle_steps, tried_line
+from torchrec_swp.autotune.trial import (
+    SETTLE,
+    Trial,
+    Tried,
+    describe,
+    engine_threads,
+    needs_quiet,
+    pick,
+    settle_steps,
+    tried_line,
+)
 from torchrec_swp.catalog.torchrec import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
@@ -576,7 +586,7 @@ class Tuner:
         o = self.options
         before = self.engine.plan
         keep = t.keeps_running(best, o.noise)
-        won = 0 if keep else best
+        won = 0 if keep else t.winner(best, o.thread_margin)
         if self._on != won:
             self._switch(t.plans[won])
             self._on = won
@@ -591,6 +601,14 @@ class Tuner:
         )
         if keep:
             kept = f"the measured best was not told apart from it in {t.cycle} cycles, nor faster by the noise"
+        elif won != best:
+            s = t.standings[won]
+            assert s is not None
+            kept = (
+                f"runs {describe(t.plans[won])}: not told apart from the measured best (x{s.ratio:.2f} its step, "
+                f"interval x{s.low:.2f}-x{s.high:.2f}, within the margin {100 * o.thread_margin:.0f}%), on "
+                f"{engine_threads(t.plans[won])} engine threads against {engine_threads(t.plans[best])}"
+            )
         elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
             kept = f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
         else:
@@ -606,7 +624,7 @@ class Tuner:
                 *(w for w in p.why if not w.startswith("keeps the plan")),
                 line,
                 *(tried_line(i, x, o.confidence) for i, x in enumerate(tried)),
-                *((f"keeps the plan: {kept}",) if won == 0 else ()),
+                *((f"keeps the plan: {kept}",) if won == 0 else (f"fewer threads: {kept}",) if won != best else ()),
             ),
             tried=tuple(tried),
             visits=tuple(t.order),
