@@ -253,6 +253,33 @@ def test_it_picks_the_measured_best_when_the_models_favourite_carries_a_cost_it_
     ), text
 
 
+def test_the_tuner_runs_the_plan_the_trial_keeps_on_fewer_threads_and_says_why(monkeypatch: Any) -> None:
+    # which candidate the timing makes the cheaper close one is chance; the rule is on numbers
+    # above: here the trial's end keeps a candidate other than its measured best, and the tuner
+    # must run it, report it and train bit for bit
+    kept: dict[str, int] = {}
+
+    def winner(self: Trial, best: int, margin: float | None) -> int:
+        assert margin == Autotune().thread_margin
+        others = [i for i in range(1, len(self.plans)) if i != best and self.standings[i] is not None]
+        kept["index"], kept["best"] = min(others, key=lambda i: engine_threads(self.plans[i])), best
+        return kept["index"]
+
+    monkeypatch.setattr(Trial, "winner", winner)
+    lines: list[str] = []
+    tuning = Autotune(**FAST, rounds=1, candidates=2, report=lines.append)
+    tuned, pipeline, weights = train(300, 0.006, autotune=tuning)
+    plain, _, plain_weights = train(300, 0.006)
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided and kept, lines
+    assert d.tried[kept["best"]].verdict == "best" and d.plan == d.tried[kept["index"]].plan, lines
+    assert d.predicted_s == d.tried[kept["index"]].predicted_s
+    line = next(w for w in d.why if w.startswith("fewer threads: runs threads"))
+    assert re.search(r"not told apart from the measured best \(x\d\.\d\d its step, interval x\d\.\d\d-x", line)
+    assert re.search(r"on \d engine thread\(s\) against \d", line), line
+
+
 def test_visits_interleave_and_the_trial_keeps_its_bound() -> None:
     tuning = Autotune(**{**FAST, "trial_cycles": 3}, rounds=1, candidates=2, confidence=0.999, report=None)
     tuned, pipeline, weights = train(300, 0.006, autotune=tuning)

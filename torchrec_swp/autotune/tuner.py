@@ -607,7 +607,7 @@ class Tuner:
             kept = (
                 f"runs {describe(t.plans[won])}: not told apart from the measured best (x{s.ratio:.2f} its step, "
                 f"interval x{s.low:.2f}-x{s.high:.2f}, within the margin {100 * o.thread_margin:.0f}%), on "
-                f"{engine_threads(t.plans[won])} engine threads against {engine_threads(t.plans[best])}"
+                f"{engine_threads(t.plans[won])} engine thread(s) against {engine_threads(t.plans[best])}"
             )
         elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
             kept = f"the measured best is within the noise ({100 * o.noise:.0f}%) of it"
