@@ -381,14 +381,14 @@ class Trial:
         plans apart, the cheaper is the safer bet. ``margin`` None: the measured best."""
         if margin is None:
             return best
-        close = [best]
+        close = {best: 1.0}  # candidate -> its step over the best's
         for i in range(1, len(self.plans)):
             s = self.standings[i]
             if i == best or s is None or s.ratio > 1 + margin:
                 continue
             if (self.alive[i] and s.state == "racing") or s.state == "equal":
-                close.append(i)
-        return min(close, key=lambda i: (engine_threads(self.plans[i]), 1.0 if i == best else self.standings[i].ratio))  # type: ignore[union-attr]
+                close[i] = s.ratio
+        return min(close, key=lambda i: (engine_threads(self.plans[i]), close[i]))
 
     def results(self, best: int, combined: Sequence[Sequence[float]], confidence: float) -> list[Tried]:
         """Every candidate's record (``Tried``) at the end, against the measured best ``best``."""
