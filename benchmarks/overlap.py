@@ -57,8 +57,10 @@ time counts divided by its parallel loads, which share it); efficiency = bound /
 steps of all rounds, and **without the winner's curse** (``held_out``): the best chosen on the
 even rounds judged against it on the odd ones, and the other way round. Where several plans of
 ours hit the same bound (compute binds), the fastest of them by the same rounds' means is the
-luckiest, and a plan as fast as they are falls short of it by that luck alone. Beside it, the
-run's own noise (``halves_noise``): how far each contender's even and odd rounds lie apart.
+luckiest, and a plan as fast as they are falls short of it by that luck alone. The held-out
+ratio comes with its 90% interval, the judged rounds paired: what the run can tell apart.
+Beside it, the run's own noise (``halves_noise``): how far each contender's even and odd rounds
+lie apart.
 
 Then a memory pass: each contender alone in new rank processes for ``--memory-steps`` steps at
 the first latency; its peak RSS per rank (the largest rank's ``ru_maxrss``; for DataLoader
@@ -109,6 +111,8 @@ CONTENDERS = (
 PEERS = tuple(c for c in CONTENDERS if c.startswith("upstream"))
 OURS = tuple(c for c in CONTENDERS if c.startswith("ours"))
 ASYNC_COPY = ("upstream+async_copy", "upstream+async_copy(forced)")
+#: the held-out ratio's interval (``held_out``)
+HELD_OUT_CONFIDENCE = 0.9
 
 
 def io_map(task: Any) -> str:
@@ -326,19 +330,35 @@ def held_out(r: dict[str, Any], picked: list[str], against: str) -> dict[str, An
     faster there than it is (its luck chose it); where they are as fast as one another (compute
     binds), that luck is what ``against`` would be compared with. ``ratio``: the geometric mean
     of the two halves' ``best / against`` mean steps (above 1: ``against`` is faster). None with
-    fewer than 2 rounds."""
+    fewer than 2 rounds.
+
+    ``low``, ``high``: its ``HELD_OUT_CONFIDENCE`` interval, from the judged rounds paired (each
+    round's ``log(best / against)``, the two contenders a few seconds apart: the machine's slow
+    spells fall on both), the two halves' t intervals of the mean combined; None below 2 judged
+    rounds per half. What a run can tell apart: where it spans 0.95 and 1.05 alike, the run
+    cannot say whether ``against`` is 5% behind or 5% ahead."""
     rounds = {label: r[label].get("rounds_ms") or [] for label in [*picked, against]}
     n = min(len(v) for v in rounds.values())
     if n < 2 or not picked:
         return None
     halves = (range(0, n, 2), range(1, n, 2))
-    picks, ratios = [], []
+    picks, ratios, paired = [], [], []
     for chosen_on, judged_on in (halves, halves[::-1]):
         best = min(picked, key=lambda label: statistics.fmean(rounds[label][i] for i in chosen_on))
         judged = statistics.fmean(rounds[best][i] for i in judged_on)
         picks.append(best)
         ratios.append(judged / statistics.fmean(rounds[against][i] for i in judged_on))
-    return {"picks": picks, "ratios": ratios, "ratio": math.sqrt(ratios[0] * ratios[1])}
+        paired.append([math.log(rounds[best][i] / rounds[against][i]) for i in judged_on])
+    ratio = math.sqrt(ratios[0] * ratios[1])
+    low = high = None
+    if all(len(p) >= 2 for p in paired):
+        from torchrec_swp.autotune.trial import t_quantile
+
+        # the mean of the halves' logs: each half's variance of its mean, a quarter each
+        se = math.sqrt(sum(statistics.variance(p) / len(p) for p in paired)) / 2
+        half = t_quantile(HELD_OUT_CONFIDENCE, sum(len(p) - 1 for p in paired)) * se
+        low, high = ratio * math.exp(-half), ratio * math.exp(half)
+    return {"picks": picks, "ratios": ratios, "ratio": ratio, "low": low, "high": high}
 
 
 def halves_noise(r: dict[str, Any], labels: list[str]) -> dict[str, Any] | None:
@@ -537,6 +557,11 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
                 "- ours+autotune vs the best hand-picked of ours chosen on the other half of the rounds (without the "
                 f"winner's curse): {h['picks'][0]} (chosen on the even rounds) {h['ratios'][0]:.2f}x on the odd ones, "
                 f"{h['picks'][1]} {h['ratios'][1]:.2f}x on the even ones: **{h['ratio']:.2f}x**"
+                + (
+                    ""
+                    if h.get("low") is None
+                    else f" ({100 * HELD_OUT_CONFIDENCE:.0f}% interval {h['low']:.2f}-{h['high']:.2f}x, rounds paired)"
+                )
             )
     if peers:
         best = min(peers, key=lambda p: r[p]["mean_ms"])

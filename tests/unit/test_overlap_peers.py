@@ -159,6 +159,41 @@ def test_the_held_out_best_is_chosen_on_one_half_and_judged_on_the_other() -> No
     assert held_out(one_round, ["ours+a"], "ours+autotune") is None
 
 
+def test_the_held_out_ratio_has_an_interval_from_the_judged_rounds_paired() -> None:
+    row = {
+        # chosen on the even rounds (9 ms), judged on the odd ones: 1.0, 1.1, 1.05, 1.05 of the tuner's
+        "ours+a": {"rounds_ms": [9.0, 10.0, 9.0, 11.0, 9.0, 10.5, 9.0, 10.5]},
+        # chosen on the odd rounds (9.5 ms), judged on the even ones: 1.05 of the tuner's each time
+        "ours+b": {"rounds_ms": [10.5, 9.5, 10.5, 9.5, 10.5, 9.5, 10.5, 9.5]},
+        "ours+autotune": {"rounds_ms": [10.0] * 8},
+    }
+    got = held_out(row, ["ours+a", "ours+b"], "ours+autotune")
+    assert got is not None
+    assert got["picks"] == ["ours+a", "ours+b"]
+    assert got["ratio"] == pytest.approx(1.05)
+    # by hand: the odd rounds' logs 0, .09531, .04879, .04879 vary (variance .0015144, of their mean
+    # .0003786), the even rounds' not; se = sqrt(.0003786) / 2 = .009729; t(90%, 3 + 3 df) = 1.9432
+    assert got["low"] == pytest.approx(1.05 * math.exp(-1.9432 * 0.009729), abs=2e-4)
+    assert got["high"] == pytest.approx(1.05 * math.exp(1.9432 * 0.009729), abs=2e-4)
+    assert got["low"] < got["ratio"] < got["high"]
+    # the tuner as noisy as the others in step with them (the same slow rounds): a narrower interval
+    # than the same rounds shuffled against its own
+    base = [10.0, 10.0, 12.0, 12.0, 10.0, 10.0, 12.0, 12.0]
+    together = {
+        "ours+a": {"rounds_ms": [0.98 * x for x in base]},
+        "ours+autotune": {"rounds_ms": base},
+    }
+    apart = {"ours+a": together["ours+a"], "ours+autotune": {"rounds_ms": base[2:] + base[:2]}}
+    narrow, wide = held_out(together, ["ours+a"], "ours+autotune"), held_out(apart, ["ours+a"], "ours+autotune")
+    assert narrow is not None and wide is not None
+    assert narrow["low"] == pytest.approx(0.98) and narrow["high"] == pytest.approx(0.98)
+    assert wide["high"] - wide["low"] > 0.1
+    # one judged round a half: no interval
+    two_rounds = {k: {"rounds_ms": v["rounds_ms"][:2]} for k, v in row.items()}
+    short = held_out(two_rounds, ["ours+a", "ours+b"], "ours+autotune")
+    assert short is not None and short["low"] is None and short["high"] is None
+
+
 def test_the_halves_noise_is_how_far_one_contenders_even_and_odd_rounds_lie_apart() -> None:
     row = {
         "a": {"rounds_ms": [10.0, 11.0, 10.0, 11.0]},
