@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -329,26 +328,6 @@ def test_cli_reorders_on_request_and_refuses_old_or_missing_files(
     assert main(["--profile", str(path), "--out", str(out), "--quiet"]) == 2
     assert "has no measured iterations" in capsys.readouterr().err
     assert main(["--profile", str(tmp_path / "missing.json"), "--out", str(out), "--quiet"]) == 2
-
-
-def test_ranks_that_fill_their_machines_cores_are_taken_as_measured_without_the_cold_rule() -> None:
-    def world(size: int, cores: int | None, hosts: tuple[str, ...] = ("a",)) -> list[Profile]:
-        return [sleep_profile(rank=r, world_size=size, host=hosts[r % len(hosts)], cores=cores) for r in range(size)]
-
-    def colds(inputs: Any) -> set[Any]:
-        return {c.cold for c in inputs.calibration.ranks}
-
-    crowded = from_profiles(world(2, 2))  # 2 gloo ranks on a 2-core machine
-    assert colds(crowded) == {None}
-    assert any("no cold-thread rule: 2 ranks share a machine's 2 cores" in n for n in crowded.notes)
-    assert all(r.cold is None for r in crowded.calibration.simulation_ranks("mean"))
-    roomy = from_profiles(world(2, 4))  # a core to spare: a thread's core idles while it waits
-    assert colds(roomy) == {DEFAULT_COLD} and not any("cold" in n for n in roomy.notes)
-    assert colds(from_profiles(world(1, 2))) == {DEFAULT_COLD}
-    assert colds(from_profiles(world(2, 2, hosts=("a", "b")))) == {DEFAULT_COLD}  # one rank a machine
-    assert colds(from_profiles(world(2, None))) == {DEFAULT_COLD}  # cores unknown: the rule as given
-    assert colds(from_profiles(world(2, None), cores=2)) == {None}
-    assert colds(from_profiles(world(2, 4), cold=None)) == {None}
 
 
 def test_the_search_inputs_take_costs_back_to_warm_with_the_machines_cold_rule() -> None:

@@ -7,15 +7,6 @@ last rank's arrival on, the calling thread's overhead per step, each run's CPU w
 what it costs warm: ``DEFAULT_COLD``) and the ``Machine``: which rank
 runs where (by host name), each machine's cores, the wake-up latency and the GIL share given.
 
-The cold-thread rule applies where a machine has more cores than ranks. With as many ranks as
-cores (2 gloo ranks on 2 cores), a thread that waits does not leave its core idle: another
-rank's threads take it, in every plan alike, so a plan that keeps the thread busy does not find
-it warmer; there the costs are taken as measured (said in ``Inputs.notes``). Measured: at 2
-ranks on 2 cores, the plans that overlap spent about as much CPU per step as the default plan,
-where the rule expects less; without it there, the mean costs predict 23-30 of 37 two-rank
-configurations of three ``sim_vs_real`` recordings within 10% from the default's profile instead
-of 17-18 (``docs/autosched.md`` section 7).
-
 A rank whose profile is missing is a ProfileError naming the ranks missing, unless
 ``fill_missing``: then each missing rank is taken to cost what the lowest rank given costs (said
 in ``Inputs.notes``, naming both), for a quick look from one rank's file.
@@ -115,13 +106,6 @@ def from_profiles(
     machine_cores = min(core_counts) if core_counts else cores
     if len(core_counts) > 1:
         notes.append(f"machines report {sorted(core_counts)} cores: modelled with {machine_cores} each")
-    crowded = max(machines.count(m) for m in set(machines))
-    if cold is not None and machine_cores is not None and crowded >= machine_cores:
-        notes.append(
-            f"no cold-thread rule: {crowded} ranks share a machine's {machine_cores} cores, where a thread "
-            "that waits leaves its core to another rank's threads whatever the plan"
-        )
-        cold = None
     overhead = [p.steps.overhead_s if p.steps is not None else p.unattributed_s for p in ordered]
     # the caller's own time between calls that is not CPU: waiting (StagedTrainPipeline's caller
     # trains there, its collectives included)

@@ -41,9 +41,6 @@ their warm transfers; the simulator (``Rank.cold``) charges a run the
 measured costs back; a plan whose threads wait less (parallel loads keeping the training thread
 busy) is predicted with the warm costs it will have. The caller's overhead between steps and the
 wake-up latency are neither charged nor counted as CPU work (the profile has no runs for them).
-The search's inputs (``autosched.inputs.from_profiles``) apply the rule only where a machine has
-more cores than ranks: where the ranks fill the cores, a waiting thread's core runs another
-rank's threads in every plan.
 """
 
 from __future__ import annotations
