@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torchrec.optim.keyed import KeyedOptimizer
 
+from torchrec_swp.sharding import check_sharding_types
+
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 LATEST = "latest"
@@ -251,8 +253,8 @@ def check(
     but ``resume`` is False (they would be replaced), or when the latest checkpoint is incomplete,
     damaged or from another run configuration. A checkpoint from another world size is refused
     with ``why_not_resizable`` (None: this run's configuration can resume there; the default
-    refuses), or when the new world's sharding plan does not hold the saved plan's tables.
-    """
+    refuses), or when the new world's sharding plan does not hold the saved plan's tables or gives one of
+    them another sharding type (``torchrec_swp.sharding.check_sharding_types``)."""
     check_writable(directory)
     step_dir = latest(directory)
     if step_dir is None:
@@ -291,13 +293,17 @@ def _check_resize(step_dir: Path, meta: dict[str, Any], now: dict[str, Any], why
     if why_not is not None:
         again = f"resume on {_ranks(was['world_size'])}, or use another --checkpoint-dir"
         raise CheckpointError(f"{head}: {why_not} ({again})")
-    saved_tables, new_tables = set(meta.get("fingerprint", {}).get("plan", {})), set(now.get("plan", {}))
-    if saved_tables != new_tables:
-        missing = sorted(saved_tables - new_tables) or sorted(new_tables - saved_tables)
-        raise CheckpointError(
-            f"{head}: the sharding plan for {now['world_size']} ranks does not hold table {missing[0]} of the saved "
-            "plan (another model?)"
-        )
+    # described plans ({table: "table_wise on rank 1"}): the tables may move, not change type
+    saved_plan, new_plan = meta.get("fingerprint", {}).get("plan", {}), now.get("plan", {})
+    try:
+        check_sharding_types(_types(saved_plan), _types(new_plan), pin="resume with the same --sharding")
+    except ValueError as e:
+        raise CheckpointError(f"{head}: {e}") from None
+
+
+def _types(described: dict[str, str]) -> dict[str, str]:
+    """``{table: sharding type}`` of a plan described as ``{table: "table_wise on rank 1"}``."""
+    return {table: text.split(" on ")[0] for table, text in described.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
+import torch.distributed as dist
+
 from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
 from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven, check_keywords
@@ -270,13 +272,16 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         torchdata's StatefulDataLoader iterators do; otherwise this raises EngineError rather
         than lose the batches in flight). ``state["engine"]`` holds the batch number (phases,
         TorchRec's context index) and the ledger; ``state["pipeline"]`` what the class itself
-        keeps (e.g. SemiSync's looked-up embeddings of the batch in flight). Resume:
+        keeps (e.g. SemiSync's looked-up embeddings of the batch in flight);
+        ``state["world_size"]`` the number of ranks it was cut on (``world_size()``). Resume:
         ``loader.load_state_dict(state["loader"])`` on a new loader,
         ``pipeline.load_state_dict(state)`` on a new pipeline (model and optimizer restored from
         the same cut), then ``progress(iter(loader))``."""
         engine_state = self._swp_engine.state_dict()
         return {
             "pipeline_class": type(self).__name__,
+            # the ranks that trained in lock step to this cut: a load on another number must say so
+            "world_size": world_size(),
             "loader": engine_state.pop("loader"),
             "engine": engine_state,
             "pipeline": self._swp_state_dict(),
@@ -294,13 +299,18 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         ``torchrec_swp.data.GlobalMapSource``), so the batches in flight at the cut go back to
         the data and are drawn again by the new ranks. What the class keeps of its own batches in
         flight was made on the old rank for a batch that rank no longer gets: each class says
-        what it does with it (``_swp_resized``), and refuses in one line what cannot move."""
+        what it does with it (``_swp_resized``), and refuses in one line what cannot move.
+
+        ``resized`` must say what the state's ``world_size`` says (``check_world_size``): a state cut
+        on another number of ranks without it, or on this number with it, is refused in one line
+        (a state from before ``world_size`` was recorded is taken at the caller's word)."""
         if not isinstance(state, Mapping) or not {"engine", "pipeline", "pipeline_class"} <= set(state):
             raise PlanError(f"{type(self).__name__}.load_state_dict(): not a pipeline state (a dict from state_dict())")
         if state["pipeline_class"] != type(self).__name__:
             raise PlanError(
                 f"{type(self).__name__}.load_state_dict(): the state was saved by {state['pipeline_class']}"
             )
+        check_world_size(state, resized=resized, owner=type(self).__name__)
         extras = self._swp_resized(state["pipeline"]) if resized else state["pipeline"]
         self._swp_engine.load_state_dict(dict(state["engine"]))
         if hasattr(self, "_next_index"):  # TorchRec's context index counts the same source calls
@@ -344,6 +354,43 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         ``plan.print_schedule(n)``)."""
         engine = self._swp_engine
         return engine.phased if len(engine.phased.phases) > 1 else engine.plan
+
+
+def world_size() -> int:
+    """The number of ranks that train in lock step: the default process group's (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def check_world_size(state: Mapping[str, Any], *, resized: bool, owner: str) -> None:
+    """PlanError, in one line, where ``resized`` contradicts the world size ``state`` was cut on
+    (``state["world_size"]``) and the one this process runs on (``world_size()``).
+
+    Why refuse rather than resize on our own: the pipeline cannot see the rest of a resize (the
+    data position must be global, the model and optimizer resharded), so another world size must
+    be asked for; and ``resized=True`` changes what is loaded (the class's batches in flight and
+    the tuned plan are dropped), so on the same world size it would quietly cost the bit-for-bit
+    resume. A state without ``world_size`` (saved before it was recorded) is taken at ``resized``."""
+    saved = state.get("world_size")
+    if saved is None:
+        return
+    here = world_size()
+    if saved != here and not resized:
+        raise PlanError(
+            f"{owner}.load_state_dict(): the state was cut on {_ranks(saved)}, this process runs on {_ranks(here)}: "
+            "pass resized=True, with the data position global (torchrec_swp.data.GlobalMapSource) and the model "
+            "and optimizer resharded through torch.distributed.checkpoint (docs/long_jobs.md, Resume on another "
+            "world size)"
+        )
+    if saved == here and resized:
+        raise PlanError(
+            f"{owner}.load_state_dict(resized=True): the state was cut on {_ranks(saved)}, as many as this process "
+            "runs on: load it without resized=True, which is for another world size (it drops what the pipeline kept "
+            "of its batches in flight and its tuned plan, with which a same-size resume goes on bit for bit)"
+        )
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def _plans(plan: PipelinePlan | PhasedPlan) -> tuple[PipelinePlan, ...]:

@@ -39,7 +39,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
 from torchrec_swp.catalog.accumulation import accumulation_phases, syncs
 from torchrec_swp.integrations.torchrec.engine_driven import PipelineLife
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, check_world_size
 from torchrec_swp.plan import PipelinePlan, PlanError
 
 __all__ = ["GradientAccumulationConfig", "GradientAccumulationWrapper"]
@@ -157,13 +157,16 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
         refused, in one line, at a cut inside a window, whose gradients each old rank accumulated
         from its own batches without the all-reduce (they belong to no new rank); after a window's
         last batch (or a warm-up one) the gradients were all-reduced, the same on every old rank,
-        and carry over."""
+        and carry over. ``resized`` must agree with the state's world size, as the pipeline's
+        (``check_world_size``), checked first."""
         if not isinstance(self._pipeline, PlanDriven):
             raise PlanError(
                 f"GradientAccumulationWrapper.load_state_dict(): {type(self._pipeline).__name__} has no "
                 "load_state_dict() (a torchrec_swp pipeline has)"
             )
         saved = state.get(_STATE_KEY) if isinstance(state, Mapping) else None
+        if isinstance(state, Mapping):  # before the window's check, which trusts resized=
+            check_world_size(state, resized=resized, owner="GradientAccumulationWrapper")
         if not self._config.is_enabled:
             if saved is not None:
                 raise PlanError(
