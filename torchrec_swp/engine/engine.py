@@ -137,8 +137,10 @@ class Engine(Interpreter):
         where every thread stands at the calling thread's internal iteration, else (False,
         ``switch_pending``) at the first ``step()`` that finds them there, at most ``lookahead``
         steps later, threads no longer running ahead. ``plan`` keeps every task, its stage and its
-        stream (``installed.check_switch``; EngineError naming what does not hold)."""
+        stream (``installed.check_switch``; EngineError naming what does not hold), and its rows
+        fit the task functions (``check_bindings``; PlanError naming the task)."""
         new = self.installed.checked(plan)
+        check_bindings(new, self._bindings)
         if self.failures:
             raise EngineError("switch_plan: a task failed; call step() again (or reset()) before switching")
         self.installed.request(new)

@@ -34,6 +34,7 @@ from torchrec_swp.engine.tasks import Binding, Invoker, Observer, task_context, 
 from torchrec_swp.engine.unrolled import Body
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plan.calls import TaskCall, check_call
 from torchrec_swp.plan.task import parse_read
 
 
@@ -229,7 +230,9 @@ class InstalledPlan:
 
 
 def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:
-    """A callable bound to every task of every phase's plan, and to nothing else."""
+    """A callable bound to every task of every phase's plan, and to nothing else, that takes each
+    plan's row of its task as ``fn(b, **reads)`` (``plan.calls.check_call``: its reads name its
+    parameters, its parameters without a default are read, its writes fit its declared result)."""
     tasks = list(dict.fromkeys(t for p in phased.plans for t in p.fire_order))
     missing = [t for t in tasks if t not in bindings]
     if missing:
@@ -242,6 +245,13 @@ def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:
     for task, fn in bindings.items():
         if not callable(fn):
             raise TypeError(f"the function bound to task {task} is not callable: {fn!r}")
+    calls = {task: TaskCall.of(task, fn) for task, fn in bindings.items()}
+    for plan in phased.plans:
+        for task in plan.fire_order:
+            try:
+                check_call(plan.task(task).io, calls[task], source=task == plan.source)
+            except PlanError as e:
+                raise PlanError(f"plan {plan.name}: {e}", culprit=e.culprit, token=e.token) from None
 
 
 def check_limits(plan: PipelinePlan, max_threads: int, max_in_flight: int) -> None:

@@ -5,7 +5,9 @@ its PipelineTask declares it reads - from that batch's slot, or for ``x@k`` from
 ``b - k``'s (None when that batch is not in flight), as keyword ``PipelineTask.arguments``. It
 returns None (no writes), the value (one write) or a tuple in declared order (several). The
 source's binding also gets ``data=`` (``torchrec_swp.engine.source.Draws``) when ``step()`` was
-given an iterator; it raises StopIteration at the end of data.
+given an iterator; it raises StopIteration at the end of data. When a plan is bound
+(``installed.check_bindings``) each row is checked against its function's signature
+(``torchrec_swp.plan.calls``): a row it cannot be called with is refused there, not at its first call.
 
 The call itself, which reads and writes the slots, is made by their owner
 (``torchrec_swp.engine.batches``: ``Batches.invoker``); here are the pieces it runs with: the

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torchrec_swp.plan.calls import TaskCall
 from torchrec_swp.plan.task import DEFAULT_COMM_GROUP, DEFAULT_STREAM, MAIN_THREAD, PipelineTask, parse_read
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ class Vocabulary:
     ``data``: names its tasks exchange; ``io``: what its tasks read and write (where two phases of
     a text disagree on a task, the one that agrees with ``io`` is right). ``streams``,
     ``comm_groups``: what a text without a ``streams`` or ``comm_groups`` line may use.
-    ``threads``: only to tell which of two near names is right."""
+    ``threads``: only to tell which of two near names is right. ``calls``: what its task
+    functions can be called with (``TaskCall``): each row's reads and writes are checked against
+    its task's (``calls.check_call``)."""
 
     tasks: frozenset[str] | None = None
     data: frozenset[str] = frozenset()
@@ -49,16 +52,23 @@ class Vocabulary:
     threads: frozenset[str] = KNOWN_THREADS
     comm_groups: frozenset[str] = KNOWN_COMM_GROUPS
     io: tuple[PipelineTask, ...] = ()
+    calls: tuple[TaskCall, ...] = ()
+
+    def call_of(self, task: str) -> TaskCall | None:
+        """What the pipeline's function of ``task`` can be called with, where it says."""
+        return next((c for c in self.calls if c.task == task), None)
 
     def io_of(self, task: str) -> PipelineTask | None:
         """What the pipeline's task ``task`` reads and writes, where it says."""
         return next((t for t in self.io if t.name == task), None)
 
     @classmethod
-    def of(cls, *plans: PlanView, tasks: Iterable[str] | None = None) -> Vocabulary:
+    def of(
+        cls, *plans: PlanView, tasks: Iterable[str] | None = None, calls: Iterable[TaskCall | None] = ()
+    ) -> Vocabulary:
         """What a pipeline declares: the names of its ``plans`` (its default plan, each phase's)
         and ``tasks`` (its task functions; None: the plans' tasks), with TorchRec's streams and
-        comm groups."""
+        comm groups; ``calls``: what its task functions can be called with (None: not known)."""
         scheduled = [t for p in plans for t in p.scheduled()]
         names = {t.name for t in scheduled} if tasks is None else set(tasks)
         data = {parse_read(d)[0] for t in scheduled for d in (*t.io.reads, *t.io.writes)}
@@ -70,6 +80,7 @@ class Vocabulary:
             threads=KNOWN_THREADS | {t.thread_group for t in scheduled},
             comm_groups=KNOWN_COMM_GROUPS | {t.comm_group for t in scheduled if t.comm_group is not None},
             io=tuple({t.name: t.io for t in scheduled}.values()),
+            calls=tuple(c for c in calls if c is not None),
         )
 
     def of_kind(self, kind: str) -> frozenset[str]:

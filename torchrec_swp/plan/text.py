@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from torchrec_swp.plan.calls import check_call
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.names import Vocabulary, did_you_mean, is_near, nearest
 from torchrec_swp.plan.task import Dep, PipelineTask, TaskSchedule, When, check_name, parse_read
@@ -542,6 +543,7 @@ def _check_names(book: _Book, vocabulary: Vocabulary) -> None:
         _check_unused(book, kind, uses[kind])
     _check_tasks(book, vocabulary)
     _check_data(book, vocabulary)
+    _check_calls(book, vocabulary)
 
 
 def _uses(book: _Book, cell: str) -> dict[str, list[Word]]:
@@ -704,6 +706,19 @@ def _check_data(book: _Book, vocabulary: Vocabulary) -> None:
         assert word is not None
         raise _error(message + did_you_mean(data, writers), word,
                      others=[*_lines_of(words), *([writers[near][0][1].line] if near is not None else [])])
+
+
+def _check_calls(book: _Book, vocabulary: Vocabulary) -> None:
+    """Each row's reads and writes fit its task's function, where the vocabulary knows what it can be
+    called with (``calls.check_call``): the error at the row, and the read or write at fault."""
+    if not vocabulary.calls:
+        return
+    source = book.values.get("source")
+    for io in book.tasks:
+        try:
+            check_call(io, vocabulary.call_of(io.name), source=source is not None and source.text == io.name)
+        except PlanError as e:
+            raise book.lines.error(e) from None
 
 
 def _feeds(book: _Book, writer: str, reader: str, k: int) -> bool:

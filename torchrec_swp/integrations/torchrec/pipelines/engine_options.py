@@ -28,7 +28,7 @@ its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict
 
@@ -36,6 +36,7 @@ from torchrec_swp.autotune import Autotune
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S
 from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, Vocabulary, load_plan
+from torchrec_swp.plan.calls import TaskCall
 from torchrec_swp.plans import with_lookahead, with_parallel_loads
 
 PlanLike = PipelinePlan | PhasedPlan | str | os.PathLike[str]
@@ -124,21 +125,26 @@ class EngineOptions:
         return ExhaustionSync.create(owner, self.engine_timeout_s) if self.sync_dataloader_exhaustion else None
 
     def plan_for(
-        self, default: PipelinePlan | PhasedPlan, owner: str, tasks: Iterable[str] | None = None
+        self,
+        default: PipelinePlan | PhasedPlan,
+        owner: str,
+        tasks: Mapping[str, Callable[..., Any]] | Iterable[str] | None = None,
     ) -> PipelinePlan | PhasedPlan:
         """The plan the engine runs: ``plan`` (or ``default``), then ``thread_map``, ``loads``
         and ``lookahead`` applied in this order. A plan these cannot be applied to raises the
         edit's error (PlanError, or ValueError for a source whose draws cannot be split), in one
         line naming ``owner`` and the option. A plan file is read with the names the pipeline
         declares (``Vocabulary.of`` ``default`` and ``tasks``, its task functions), so that a task
-        it has no function for is refused at its row."""
+        it has no function for is refused at its row, and so is a row whose reads or writes its
+        function cannot take (``plan.calls.check_call``) where ``tasks`` maps each name to it."""
         if self.plan is None:
             plan = default
         elif isinstance(self.plan, (PipelinePlan, PhasedPlan)):
             plan = self.plan
         else:
             defaults = default.plans if isinstance(default, PhasedPlan) else (default,)
-            names = Vocabulary.of(*defaults, tasks=tasks)
+            calls = [TaskCall.of(t, fn) for t, fn in tasks.items()] if isinstance(tasks, Mapping) else []
+            names = Vocabulary.of(*defaults, tasks=tasks, calls=calls)
             plan = load_plan(os.fspath(self.plan), names if tasks is not None else replace(names, tasks=None))
         steps = (
             ("thread_map", self.thread_map, lambda p: p.with_thread_map(self.thread_map)),
