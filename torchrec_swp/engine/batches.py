@@ -21,7 +21,7 @@ glossary of docs/engine.md lists every counter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -43,13 +43,19 @@ class BatchLedger:
     engine's life). A batch is trained once it left the highest stage; one that never will is
     listed in ``dropped`` with the reason. ``past_end`` counts the items drawn for the common end
     of uneven data (``sync_dataloader_exhaustion``: this rank had one, another had none): never
-    batches, never trained, not counted in ``drawn``.
+    batches, never trained, not counted in ``drawn``. ``failed_draws`` lists the draws that
+    failed inside the iterator's own ``next()`` where it cannot draw the same item again (no
+    ``load_state_dict()`` to go back, no ``claim()``/``fetch()``), as (the serial of the batch it
+    was drawing, the error): the item that call took, if any, is not trained; the batch was drawn
+    again from the next item. A draw whose iterator can go back, or that failed after its
+    ``next()`` returned, is retried with the same item and listed nowhere.
     """
 
     drawn: int = 0
     trained: int = 0
     dropped: list[tuple[int, str]] = field(default_factory=list)
     past_end: int = 0
+    failed_draws: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -271,6 +277,13 @@ class Batches:
         if book.next_claim <= b:
             book.next_claim = b + 1
 
+    def failed_draw(self, b: int, error: str) -> int:
+        """Batch ``b``'s draw failed inside an iterator that cannot draw the same item again
+        (``BatchLedger.failed_draws``); the serial it was drawn for."""
+        serial = self.book.serial(b)
+        self.ledger.failed_draws.append((serial, error))
+        return serial
+
     def count_past_end(self, b: int) -> None:
         """An item drawn for batch ``b``, the common end of uneven data (``BatchLedger.past_end``)."""
         self.end.common(b)
@@ -280,10 +293,13 @@ class Batches:
         self.book.events[(task, b)] = event
 
     # ------------------------------------------------------------- epochs
-    def new_epoch(self, why: Event, start: int, first_trained: int | None, first_iteration: int) -> None:
+    def new_epoch(
+        self, why: Event, start: int, first_trained: int | None, first_iteration: int, kept: Sequence[int] = ()
+    ) -> None:
         """A new book for ``why`` (an event of ``end`` that begins an epoch; the batches in flight go
-        to the ledger as dropped); batches trained count on from the last epoch's unless
-        ``first_trained`` says otherwise."""
+        to the ledger as dropped, and so do the batches ``kept``: drawn, their source call failed,
+        not retried); batches trained count on from the last epoch's unless ``first_trained`` says
+        otherwise."""
         book = self.book
         if first_trained is None:
             first_trained = book.first_trained + book.returned
@@ -299,6 +315,9 @@ class Batches:
         self.end.begin(why, new)  # EngineError, changing nothing, where the end of data allows no new epoch
         for b in sorted(book.in_flight):
             self.ledger.dropped.append((book.serial(b), "in flight when reset() was called"))
+        for b in kept:
+            self.ledger.drawn += 1
+            self.ledger.dropped.append((book.serial(b), "drawn, its source call failed, not retried before reset()"))
         self.slots.clear()
         self.book = new
 

@@ -59,6 +59,7 @@ def take(batches: Batches, feed: Feed, plan: str) -> dict[str, Any]:
             "drawn": book.serial(c),
             "trained": ledger.trained,
             "dropped": [list(d) for d in ledger.dropped],
+            "failed_draws": [list(d) for d in ledger.failed_draws],
         },
     }
 
@@ -83,6 +84,7 @@ def read(state: dict[str, Any], plan: str) -> tuple[BatchLedger, int, int]:
         drawn=int(ledger["drawn"]),
         trained=int(ledger["trained"]),
         dropped=[(int(s), str(r)) for s, r in ledger["dropped"]],
+        failed_draws=[(int(s), str(r)) for s, r in ledger.get("failed_draws", [])],  # an older cut: none
     )
     # a state cut before the clock "trained" existed: its batch number (the same in a first epoch)
     return restored, int(state["batch_number"]), int(state.get("trained_number", state["batch_number"]))

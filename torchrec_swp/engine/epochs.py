@@ -52,7 +52,7 @@ class Epochs:
         iteration ``start``; its batches trained count on from the last epoch's (``first_trained``:
         from that number instead)."""
         first_iteration = self._batches.book.first_iteration + self._interpreter.restart_walkers(start)
-        self._batches.new_epoch(why, start, first_trained, first_iteration)
+        self._batches.new_epoch(why, start, first_trained, first_iteration, self._feed.kept())
         self._feed.new_epoch()
 
     def reset(self) -> None:

@@ -33,5 +33,10 @@ class Stopped(Exception):
     (what single-thread order would not have run yet). Never leaves the engine."""
 
 
+class FailedDrawWarning(RuntimeWarning):
+    """The data iterator raised inside its own ``next()`` and cannot draw the same item again:
+    the item that call took, if any, is not trained (``BatchLedger.failed_draws`` lists it)."""
+
+
 def describe(task: str, batch: int, thread: str, iteration: int) -> str:
     return f"task {task} (batch {batch}, internal iteration {iteration}) on thread {thread!r}"

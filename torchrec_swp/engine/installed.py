@@ -168,11 +168,11 @@ class InstalledPlan:
     ) -> None:
         """Its (instrumented) task calls (made by ``batches``, which owns the slots they read
         and write), entering each task's stream where the device has streams: the source's gets
-        ``data_argument(b, lanes=plan.loads)``; ``iteration(b, stage)`` numbers an instance for the observer."""
+        ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance for the observer."""
         plan = self.plan
         for task in plan.fire_order:
             t = plan.task(task)
-            extra = partial(data_argument, lanes=plan.loads) if task == plan.source else None
+            extra = data_argument if task == plan.source else None
             stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
             timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
             around = task_context(task, labels, stream)

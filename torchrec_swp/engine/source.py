@@ -26,12 +26,13 @@ rank, and an item this rank drew for it is dropped (``dropped(b)``) and never tr
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
-from torchrec_swp.engine.errors import Stopped
+from torchrec_swp.engine.errors import FailedDrawWarning, Stopped
 from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.installed import InstalledPlans
 from torchrec_swp.engine.walkers import Op, Walker
@@ -45,7 +46,15 @@ if TYPE_CHECKING:
 class Draws:
     """``iterator`` as the source task draws it; ``take_turn(b)`` blocks until batch ``b`` may
     draw, ``turn_taken(b, ended)`` says it drew (or found the end); with ``sync``, the ranks agree
-    on the end, and ``dropped(b)`` hears of an item drawn for batch ``b`` past the common end."""
+    on the end, and ``dropped(b)`` hears of an item drawn for batch ``b`` past the common end.
+
+    A draw that fails is never silently lost (``pulled``, ``failed``): an item drawn for batch
+    ``b`` whose source call then failed (its fetch, its copy, ...) is kept and handed out again
+    when batch ``b`` is drawn again (the next ``step()`` retries it); a failure inside the
+    iterator's own ``next()`` (or ``claim()``) is undone where the iterator can go back
+    (``load_state_dict()`` of the position recorded before the draw), so the retry draws the same
+    item; where it cannot, ``failed(b, error)`` hears of it: the item, if the failed call took
+    one, is not trained (the engine's ledger lists it in ``failed_draws``)."""
 
     def __init__(
         self,
@@ -55,20 +64,22 @@ class Draws:
         turn_taken: Callable[[int, bool], None],
         sync: ExhaustionSync | None = None,
         dropped: Callable[[int], None] | None = None,
+        failed: Callable[[int, BaseException], None] | None = None,
     ) -> None:
         self.iterator = iterator
         self._take_turn = take_turn
         self._turn_taken = turn_taken
         self._sync = sync
         self._dropped = dropped
+        self._failed = failed
         self._local = threading.local()
         self._split = callable(getattr(iterator, "claim", None)) and callable(getattr(iterator, "fetch", None))
         self._stateful = callable(getattr(iterator, "state_dict", None))
-        #: whether a draw is just the iterator's ``next()``: no ``claim()``/``fetch()``, no position
-        #: recorded, no agreement of the ranks; drawn by one load, it needs no turn either (the
-        #: source's function then gets the iterator itself, ``Feed.argument``)
-        self.direct = not self._split and not self._stateful and sync is None
+        self._rewinds = self._stateful and callable(getattr(iterator, "load_state_dict", None))
         self.positions: dict[int, Any] = {}
+        #: batch -> what its draw took from the iterator (the item, or a split draw's claim) while
+        #: its source call has not succeeded: the same item is handed out again on a retry
+        self.pulled: dict[int, Any] = {}
 
     @property
     def splits(self) -> bool:
@@ -81,9 +92,16 @@ class Draws:
         """Whether the iterator has ``state_dict()`` (its positions are recorded)."""
         return self._stateful
 
-    def drawing(self, b: int | None) -> None:
-        """The calling thread draws batch ``b`` next (None: it draws no batch)."""
+    def drawing(self, b: int) -> None:
+        """The calling thread's source call draws batch ``b``."""
         self._local.batch = b
+
+    def called(self, b: int, ok: bool) -> None:
+        """The calling thread's source call for batch ``b`` returned (``ok``: or found the end, and
+        nothing of it is to be handed out again) or failed (what it drew is kept for the retry)."""
+        self._local.batch = None
+        if ok:
+            self.pulled.pop(b, None)
 
     def __iter__(self) -> Draws:
         return self
@@ -92,22 +110,42 @@ class Draws:
         b = getattr(self._local, "batch", None)
         if b is None:  # not inside a source call: the iterator as it is
             return next(self.iterator)
-        self._take_turn(b)
-        if self._stateful:
-            self.positions[b] = self.iterator.state_dict()  # type: ignore[attr-defined]
-        try:
-            if self._sync is None:
-                drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
-            else:
-                drawn = self._sync.draw(self._pull, lambda _: self._drop(b))
-        except StopIteration:
-            self._turn_taken(b, True)
-            raise
-        self._turn_taken(b, False)
+        pulled = self.pulled
+        if b in pulled:  # batch b's source call failed after its draw: the same item again
+            drawn = pulled[b]
+        else:
+            self._take_turn(b)
+            if self._stateful:
+                self.positions[b] = self.iterator.state_dict()  # type: ignore[attr-defined]
+            try:
+                if self._sync is None:
+                    drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
+                else:
+                    drawn = self._sync.draw(self._pull, lambda _: self._drop(b))
+            except StopIteration:
+                self._turn_taken(b, True)
+                raise
+            except Exception as e:
+                self._draw_failed(b, e)
+                raise
+            pulled[b] = drawn
+            self._turn_taken(b, False)
         return self.iterator.fetch(drawn) if self._split else drawn  # type: ignore[attr-defined]
 
     def _pull(self) -> Any:
         return self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
+
+    def _draw_failed(self, b: int, error: BaseException) -> None:
+        """The iterator raised ``error`` drawing batch ``b``: back to the position before the
+        draw where it can go back (the retry draws the same item), else ``failed(b, error)``."""
+        if self._rewinds and b in self.positions:
+            try:
+                self.iterator.load_state_dict(self.positions[b])  # type: ignore[attr-defined]
+                return
+            except Exception as rewind:  # cannot go back after all: as if it had no positions
+                error.add_note(f"torchrec_swp: going back to the position before batch {b} failed: {rewind!r}")
+        if self._failed is not None:
+            self._failed(b, error)
 
     def _drop(self, b: int) -> None:
         if self._dropped is not None:
@@ -127,8 +165,8 @@ class Feed:
     which ``Draws`` serves which batch. A new iterator serves the batches no ``step()`` call had
     made drawable yet (and the one that found a stop): a thread that draws an older batch after
     that call still draws it from the iterator of the call that made it drawable, as a plan on one
-    thread would have. ``take_turn``, ``turn_taken``, ``sync`` and ``dropped`` go to every
-    ``Draws`` it makes."""
+    thread would have. ``take_turn``, ``turn_taken``, ``sync``, ``dropped`` and ``failed`` go to
+    every ``Draws`` it makes."""
 
     def __init__(
         self,
@@ -137,8 +175,10 @@ class Feed:
         turn_taken: Callable[[int, bool], None],
         sync: ExhaustionSync | None,
         dropped: Callable[[int], None],
+        failed: Callable[[int, BaseException], None],
     ) -> None:
         self._take_turn, self._turn_taken, self._sync, self._dropped = take_turn, turn_taken, sync, dropped
+        self._failed = failed
         self.data: Iterator[Any] | None = None  # the iterator the last step(data) gave
         self.draws: Draws | None = None  # its Draws
         self._from: list[tuple[int, Draws]] = []  # (first batch, its Draws), in order
@@ -147,7 +187,12 @@ class Feed:
         """``data`` serves batch ``first`` and the later ones."""
         self.data = data
         self.draws = Draws(
-            data, take_turn=self._take_turn, turn_taken=self._turn_taken, sync=self._sync, dropped=self._dropped
+            data,
+            take_turn=self._take_turn,
+            turn_taken=self._turn_taken,
+            sync=self._sync,
+            dropped=self._dropped,
+            failed=self._failed,
         )
         self._from = [(f, d) for f, d in self._from if f < first] + [(first, self.draws)]
 
@@ -159,17 +204,22 @@ class Feed:
                 return draws
         return None
 
-    def argument(self, b: int, lanes: int = 1) -> dict[str, Any]:
-        """The source's keyword arguments for batch ``b``, drawn by one of ``lanes`` loads:
-        ``data`` (``draws_for(b)``; its iterator itself where a draw is a plain ``next()`` by one
-        load, ``Draws.direct``), once there is some."""
-        for first, draws in reversed(self._from):
-            if b >= first:
-                return {"data": draws.iterator if lanes == 1 and draws.direct else draws}
-        return {}
+    def argument(self, b: int) -> dict[str, Any]:
+        """The source's keyword arguments for batch ``b``: ``data`` (``draws_for(b)``), once
+        there is some."""
+        draws = self.draws_for(b)
+        return {} if draws is None else {"data": draws}
+
+    def kept(self) -> list[int]:
+        """The batches whose item was drawn and whose source call failed, not retried since (a
+        ``reset()`` drops them: ``Batches.new_epoch``)."""
+        return sorted({b for _, draws in self._from for b in draws.pulled})
 
     def new_epoch(self) -> None:
-        """Batches are numbered from 0 again: the current iterator serves them all."""
+        """Batches are numbered from 0 again: the current iterator serves them all (an item kept
+        for a retry is for an old number: dropped, ``kept()`` names them first)."""
+        for _, draws in self._from:
+            draws.pulled.clear()
         if self.draws is not None:
             self.draws.forget_positions()
             self._from = [(0, self.draws)]
@@ -206,7 +256,11 @@ class Source:
         self._stop_check, self._wait, self._in_task = stop_check, wait, in_task
         self._checker = checker
         self.feed = Feed(
-            take_turn=self.take_turn, turn_taken=self.turn_taken, sync=exhaustion, dropped=self.past_common_end
+            take_turn=self.take_turn,
+            turn_taken=self.turn_taken,
+            sync=exhaustion,
+            dropped=self.past_common_end,
+            failed=self.draw_failed,
         )
 
     def op(self, instr: Run) -> Op:
@@ -247,7 +301,7 @@ class Source:
         existence not known yet, the credit): its slot opened, the source's call (holding its
         ticket if it has one), the batch in flight, or the end of data found. What ``op`` runs
         after its gates, and what an unrolled iteration calls (``torchrec_swp.engine.unrolled``)."""
-        task, ticket, group, lanes = instr.task, instr.ticket, instr.comm_group, instr.lanes
+        task, ticket, group = instr.task, instr.ticket, instr.comm_group
         batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
         stop_check, in_task = self._stop_check, self._in_task
         plain = ticket is None and self._checker is None
@@ -256,10 +310,8 @@ class Source:
             invoke = w.inst.invokers[task]
             batches.open_slot(b)
             draws = draws_for(b)
-            if draws is not None and (lanes > 1 or not draws.direct):
-                draws.drawing(b)  # its next() takes its turn, records the position, agrees with the ranks
-            else:
-                draws = None  # a plain next() (its turn: Batches.drawn)
+            if draws is not None:
+                draws.drawing(b)  # its next(): its turn, its position, the ranks' agreement, a retry's item
             try:
                 if plain:
                     invoke(b)
@@ -269,14 +321,17 @@ class Source:
                     self._interpreter.ticketed(w, group, ticket, task, b, stop_check, invoke, b)
             except StopIteration:
                 batches.drop_slot(b)
+                if draws is not None:
+                    draws.called(b, True)
                 self.found_end(b, plan)
                 return
             except BaseException:
                 batches.drop_slot(b)
-                raise
-            finally:
                 if draws is not None:
-                    draws.drawing(None)
+                    draws.called(b, False)  # what it drew is kept: the retry gets it
+                raise
+            if draws is not None:
+                draws.called(b, True)
             if not installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
                 batches.drawn(b)
                 return
@@ -324,7 +379,7 @@ class Source:
                 lambda: f"batch {b - 1} to be drawn first",
                 self._interpreter.timeout_s,
             )
-        if book.next_claim != b and before_end():
+        if book.next_claim != b and before_end():  # one load draws in order: next_claim is b
             raise StopIteration
 
     def turn_taken(self, b: int, ended: bool) -> None:
@@ -336,6 +391,24 @@ class Source:
         with self._board.lock:
             self._batches.claimed(b)
             self._board.notify()
+
+    def draw_failed(self, b: int, error: BaseException) -> None:
+        """The iterator raised ``error`` inside its own ``next()`` (or ``claim()``) drawing batch
+        ``b`` and cannot go back to the position before it (``Draws``): the item that call may
+        have taken is not trained. One warning line, and the ledger's ``failed_draws``; the next
+        ``step()`` draws batch ``b`` from the iterator's next item."""
+        with self._board.lock:
+            serial = self._batches.failed_draw(b, repr(error))
+        warnings.warn_explicit(
+            f"torchrec_swp: the data iterator raised {error!r} drawing batch {b} of the epoch (serial {serial}) and "
+            "cannot draw the same item again (no load_state_dict() to go back, no claim()/fetch()): the item that "
+            "call took, if any, is not trained; the next progress() draws the next item "
+            "(listed in batch_ledger.failed_draws)",
+            FailedDrawWarning,
+            filename="torchrec_swp",  # one line: no source line of ours under it
+            lineno=0,
+            module="torchrec_swp",
+        )
 
     def past_common_end(self, b: int) -> None:
         """This rank drew an item for batch ``b``, which another rank's data lacks (the common end

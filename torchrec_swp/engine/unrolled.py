@@ -14,8 +14,8 @@ because nothing else walks:
   call, its reads and writes inline where nothing is around it (``Batches.call_code``, the code
   of ``Batches.invoker``'s call), an alias's copy likewise (``Batches.alias_code``);
 * the source's draw on one lane (``run! T``, no ticket, not checked) passes its gates inline
-  where the batch is still to be drawn and the credit allows, then draws (``Source.drawer``,
-  inline where the data is a plain iterator); its op does the rest; what is known of the
+  where the batch is still to be drawn and the credit allows, then draws (``Source.drawer``);
+  its op does the rest; what is known of the
   batches of the stages above it (earlier batches) stays known;
 * every other instruction calls its op, as the loop does;
 * where an instruction raises, the line it raised on says which it was (``Body.where``): the
@@ -185,7 +185,7 @@ def unroll(
             inlined[k] = (task, s)
             b, e, slot = f"b{s}", f"e{s}", f"s{s}"
             if isinstance(instr, Run) and instr.source:
-                body += _draw(k, instr, steady, ops[k], bare.get(task), tasks(task), source, batches, env)
+                body += _draw(k, instr, steady, ops[k], source, env)
                 # it drew batch b or found the end there: the batches of the stages above are as they were
                 for stages in (present, asked, fetched):
                     stages.difference_update(range(s + 1))
@@ -359,56 +359,14 @@ def steady_step(
     return _compile(f"steady step of {body.name}", code, env)["step"]
 
 
-def _draw(
-    k: int,
-    instr: Run,
-    steady: bool,
-    op: Op,
-    binding: Any,
-    task: Any,
-    source: Source,
-    batches: Batches,
-    env: dict[str, Any],
-) -> list[Line]:
+def _draw(k: int, instr: Run, steady: bool, op: Op, source: Source, env: dict[str, Any]) -> list[Line]:
     """The source's instruction ``k``: its gates (already passed in the steady step, else the
-    batch still to draw and the credit; the op for the rest), then batch ``b``'s draw: where the
-    data is drawn by a plain ``next()`` (``Draws.direct``) and the source's call has nothing around
-    it (``binding``), ``Source.drawer``'s draw inline (its slot, the call with the iterator itself
-    as ``data``, the batch drawn or the end found); else that drawer."""
-    s = instr.stage
-    b, slot = f"b{s}", f"s{s}"
+    batch still to draw and the credit; the op for the rest), then batch ``b``'s draw
+    (``Source.drawer``: its slot, the source's call with its ``Draws``, the batch drawn or the
+    end found, an item kept for a retry where the call failed)."""
+    b = f"b{instr.stage}"
     env.update({f"op_{k}": op, f"draw_{k}": source.drawer(instr), "credit": source.credit})
     draw: list[Line] = [(f"draw_{k}(w, {b}, plan)  # {instr}", (k, "op"))]
-    if binding is not None:
-        env[f"fn_{k}"] = binding
-        reads, call, names = batches.call_code(task.io, f"fn_{k}", slot, b, "data=data.iterator")
-        fetch, slots = batches.slot_code(slot, b)
-        env.update(names)
-        env.update(slots)
-        env.update(
-            {"draws_for": source.feed.draws_for, "found_end": source.found_end, "open_slot": batches.open_slot,
-             "drop_slot": batches.drop_slot, "drawn": batches.drawn}
-        )  # fmt: skip
-        inner: list[Line] = [(line, (k, "reads")) for line in reads] + [(line, (k, "call")) for line in call]
-        inner = _mark(inner, (f"fn_{k}(",), instr)
-        draw = [
-            (f"data = draws_for({b})", (k, "op")),
-            ("if data is None or not data.direct:", None),
-            (f"    draw_{k}(w, {b}, plan)  # {instr}", (k, "op")),
-            ("else:", None),
-            (f"    open_slot({b})", (k, "op")),
-            (f"    {fetch}", (k, "op")),
-            ("    try:", None),
-            *_indent(inner, 2),
-            ("    except StopIteration:", None),
-            (f"        drop_slot({b})", (k, "op")),
-            (f"        found_end({b}, plan)", (k, "op")),
-            ("    except BaseException:", None),
-            (f"        drop_slot({b})", (k, "op")),
-            ("        raise", (k, "op")),
-            ("    else:", None),
-            (f"        drawn({b})", (k, "op")),
-        ]
     if steady:
         return draw
     gate = f"if {b} >= 0 and exists_at({b}, P) is None and credit({b}, plan):"
