@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch.distributed as dist
+from torch.nn import Module
 
 from torchrec_swp.autotune import Decision, Hooks, Tuner
+from torchrec_swp.ddp_layout import layout_state, restore_layout_state
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
 from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven, check_keywords
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import without_stream_lookups
@@ -276,7 +278,9 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         ``state["world_size"]`` the number of ranks it was cut on (``world_size()``). Resume:
         ``loader.load_state_dict(state["loader"])`` on a new loader,
         ``pipeline.load_state_dict(state)`` on a new pipeline (model and optimizer restored from
-        the same cut), then ``progress(iter(loader))``."""
+        the same cut), then ``progress(iter(loader))``. ``state["ddp_layout"]`` is the bucket
+        layout of each DDP in the model (``torchrec_swp.ddp_layout``): a resumed run's new DDP
+        reduces with it, so that on 3 or more ranks its sums add in the same order."""
         engine_state = self._swp_engine.state_dict()
         return {
             "pipeline_class": type(self).__name__,
@@ -285,6 +289,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
             "loader": engine_state.pop("loader"),
             "engine": engine_state,
             "pipeline": self._swp_state_dict(),
+            "ddp_layout": layout_state(self._swp_model()),
             # the tuner's decision: a resume with autotune applies it instead of tuning again
             "autotune": None if self._swp_tuner is None else self._swp_tuner.state_dict(),
         }
@@ -316,9 +321,16 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         if hasattr(self, "_next_index"):  # TorchRec's context index counts the same source calls
             self._next_index = int(state["engine"]["batch_number"])
         self._swp_load_state_dict(extras)
+        restore_layout_state(self._swp_model(), state.get("ddp_layout", {}))  # none in a state saved before it
         # a plan tuned for the old world's ranks is tuned again on the new one
         if self._swp_tuner is not None and state.get("autotune") and not resized:
             self._swp_tuner.load_state_dict(state["autotune"])
+
+    def _swp_model(self) -> Module:
+        """The model whose DDPs a cut records the bucket layout of: upstream's ``_model`` (an empty
+        module for a class without one)."""
+        model = getattr(self, "_model", None)
+        return model if isinstance(model, Module) else Module()
 
     def _swp_state_dict(self) -> dict[str, Any]:
         """What the class itself must carry over a cut (overridden where there is something)."""
