@@ -8,10 +8,17 @@ Plain DDP (``static_graph=True``, Adagrad) on W gloo ranks over loopback, a 3-la
 * ``rewrapped+layout``: the same, with the new DDP's buckets set to the old one's layout
   (``torchrec_swp.ddp_layout``) before its first backward.
 
-Prints, per run and step, the reducer's bucket layout (parameter indices per bucket) and a digest
-of the all-reduced gradients, and the first step whose gradients differ from ``straight``'s.
+Prints rank 0's view of each run: per step (from 1) the loss, a digest of the all-reduced
+gradients and the bucket layout that step's backward reduced with (parameter indices per bucket,
+in their order in the flat bucket), marking the steps whose gradients differ from ``straight``'s;
+the final weights; and how many of step 5's gradient elements differ from ``straight``'s.
 
     .venv/bin/python tools/ddp_rewrap_repro.py --world-size 4
+
+On 4 ranks (torch 2.14.1, 2026-12-02) ``rewrapped`` reduces steps 5 and 6 with ``[[0, 1, 2, 3, 4,
+5]]`` where ``straight`` has ``[[5, 4, 3, 2, 1, 0]]``; 807 of step 5's 3009 gradient elements
+differ (by at most 1.9e-9), and so do every later step's gradients and the final weights. On 3
+ranks 470 elements differ; on 2 ranks none. ``rewrapped+layout`` equals ``straight`` throughout.
 """
 
 from __future__ import annotations
@@ -88,11 +95,13 @@ def main() -> None:
     straight, straight_at_cut = results["straight"]
     for mode, (rows, at_cut) in results.items():
         print(f"== {mode} (rank 0)")
-        for step, (layout, grads, loss) in enumerate(rows):
-            mark = "" if grads == straight[step][1] else "   <- differs from straight"
+        for step, (layout, grads, loss) in enumerate(rows[:-1], 1):  # steps counted from 1
+            mark = "" if grads == straight[step - 1][1] else "   <- differs from straight"
             print(f"  step {step}: loss {loss:>12} grads {grads} buckets {layout}{mark}")
+        mark = "" if rows[-1][1] == straight[-1][1] else "   <- differ from straight's"
+        print(f"  final weights {rows[-1][1]}{mark}")
         differ = (at_cut != straight_at_cut).nonzero().flatten()
-        print(f"  step {CUT}'s gradients: {len(differ)} of {len(at_cut)} elements differ from straight's", end="")
+        print(f"  step {CUT + 1}'s gradients: {len(differ)} of {len(at_cut)} elements differ from straight's", end="")
         print(f", the largest by {(at_cut - straight_at_cut).abs().max().item():.3g}" if len(differ) else "")
 
 
