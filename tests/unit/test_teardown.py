@@ -1,18 +1,24 @@
 """A pipeline's teardown (``integrations/torchrec/teardown.py``) and the engine's threads: stopped at
-``close()`` (idempotent), when the engine is collected, and in the order gloo and NCCL need
-(threads, then input dists moved back, then the groups made, newest first)."""
+``close()`` (idempotent; one inside a draw once the draw returned), when the engine is collected,
+and in the order gloo and NCCL need (threads, then input dists moved back, then the groups made,
+newest first)."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from tests.unit.engine_fixtures import Toy, toy_plan
+from tests.unit.engine_fixtures import Toy, drawing, toy_plan
 from torchrec_swp.engine import Engine
 from torchrec_swp.integrations.torchrec.teardown import Teardown, known
 from torchrec_swp.plans import with_lookahead
@@ -128,10 +134,6 @@ def test_an_engine_left_mid_epoch_is_stopped_at_exit_at_once_before_finalization
     """At exit, the engine's hook interrupts its workers' waits and joins them: the last exit hook
     (registered first, so run last) finds none alive, and exit does not wait for join timeouts
     (before, each worker's 5 s join timed out and the threads lived on into finalization)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     script = tmp_path / "mid_epoch.py"
     script.write_text(_MID_EPOCH)
@@ -144,3 +146,87 @@ def test_an_engine_left_mid_epoch_is_stopped_at_exit_at_once_before_finalization
     seconds, alive = line.removeprefix("last hook: ").split("s, alive: ")
     assert alive == "[]"
     assert float(seconds) < 4.0  # one worker's join timeout is 5 s
+
+
+class _SlowLoader:
+    """Three items at once, then a draw that works for ``slow_s`` (torch ops, each leaving and
+    re-taking the GIL, as a loader that collates does); ``in_draw`` is set once it is inside it."""
+
+    def __init__(self, slow_s: float) -> None:
+        self.slow_s, self.drawn = slow_s, 0
+        self.in_draw = threading.Event()
+
+    def __iter__(self) -> _SlowLoader:
+        return self
+
+    def __next__(self) -> int:
+        if self.drawn >= 3:
+            self.in_draw.set()
+            a, end = torch.ones(32, 32), time.monotonic() + self.slow_s
+            while time.monotonic() < end:
+                a = (a @ a).clamp_(max=1.0)
+        self.drawn += 1
+        return self.drawn
+
+
+def _drawing_engine(timeout_s: float) -> Engine:
+    return Engine(with_lookahead(toy_plan().with_thread_map({"H2D": "io"}), 2), drawing(Toy(8)), timeout_s=timeout_s)
+
+
+def test_close_waits_for_a_thread_inside_a_draw() -> None:
+    """close() while the io thread is inside a draw returns once the draw returned and the thread
+    ended: nothing of the engine runs after close()."""
+    engine, loader = _drawing_engine(timeout_s=30), _SlowLoader(1.0)
+    engine.step(loader)
+    assert loader.in_draw.wait(10)
+    threads = engine.worker_threads
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start > 0.5  # it waited for the draw
+    assert [t.name for t in threads if t.is_alive()] == []
+
+
+def test_close_names_a_thread_still_inside_a_task_after_the_engines_timeout() -> None:
+    """The wait is bounded by the engine's timeout: a draw that outlasts it is named in a warning."""
+    engine, loader = _drawing_engine(timeout_s=0.5), _SlowLoader(2.0)
+    engine.step(loader)
+    assert loader.in_draw.wait(10)
+    threads = engine.worker_threads
+    with pytest.warns(RuntimeWarning, match="swp-io still inside a task after 0.5s"):
+        engine.close()
+    for t in threads:  # the draw ends by itself; the test leaves no thread behind
+        t.join(10)
+
+
+_SLOW_DRAW_AT_EXIT = """
+import threading, time
+from tests.unit.test_teardown import _SlowLoader, _drawing_engine
+engine, loader = _drawing_engine(timeout_s=60), _SlowLoader(6.0)
+engine.step(loader)
+loader.in_draw.wait(10)
+start = time.monotonic()
+engine.close()
+alive = [t.name for t in threading.enumerate() if t.name.startswith("swp")]
+print(f"close: {time.monotonic() - start:.2f}s, alive: {alive}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_that_closes_during_a_draw_longer_than_5s_exits_cleanly(tmp_path: Any) -> None:
+    """Issue 46: close() joined each worker for 5 s at most and returned with one still inside a
+    6 s draw; the script's return then began finalization, the thread's next re-take of the GIL
+    ended it by pthread_exit through a torch frame: "terminate called without an active
+    exception", exit code 134. Now close() waits for the draw and the script exits with 0."""
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "slow_draw.py"
+    script.write_text(_SLOW_DRAW_AT_EXIT)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("close: "))
+    seconds, alive = line.removeprefix("close: ").split("s, alive: ")
+    assert alive == "[]"
+    assert float(seconds) > 5.0  # it waited past the old 5 s join for the 6 s draw

@@ -87,12 +87,14 @@ class Interpreter(abc.ABC):
         self._workers: dict[str, Worker] = {}
         self._turnstiles: dict[str, Turnstile] = {}
         # run by close(), when the engine is collected, or at exit (atexit, before the interpreter's
-        # finalization) for an engine never closed: its threads never outlive the interpreter
-        self._finalizer = weakref.finalize(self, stop_workers, self._workers, self.board)
+        # finalization) for an engine never closed: its threads never outlive the interpreter (one
+        # inside a task is waited for, up to the timeout this engine was built with)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers, self.board, self.timeout_s)
         self._observer: Observer | None = None
 
     def close(self) -> None:
-        """Stop the worker threads (idempotent)."""
+        """Stop the worker threads (idempotent): each parks where it is, one inside a task once the
+        task returns; returns once every one has ended (``walkers.stop_workers``)."""
         self._finalizer()
 
     @property

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import queue
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,18 +118,37 @@ class Worker:
             # it would keep the engine (and the pipeline that holds it) from ever being collected
             del job
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self) -> None:
+        """Ask the thread to end once its current job, if any, returns (``stop_workers`` joins it)."""
         self.inbox.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout_s)
 
 
-def stop_workers(workers: dict[str, Worker], board: Any = None) -> None:
-    """Stop and join ``workers`` (5 s each at most): an engine's ``close()``, also when the engine is
-    collected or at exit (its ``weakref.finalize``, which must not hold the engine: ``board`` is
-    the engine's ``Board``, interrupted first so that a worker waiting on it stops where it is)."""
+def stop_workers(workers: dict[str, Worker], board: Any = None, timeout_s: float = 600.0) -> None:
+    """Stop and join ``workers``: an engine's ``close()``, also when the engine is collected or at
+    exit (its ``weakref.finalize``, which must not hold the engine: ``board`` is the engine's
+    ``Board``, interrupted first so that a worker waiting on it stops where it is).
+
+    A worker inside a task - a draw from a slow loader, a long copy - parks only once that call
+    returns: it is waited for, up to ``timeout_s`` (the engine's) for all of them. Returning while
+    it runs would leave it to the interpreter's finalization, where its next re-take of the GIL
+    ends it by ``pthread_exit`` and a noexcept C++ frame on the way out aborts the process
+    (docs/clean_exit.md). A thread still running after ``timeout_s`` is named in a RuntimeWarning."""
     if board is not None:
         board.interrupt_all("the engine was closed")
     for w in workers.values():
-        w.stop(5.0)
+        w.stop()
+    deadline = time.monotonic() + timeout_s
+    running = []
+    for w in workers.values():
+        if w.thread is not threading.current_thread():
+            w.thread.join(max(0.0, deadline - time.monotonic()))
+            if w.thread.is_alive():
+                running.append(w.thread.name)
     workers.clear()
+    if running:
+        warnings.warn(
+            f"engine closed with thread(s) {', '.join(running)} still inside a task after {timeout_s:g}s: "
+            "the process may abort at exit if they are still running then",
+            RuntimeWarning,
+            stacklevel=2,
+        )
