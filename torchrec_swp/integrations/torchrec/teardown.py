@@ -11,8 +11,9 @@ collection tears its native threads down in whatever order its Python references
 
 The order (what gloo and NCCL need):
 
-1. the engines' threads: interrupted where they wait and joined (a thread may be inside a
-   collective on one of the groups below: the group must outlive it);
+1. the engines' threads: interrupted where they wait and joined, one inside a task (a draw)
+   once the task returned (``walkers.stop_workers``; a thread may be inside a collective on one
+   of the groups below: the group must outlive it);
 2. the input dists moved back to the group they had (the model outlives its pipeline: a later
    pipeline or an evaluation on it must not find its input dists on a destroyed group);
 3. the groups the pipeline made, newest first, with ``destroy_process_group(group)``; a group
