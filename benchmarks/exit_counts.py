@@ -243,12 +243,14 @@ def main() -> int:
                 said = "; ".join(f"rank {r}: {e} {m!r} result {'printed' if p else 'missing'}"
                                  for r, (e, m, p) in enumerate(ranks))  # fmt: skip
                 print(f"[{pattern} {harness}] run {run}: {said}", file=sys.stderr, flush=True)
-            elif args.keep_logs is None:
-                for r in range(2):
-                    (logs / f"{pattern}-{run}-r{r}.log").unlink(missing_ok=True)
-                shutil.rmtree(logs / f"{pattern}-{run}", ignore_errors=True)
-                if args.cores is not None:  # no core to keep
-                    shutil.rmtree(args.cores / pattern / str(run), ignore_errors=True)
+            else:
+                if args.keep_logs is None:
+                    for r in range(2):
+                        (logs / f"{pattern}-{run}-r{r}.log").unlink(missing_ok=True)
+                    shutil.rmtree(logs / f"{pattern}-{run}", ignore_errors=True)
+                if args.cores is not None:  # a clean run left no core: its folders go
+                    for name in (str(run), f"{run}-r0", f"{run}-r1"):
+                        shutil.rmtree(args.cores / pattern / name, ignore_errors=True)
             if (run + 1) % 10 == 0:
                 rate = (time.monotonic() - start) / (run + 1)
                 print(f"[{pattern} {harness}] {run + 1}/{args.runs} runs, {bad_runs} not clean, {rate:.1f} s/run",
