@@ -18,8 +18,8 @@ gradients differ in the last bits (``tools/ddp_rewrap_repro.py`` shows it).
 indices per bucket, as the reducer numbers them); ``restore_layout_state(model, state)``, on the
 resumed model before its first forward, gives each DDP a reducer built with that layout. The new
 reducer still rebuilds once from the ready order, which a static graph repeats, so the layout
-stays the saved one. A run that saves no state and loads none is untouched (upstream parity); one
-that saves between its second step and the rebuild rebuilds then, which reduces alike.
+stays the saved one. Saving reads the layout only; a run that loads no state is untouched
+(upstream parity).
 
 What this relies on from torch (private, checked by ``tests/unit/test_ddp_layout.py`` and the
 multi-process resume tests): ``Reducer(params, bucket_indices, per_bucket_size_limits, ...)``,
@@ -108,20 +108,16 @@ def restore_bucket_layout(ddp: DistributedDataParallel, layout: list[list[int]])
 
 def layout_state(model: torch.nn.Module) -> dict[str, Any]:
     """Every C++-reduced DDP's bucket layout in ``model``, by module path (``""``: the model
-    itself), once its reducer has rebuilt its buckets; between steps.
+    itself), once its reducer has rebuilt its buckets; between steps. No collective: a rank may
+    call it alone.
 
-    A DDP whose reducer has recorded the ready order (after a static graph's second backward) but
-    not yet rebuilt (its next forward would) rebuilds here, which reduces the same as rebuilding
-    at that forward. A DDP that has not recorded it (after one step only) is left out: it still
-    uses the layout a new one starts with, and the new one rebuilds one step later than it will
-    (on 3 or more ranks that step's sums may then differ in the last bits)."""
-    state = {}
-    for name, ddp in _ddps(model):
-        if not ddp._has_rebuilt_buckets and ddp.reducer._rebuild_buckets():
-            ddp._has_rebuilt_buckets = True
-        if ddp._has_rebuilt_buckets:
-            state[name] = bucket_layout(ddp)
-    return state
+    A DDP that has not rebuilt yet (a cut after its first or second step) is left out: it still
+    uses the layout a new one starts with, but the new one rebuilds 2 steps after the resume,
+    where it would have rebuilt at the next step or the one after (on 3 or more ranks the sums of
+    the steps between may then differ in the last bits). Rebuilding here after the second step
+    would fix that but is a collective (the reducer broadcasts rank 0's layout), which a cut
+    must not start on its own while other threads may run the pipeline's collectives."""
+    return {name: bucket_layout(ddp) for name, ddp in _ddps(model) if ddp._has_rebuilt_buckets}
 
 
 def restore_layout_state(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
