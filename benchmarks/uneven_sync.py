@@ -1,6 +1,5 @@
-"""What ``sync_dataloader_exhaustion`` (on by default with several ranks) costs the training
-thread, against upstream's proposal (one all-reduce on the training thread per ``progress()``
-call).
+"""What ``sync_dataloader_exhaustion=True`` costs the training thread, against upstream's proposal
+(one all-reduce on the training thread per ``progress()`` call).
 
     python benchmarks/uneven_sync.py                     # small DLRM, 20 + 200 steps
     python benchmarks/uneven_sync.py --steps 400 --size medium
@@ -9,20 +8,17 @@ On 2 gloo ranks, TrainPipelineSparseDist trains its own copy of the same DLRM in
 interleaved call by call (``benchmarks/common.py``), with the draw on the training thread (the
 default plan) and on a loader thread (``thread_map="io", lookahead=1``):
 
-* ``<where>, no sync``: the baseline (``sync_dataloader_exhaustion=False``), what upstream does
-  without its proposal;
-* ``<where>, ours``: ``sync_dataloader_exhaustion`` on (the default with several ranks): a MIN
-  all-reduce per batch on a gloo group of the pipeline's own, issued by the thread that draws,
-  one draw ahead (begun at the draw before, read at the batch's own);
+* ``<where>, no sync``: the baseline, what upstream does without its proposal;
+* ``<where>, ours``: ``sync_dataloader_exhaustion=True``: a MIN all-reduce per draw on a gloo
+  group of the pipeline's own, issued by the thread that draws;
 * ``<where>, per progress``: upstream's proposal, emulated: the pipeline without the option,
   wrapped so that a MIN all-reduce of one int32 on a gloo group of its own runs on the training
   thread before each ``progress()`` call.
 
 Every contender must give the same loss at every step. Reported per contender: median and P90
 step time (rank 0), the ratio of its median to its baseline's with the 95% bootstrap interval,
-the added time per step (median minus the baseline's), and the time waited for the all-reduce
-per step, by thread (training thread or loader thread): measured around each wait (ours: the
-read of an agreement begun a draw before, mostly done by then). The last
+the added time per step (median minus the baseline's), and the time the all-reduce itself took
+per step, by thread (training thread or loader thread): measured around each call. The last
 column is the figure asked for: the all-reduce's time on the training thread per step, ours
 over upstream's proposal.
 
@@ -114,7 +110,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
             for kind in KINDS:
                 thread_map = engine.get("thread_map")
                 options = {k: v for k, v in engine.items() if k != "thread_map"}
-                options["sync_dataloader_exhaustion"] = kind == "ours"  # the default: on with 2 ranks
+                if kind == "ours":
+                    options["sync_dataloader_exhaustion"] = True
                 runner: Any = make_runner(PIPELINE, "ours", build, thread_map=thread_map, options=options)
                 if kind == "per progress":
                     runner = PerProgress(runner, dist.new_group(backend="gloo"))

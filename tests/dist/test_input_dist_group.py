@@ -71,8 +71,6 @@ def _collective_log(groups: dict[str, Any]) -> Iterator[Log]:
             group = signature.bind(*args, **kwargs).arguments.get("group")
             if group is not None and group is groups.get("input_dist"):
                 label = "input_dist"
-            elif group is not None and group is groups.get("exhaustion"):
-                label = "exhaustion"
             elif group is None or group is dist.group.WORLD:
                 label = "model"
             else:
@@ -108,16 +106,11 @@ def _holders(pipeline: Any) -> dict[str, Any]:
 
 
 def _train(factory: Factory, rank: int, world_size: int, seed: int, steps: int = STEPS) -> tuple[RunResult, Log, Any]:
-    """A run of the pipeline ``factory`` builds, the collectives it issued (those of our uneven-data
-    sync left out: one per batch and one for the end, on a group of its own, checked here) and
-    where its input dist group ended up."""
     model, optimizer = build_model(rank, world_size, seed)
     groups: dict[str, Any] = {}
     with _collective_log(groups) as log:
         pipeline = factory(model, optimizer)
         groups["input_dist"] = getattr(pipeline, "_swp_input_dist_group", None)
-        sync = getattr(getattr(pipeline, "engine", None), "exhaustion", None)
-        groups["exhaustion"] = None if sync is None else sync.group
         try:
             result = train_pipeline_run(pipeline, make_batches(rank, world_size, steps, seed), steps + 5)
             holders = _holders(pipeline) if groups["input_dist"] is not None else None
@@ -127,10 +120,7 @@ def _train(factory: Factory, rank: int, world_size: int, seed: int, steps: int =
     if holders is not None:  # close() moved every input dist back to the model's group (teardown)
         after = _holders(pipeline)
         assert after["a2a"] == after["fused"] == 0 and not after["others"], after
-    synced = {key: n for key, n in log.items() if key[1] == "exhaustion"}
-    if groups["exhaustion"] is not None:
-        assert synced == {("all_reduce", "exhaustion", "ExhaustionSync.begin"): result.num_calls + 1}, synced
-    return result, Counter({key: n for key, n in log.items() if key[1] != "exhaustion"}), holders
+    return result, Counter(log), holders
 
 
 def _sparse_dist(rank: int, world_size: int, seed: int) -> dict[str, Any]:

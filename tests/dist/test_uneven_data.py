@@ -1,15 +1,14 @@
 """Ranks whose data runs out unevenly (10 batches against 13), on 2 gloo ranks.
 
-* With ``sync_dataloader_exhaustion=False`` ours fails as upstream does (the reproduction): while
+* Without ``sync_dataloader_exhaustion`` ours fails as upstream does (the reproduction): while
   one rank drains its last batches, the other issues the input dist of its batch 10, the
   collectives pair up wrongly and a rank dies or raises - never a silent pass. Each runs in
   ranks of its own (``run_on_ranks``), so the suite survives the abort.
-* With the default options (``sync_dataloader_exhaustion`` left out: on with several ranks), for
-  every pipeline family, with the default plan, an io thread, 2 parallel loads and lookahead
-  (the Maglev drop-ins too, below): two epochs on one pipeline, rank 0 short in the
+* With ``sync_dataloader_exhaustion=True``, for every pipeline family, with the default plan, an
+  io thread, 2 parallel loads and lookahead: two epochs on one pipeline, rank 0 short in the
   first (10 against 13), rank 1 in the second. Every rank stops after batch 10 with
   StopIteration (the staged pipeline: returns None) in both epochs, and outputs, losses and final
-  weights equal bit for bit those of the run in which every rank had 10 batches (the option off); the
+  weights equal bit for bit those of the run in which every rank had 10 batches (no option); the
   longer rank's draw for batch 10 is counted in ``batch_ledger.past_end``. One rank process runs
   every family and case (``_all_cases``), each test checks one family. The eval pipeline gets
   ``reset()`` between epochs, as upstream's needs; StagedTrainPipeline takes no ``loads`` (its
@@ -82,11 +81,6 @@ FAMILIES = ["Base", "SparseDist", "Fused", "SemiSync", "Prefetch", "Eval", "Lite
 )
 
 
-def _sync_option(sync: bool) -> dict[str, Any]:
-    """The option as the case gives it: left out (the default: on with several ranks) or off."""
-    return {} if sync else {"sync_dataloader_exhaustion": False}
-
-
 def _lengths(rank: int, sync: bool) -> tuple[int, int]:
     """This rank's batches in epochs 1 and 2: rank 0 short first, rank 1 short second (without
     the sync: both short, the reference)."""
@@ -101,7 +95,7 @@ def _epoch_data(rank: int, world_size: int, seed: int, epoch: int, n: int) -> li
 
 def _train_run(family: str, rank: int, world_size: int, seed: int, options: dict[str, Any], sync: bool) -> list[Any]:
     model, optimizer = build_model(rank, world_size, seed)
-    pipeline = _factories()[family](model, optimizer, {**options, **_sync_option(sync)})
+    pipeline = _factories()[family](model, optimizer, {**options, "sync_dataloader_exhaustion": sync})
     try:
         runs: list[Any] = []
         for e, n in enumerate(_lengths(rank, sync)):
@@ -120,7 +114,7 @@ def _staged_run(rank: int, world_size: int, seed: int, options: dict[str, Any], 
     stages = sparse_data_dist_stages(model, torch.Stream(device="cpu"))
     thread_map = options.get("thread_map")
     staged = {**options, "thread_map": {"data_copy": "io"} if thread_map == "io" else thread_map}
-    pipeline = StagedTrainPipeline(stages, **staged, **_sync_option(sync))
+    pipeline = StagedTrainPipeline(stages, **staged, sync_dataloader_exhaustion=sync)
     try:
         runs: list[Any] = [
             staged_pipeline_run(pipeline, model, optimizer, _epoch_data(rank, world_size, seed, e, n), LONG + 5)
@@ -138,7 +132,7 @@ def _pec_run(rank: int, world_size: int, seed: int, options: dict[str, Any], syn
     model, optimizer, batches = build_pec_model(seed, 2 * LONG)
     thread_map = options.get("thread_map")
     pec = {**options, "thread_map": {"H2D": "io"} if thread_map == "io" else thread_map}
-    pipeline = TrainPipelinePEC(model, optimizer, CPU, **pec, **_sync_option(sync))
+    pipeline = TrainPipelinePEC(model, optimizer, CPU, **pec, sync_dataloader_exhaustion=sync)
     try:
         runs: list[Any] = [
             train_pipeline_run(pipeline, batches[e * LONG : e * LONG + n], LONG + 3)
@@ -203,7 +197,7 @@ def test_uneven_data_stops_every_rank_after_the_same_batch(family: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The reproduction: with the option off, ours fails as upstream does
+# The reproduction: without the option, ours fails as upstream does
 # --------------------------------------------------------------------------------------------
 
 
@@ -213,16 +207,14 @@ def _unsynced(rank: int, world_size: int, seed: int, ours: bool) -> list[int]:
     from torchrec_swp import TrainPipelineSparseDist
 
     model, optimizer = build_model(rank, world_size, seed)
-    if ours:
-        pipeline = TrainPipelineSparseDist(model, optimizer, CPU, sync_dataloader_exhaustion=False)
-    else:
-        pipeline = upstream.TrainPipelineSparseDist(model, optimizer, CPU)
+    cls = TrainPipelineSparseDist if ours else upstream.TrainPipelineSparseDist
+    pipeline = cls(model, optimizer, CPU)
     run = train_pipeline_run(pipeline, make_batches(rank, world_size, SHORT if rank == 0 else LONG, seed), LONG + 3)
     return [run.num_calls, run.stop_iteration_call or -1]
 
 
 @pytest.mark.parametrize("ours", [False, True], ids=["upstream", "ours"])
-def test_with_the_option_off_uneven_data_fails_like_upstream(ours: bool) -> None:
+def test_without_the_option_uneven_data_fails_like_upstream(ours: bool) -> None:
     with pytest.raises(RankError) as failure:
         run_on_ranks(_unsynced, 7, ours, timeout_s=240, group_may_break=True)
     # the rank that issues its batch 10's input dist while the other drains is aborted by gloo
@@ -264,7 +256,7 @@ def _maglev_run(cls: str, thread_map: str, sync: bool) -> dict[str, Any]:
     if stage.is_last:
         stage.module.register_forward_hook(lambda m, i, out: losses.append(out[0].detach().clone()))
     optimizer = torch.optim.SGD(stage.module.parameters(), lr=0.001)
-    options: dict[str, Any] = {"thread_map": thread_map, **_sync_option(sync)}
+    options: dict[str, Any] = {"thread_map": thread_map, "sync_dataloader_exhaustion": sync}
     pipeline_cls = getattr(maglev, cls)
     if cls == "MaglevPipelineBase":
         pipeline = pipeline_cls(stage, optimizer, **options)

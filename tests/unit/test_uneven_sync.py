@@ -1,10 +1,9 @@
 """``sync_dataloader_exhaustion`` in one process: the engine's draws with a stand-in for the
 collective (a peer whose data holds a given number of batches), and the option's bad input.
 
-The stand-in answers ``agree(have)`` (and ``begin(have)``, the agreement the engine's draws
-begin one batch ahead) as the MIN all-reduce would with one peer holding ``peer`` batches per
-epoch; it records which thread asked. The real collective on 2 gloo ranks is tested in
-tests/dist/test_uneven_data.py."""
+The stand-in answers ``agree(have)`` as the MIN all-reduce would with one peer holding
+``peer`` batches per epoch; it records which thread asked. The real collective on 2 gloo
+ranks is tested in tests/dist/test_uneven_data.py."""
 
 from __future__ import annotations
 
@@ -16,10 +15,10 @@ import pytest
 import torch
 
 import torchrec_swp
-from tests.unit.test_engine_options import Summing, build, global_configs_restored  # noqa: F401
+from tests.unit.test_engine_options import Summing, build
 from torchrec_swp.data import MapSource
 from torchrec_swp.engine import exhaustion
-from torchrec_swp.engine.exhaustion import Agreement, ExhaustionSync
+from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.integrations.torchrec import pipelines
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 
@@ -40,19 +39,6 @@ class PeerSync(ExhaustionSync):
         every = have and self.position < self.peer
         self.position = self.position + 1 if every else 0  # the end starts the peer's next epoch
         return every
-
-    def begin(self, have: bool) -> Agreement:
-        return Agreement(Done(), torch.tensor([int(self.agree(have))], dtype=torch.int32))
-
-
-class Done:
-    """An all-reduce already done."""
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self) -> bool:
-        return True
 
 
 def batches(n: int, seed: int) -> list[torch.Tensor]:
@@ -90,15 +76,14 @@ def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
     monkeypatch: pytest.MonkeyPatch, data: Any, options: dict[str, Any], mine: int, peer: int
 ) -> None:
     sync = PeerSync(peer)
-    monkeypatch.setattr(ExhaustionSync, "create", classmethod(lambda cls, owner, timeout_s, asked=True: sync))
-    reference, ref_weights, _ = epochs([10, 10], sync_dataloader_exhaustion=False)
+    monkeypatch.setattr(ExhaustionSync, "create", classmethod(lambda cls, owner, timeout_s: sync))
+    reference, ref_weights, _ = epochs([10, 10])
     runs, weights, pipeline = epochs([mine, mine], data, sync_dataloader_exhaustion=True, **options)
     for (outputs, stop), (ref_outputs, ref_stop) in zip(runs, reference, strict=True):
         assert stop == ref_stop == 10
         assert len(outputs) == 10 and all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
-    # one collective per batch, batch 10 included (begun a draw ahead); an item drawn for it by the
-    # longer rank is not trained
+    # one collective per draw, batch 10 included; an item drawn for it by the longer rank is not trained
     assert len(sync.threads) == 2 * 11
     assert pipeline.batch_ledger.past_end == (2 if mine > peer else 0)
     assert pipeline.batch_ledger.trained == 20 and pipeline.batch_ledger.dropped == []
@@ -107,28 +92,9 @@ def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
     assert drew_on_caller == (options == {}), (options, set(sync.threads))
 
 
-def test_by_default_without_a_process_group_nothing_agrees_and_the_data_ends_where_it_ends() -> None:
-    assert not torch.distributed.is_initialized()
-    for options in ({}, {"sync_dataloader_exhaustion": None}, {"sync_dataloader_exhaustion": False}):
-        runs, _, pipeline = epochs([13], **options)
-        assert runs[0][1] == 13 and pipeline.engine.exhaustion is None
-
-
-def test_by_default_the_sync_is_made_where_several_ranks_run_and_false_never_makes_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The default asks ``ExhaustionSync.create`` without insisting (it makes the sync where
-    torch.distributed runs several ranks, nothing otherwise); ``True`` insists; ``False`` never
-    asks."""
-    asked: list[bool] = []
-
-    def create(cls: type, owner: str, timeout_s: float, asked_for: bool = True, **kw: bool) -> None:
-        asked.append(kw.get("asked", asked_for))
-
-    monkeypatch.setattr(ExhaustionSync, "create", classmethod(create))
-    for option in (None, True, False):
-        EngineOptions(sync_dataloader_exhaustion=option).exhaustion_sync("X")
-    assert asked == [False, True]
+def test_without_the_option_nothing_agrees_and_the_data_ends_where_it_ends() -> None:
+    runs, _, pipeline = epochs([13])
+    assert runs[0][1] == 13 and pipeline.engine.exhaustion is None
 
 
 # ------------------------------------------------------------------ bad input
@@ -143,33 +109,8 @@ def test_without_a_process_group_every_pipeline_says_so_in_one_line(name: str) -
     )
 
 
-@pytest.mark.usefixtures("global_configs_restored")
-@pytest.mark.parametrize("name", pipelines.__all__)
-def test_every_pipeline_makes_the_sync_by_default_and_none_with_false(
-    monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
-    """Every plan-driven drop-in asks for the sync by default (made where several ranks run: the
-    stand-in answers as if they did) and never with ``False``."""
-    sync = PeerSync(100)
-    asked: list[bool] = []
-
-    def create(cls: type, owner: str, timeout_s: float, asked_for: bool = True, **kw: bool) -> PeerSync:
-        asked.append(kw.get("asked", asked_for))
-        return sync
-
-    monkeypatch.setattr(ExhaustionSync, "create", classmethod(create))
-    pipeline = build(name)
-    assert asked == [False] and pipeline.engine.exhaustion is sync
-    pipeline.close()
-    off = build(name, sync_dataloader_exhaustion=False)
-    assert asked == [False] and off.engine.exhaustion is None
-    off.close()
-
-
 def test_the_option_is_a_bool() -> None:
-    with pytest.raises(
-        TypeError, match=r"^X: sync_dataloader_exhaustion must be a bool or None \(on with several ranks\), got 'yes'$"
-    ):
+    with pytest.raises(TypeError, match=r"^X: sync_dataloader_exhaustion must be a bool, got 'yes'$"):
         EngineOptions.take({"sync_dataloader_exhaustion": "yes"}, "X")
 
 

@@ -45,7 +45,9 @@ def take(batches: Batches, feed: Feed, plan: str) -> dict[str, Any]:
             "cannot be saved and they would be lost on resume; use an iterator that has one, e.g. of "
             "torchdata's StatefulDataLoader"
         )
-    position = draws.position(c)  # c drawn, or the next to draw (its item perhaps drawn ahead)
+    position = draws.positions.get(c)
+    if position is None:  # c not drawn yet: the iterator is where c will be drawn from
+        position = draws.iterator.state_dict()  # type: ignore[attr-defined]
     ledger = batches.ledger
     return {
         "version": STATE_VERSION,

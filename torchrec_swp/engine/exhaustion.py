@@ -1,27 +1,24 @@
 """Ranks whose data runs out unevenly stop together: ``ExhaustionSync`` (the option
-``sync_dataloader_exhaustion`` of every pipeline; on by default wherever torch.distributed runs
-more than one rank).
+``sync_dataloader_exhaustion=True`` of every pipeline).
 
 Without it, a rank whose loader holds fewer batches stops while its peers go on into the next
 batch's collectives, which pair up with whatever the stopped rank issues next: gloo aborts the
 process ("Received data size doesn't match expected size"), NCCL usually hangs until its
 timeout, and where the sizes happen to match the ranks exchange wrong data. That is upstream's
-behaviour, and ``sync_dataloader_exhaustion=False`` keeps it.
+behaviour, and it stays so without the option.
 
-With it, every rank agrees, for every batch, whether every rank has one: a MIN all-reduce of
-"I have this batch" (one int32 on the CPU) on a gloo process group of its own, made when the
-pipeline is built. The first batch some rank lacks is the common end, where every rank's draw
-raises StopIteration, so every rank stops after the same batch and trains only batches every
-rank trains. The all-reduce is issued by the thread that draws (the source task's thread, or the
-load threads with ``loads=``; draws take turns in batch order, so every rank issues them in the
-same order). The engine's source (``torchrec_swp.engine.source.Draws``) keeps the agreement off
-the step's critical path: it draws one item ahead and begins that item's agreement
-(``begin``), and reads it (``result``) at the next draw, a step later, when the peers have long
-contributed; the first draw of an iterator waits for its own. An item a rank drew for the common
-end (it had one, a peer did not) is not trained: it is dropped, and the engine's ledger counts
-it (``ledger.past_end``); the rank's later items stay undrawn in its iterator. A draw that fails
-with another exception begins no agreement: the peers wait for it until the draw is retried,
-or fail after the group's timeout (``engine_timeout_s``) instead of hanging.
+With it, every draw of a batch is followed by one collective: a MIN all-reduce of "I have this
+batch" (one int32 on the CPU) on a gloo process group of its own, made when the pipeline is
+built. Every rank draws batch ``b`` and learns whether every rank has one; the first batch some
+rank lacks is the common end, where every rank's draw raises StopIteration, so every rank stops
+after the same batch and trains only batches every rank trains. The all-reduce is issued by the
+thread that draws (the source task's thread, or the load threads with ``loads=``; draws take
+turns in batch order, so every rank issues them in the same order), not by the training thread
+where the plan draws elsewhere. An item a rank drew for the common end (it had one, a peer did
+not) is not trained: it is dropped, and the engine's ledger counts it (``ledger.past_end``);
+the rank's later items stay undrawn in its iterator. A draw that fails with another exception
+issues no all-reduce: the peers' pending one fails after the group's timeout
+(``engine_timeout_s``) instead of hanging.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -41,18 +37,9 @@ T = TypeVar("T")
 OPTION = "sync_dataloader_exhaustion"
 
 
-@dataclass(frozen=True)
-class Agreement:
-    """An agreement begun (``ExhaustionSync.begin``): the all-reduce's work and its flag."""
-
-    work: Any
-    flag: torch.Tensor
-
-
 class ExhaustionSync:
     """The collective behind ``sync_dataloader_exhaustion``: ``agree(have)`` is True when every
-    rank has its batch; ``begin(have)`` starts that all-reduce and ``result()`` reads it later.
-    ``seconds`` and ``calls`` count the time waited for it, by thread name."""
+    rank has its batch. ``seconds`` and ``calls`` count the time spent in it, by thread name."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -60,15 +47,12 @@ class ExhaustionSync:
         self.seconds: dict[str, float] = {}
 
     @classmethod
-    def create(cls, owner: str, timeout_s: float, *, asked: bool = True) -> ExhaustionSync | None:
+    def create(cls, owner: str, timeout_s: float) -> ExhaustionSync | None:
         """The sync of a pipeline ``owner`` being built, on a new gloo group over every rank (a
         collective: every rank builds its pipelines in the same order); None in a world of one,
-        where nothing needs agreeing. Without an initialized process group: ValueError in one line
-        where the user ``asked`` for it, else None (the default: nothing to agree with).
+        where nothing needs agreeing. Without an initialized process group: ValueError in one line.
         ``timeout_s`` bounds each all-reduce (a peer that never draws again fails it, not hangs)."""
         if not dist.is_available() or not dist.is_initialized():
-            if not asked:
-                return None
             raise ValueError(
                 f"{owner}({OPTION}=True) needs torch.distributed's default process group: call "
                 "torch.distributed.init_process_group() before building the pipeline"
@@ -86,31 +70,6 @@ class ExhaustionSync:
         self.seconds[thread] = self.seconds.get(thread, 0.0) + time.perf_counter() - start
         self.calls += 1
         return bool(flag.item())
-
-    def begin(self, have: bool) -> Agreement:
-        """Start the all-reduce of ``agree(have)`` (one per batch, in batch order on every rank);
-        ``result()`` reads it."""
-        flag = torch.tensor([1 if have else 0], dtype=torch.int32)
-        return Agreement(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag)
-
-    def result(self, agreement: Agreement, check: Callable[[], None]) -> bool:
-        """Whether every rank has the batch of ``agreement``: at once where the all-reduce is
-        done (the peers contributed while this rank trained); else polled, calling ``check()``
-        between looks (it raises to give up, e.g. the engine's Interrupted at ``close()``), so
-        that no thread of ours waits inside the collective. The group's error (a peer gone: after
-        its timeout) is raised here."""
-        work = agreement.work
-        start = time.perf_counter()
-        delay = 5e-5
-        while not work.is_completed():
-            check()
-            time.sleep(delay)
-            delay = min(2 * delay, 2e-3)
-        work.wait()
-        thread = threading.current_thread().name
-        self.seconds[thread] = self.seconds.get(thread, 0.0) + time.perf_counter() - start
-        self.calls += 1
-        return bool(agreement.flag.item())
 
     def draw(self, pull: Callable[[], T], dropped: Callable[[T], None] | None = None) -> T:
         """``pull()``, then agree: its item where every rank has one; StopIteration on every rank

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchrec_swp.compile import Run
 from torchrec_swp.engine.batches import Batches
-from torchrec_swp.engine.errors import FailedDrawWarning, Interrupted, Stopped
-from torchrec_swp.engine.exhaustion import Agreement, ExhaustionSync
+from torchrec_swp.engine.errors import FailedDrawWarning, Stopped
+from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.installed import InstalledPlans
 from torchrec_swp.engine.walkers import Op, Walker
 from torchrec_swp.plan import PipelinePlan
@@ -43,22 +43,10 @@ if TYPE_CHECKING:
     from torchrec_swp.engine.tasks import Invoker
 
 
-#: what a draw ahead found at the end of the iterator
-_END = object()
-
-
 class Draws:
     """``iterator`` as the source task draws it; ``take_turn(b)`` blocks until batch ``b`` may
     draw, ``turn_taken(b, ended)`` says it drew (or found the end); with ``sync``, the ranks agree
     on the end, and ``dropped(b)`` hears of an item drawn for batch ``b`` past the common end.
-
-    With ``sync``, the draw of batch ``b`` reads the ranks' agreement on ``b`` begun at the draw
-    before (``ExhaustionSync.result``; ``check()`` between looks, where it is not done yet), then
-    draws the next item ahead and begins its agreement (``ExhaustionSync.begin``), so the
-    collective's round trip overlaps a whole step; the first draw of an iterator draws its own
-    item and waits for its agreement. The item ahead is the iterator's next item whatever batch
-    draws next (after a ``reset()``, batch 0), and its position is the one a cut resumes from
-    (``position``).
 
     A draw that fails is never silently lost (``pulled``, ``failed``): an item drawn for batch
     ``b`` whose source call then failed (its fetch, its copy, ...) is kept and handed out again
@@ -77,7 +65,6 @@ class Draws:
         sync: ExhaustionSync | None = None,
         dropped: Callable[[int], None] | None = None,
         failed: Callable[[int, BaseException], None] | None = None,
-        check: Callable[[], None] = lambda: None,
     ) -> None:
         self.iterator = iterator
         self._take_turn = take_turn
@@ -85,7 +72,6 @@ class Draws:
         self._sync = sync
         self._dropped = dropped
         self._failed = failed
-        self._check = check
         self._local = threading.local()
         self._split = callable(getattr(iterator, "claim", None)) and callable(getattr(iterator, "fetch", None))
         self._stateful = callable(getattr(iterator, "state_dict", None))
@@ -94,11 +80,6 @@ class Draws:
         #: batch -> what its draw took from the iterator (the item, or a split draw's claim) while
         #: its source call has not succeeded: the same item is handed out again on a retry
         self.pulled: dict[int, Any] = {}
-        #: with ``sync``: the next item drawn ahead, its agreement begun, its position before it
-        self._ahead: tuple[Any, Agreement, Any] | None = None
-        #: with ``sync``: drawing the next item ahead failed: (the error, the position before it)
-        self._ahead_failed: tuple[Exception, Any] | None = None
-        self._pulling_from: Any = None  # the position before the pull in progress
 
     @property
     def splits(self) -> bool:
@@ -134,79 +115,32 @@ class Draws:
             drawn = pulled[b]
         else:
             self._take_turn(b)
+            if self._stateful:
+                self.positions[b] = self.iterator.state_dict()  # type: ignore[attr-defined]
             try:
                 if self._sync is None:
-                    self._pulling_from = self.iterator.state_dict() if self._stateful else None  # type: ignore[attr-defined]
-                    if self._stateful:
-                        self.positions[b] = self._pulling_from
                     drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
                 else:
-                    drawn = self._agreed(b)
+                    drawn = self._sync.draw(self._pull, lambda _: self._drop(b))
             except StopIteration:
                 self._turn_taken(b, True)
                 raise
             except Exception as e:
-                if not isinstance(e, Interrupted):
-                    self._draw_failed(b, e, self._pulling_from)
+                self._draw_failed(b, e)
                 raise
             pulled[b] = drawn
             self._turn_taken(b, False)
         return self.iterator.fetch(drawn) if self._split else drawn  # type: ignore[attr-defined]
 
-    def _agreed(self, b: int) -> Any:
-        """With ``sync``: batch ``b``'s item once the ranks agreed every rank has one, the next item
-        drawn ahead and its agreement begun; StopIteration at the common end (an item this rank
-        had for ``b`` goes to ``dropped``). A failure drawing the item ahead is raised by the next
-        draw, the batch whose item it was."""
-        sync = self._sync
-        assert sync is not None
-        if self._ahead is None:
-            if self._ahead_failed is not None:
-                error, self._pulling_from = self._ahead_failed
-                self._ahead_failed = None
-                raise error
-            self._ahead = self._pull_ahead(sync)
-        drawn, agreement, position = self._ahead
-        every_rank = sync.result(agreement, self._check)  # Interrupted: still ahead, read again on resuming
-        self._ahead = None
-        if not every_rank:
-            if drawn is not _END:
-                self._drop(b)
-            raise StopIteration
-        if position is not None:
-            self.positions[b] = position
-        try:
-            self._ahead = self._pull_ahead(sync)
-        except Exception as e:
-            self._ahead_failed = (e, self._pulling_from)
-        return drawn
+    def _pull(self) -> Any:
+        return self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
 
-    def _pull_ahead(self, sync: ExhaustionSync) -> tuple[Any, Agreement, Any]:
-        """The iterator's next item (``_END`` at its end), its agreement begun, its position."""
-        position = self._pulling_from = self.iterator.state_dict() if self._stateful else None  # type: ignore[attr-defined]
-        try:
-            drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
-        except StopIteration:
-            drawn = _END
-        return drawn, sync.begin(drawn is not _END), position
-
-    def position(self, b: int) -> Any:
-        """The iterator's position just before batch ``b``'s item (``b`` drawn, or the next to
-        draw): where a resume draws ``b`` again."""
-        if b in self.positions:
-            return self.positions[b]
-        if self._ahead is not None:
-            return self._ahead[2]
-        if self._ahead_failed is not None:
-            return self._ahead_failed[1]
-        return self.iterator.state_dict()  # type: ignore[attr-defined]
-
-    def _draw_failed(self, b: int, error: BaseException, position: Any) -> None:
-        """The iterator raised ``error`` drawing batch ``b``: back to ``position`` (before the
-        draw) where it can go back (the retry draws the same item), else ``failed(b, error)``."""
-        if self._rewinds and position is not None:
+    def _draw_failed(self, b: int, error: BaseException) -> None:
+        """The iterator raised ``error`` drawing batch ``b``: back to the position before the
+        draw where it can go back (the retry draws the same item), else ``failed(b, error)``."""
+        if self._rewinds and b in self.positions:
             try:
-                self.iterator.load_state_dict(position)  # type: ignore[attr-defined]
+                self.iterator.load_state_dict(self.positions[b])  # type: ignore[attr-defined]
                 return
             except Exception as rewind:  # cannot go back after all: as if it had no positions
                 error.add_note(f"torchrec_swp: going back to the position before batch {b} failed: {rewind!r}")
@@ -242,10 +176,9 @@ class Feed:
         sync: ExhaustionSync | None,
         dropped: Callable[[int], None],
         failed: Callable[[int, BaseException], None],
-        check: Callable[[], None],
     ) -> None:
         self._take_turn, self._turn_taken, self._sync, self._dropped = take_turn, turn_taken, sync, dropped
-        self._failed, self._check = failed, check
+        self._failed = failed
         self.data: Iterator[Any] | None = None  # the iterator the last step(data) gave
         self.draws: Draws | None = None  # its Draws
         self._from: list[tuple[int, Draws]] = []  # (first batch, its Draws), in order
@@ -260,7 +193,6 @@ class Feed:
             sync=self._sync,
             dropped=self._dropped,
             failed=self._failed,
-            check=self._check,
         )
         self._from = [(f, d) for f, d in self._from if f < first] + [(first, self.draws)]
 
@@ -329,7 +261,6 @@ class Source:
             sync=exhaustion,
             dropped=self.past_common_end,
             failed=self.draw_failed,
-            check=self.check_interrupt,
         )
 
     def op(self, instr: Run) -> Op:
@@ -460,13 +391,6 @@ class Source:
         with self._board.lock:
             self._batches.claimed(b)
             self._board.notify()
-
-    def check_interrupt(self) -> None:
-        """Interrupted where the engine told its threads to stop (a failure, ``close()``): what a
-        draw waiting for the ranks' agreement asks between looks."""
-        interrupt = self._board.interrupt
-        if interrupt is not None:
-            raise Interrupted(interrupt)
 
     def draw_failed(self, b: int, error: BaseException) -> None:
         """The iterator raised ``error`` inside its own ``next()`` (or ``claim()``) drawing batch

@@ -38,9 +38,8 @@ Keyword-only options (the constructor is upstream's otherwise; defined once in
   last: 1F1B's warm-up), see docs/pp.md.
 * ``engine_timeout_s``: the engine's timeout (no thread made progress that long) and the bound on each
   transfer of the wire, receive or send (``runtime.StageWrapperWire``).
-* ``sync_dataloader_exhaustion`` (default None: on wherever torch.distributed runs more than one
-  rank; False: upstream's behaviour, where a rank whose data ends first raises StopIteration
-  alone and its peers' next input-dist round fails or hangs):
+* ``sync_dataloader_exhaustion`` (default False: upstream's behaviour, where a rank whose data
+  ends first raises StopIteration alone and its peers' next input-dist round fails or hangs):
   every raw batch ``take_inputs`` draws is followed by a MIN all-reduce of "I have it" on a gloo
   group of its own (``torchrec_swp.engine.exhaustion``), so every rank raises StopIteration in
   the same round. The draw is upstream's, on the calling thread, so the all-reduce is too (one

@@ -55,7 +55,7 @@ class ProgramKeywords(TypedDict, total=False):
     thread_map: ActionThreadMap
     grad_sync: GradSync
     engine_timeout_s: float
-    sync_dataloader_exhaustion: bool | None
+    sync_dataloader_exhaustion: bool
 
 
 #: Every option's keyword, in ``ProgramKeywords``' order.

@@ -67,15 +67,14 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     of its own, and the default plan with ``plans.with_input_dist_group``. ``plan.print_schedule(n)``
     shows the result, loads and lookahead in its header line.
 
-    ``sync_dataloader_exhaustion=`` (default None: on wherever torch.distributed runs more than
-    one rank when the pipeline is built): ranks whose data runs out unevenly stop together. The
-    ranks agree on every batch with a MIN all-reduce of "I have this batch" on a gloo group made
-    here, issued by the thread that draws (a loader thread with ``thread_map="io"``, the load
-    threads with ``loads=``) one batch ahead, so it overlaps a step; the first batch some rank
-    lacks ends the data on every rank, and an item drawn for it is not trained
+    ``sync_dataloader_exhaustion=True`` (default False: upstream's behaviour, a rank whose data
+    ends first stops alone and its peers' next collectives fail or hang): ranks whose data runs
+    out unevenly stop together. Every draw is followed by a MIN all-reduce of "I have this
+    batch" on a gloo group made here, issued by the thread that draws (a loader thread with
+    ``thread_map="io"``, the load threads with ``loads=``); the first batch some rank lacks
+    ends the data on every rank, and an item drawn for it is not trained
     (``torchrec_swp.engine.exhaustion``). A world of one needs no sync (nothing is made);
-    ``True`` without a process group raises ValueError; ``False`` is upstream's behaviour (a rank
-    whose data ends first stops alone, and its peers' next collectives abort or hang).
+    without a process group this raises ValueError.
 
     What a drop-in declares (``protocol``): its task functions, methods marked ``@task(name)``;
     its default plan (``_swp_default_plan``) and its streams (``_swp_streams``), abstract here; its

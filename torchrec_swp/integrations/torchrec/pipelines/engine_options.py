@@ -18,12 +18,9 @@ them into the plan the engine runs, in this order:
 (a slow task is progress; ``torchrec_swp.engine.board``). ``autotune`` (``True`` or
 ``torchrec_swp.Autotune(...)``): the pipeline tunes itself while it trains
 (``torchrec_swp.autotune``), starting from the plan above run without lookahead and with its draw
-split off where it splits. ``sync_dataloader_exhaustion`` (the name of upstream's proposal):
-ranks whose data runs out unevenly stop together (``torchrec_swp.engine.exhaustion``); the
-default (None) turns it on wherever torch.distributed is initialized with more than one rank
-when the pipeline is built, ``True`` asks for it (an error without a process group), ``False``
-keeps upstream's behaviour (a rank whose data ends first stops alone, and its peers' next
-collective aborts or hangs). A new option is a field here (with
+split off where it splits. ``sync_dataloader_exhaustion=True`` (the name of upstream's proposal):
+ranks whose data runs out unevenly stop together (``torchrec_swp.engine.exhaustion``); without
+it (the default) a rank whose data ends first stops alone, as upstream's do. A new option is a field here (with
 its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits the plan, a step in
 ``plan_for``.
 """
@@ -54,7 +51,7 @@ class EngineKeywords(TypedDict, total=False):
     lookahead: int | None
     engine_timeout_s: float
     autotune: bool | Autotune
-    sync_dataloader_exhaustion: bool | None
+    sync_dataloader_exhaustion: bool
 
 
 def _check_number(name: str, value: object, kind: type | tuple[type, ...], low: float, *, above: bool = False) -> None:
@@ -78,7 +75,7 @@ class EngineOptions:
     lookahead: int | None = None
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
     autotune: bool | Autotune = False
-    sync_dataloader_exhaustion: bool | None = None
+    sync_dataloader_exhaustion: bool = False
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, (PipelinePlan, PhasedPlan, str, os.PathLike)):
@@ -98,11 +95,8 @@ class EngineOptions:
             raise TypeError(
                 f"autotune must be a bool or torchrec_swp.Autotune(...), got {type(self.autotune).__name__}"
             )
-        if not (self.sync_dataloader_exhaustion is None or isinstance(self.sync_dataloader_exhaustion, bool)):
-            raise TypeError(
-                f"sync_dataloader_exhaustion must be a bool or None (on with several ranks), "
-                f"got {self.sync_dataloader_exhaustion!r}"
-            )
+        if not isinstance(self.sync_dataloader_exhaustion, bool):
+            raise TypeError(f"sync_dataloader_exhaustion must be a bool, got {self.sync_dataloader_exhaustion!r}")
 
     @property
     def tuning(self) -> Autotune | None:
@@ -126,12 +120,9 @@ class EngineOptions:
 
     def exhaustion_sync(self, owner: str) -> ExhaustionSync | None:
         """The collective of ``sync_dataloader_exhaustion`` (made now, on a gloo group of its own;
-        None with ``False``, in a world of one, or by default without a process group); asked
-        for (``True``) without a process group, ValueError naming ``owner``."""
-        asked = self.sync_dataloader_exhaustion
-        if asked is False:
-            return None
-        return ExhaustionSync.create(owner, self.engine_timeout_s, asked=asked is True)
+        None without the option or in a world of one); without a process group, ValueError
+        naming ``owner``."""
+        return ExhaustionSync.create(owner, self.engine_timeout_s) if self.sync_dataloader_exhaustion else None
 
     def plan_for(
         self,
