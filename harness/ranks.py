@@ -9,6 +9,7 @@ children exit when the parent dies. ``harness.parity`` builds the models and com
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import queue
@@ -39,6 +40,8 @@ _POLL_S = 0.2
 """How often the parent checks on its children while waiting for results, in seconds."""
 
 _FAILURE_GRACE_S = 1.0
+#: A rank still running this long before the deadline writes its threads' stacks to its stderr.
+_DUMP_BEFORE_S = 10.0
 """How long the parent keeps listening after a rank failed, to tell causes from consequences, in seconds."""
 
 _EXIT_GRACE_S = 30.0
@@ -85,9 +88,11 @@ def _rank_main(
     results: Queue[tuple[int, bool, Any]],
     group_may_break: bool,
     backend: str = "gloo",
+    dump_after_s: float | None = None,
 ) -> None:
     """Body of one child: joins the process group (gloo, or nccl on ``cuda:rank``), runs ``fn``
-    and reports to the parent.
+    and reports to the parent. A rank still running after ``dump_after_s`` (shortly before the
+    parent's deadline) writes every thread's stack to its stderr: what a hang waits on.
 
     ``results`` gets ``(rank, True, pickled result)`` or ``(rank, False, traceback text)``.
     The result is pickled here, with the plain pickler, so that tensors travel as bytes
@@ -98,6 +103,8 @@ def _rank_main(
     # it, and the parent kills the group at the end, so nothing outlives a rank that crashed
     os.setpgid(0, 0)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    if dump_after_s is not None:
+        faulthandler.dump_traceback_later(dump_after_s)
     # Keep gloo on the loopback interface instead of whatever the host name resolves to.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
@@ -125,6 +132,7 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, payload))
+    faulthandler.cancel_dump_traceback_later()
     if group_may_break:
         # fn may have left the process group unusable (a peer failed on purpose): flush the
         # report and leave without the collective goodbye.
@@ -169,7 +177,9 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, os.getpid(), fn, args, results, group_may_break, backend),
+            args=(
+                rank, world_size, port, os.getpid(), fn, args, results, group_may_break, backend, _dump_after(timeout_s)
+            ),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -190,6 +200,11 @@ def run_on_ranks(
                 _kill_group(proc.pid)
         results.close()
         results.cancel_join_thread()
+
+
+def _dump_after(timeout_s: float) -> float | None:
+    """When a rank dumps its stacks: shortly before the deadline (``_DUMP_BEFORE_S``), if there is time."""
+    return timeout_s - _DUMP_BEFORE_S if timeout_s > 2 * _DUMP_BEFORE_S else None
 
 
 def _kill_group(pgid: int) -> None:
