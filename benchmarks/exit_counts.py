@@ -20,7 +20,8 @@ called ..."). Two harnesses:
 
 ``--cores DIR``: each rank runs in ``DIR/<pattern>/<run>-r<rank>`` (under torchrun both ranks in
 ``DIR/<pattern>/<run>``) with unlimited core size (a core of an aborted rank lands there, named
-``core``; ``gdb -batch -ex "thread apply all bt" python core``). ``--faulthandler``: each rank
+``core`` where the kernel's ``core_pattern`` is ``core``: under torchrun, of two aborted ranks the
+last one's; ``gdb -batch -ex "thread apply all bt" python core``). ``--faulthandler``: each rank
 dumps every Python thread's stack on a fatal signal (``faulthandler.enable(all_threads=True)``),
 into its output.
 Progress on stderr, one line per run that did not end with 0 on both ranks; the table at the end
