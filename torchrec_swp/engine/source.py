@@ -383,7 +383,7 @@ class Source:
             raise StopIteration
 
     def turn_taken(self, b: int, ended: bool) -> None:
-        if ended:
+        if ended or self._installed.shape.lanes == 1:  # one load: Batches.drawn moves next_claim on
             return
         if not self._installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
             self._batches.claimed(b)
