@@ -195,6 +195,27 @@ def test_a_plain_iterator_that_kept_the_item_trains_it_and_the_warning_says_if_a
     engine.close()
 
 
+def test_a_generator_that_raised_is_finished_and_the_warning_says_the_data_ends() -> None:
+    """A generator that raises is finished (Python's rule): the retry finds the end of the data,
+    which the warning says instead of promising the next item."""
+
+    def items() -> Iterator[int]:
+        for i in range(N):
+            if i == BAD:
+                raise Transient(f"read error at item {i}")
+            yield i
+
+    engine = Engine(plan(1, "main"), bindings())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trained, caught = train_retrying(engine, items())
+    assert trained == list(range(BAD)) and caught == [f"read error at item {BAD}"]
+    assert [w.category for w in seen] == [FailedDrawWarning]
+    assert "it is a generator, which an exception ends" in str(seen[0].message)
+    assert engine.ledger.failed_draws == [(BAD, f"Transient('read error at item {BAD}')")]
+    engine.close()
+
+
 @pytest.mark.parametrize(("loads", "thread"), SETUPS, ids=IDS)
 def test_always_failing_then_reset_drops_the_kept_item_in_the_ledger(loads: int, thread: str) -> None:
     """An item that always fails after its draw: every retry raises the same error, nothing

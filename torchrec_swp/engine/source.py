@@ -25,6 +25,7 @@ rank, and an item this rank drew for it is dropped (``dropped(b)``) and never tr
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -64,7 +65,7 @@ class Draws:
         turn_taken: Callable[[int, bool], None],
         sync: ExhaustionSync | None = None,
         dropped: Callable[[int], None] | None = None,
-        failed: Callable[[int, BaseException], None] | None = None,
+        failed: Callable[[int, BaseException, bool], None] | None = None,
     ) -> None:
         self.iterator = iterator
         self._take_turn = take_turn
@@ -137,7 +138,8 @@ class Draws:
 
     def _draw_failed(self, b: int, error: BaseException) -> None:
         """The iterator raised ``error`` drawing batch ``b``: back to the position before the
-        draw where it can go back (the retry draws the same item), else ``failed(b, error)``."""
+        draw where it can go back (the retry draws the same item), else ``failed(b, error, ended)``
+        (``ended``: the iterator is a generator, which the error finished)."""
         if self._rewinds and b in self.positions:
             try:
                 self.iterator.load_state_dict(self.positions[b])  # type: ignore[attr-defined]
@@ -145,7 +147,9 @@ class Draws:
             except Exception as rewind:  # cannot go back after all: as if it had no positions
                 error.add_note(f"torchrec_swp: going back to the position before batch {b} failed: {rewind!r}")
         if self._failed is not None:
-            self._failed(b, error)
+            # a generator that raised is finished: its next() only says StopIteration
+            ended = inspect.isgenerator(self.iterator) and self.iterator.gi_frame is None
+            self._failed(b, error, ended)
 
     def _drop(self, b: int) -> None:
         if self._dropped is not None:
@@ -175,7 +179,7 @@ class Feed:
         turn_taken: Callable[[int, bool], None],
         sync: ExhaustionSync | None,
         dropped: Callable[[int], None],
-        failed: Callable[[int, BaseException], None],
+        failed: Callable[[int, BaseException, bool], None],
     ) -> None:
         self._take_turn, self._turn_taken, self._sync, self._dropped = take_turn, turn_taken, sync, dropped
         self._failed = failed
@@ -392,17 +396,23 @@ class Source:
             self._batches.claimed(b)
             self._board.notify()
 
-    def draw_failed(self, b: int, error: BaseException) -> None:
+    def draw_failed(self, b: int, error: BaseException, ended: bool) -> None:
         """The iterator raised ``error`` inside its own ``next()`` (or ``claim()``) drawing batch
         ``b`` and cannot go back to the position before it (``Draws``): the item that call may
         have taken is not trained. One warning line, and the ledger's ``failed_draws``; the next
-        ``step()`` draws batch ``b`` from the iterator's next item."""
+        ``step()`` draws batch ``b`` from the iterator's next item, or, ``ended`` (a generator,
+        which the error finished), finds the end of the data there."""
         with self._board.lock:
             serial = self._batches.failed_draw(b, repr(error))
+        then = (
+            "it is a generator, which an exception ends: its later items are never drawn and the next progress() "
+            "finds the end of the data"
+            if ended
+            else "the item that call took, if any, is not trained; the next progress() draws the next item"
+        )
         warnings.warn_explicit(
             f"torchrec_swp: the data iterator raised {error!r} drawing batch {b} of the epoch (serial {serial}) and "
-            "cannot draw the same item again (no load_state_dict() to go back, no claim()/fetch()): the item that "
-            "call took, if any, is not trained; the next progress() draws the next item "
+            f"cannot draw the same item again (no load_state_dict() to go back, no claim()/fetch()): {then} "
             "(listed in batch_ledger.failed_draws)",
             FailedDrawWarning,
             filename="torchrec_swp",  # one line: no source line of ours under it
