@@ -130,18 +130,24 @@ T0 = time.monotonic()
 """
 
 
-def test_an_engine_left_mid_epoch_is_stopped_at_exit_at_once_before_finalization(tmp_path: Any) -> None:
-    """At exit, the engine's hook interrupts its workers' waits and joins them: the last exit hook
-    (registered first, so run last) finds none alive, and exit does not wait for join timeouts
-    (before, each worker's 5 s join timed out and the threads lived on into finalization)."""
+def _run_script(script: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """``text`` written to ``script`` and run in a fresh interpreter from the repository's root;
+    it must exit with 0 (its stderr's tail in the message otherwise)."""
     root = Path(__file__).resolve().parents[2]
-    script = tmp_path / "mid_epoch.py"
-    script.write_text(_MID_EPOCH)
+    script.write_text(text)
     done = subprocess.run(
         [sys.executable, str(script)], cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_an_engine_left_mid_epoch_is_stopped_at_exit_at_once_before_finalization(tmp_path: Any) -> None:
+    """At exit, the engine's hook interrupts its workers' waits and joins them: the last exit hook
+    (registered first, so run last) finds none alive, and exit does not wait for join timeouts
+    (before, each worker's 5 s join timed out and the threads lived on into finalization)."""
+    done = _run_script(tmp_path / "mid_epoch.py", _MID_EPOCH)
     line = next(x for x in done.stdout.splitlines() if x.startswith("last hook: "))
     seconds, alive = line.removeprefix("last hook: ").split("s, alive: ")
     assert alive == "[]"
@@ -217,14 +223,7 @@ def test_a_script_that_closes_during_a_draw_longer_than_5s_exits_cleanly(tmp_pat
     6 s draw; the script's return then began finalization, the thread's next re-take of the GIL
     ended it by pthread_exit through a torch frame: "terminate called without an active
     exception", exit code 134. Now close() waits for the draw and the script exits with 0."""
-    root = Path(__file__).resolve().parents[2]
-    script = tmp_path / "slow_draw.py"
-    script.write_text(_SLOW_DRAW_AT_EXIT)
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_script(tmp_path / "slow_draw.py", _SLOW_DRAW_AT_EXIT)
     assert "terminate called" not in done.stderr
     line = next(x for x in done.stdout.splitlines() if x.startswith("close: "))
     seconds, alive = line.removeprefix("close: ").split("s, alive: ")
