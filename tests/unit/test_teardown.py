@@ -115,6 +115,58 @@ def test_teardown_destroys_the_groups_it_made_and_leaves_the_default_group(tmp_p
         dist.destroy_process_group()
 
 
+_FORKED_CHILD = """
+import gc, os, signal, sys, time
+import torch.distributed as dist
+from torchrec_swp.integrations.torchrec.teardown import Teardown, known
+
+class Owner:  # a pipeline in a reference cycle: only the garbage collector frees it
+    def __init__(self):
+        self.me = self
+        self.group = dist.new_group(backend="gloo")
+        Teardown(self).group(self.group)
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=sys.argv[1])
+gc.disable()  # the cycle is still there when the child is forked, as at a DataLoader's iter()
+owner = Owner()
+group = owner.group
+del owner
+group = None
+child = os.fork()
+if child == 0:  # a DataLoader worker would now run its garbage collector sooner or later
+    gc.collect()
+    os._exit(0)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(child, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    sys.exit("the forked child hung in its garbage collection for 30 s")
+if os.waitstatus_to_exitcode(status) != 0:
+    sys.exit(f"the forked child ended with {os.waitstatus_to_exitcode(status)}")
+groups = [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]
+assert len(groups) == 1, groups  # the child destroyed nothing of the parent's
+gc.collect()  # the parent collects the pipeline: its teardown destroys the group here
+assert not any(g is not dist.group.WORLD for g in dist.distributed_c10d._world.pg_map)
+dist.destroy_process_group()
+print("child exited; the group destroyed in the parent")
+"""
+
+
+def test_a_dropped_pipelines_group_never_hangs_a_forked_child(tmp_path: Any) -> None:
+    """A pipeline dropped in a reference cycle, then a fork (a DataLoader's workers at ``iter()``):
+    the child's garbage collector frees the cycle. It must not run the gloo group's destructor
+    there (it waits for worker threads the child does not have: the child hung, issue 46) nor the
+    teardown (the parent's threads and groups): the group is held (``teardown._HELD``) and
+    destroyed by the parent when it collects the pipeline."""
+    done = _run_script(tmp_path / "forked.py", _FORKED_CHILD.replace("sys.argv[1]", repr(f"file://{tmp_path}/store")))
+    assert "the group destroyed in the parent" in done.stdout
+
+
 _MID_EPOCH = """
 import atexit, sys, threading, time
 atexit.register(lambda: print(f"last hook: {time.monotonic() - T0:.2f}s, alive: "

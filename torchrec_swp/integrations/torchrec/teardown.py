@@ -24,12 +24,23 @@ When, whichever comes first, once: ``close()``; the pipeline's collection by the
 collector; and, for a pipeline never closed, at exit: a ``weakref.finalize`` runs from ``atexit``,
 before the interpreter's finalization begins (every thread can still take the GIL there).
 
+Only in the process that made the groups. A forked child (a DataLoader's worker) inherits the
+parent's objects but none of its threads: a gloo group whose destructor runs there waits for the
+worker threads of the parent's copy, which the child does not have, and the child hangs before it
+serves a single batch (``ProcessGroupGloo::~ProcessGroupGloo`` in ``pthread_cond_broadcast``, the
+child's garbage collector having freed a dropped pipeline's cycle; found with py-spy and gdb on
+``tests/dist/test_checkpoint_resume.py``, issue 46). So every group a pipeline makes stays held
+here (``_HELD``) until the teardown destroys it in the process that made it: a child's garbage
+collector can drop the pipeline's own references, never the last one, and a child never tears
+down (its ``weakref.finalize`` does nothing there).
+
 TorchRec/torch private name relied on: ``torch.distributed.distributed_c10d._world.pg_map``
 (the groups torch.distributed knows), to tell a group already destroyed.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +48,10 @@ from typing import Any
 import torch.distributed as dist
 
 Stop = Callable[[], Any]
+
+#: id -> every process group a pipeline made and has not destroyed yet (module docstring: the last
+#: reference, so that no forked child's garbage collector destroys one)
+_HELD: dict[int, dist.ProcessGroup] = {}
 
 
 class Teardown:
@@ -46,14 +61,16 @@ class Teardown:
     def __init__(self, owner: object) -> None:
         self._stops: list[Stop] = []
         self._groups: list[tuple[dist.ProcessGroup, Stop | None]] = []
-        self._finalizer = weakref.finalize(owner, _tear_down, self._stops, self._groups)
+        self._finalizer = weakref.finalize(owner, _tear_down, self._stops, self._groups, os.getpid())
 
     def threads(self, stop: Stop) -> None:
         """Stop threads with ``stop()`` (an engine's ``stop_threads``: idempotent, not holding the engine)."""
         self._stops.append(stop)
 
     def group(self, group: dist.ProcessGroup, undo: Stop | None = None) -> None:
-        """Destroy ``group`` (made by the owner), after ``undo()`` moved whatever uses it back."""
+        """Destroy ``group`` (made by the owner), after ``undo()`` moved whatever uses it back;
+        held until then (``_HELD``)."""
+        _HELD[id(group)] = group
         self._groups.append((group, undo))
 
     def __call__(self) -> None:
@@ -72,7 +89,9 @@ def known(group: dist.ProcessGroup) -> bool:
     return group in dist.distributed_c10d._world.pg_map
 
 
-def _tear_down(stops: list[Stop], groups: list[tuple[dist.ProcessGroup, Stop | None]]) -> None:
+def _tear_down(stops: list[Stop], groups: list[tuple[dist.ProcessGroup, Stop | None]], pid: int) -> None:
+    if os.getpid() != pid:  # a forked child: the threads and groups are the parent's
+        return
     for stop in reversed(stops):
         stop()
     stops.clear()
@@ -82,3 +101,4 @@ def _tear_down(stops: list[Stop], groups: list[tuple[dist.ProcessGroup, Stop | N
             undo()
         if known(group):
             dist.destroy_process_group(group)
+        _HELD.pop(id(group), None)

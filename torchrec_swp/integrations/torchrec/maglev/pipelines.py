@@ -128,6 +128,8 @@ class ProgramDriven(EngineDriven):
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         # made once every check passed (a collective: every rank builds the same pipelines)
         self._exhaustion = options.exhaustion_sync(owner)
+        if self._exhaustion is not None:  # its group: destroyed at close(), collection or exit
+            self._swp_teardown().group(self._exhaustion.group)
         self._synced: SyncedIterator | None = None
         engine = ProgramEngine(
             self.runtime.bindings(),
