@@ -50,7 +50,8 @@ import torch.distributed as dist
 Stop = Callable[[], Any]
 
 #: id -> every process group a pipeline made and has not destroyed yet (module docstring: the last
-#: reference, so that no forked child's garbage collector destroys one)
+#: reference, so that no forked child's garbage collector destroys one). The finalizer's own list
+#: is not enough: a finalizer that ran (in a child too, where it returns at once) drops its arguments.
 _HELD: dict[int, dist.ProcessGroup] = {}
 
 
