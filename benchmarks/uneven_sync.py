@@ -1,4 +1,4 @@
-"""What ``sync_dataloader_exhaustion=True`` costs the training thread, against upstream's proposal
+"""What ``sync_dataloader_exhaustion`` (on by default) costs the training thread, against upstream's proposal
 (one all-reduce on the training thread per ``progress()`` call).
 
     python benchmarks/uneven_sync.py                     # small DLRM, 20 + 200 steps
@@ -8,10 +8,11 @@ On 2 gloo ranks, TrainPipelineSparseDist trains its own copy of the same DLRM in
 interleaved call by call (``benchmarks/common.py``), with the draw on the training thread (the
 default plan) and on a loader thread (``thread_map="io", lookahead=1``):
 
-* ``<where>, no sync``: the baseline, what upstream does without its proposal;
-* ``<where>, ours``: ``sync_dataloader_exhaustion=True``: a MIN all-reduce per draw on a gloo
-  group of the pipeline's own, issued by the thread that draws;
-* ``<where>, per progress``: upstream's proposal, emulated: the pipeline without the option,
+* ``<where>, no sync``: the baseline (``sync_dataloader_exhaustion=False``), what upstream does
+  without its proposal;
+* ``<where>, ours``: the default: a MIN all-reduce per draw on a gloo group of the pipeline's
+  own, begun by the thread that draws and waited for by the batch's next task (deferred);
+* ``<where>, per progress``: upstream's proposal, emulated: the pipeline without the sync,
   wrapped so that a MIN all-reduce of one int32 on a gloo group of its own runs on the training
   thread before each ``progress()`` call.
 
@@ -110,8 +111,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
             for kind in KINDS:
                 thread_map = engine.get("thread_map")
                 options = {k: v for k, v in engine.items() if k != "thread_map"}
-                if kind == "ours":
-                    options["sync_dataloader_exhaustion"] = True
+                # ours: the default (on with several ranks); the others without it
+                options["sync_dataloader_exhaustion"] = None if kind == "ours" else False
                 runner: Any = make_runner(PIPELINE, "ours", build, thread_map=thread_map, options=options)
                 if kind == "per progress":
                     runner = PerProgress(runner, dist.new_group(backend="gloo"))

@@ -1,14 +1,14 @@
 """Ranks whose data runs out unevenly (10 batches against 13), on 2 gloo ranks.
 
-* Without ``sync_dataloader_exhaustion`` ours fails as upstream does (the reproduction): while
+* With ``sync_dataloader_exhaustion=False`` ours fails as upstream does (the reproduction): while
   one rank drains its last batches, the other issues the input dist of its batch 10, the
   collectives pair up wrongly and a rank dies or raises - never a silent pass. Each runs in
   ranks of its own (``run_on_ranks``), so the suite survives the abort.
-* With ``sync_dataloader_exhaustion=True``, for every pipeline family, with the default plan, an
-  io thread, 2 parallel loads and lookahead: two epochs on one pipeline, rank 0 short in the
+* With default options (``sync_dataloader_exhaustion`` is on by default), for every pipeline
+  family, with the default plan, an io thread, 2 parallel loads and lookahead: two epochs on one pipeline, rank 0 short in the
   first (10 against 13), rank 1 in the second. Every rank stops after batch 10 with
   StopIteration (the staged pipeline: returns None) in both epochs, and outputs, losses and final
-  weights equal bit for bit those of the run in which every rank had 10 batches (no option); the
+  weights equal bit for bit those of the run in which every rank had 10 batches (sync off); the
   longer rank's draw for batch 10 is counted in ``batch_ledger.past_end``. One rank process runs
   every family and case (``_all_cases``), each test checks one family. The eval pipeline gets
   ``reset()`` between epochs, as upstream's needs; StagedTrainPipeline takes no ``loads`` (its
@@ -89,13 +89,19 @@ def _lengths(rank: int, sync: bool) -> tuple[int, int]:
     return (SHORT, LONG) if rank == 0 else (LONG, SHORT)
 
 
+def _sync(sync: bool) -> dict[str, Any]:
+    """The options of a run with the sync (none: it is the default with a process group of
+    several ranks) or without it (the reference: off)."""
+    return {} if sync else {"sync_dataloader_exhaustion": False}
+
+
 def _epoch_data(rank: int, world_size: int, seed: int, epoch: int, n: int) -> list[Any]:
     return make_batches(rank, world_size, LONG, seed + 100 * epoch)[:n]
 
 
 def _train_run(family: str, rank: int, world_size: int, seed: int, options: dict[str, Any], sync: bool) -> list[Any]:
     model, optimizer = build_model(rank, world_size, seed)
-    pipeline = _factories()[family](model, optimizer, {**options, "sync_dataloader_exhaustion": sync})
+    pipeline = _factories()[family](model, optimizer, {**options, **_sync(sync)})
     try:
         runs: list[Any] = []
         for e, n in enumerate(_lengths(rank, sync)):
@@ -114,7 +120,7 @@ def _staged_run(rank: int, world_size: int, seed: int, options: dict[str, Any], 
     stages = sparse_data_dist_stages(model, torch.Stream(device="cpu"))
     thread_map = options.get("thread_map")
     staged = {**options, "thread_map": {"data_copy": "io"} if thread_map == "io" else thread_map}
-    pipeline = StagedTrainPipeline(stages, **staged, sync_dataloader_exhaustion=sync)
+    pipeline = StagedTrainPipeline(stages, **staged, **_sync(sync))
     try:
         runs: list[Any] = [
             staged_pipeline_run(pipeline, model, optimizer, _epoch_data(rank, world_size, seed, e, n), LONG + 5)
@@ -132,7 +138,7 @@ def _pec_run(rank: int, world_size: int, seed: int, options: dict[str, Any], syn
     model, optimizer, batches = build_pec_model(seed, 2 * LONG)
     thread_map = options.get("thread_map")
     pec = {**options, "thread_map": {"H2D": "io"} if thread_map == "io" else thread_map}
-    pipeline = TrainPipelinePEC(model, optimizer, CPU, **pec, sync_dataloader_exhaustion=sync)
+    pipeline = TrainPipelinePEC(model, optimizer, CPU, **pec, **_sync(sync))
     try:
         runs: list[Any] = [
             train_pipeline_run(pipeline, batches[e * LONG : e * LONG + n], LONG + 3)
@@ -208,13 +214,13 @@ def _unsynced(rank: int, world_size: int, seed: int, ours: bool) -> list[int]:
 
     model, optimizer = build_model(rank, world_size, seed)
     cls = TrainPipelineSparseDist if ours else upstream.TrainPipelineSparseDist
-    pipeline = cls(model, optimizer, CPU)
+    pipeline = cls(model, optimizer, CPU, **({"sync_dataloader_exhaustion": False} if ours else {}))
     run = train_pipeline_run(pipeline, make_batches(rank, world_size, SHORT if rank == 0 else LONG, seed), LONG + 3)
     return [run.num_calls, run.stop_iteration_call or -1]
 
 
 @pytest.mark.parametrize("ours", [False, True], ids=["upstream", "ours"])
-def test_without_the_option_uneven_data_fails_like_upstream(ours: bool) -> None:
+def test_with_the_sync_off_uneven_data_fails_like_upstream(ours: bool) -> None:
     with pytest.raises(RankError) as failure:
         run_on_ranks(_unsynced, 7, ours, timeout_s=240, group_may_break=True)
     # the rank that issues its batch 10's input dist while the other drains is aborted by gloo
@@ -256,7 +262,7 @@ def _maglev_run(cls: str, thread_map: str, sync: bool) -> dict[str, Any]:
     if stage.is_last:
         stage.module.register_forward_hook(lambda m, i, out: losses.append(out[0].detach().clone()))
     optimizer = torch.optim.SGD(stage.module.parameters(), lr=0.001)
-    options: dict[str, Any] = {"thread_map": thread_map, "sync_dataloader_exhaustion": sync}
+    options: dict[str, Any] = {"thread_map": thread_map, **_sync(sync)}
     pipeline_cls = getattr(maglev, cls)
     if cls == "MaglevPipelineBase":
         pipeline = pipeline_cls(stage, optimizer, **options)

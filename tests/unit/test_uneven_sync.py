@@ -25,8 +25,16 @@ from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOp
 CPU = torch.device("cpu")
 
 
+class Done:
+    """A finished collective's work."""
+
+    def wait(self) -> bool:
+        return True
+
+
 class PeerSync(ExhaustionSync):
-    """One peer with ``peer`` batches per epoch; no process group."""
+    """One peer with ``peer`` batches per epoch; no process group: each all-reduce is answered
+    when it is issued, as the real one would be once the peer issued its own."""
 
     def __init__(self, peer: int) -> None:
         super().__init__(group=None)  # type: ignore[arg-type]
@@ -34,11 +42,11 @@ class PeerSync(ExhaustionSync):
         self.position = 0
         self.threads: list[str] = []
 
-    def agree(self, have: bool) -> bool:
+    def _issue(self, have: bool) -> tuple[Any, torch.Tensor]:
         self.threads.append(threading.current_thread().name)
         every = have and self.position < self.peer
         self.position = self.position + 1 if every else 0  # the end starts the peer's next epoch
-        return every
+        return Done(), torch.tensor([1 if every else 0], dtype=torch.int32)
 
 
 def batches(n: int, seed: int) -> list[torch.Tensor]:
@@ -76,8 +84,8 @@ def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
     monkeypatch: pytest.MonkeyPatch, data: Any, options: dict[str, Any], mine: int, peer: int
 ) -> None:
     sync = PeerSync(peer)
-    monkeypatch.setattr(ExhaustionSync, "create", classmethod(lambda cls, owner, timeout_s: sync))
-    reference, ref_weights, _ = epochs([10, 10])
+    monkeypatch.setattr(ExhaustionSync, "create", classmethod(lambda cls, owner, timeout_s, required=True: sync))
+    reference, ref_weights, _ = epochs([10, 10], sync_dataloader_exhaustion=False)
     runs, weights, pipeline = epochs([mine, mine], data, sync_dataloader_exhaustion=True, **options)
     for (outputs, stop), (ref_outputs, ref_stop) in zip(runs, reference, strict=True):
         assert stop == ref_stop == 10
@@ -92,8 +100,10 @@ def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
     assert drew_on_caller == (options == {}), (options, set(sync.threads))
 
 
-def test_without_the_option_nothing_agrees_and_the_data_ends_where_it_ends() -> None:
-    runs, _, pipeline = epochs([13])
+@pytest.mark.parametrize("option", [False, None], ids=["off", "default-without-a-process-group"])
+def test_without_the_sync_nothing_agrees_and_the_data_ends_where_it_ends(option: bool | None) -> None:
+    assert not torch.distributed.is_initialized()
+    runs, _, pipeline = epochs([13], sync_dataloader_exhaustion=option)
     assert runs[0][1] == 13 and pipeline.engine.exhaustion is None
 
 
@@ -109,8 +119,8 @@ def test_without_a_process_group_every_pipeline_says_so_in_one_line(name: str) -
     )
 
 
-def test_the_option_is_a_bool() -> None:
-    with pytest.raises(TypeError, match=r"^X: sync_dataloader_exhaustion must be a bool, got 'yes'$"):
+def test_the_option_is_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match=r"^X: sync_dataloader_exhaustion must be a bool or None .*, got 'yes'$"):
         EngineOptions.take({"sync_dataloader_exhaustion": "yes"}, "X")
 
 
@@ -118,3 +128,68 @@ def test_synced_iterator_stops_with_the_shorter_peer() -> None:
     sync = PeerSync(2)
     it = exhaustion.SyncedIterator(iter([1, 2, 3, 4]), sync)
     assert list(it) == [1, 2] and it.dropped == 1
+
+
+# ------------------------------------------------------------------ the deferred agreement
+class Pending:
+    """A collective's work that completes only when waited for (and says so)."""
+
+    def __init__(self, log: list[str], what: str) -> None:
+        self.log, self.what = log, what
+
+    def wait(self) -> bool:
+        self.log.append(f"wait {self.what}")
+        return True
+
+
+class LatePeerSync(PeerSync):
+    """``PeerSync`` whose answers are known only once waited for."""
+
+    def __init__(self, peer: int) -> None:
+        super().__init__(peer)
+        self.log: list[str] = []
+
+    def _issue(self, have: bool) -> tuple[Any, torch.Tensor]:
+        _, flag = super()._issue(have)
+        self.log.append(f"issue {int(have)}")
+        return Pending(self.log, str(int(have))), flag
+
+
+def test_a_deferred_agreement_retracts_the_batch_a_peer_lacks_and_nothing_after_it() -> None:
+    sync = LatePeerSync(peer=2)
+    items = iter(range(100))
+    retracted: list[int] = []
+    pull = lambda: next(items)  # noqa: E731
+    assert sync.begin(0, pull, lambda: retracted.append(0)) == 0
+    assert sync.gated_from == 0 and sync.log == ["issue 1"]  # begun, not waited for
+    assert sync.begin(1, pull, lambda: retracted.append(1)) == 1  # the open one settled first
+    assert sync.log == ["issue 1", "wait 1", "issue 1"] and sync.gated_from == 1
+    assert sync.begin(2, pull, lambda: retracted.append(2)) == 2  # the peer has no batch 2
+    assert sync.settle() is False and retracted == [2] and sync.gated_from == exhaustion.NEVER
+    # a draw that began before the retraction was seen: nothing pulled, nothing issued
+    issued = len(sync.log)
+    with pytest.raises(StopIteration):
+        sync.begin(3, pull, lambda: retracted.append(3))
+    assert next(items) == 3 and len(sync.log) == issued and retracted == [2]
+    # the next epoch (batches from 0 again) draws, and its agreements begin again
+    assert sync.begin(0, pull, lambda: retracted.append(0)) == 4
+    assert sync.settle() is True and retracted == [2]
+
+
+def test_a_rank_whose_data_ends_agrees_no_and_its_next_epoch_settles_that_first() -> None:
+    sync = LatePeerSync(peer=5)
+    with pytest.raises(StopIteration):
+        sync.begin(0, lambda: next(iter(())), None)
+    assert sync.log == ["issue 0"] and sync.gated_from == exhaustion.NEVER  # nothing of ours to gate
+    assert sync.begin(0, lambda: "x", None) == "x"  # the open "no" waited for, not a retraction
+    assert sync.log == ["issue 0", "wait 0", "issue 1"]
+    sync.finish()
+    assert sync.log[-1] == "wait 1" and sync.settle() is True
+
+
+def test_a_blocking_draw_settles_an_open_agreement_first() -> None:
+    sync = LatePeerSync(peer=1)
+    assert sync.begin(0, lambda: "a", None) == "a"
+    with pytest.raises(StopIteration):
+        sync.draw(lambda: "b")  # batch 0 was agreed, the peer has no batch 1
+    assert sync.log == ["issue 1", "wait 1", "issue 1", "wait 1"]

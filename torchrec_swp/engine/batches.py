@@ -254,17 +254,21 @@ class Batches:
         """Batch ``b``'s draw found nothing or failed: no slot."""
         self.slots.pop(b, None)
 
-    def drawn(self, b: int) -> None:
+    def drawn(self, b: int) -> bool:
         """The source drew batch ``b``: in flight, numbered, counted in the ledger; its draw's turn
-        taken (``claimed``), if the draw did not say so itself."""
+        taken (``claimed``), if the draw did not say so itself. False (not in flight) where it
+        was retracted while its source call still ran (``retract``: it is past the end)."""
         book = self.book
-        book.in_flight.add(b)
         if book.next_claim <= b:
             book.next_claim = b + 1
+        if self.end.past_end(b):
+            return False
+        book.in_flight.add(b)
         number = book.numbers[b] = book.first_number + b + book.renumbered  # book.number(b), inline
         self.ledger.drawn += 1
         if number >= self.next_number:
             self.next_number = number + 1
+        return True
 
     def found_end(self, b: int, stop: bool) -> None:
         """The source found the end of data at batch ``b`` (``stop``: under ``on_exhausted="stop"``)."""
@@ -288,6 +292,22 @@ class Batches:
         """An item drawn for batch ``b``, the common end of uneven data (``BatchLedger.past_end``)."""
         self.end.common(b)
         self.ledger.past_end += 1
+
+    def retract(self, b: int) -> bool:
+        """Batch ``b``, drawn or still in its source call, is the common end of uneven data after
+        all (the ranks' deferred agreement: ``torchrec_swp.engine.exhaustion``): out of flight and
+        of ``drawn``, counted in ``past_end``, and the data ends there. Whether it was in flight
+        (else its source call still runs, and ``drawn(b)`` will say False). Its slot stays until
+        the epoch ends."""
+        book = self.book
+        was = b in book.in_flight
+        if was:
+            book.in_flight.discard(b)
+            book.numbers.pop(b, None)
+            self.ledger.drawn -= 1
+        self.count_past_end(b)
+        self.found_end(b, False)
+        return was
 
     def record_event(self, task: str, b: int, event: Any) -> None:
         self.book.events[(task, b)] = event

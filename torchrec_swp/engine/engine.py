@@ -71,6 +71,7 @@ class Engine(Interpreter):
         training: Callable[[], bool] | None = None,
         exhaustion: ExhaustionSync | None = None,
         on_new_data: Callable[[], None] | None = None,
+        undo_draw: Callable[[int, Mapping[str, Any]], None] | None = None,
     ) -> None:
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
         self.installed = InstalledPlans(
@@ -80,8 +81,9 @@ class Engine(Interpreter):
         self.device_type, self.exhaustion = device_type, exhaustion
         self.batches = Batches()
         self._ops = PlanOps(
-            self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion
-        )
+            self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion,
+            undo_draw=undo_draw,
+        )  # fmt: skip
         self._feed = self._ops.source.feed
         self._epochs = Epochs(self, self.installed, self.batches, self._feed, on_new_data)
         self._bindings = dict(bindings)

@@ -10,19 +10,36 @@ behaviour, and it stays so without the option.
 With it, every draw of a batch is followed by one collective: a MIN all-reduce of "I have this
 batch" (one int32 on the CPU) on a gloo process group of its own, made when the pipeline is
 built. Every rank draws batch ``b`` and learns whether every rank has one; the first batch some
-rank lacks is the common end, where every rank's draw raises StopIteration, so every rank stops
-after the same batch and trains only batches every rank trains. The all-reduce is issued by the
-thread that draws (the source task's thread, or the load threads with ``loads=``; draws take
-turns in batch order, so every rank issues them in the same order), not by the training thread
-where the plan draws elsewhere. An item a rank drew for the common end (it had one, a peer did
-not) is not trained: it is dropped, and the engine's ledger counts it (``ledger.past_end``);
-the rank's later items stay undrawn in its iterator. A draw that fails with another exception
-issues no all-reduce: the peers' pending one fails after the group's timeout
-(``engine_timeout_s``) instead of hanging.
+rank lacks is the common end, where every rank stops, so every rank trains only batches every
+rank trains. The all-reduces are issued by the threads that draw, in batch order (draws take
+turns), so every rank issues them in the same order.
+
+Where the engine draws (``torchrec_swp.engine.source``), the agreement is **deferred**
+(``begin``, ``settle``): batch ``b``'s all-reduce starts (``async_op``) right after its
+draw and is waited for only where its answer is needed first: before any other task of ``b``
+(the ops' gate: ``gated_from``, ``settle``), or before the next draw (``begin``), which keeps at
+most one agreement open, so that every rank issues exactly as many as its peers. By
+then the peers have drawn ``b`` too (they draw it before their own collectives of the batches
+before it), so the wait is usually already over. Where the answer is "not every rank", the
+batch this rank drew is **retracted** (the callback ``begin`` was given: it leaves the batches in
+flight, is counted in ``ledger.past_end``, the data ends there, and the pipeline undoes what its
+source task's call did outside the batch's slot); nothing of it ran but its draw, and no
+collective of it was issued on any rank. A rank whose own draw ends
+(StopIteration) agrees "no" and stops; the peers learn it at their gate. ``finish()`` waits for
+the last open agreement (before the group is destroyed). Where the answer is needed at once (a
+source task that is itself a collective or that the pipeline cannot undo, a plan that stops at
+the end), ``draw`` agrees in the draw (blocking), and so do pipelines that draw outside the engine (``SyncedIterator``).
+
+An item a rank drew for the common end (it had one, a peer did not) is not trained: it is
+dropped or retracted, and the engine's ledger counts it (``ledger.past_end``); the rank's later
+items stay undrawn in its iterator. A draw that fails with another exception issues no
+all-reduce: the peers' pending one fails after the group's timeout (``engine_timeout_s``)
+instead of hanging.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,22 +54,47 @@ T = TypeVar("T")
 OPTION = "sync_dataloader_exhaustion"
 
 
+NEVER = sys.maxsize  # no agreement open: no batch is gated
+
+
+class _Open:
+    """An agreement begun and not settled: its batch, this rank's answer, the all-reduce's work
+    and tensor, and what to call if the answer is "not every rank" (this rank had the batch)."""
+
+    __slots__ = ("batch", "have", "work", "flag", "retract")
+
+    def __init__(self, batch: int, have: bool, work: Any, flag: torch.Tensor, retract: Callable[[], None] | None):
+        self.batch, self.have, self.work, self.flag, self.retract = batch, have, work, flag, retract
+
+
 class ExhaustionSync:
     """The collective behind ``sync_dataloader_exhaustion``: ``agree(have)`` is True when every
-    rank has its batch. ``seconds`` and ``calls`` count the time spent in it, by thread name."""
+    rank has its batch (blocking); ``begin``, ``settle`` and ``finish`` the deferred
+    agreement (module docstring). ``seconds`` and ``calls`` count the time spent waiting for
+    it, by thread name."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.calls = 0
         self.seconds: dict[str, float] = {}
+        #: the batch of the open agreement where this rank had it (NEVER: none): a task of batch
+        #: ``b >= gated_from`` settles it before it runs; read without the lock (one int)
+        self.gated_from = NEVER
+        self._open: _Open | None = None
+        self._last: _Open | None = None  # the last settled: its work and tensor outlive the gloo thread's use
+        self._retracted: int | None = None  # the batch retracted last, while its epoch lasts
+        self._lock = threading.Lock()
 
     @classmethod
-    def create(cls, owner: str, timeout_s: float) -> ExhaustionSync | None:
+    def create(cls, owner: str, timeout_s: float, required: bool = True) -> ExhaustionSync | None:
         """The sync of a pipeline ``owner`` being built, on a new gloo group over every rank (a
         collective: every rank builds its pipelines in the same order); None in a world of one,
-        where nothing needs agreeing. Without an initialized process group: ValueError in one line.
+        where nothing needs agreeing. Without an initialized process group: ValueError in one line
+        where the sync was asked for (``required``), None where it is only the default.
         ``timeout_s`` bounds each all-reduce (a peer that never draws again fails it, not hangs)."""
         if not dist.is_available() or not dist.is_initialized():
+            if not required:
+                return None
             raise ValueError(
                 f"{owner}({OPTION}=True) needs torch.distributed's default process group: call "
                 "torch.distributed.init_process_group() before building the pipeline"
@@ -64,16 +106,85 @@ class ExhaustionSync:
     def agree(self, have: bool) -> bool:
         """Whether every rank has its batch (this rank: ``have``); a MIN all-reduce on the group."""
         start = time.perf_counter()
+        work, flag = self._issue(have)
+        work.wait()
+        self._count(start)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------ deferred
+    def begin(self, b: int, pull: Callable[[], T], retract: Callable[[], None] | None) -> T:
+        """Batch ``b``'s draw: the open agreement settled first (StopIteration, pulling nothing,
+        where it or an earlier one retracted a batch before ``b``: the data ended there), then ``pull()``
+        and this batch's agreement begun: "yes" with its item (``retract()`` is called if the
+        answer is "not every rank"), "no" where ``pull()`` raised StopIteration (raised on)."""
+        if not self.settle():
+            raise StopIteration
+        if self._retracted is not None:
+            if b > self._retracted:  # a draw begun before the batch before it was retracted
+                raise StopIteration
+            self._retracted = None  # batches are numbered from 0 again: a new epoch
+        try:
+            item = pull()
+        except StopIteration:
+            self._start(b, False, None)
+            raise
+        self._start(b, True, retract)
+        return item
+
+    def settle(self) -> bool:
+        """Wait for the open agreement, if any; False where it was this rank's batch and not
+        every rank had it (its ``retract()`` has been called), else True."""
+        with self._lock:
+            open_ = self._open
+            if open_ is None:
+                return True
+            start = time.perf_counter()
+            open_.work.wait()
+            self._count(start)
+            self._open, self._last = None, open_
+            self.gated_from = NEVER
+            if open_.have and not bool(open_.flag.item()):
+                self._retracted = open_.batch
+                if open_.retract is not None:
+                    open_.retract()
+                return False
+            return True
+
+    def finish(self) -> None:
+        """The open agreement waited for (its peers' all-reduce completes too), answer unused:
+        before the group is destroyed."""
+        with self._lock:
+            open_ = self._open
+            if open_ is not None:
+                open_.work.wait()
+                self._open, self._last = None, open_
+                self.gated_from = NEVER
+
+    def _issue(self, have: bool) -> tuple[Any, torch.Tensor]:
+        """The MIN all-reduce of ``have`` begun: its work and its tensor (the answer once waited for)."""
         flag = torch.tensor([1 if have else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag
+
+    def _start(self, b: int, have: bool, retract: Callable[[], None] | None) -> None:
+        work, flag = self._issue(have)
+        with self._lock:
+            self._open = _Open(b, have, work, flag, retract)
+            if have:
+                self.gated_from = b
+
+    def _count(self, start: float) -> None:
         thread = threading.current_thread().name
         self.seconds[thread] = self.seconds.get(thread, 0.0) + time.perf_counter() - start
         self.calls += 1
-        return bool(flag.item())
 
+    # ------------------------------------------------------------ blocking
     def draw(self, pull: Callable[[], T], dropped: Callable[[T], None] | None = None) -> T:
         """``pull()``, then agree: its item where every rank has one; StopIteration on every rank
-        as soon as one rank's pull raised it (the item this rank pulled then goes to ``dropped``)."""
+        as soon as one rank's pull raised it (the item this rank pulled then goes to ``dropped``).
+        An open deferred agreement is settled first (StopIteration where it retracted this rank's
+        previous batch)."""
+        if not self.settle():
+            raise StopIteration
         try:
             item = pull()
         except StopIteration:
@@ -104,4 +215,3 @@ class SyncedIterator:
 
     def _drop(self, item: Any) -> None:
         self.dropped += 1
-

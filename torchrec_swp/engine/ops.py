@@ -27,7 +27,7 @@ by the end of the epoch before its iteration (the thread finishes). The ops chan
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,7 @@ class PlanOps:
         uid: int,
         checker: Any,
         exhaustion: ExhaustionSync | None,
+        undo_draw: Callable[[int, Mapping[str, Any]], None] | None = None,
     ) -> None:
         self._interpreter = interpreter
         self._board = interpreter.board
@@ -74,8 +75,9 @@ class PlanOps:
         self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
         self.source = Source(
             interpreter, batches, installed, stop_check=self.stop_check, wait=self.wait, in_task=self.in_task,
-            checker=checker, exhaustion=exhaustion,
+            checker=checker, exhaustion=exhaustion, undo_draw=undo_draw,
         )  # fmt: skip
+        self._exhaustion = exhaustion
         self._observer: Observer | None = None
         self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
         self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
@@ -168,8 +170,8 @@ class PlanOps:
         """The calling thread's iteration as code where no other thread walks
         (``torchrec_swp.engine.unrolled``); None elsewhere: the walk's loop runs the ops."""
         shape = self._installed.shape
-        if thread != MAIN_THREAD or shape.threaded:
-            return None
+        if thread != MAIN_THREAD or shape.threaded or self._exhaustion is not None:
+            return None  # (the ranks' agreement gates tasks the body would inline)
         return unroll(
             f"plan {inst.plan.name}, thread {thread}",
             instrs,
@@ -192,7 +194,8 @@ class PlanOps:
     def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:
         match instr:
             case Run(source=False):
-                return self._run_op(instr, inst.invokers[instr.task], main=thread == MAIN_THREAD)
+                gated = self._gated(inst, instr)
+                return self._run_op(instr, inst.invokers[instr.task], main=thread == MAIN_THREAD, gated=gated)
             case Run():
                 return self.source.op(instr)
             case Alias():
@@ -206,16 +209,25 @@ class PlanOps:
             case _:  # rejected when executed, as the interpreter's dispatch does
                 return lambda w, P: _unknown(instr)
 
-    def _run_op(self, instr: Run, invoke: Invoker, main: bool) -> Op:
+    def _gated(self, inst: InstalledPlan, instr: Run) -> bool:
+        """Whether ``run T`` waits for its batch's agreement across ranks (``exhaustion``'s
+        ``settle``) once the batch exists, and asks again: every task but the source's, so that
+        a batch the agreement retracts had nothing run for it but its draw (which the pipeline's
+        ``undo_draw`` undoes)."""
+        return self._exhaustion is not None and inst.plan.source is not None and instr.task != inst.plan.source
+
+    def _run_op(self, instr: Run, invoke: Invoker, main: bool, gated: bool = False) -> Op:
         """``run T``: nothing if batch ``b`` does not exist or the guard says no (its ticket
         skipped); a training step on a worker waits for the ``step()`` that asks for it; then
-        the call (holding its ticket; in checked mode inside the checker's label)."""
+        the call (holding its ticket; in checked mode inside the checker's label). ``gated``:
+        once ``b`` exists, the ranks' agreement on it (``ExhaustionSync.settle``), which may retract it."""
         task, stage, when, ticket, group = instr.task, instr.stage, instr.when, instr.ticket, instr.comm_group
         guarded, needs_next = when is not When.ALWAYS, when.needs_next
         trains = not main and stage == self._installed.shape.top
         checked = self._checker is not None
         plain = ticket is None and not checked
         ticketed, stop_check, exists_at = self._interpreter.ticketed, self.stop_check, self._end.exists_at
+        sync = self._exhaustion if gated else None
 
         def run(w: Walker, P: int) -> None:
             b = P - stage
@@ -223,6 +235,9 @@ class PlanOps:
             known = exists_at(b, P)
             if known is None:
                 known = self.await_exists(b, P)
+            if known and sync is not None and b >= sync.gated_from:  # drawn: its agreement has begun
+                sync.settle()
+                known = exists_at(b, P)  # False where it retracted b
             if not known or (guarded and not self._admits(when, needs_next, b, P)):
                 if ticket is not None:
                     self._interpreter.skip_ticket(w, group, ticket)

@@ -17,10 +17,15 @@ Positions: when the iterator has ``state_dict()`` (torchdata's StatefulDataLoade
 do), ``positions[b]`` keeps its state just before batch ``b`` was drawn: resuming from it draws
 batch ``b`` again (a checkpoint's cut).
 
-Uneven data: given an ``ExhaustionSync`` (``sync_dataloader_exhaustion=True``), every draw is
-followed, within its turn, by the ranks agreeing whether every rank has the batch
-(``torchrec_swp.engine.exhaustion``); where one has not, the draw raises StopIteration on every
-rank, and an item this rank drew for it is dropped (``dropped(b)``) and never trained.
+Uneven data: given an ``ExhaustionSync`` (``sync_dataloader_exhaustion``), every draw begins,
+within its turn, the ranks' agreement on whether every rank has the batch
+(``torchrec_swp.engine.exhaustion``). It is deferred (``retractor(b)`` gives the callback): the
+draw goes on, and the first task of the batch that needs the answer waits for it (the ops'
+gate); where one rank has not the batch, it is retracted on every rank that drew it
+(``Source.retract``) and the data ends there. Where the plan needs the answer in the draw itself
+(``retractor(b)`` gives None: a source task that is a collective, a plan that stops at the
+end), the draw waits for it and raises StopIteration on every rank, and an item this rank drew
+for it is dropped (``dropped(b)``). Either way the item is never trained.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchrec_swp.compile import Run
@@ -66,8 +71,10 @@ class Draws:
         sync: ExhaustionSync | None = None,
         dropped: Callable[[int], None] | None = None,
         failed: Callable[[int, BaseException, bool], None] | None = None,
+        retractor: Callable[[int], Callable[[], None] | None] | None = None,
     ) -> None:
         self.iterator = iterator
+        self._retractor = retractor
         self._take_turn = take_turn
         self._turn_taken = turn_taken
         self._sync = sync
@@ -122,7 +129,11 @@ class Draws:
                 if self._sync is None:
                     drawn = self.iterator.claim() if self._split else next(self.iterator)  # type: ignore[attr-defined]
                 else:
-                    drawn = self._sync.draw(self._pull, lambda _: self._drop(b))
+                    retract = None if self._retractor is None else self._retractor(b)
+                    if retract is not None:  # deferred: the batch's first task that needs the answer waits
+                        drawn = self._sync.begin(b, self._pull, retract)
+                    else:
+                        drawn = self._sync.draw(self._pull, lambda _: self._drop(b))
             except StopIteration:
                 self._turn_taken(b, True)
                 raise
@@ -180,9 +191,10 @@ class Feed:
         sync: ExhaustionSync | None,
         dropped: Callable[[int], None],
         failed: Callable[[int, BaseException, bool], None],
+        retractor: Callable[[int], Callable[[], None] | None] | None = None,
     ) -> None:
         self._take_turn, self._turn_taken, self._sync, self._dropped = take_turn, turn_taken, sync, dropped
-        self._failed = failed
+        self._failed, self._retractor = failed, retractor
         self.data: Iterator[Any] | None = None  # the iterator the last step(data) gave
         self.draws: Draws | None = None  # its Draws
         self._from: list[tuple[int, Draws]] = []  # (first batch, its Draws), in order
@@ -197,6 +209,7 @@ class Feed:
             sync=self._sync,
             dropped=self._dropped,
             failed=self._failed,
+            retractor=self._retractor,
         )
         self._from = [(f, d) for f, d in self._from if f < first] + [(first, self.draws)]
 
@@ -252,8 +265,10 @@ class Source:
         in_task: Callable[[Walker, str, int, Invoker], None],
         checker: Any,
         exhaustion: ExhaustionSync | None,
+        undo_draw: Callable[[int, Mapping[str, Any]], None] | None = None,
     ) -> None:
         self._interpreter = interpreter
+        self._undo_draw = undo_draw
         self._board = interpreter.board
         self._batches = batches
         self._installed = installed  # their shape: the highest stage, the lanes, whether other threads walk
@@ -265,6 +280,7 @@ class Source:
             sync=exhaustion,
             dropped=self.past_common_end,
             failed=self.draw_failed,
+            retractor=self.retractor,
         )
 
     def op(self, instr: Run) -> Op:
@@ -337,10 +353,12 @@ class Source:
             if draws is not None:
                 draws.called(b, True)
             if not installed.shape.threaded:  # nobody else reads the book: no lock, nobody to wake
-                batches.drawn(b)
+                if not batches.drawn(b):
+                    self.undo(b)
                 return
             with board.lock:
-                batches.drawn(b)
+                if not batches.drawn(b):
+                    self.undo(b)
                 board.notify()
 
         return draw_batch
@@ -419,6 +437,39 @@ class Source:
             lineno=0,
             module="torchrec_swp",
         )
+
+    def retractor(self, b: int) -> Callable[[], None] | None:
+        """What retracts batch ``b`` if the ranks' agreement on it says "not every rank" (the
+        agreement then deferred: ``ExhaustionSync.begin``); None where the answer is needed in
+        the draw: the pipeline cannot undo its source task's call (no ``undo_draw``), the current
+        plan's source task is a collective (its own collective of ``b`` follows the draw at once)
+        or the plan stops at the end of data (``on_exhausted="stop"``, whose parked threads a
+        retraction would not find where single-thread order parks them)."""
+        plan = self._installed.current
+        if (
+            self._undo_draw is None
+            or plan.on_exhausted == "stop"
+            or plan.source is None
+            or plan.task(plan.source).comm_group is not None
+        ):
+            return None
+        book = self._batches.book
+        return lambda: self.retract(b, book)
+
+    def retract(self, b: int, book: Any) -> None:
+        """Batch ``b`` of the epoch of ``book``, which this rank drew (or is drawing), lacks on
+        another rank (``exhaustion``): it leaves the batches in flight (or never enters them) and
+        the data ends there; counted in ``ledger.past_end``. Nothing, if the epoch is over."""
+        with self._board.lock:
+            if self._batches.book is book and self._batches.retract(b):
+                self.undo(b)
+            self._board.notify()
+
+    def undo(self, b: int) -> None:
+        """What the source task's call for retracted batch ``b`` did outside its slot, undone by
+        the pipeline (``undo_draw(b, slot)``; with the board's lock held where threads walk)."""
+        if self._undo_draw is not None:
+            self._undo_draw(b, self._batches.slot(b))
 
     def past_common_end(self, b: int) -> None:
         """This rank drew an item for batch ``b``, which another rank's data lacks (the common end

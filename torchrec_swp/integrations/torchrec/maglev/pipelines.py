@@ -38,9 +38,10 @@ Keyword-only options (the constructor is upstream's otherwise; defined once in
   last: 1F1B's warm-up), see docs/pp.md.
 * ``engine_timeout_s``: the engine's timeout (no thread made progress that long) and the bound on each
   transfer of the wire, receive or send (``runtime.StageWrapperWire``).
-* ``sync_dataloader_exhaustion`` (default False: upstream's behaviour, where a rank whose data
-  ends first raises StopIteration alone and its peers' next input-dist round fails or hangs):
-  every raw batch ``take_inputs`` draws is followed by a MIN all-reduce of "I have it" on a gloo
+* ``sync_dataloader_exhaustion`` (default None: on with a process group of several ranks;
+  False: upstream's behaviour, where a rank whose data ends first raises StopIteration alone and
+  its peers' next input-dist round fails or hangs): every raw batch ``take_inputs`` draws is
+  followed by a MIN all-reduce of "I have it" on a gloo
   group of its own (``torchrec_swp.engine.exhaustion``), so every rank raises StopIteration in
   the same round. The draw is upstream's, on the calling thread, so the all-reduce is too (one
   per round). An item a rank drew for that round is not trained (``dropped_past_end`` counts them).
@@ -129,7 +130,7 @@ class ProgramDriven(EngineDriven):
         # made once every check passed (a collective: every rank builds the same pipelines)
         self._exhaustion = options.exhaustion_sync(owner)
         if self._exhaustion is not None:  # its group: destroyed at close(), collection or exit
-            self._swp_teardown().group(self._exhaustion.group)
+            self._swp_teardown().group(self._exhaustion.group, self._exhaustion.finish)
         self._synced: SyncedIterator | None = None
         engine = ProgramEngine(
             self.runtime.bindings(),

@@ -55,7 +55,7 @@ class ProgramKeywords(TypedDict, total=False):
     thread_map: ActionThreadMap
     grad_sync: GradSync
     engine_timeout_s: float
-    sync_dataloader_exhaustion: bool
+    sync_dataloader_exhaustion: bool | None
 
 
 #: Every option's keyword, in ``ProgramKeywords``' order.

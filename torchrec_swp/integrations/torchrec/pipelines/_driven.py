@@ -67,14 +67,15 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     of its own, and the default plan with ``plans.with_input_dist_group``. ``plan.print_schedule(n)``
     shows the result, loads and lookahead in its header line.
 
-    ``sync_dataloader_exhaustion=True`` (default False: upstream's behaviour, a rank whose data
-    ends first stops alone and its peers' next collectives fail or hang): ranks whose data runs
-    out unevenly stop together. Every draw is followed by a MIN all-reduce of "I have this
-    batch" on a gloo group made here, issued by the thread that draws (a loader thread with
-    ``thread_map="io"``, the load threads with ``loads=``); the first batch some rank lacks
-    ends the data on every rank, and an item drawn for it is not trained
-    (``torchrec_swp.engine.exhaustion``). A world of one needs no sync (nothing is made);
-    without a process group this raises ValueError.
+    ``sync_dataloader_exhaustion`` (default None: on wherever torch.distributed's default group
+    has several ranks when the pipeline is built; True: required, ValueError without a process
+    group; False: upstream's behaviour, a rank whose data ends first stops alone and its peers'
+    next collectives fail or hang): ranks whose data runs out unevenly stop together. Every draw
+    begins a MIN all-reduce of "I have this batch" on a gloo group made here, and the batch's
+    next task waits for it (``_swp_draw_undoer``: what undoes the draw of a batch some rank
+    lacks; without one the draw itself waits); the first batch some rank lacks ends the data on
+    every rank, and an item drawn for it is not trained (``torchrec_swp.engine.exhaustion``). A
+    world of one needs no sync (nothing is made).
 
     What a drop-in declares (``protocol``): its task functions, methods marked ``@task(name)``;
     its default plan (``_swp_default_plan``) and its streams (``_swp_streams``), abstract here; its
@@ -145,9 +146,10 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
             "training": self._swp_training_mode(),
             "exhaustion": options.exhaustion_sync(owner),
             "on_new_data": self._swp_on_new_data,
+            "undo_draw": self._swp_draw_undoer(),
         }
         if (sync := self._swp_engine_options["exhaustion"]) is not None:
-            self._swp_teardown().group(sync.group)
+            self._swp_teardown().group(sync.group, sync.finish)  # its last agreement waited for first
         self._swp_drive(self._swp_new_engine(chosen))
         self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
 
@@ -258,6 +260,13 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     def _swp_on_new_data(self) -> None:
         """Clear the upstream class's own end-of-data flag (overridden where it has one): the
         engine calls it whenever its source gets new data (``Engine(on_new_data=)``)."""
+
+    def _swp_draw_undoer(self) -> Callable[[int, Mapping[str, Any]], None] | None:
+        """What undoes the source task's call for a batch that the ranks' agreement on uneven
+        data retracted (``Engine(undo_draw=)``: called with the batch and its slot): what that
+        call did outside its slot. None (the default) where it cannot be undone: the ranks
+        then agree inside the draw, on the thread that draws (``torchrec_swp.engine.exhaustion``)."""
+        return None
 
     def reset(self) -> None:
         """The upstream class's ``reset()``, then the engine's: the batches in flight are
@@ -418,3 +427,7 @@ def start_for_tuning(plan: PipelinePlan | PhasedPlan) -> PipelinePlan | PhasedPl
     if first.source == "H2D" and first.loads == 1:
         plan = with_parallel_loads(plan, 1, lookahead=0, thread=first.task("H2D").thread_group)
     return with_lookahead(plan, 0)
+
+
+def nothing_to_undo(b: int, slot: Mapping[str, Any]) -> None:
+    """The ``_swp_draw_undoer`` of a source task that only draws: it changed nothing outside its slot."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
@@ -11,7 +11,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, nothing_to_undo
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
@@ -47,6 +47,9 @@ class TrainPipelineBase(PlanDriven, TrainingTasks, upstream.TrainPipelineBase[In
         self._data_iter_stopped = False
 
     # ------------------------------------------------------------ task functions
+    def _swp_draw_undoer(self) -> Callable[[int, Mapping[str, Any]], None]:
+        return nothing_to_undo  # LoadBatch only draws
+
     @task("LoadBatch")
     def _task_load_batch(self, b: int, data: Iterator[Any]) -> Any:
         batch = self._next_batch(data)

@@ -8,7 +8,7 @@ Python reducer (compiled autograd refuses the C++ one); see ``_use_ddp_python_re
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torchrec.distributed.train_pipeline.utils import _to_device
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
-from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven
+from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, nothing_to_undo
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -69,6 +69,9 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
         self._state = PipelineState.IDLE
 
     # ------------------------------------------------------------ task functions
+    def _swp_draw_undoer(self) -> Callable[[int, Mapping[str, Any]], None]:
+        return nothing_to_undo  # LoadBatch only draws
+
     @task("LoadBatch")
     def _task_load_batch(self, b: int, data: Iterator[In]) -> Any:
         with record_function("## load_batch ##"):

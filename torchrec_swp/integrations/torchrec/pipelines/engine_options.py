@@ -18,9 +18,11 @@ them into the plan the engine runs, in this order:
 (a slow task is progress; ``torchrec_swp.engine.board``). ``autotune`` (``True`` or
 ``torchrec_swp.Autotune(...)``): the pipeline tunes itself while it trains
 (``torchrec_swp.autotune``), starting from the plan above run without lookahead and with its draw
-split off where it splits. ``sync_dataloader_exhaustion=True`` (the name of upstream's proposal):
-ranks whose data runs out unevenly stop together (``torchrec_swp.engine.exhaustion``); without
-it (the default) a rank whose data ends first stops alone, as upstream's do. A new option is a field here (with
+split off where it splits. ``sync_dataloader_exhaustion`` (the name of upstream's proposal):
+ranks whose data runs out unevenly stop together (``torchrec_swp.engine.exhaustion``); on by
+default (None) wherever torch.distributed's default group is initialized with more than one
+rank when the pipeline is built, required with True (ValueError without a process group), off
+with False: a rank whose data ends first then stops alone, as upstream's do. A new option is a field here (with
 its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits the plan, a step in
 ``plan_for``.
 """
@@ -51,7 +53,7 @@ class EngineKeywords(TypedDict, total=False):
     lookahead: int | None
     engine_timeout_s: float
     autotune: bool | Autotune
-    sync_dataloader_exhaustion: bool
+    sync_dataloader_exhaustion: bool | None
 
 
 def _check_number(name: str, value: object, kind: type | tuple[type, ...], low: float, *, above: bool = False) -> None:
@@ -75,7 +77,7 @@ class EngineOptions:
     lookahead: int | None = None
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
     autotune: bool | Autotune = False
-    sync_dataloader_exhaustion: bool = False
+    sync_dataloader_exhaustion: bool | None = None
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, (PipelinePlan, PhasedPlan, str, os.PathLike)):
@@ -95,8 +97,11 @@ class EngineOptions:
             raise TypeError(
                 f"autotune must be a bool or torchrec_swp.Autotune(...), got {type(self.autotune).__name__}"
             )
-        if not isinstance(self.sync_dataloader_exhaustion, bool):
-            raise TypeError(f"sync_dataloader_exhaustion must be a bool, got {self.sync_dataloader_exhaustion!r}")
+        if self.sync_dataloader_exhaustion is not None and not isinstance(self.sync_dataloader_exhaustion, bool):
+            raise TypeError(
+                f"sync_dataloader_exhaustion must be a bool or None (the default: on with a process group of "
+                f"several ranks), got {self.sync_dataloader_exhaustion!r}"
+            )
 
     @property
     def tuning(self) -> Autotune | None:
@@ -120,9 +125,11 @@ class EngineOptions:
 
     def exhaustion_sync(self, owner: str) -> ExhaustionSync | None:
         """The collective of ``sync_dataloader_exhaustion`` (made now, on a gloo group of its own;
-        None without the option or in a world of one); without a process group, ValueError
-        naming ``owner``."""
-        return ExhaustionSync.create(owner, self.engine_timeout_s) if self.sync_dataloader_exhaustion else None
+        None with False, in a world of one, or by default without a process group); with True and
+        no process group, ValueError naming ``owner``."""
+        if self.sync_dataloader_exhaustion is False:
+            return None
+        return ExhaustionSync.create(owner, self.engine_timeout_s, required=self.sync_dataloader_exhaustion is True)
 
     def plan_for(
         self,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -163,6 +163,18 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
 
     def _swp_on_new_data(self) -> None:
         self._dataloader_exhausted = False
+
+    def _swp_draw_undoer(self) -> Callable[[int, Mapping[str, Any]], None]:
+        return self._swp_dequeue_retracted
+
+    def _swp_dequeue_retracted(self, b: int, slot: Mapping[str, Any]) -> None:
+        """Batch ``b`` was retracted (uneven data): the source (``H2D``: ``enqueue_batch``)
+        appended it to ``self.batches``/``self.contexts``, last; it leaves them (a source that only
+        draws, ``Fetch`` or ``LoadBatch``, appended nothing: its slot has no context there)."""
+        context = slot.get("context")
+        if context is not None and self.contexts and self.contexts[-1] is context:
+            self.contexts.pop()
+            self.batches.pop()
 
     # ------------------------------------------------------------ task functions
     @task(catalog.FETCH)
