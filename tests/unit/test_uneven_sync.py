@@ -193,3 +193,15 @@ def test_a_blocking_draw_settles_an_open_agreement_first() -> None:
     with pytest.raises(StopIteration):
         sync.draw(lambda: "b")  # batch 0 was agreed, the peer has no batch 1
     assert sync.log == ["issue 1", "wait 1", "issue 1", "wait 1"]
+
+
+def test_finishing_after_the_group_was_shut_down_raises_nothing() -> None:
+    class Broken:
+        def wait(self) -> bool:
+            raise RuntimeError("the process group was destroyed")
+
+    sync = LatePeerSync(peer=5)
+    sync.begin(0, lambda: "x", None)
+    sync._open.work = Broken()  # type: ignore[union-attr]
+    sync.finish()
+    assert sync.settle() is True and sync.gated_from == exhaustion.NEVER

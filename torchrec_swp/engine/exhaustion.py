@@ -152,13 +152,17 @@ class ExhaustionSync:
 
     def finish(self) -> None:
         """The open agreement waited for (its peers' all-reduce completes too), answer unused:
-        before the group is destroyed."""
+        before the group is destroyed. A wait that fails (the group was shut down already, by
+        ``destroy_process_group()``; a peer gone) leaves nothing to wait for: not raised."""
         with self._lock:
             open_ = self._open
             if open_ is not None:
-                open_.work.wait()
                 self._open, self._last = None, open_
                 self.gated_from = NEVER
+                try:
+                    open_.work.wait()
+                except Exception:  # noqa: BLE001 - nothing left to agree on: the group is gone
+                    pass
 
     def _issue(self, have: bool) -> tuple[Any, torch.Tensor]:
         """The MIN all-reduce of ``have`` begun: its work and its tensor (the answer once waited for)."""
