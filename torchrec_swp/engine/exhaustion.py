@@ -42,7 +42,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -61,10 +61,13 @@ class _Open:
     """An agreement begun and not settled: its batch, this rank's answer, the all-reduce's work
     and tensor, and what to call if the answer is "not every rank" (this rank had the batch)."""
 
-    __slots__ = ("batch", "have", "work", "flag", "retract")
+    __slots__ = ("batch", "have", "work", "flag", "retract", "key")
 
-    def __init__(self, batch: int, have: bool, work: Any, flag: torch.Tensor, retract: Callable[[], None] | None):
+    def __init__(
+        self, batch: int, have: bool, work: Any, flag: torch.Tensor, retract: Callable[[], None] | None, key: Hashable
+    ) -> None:
         self.batch, self.have, self.work, self.flag, self.retract = batch, have, work, flag, retract
+        self.key = key  # the stream checker's hand-off from the thread that began it to the one that settles it
 
 
 class ExhaustionSync:
@@ -83,6 +86,8 @@ class ExhaustionSync:
         self._open: _Open | None = None
         self._last: _Open | None = None  # the last settled: its work and tensor outlive the gloo thread's use
         self._retracted: int | None = None  # the batch retracted last, while its epoch lasts
+        self._begun = 0  # agreements begun (names each one's hand-off for the checker)
+        self._checker: Any = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -110,6 +115,12 @@ class ExhaustionSync:
         work.wait()
         self._count(start)
         return bool(flag.item())
+
+    def check_with(self, checker: Any) -> None:
+        """Tell the stream checker (``torchrec_swp.streamcheck``) that a deferred agreement's
+        wait orders the thread that settles it after the thread that began it: its flag, written
+        by the all-reduce, is read there (``cpu_release`` / ``cpu_acquire``)."""
+        self._checker = checker
 
     # ------------------------------------------------------------ deferred
     def begin(self, b: int, pull: Callable[[], T], retract: Callable[[], None] | None) -> T:
@@ -141,6 +152,8 @@ class ExhaustionSync:
             start = time.perf_counter()
             open_.work.wait()
             self._count(start)
+            if self._checker is not None:
+                self._checker.cpu_acquire(open_.key)
             self._open, self._last = None, open_
             self.gated_from = NEVER
             if open_.have and not bool(open_.flag.item()):
@@ -171,8 +184,12 @@ class ExhaustionSync:
 
     def _start(self, b: int, have: bool, retract: Callable[[], None] | None) -> None:
         work, flag = self._issue(have)
+        self._begun += 1
+        key = ("agreement", id(self), self._begun)
+        if self._checker is not None:
+            self._checker.cpu_release(key)
         with self._lock:
-            self._open = _Open(b, have, work, flag, retract)
+            self._open = _Open(b, have, work, flag, retract, key)
             if have:
                 self.gated_from = b
 

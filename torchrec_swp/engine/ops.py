@@ -78,6 +78,8 @@ class PlanOps:
             checker=checker, exhaustion=exhaustion, undo_draw=undo_draw,
         )  # fmt: skip
         self._exhaustion = exhaustion
+        if exhaustion is not None and checker is not None:
+            exhaustion.check_with(checker)
         self._observer: Observer | None = None
         self._iteration_start = 0.0  # when the calling thread's iteration started (for the observer)
         self._grad = True  # the caller's grad mode and training mode at this step() (begin_step)
