@@ -181,8 +181,10 @@ def test_text_round_trip_is_exact() -> None:
     assert again.to_text() == text
     # one row per task, in fire order, columns aligned under the header
     rows = [line for line in text.splitlines() if line.startswith(("task ", "#"))]
-    assert rows[0].split() == ["#", "task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags"]
-    assert rows[3].split() == ["task", "H2D", "0", "memcpy", "io", "-", "-", "-", "batch_gpu", "-"]
+    assert rows[0].split() == [
+        "#", "task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "effects", "flags"
+    ]  # fmt: skip
+    assert rows[3].split() == ["task", "H2D", "0", "memcpy", "io", "-", "-", "-", "batch_gpu", "-", "-"]
     assert len({row.index(row.split()[2]) for row in rows[1:]}) == 1  # the stage column is aligned
     assert [r.split()[1] for r in rows[1:]] == list(plan.fire_order)
     assert "dep H2D <- Fwd @2" in text
@@ -193,7 +195,7 @@ def test_text_round_trip_is_exact() -> None:
         source="A",
     )
     text = guarded.to_text()
-    assert "task B     1      default  default  -     first  x,x@1  -       anchor" in text
+    assert "task B     1      default  default  -     first  x,x@1  -       -        anchor" in text
     assert "noop_on=cpu+mtia" in text
     assert PipelinePlan.from_text(text) == guarded
 
@@ -218,7 +220,7 @@ def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
         PipelinePlan.from_text(
             "plan p\ndepth 3\nsource H2D\noutput out\nexhausted drain\ntask Fwd stage=2 colour=red\n"
         )
-    with pytest.raises(PlanError, match="a task row has 9 columns"):
+    with pytest.raises(PlanError, match="a task row has 10 columns"):
         PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default - -\n")
     with pytest.raises(PlanError, match="unknown flag 'fast' of task A"):
         PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default - - - - fast\n")
@@ -255,7 +257,7 @@ _LINE_ERRORS = [
     ("source not a task", "plan p\ndepth 1\nsource Q\n" + _ROW, 3, "source 'Q' is not a task"),
     ("output never written", "plan p\ndepth 1\noutput q\n" + _ROW, 3, "output 'q' is not written"),
     ("unknown keyword", _PLAN + "tsak B\n", 4, "unknown keyword 'tsak'"),
-    ("task row short", _PLAN + "task B 0 default\n", 4, "a task row has 9 columns"),
+    ("task row short", _PLAN + "task B 0 default\n", 4, "a task row has 10 columns"),
     ("stage not an int", _PLAN + "task B one default default - - - - -\n", 4, "stage must be an int"),
     ("unknown flag", _PLAN + "task B 0 default default - - - - fast\n", 4, "unknown flag 'fast'"),
     ("unknown guard", _PLAN + "task B 0 default default - sometimes - - -\n", 4, "when must be one of"),

@@ -56,8 +56,13 @@ from torchrec_swp.plan.text import DECLARATIONS, is_phased_text
 GOLDEN = Path(__file__).parent.parent / "golden" / "plans"
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-,.@=+#< "
 #: What an error refusing a mutant at another line first (its line second) may be about: two lines
-#: that disagree where neither the text nor the pipeline's names say which is wrong.
-SECOND_LINE_CONFLICTS = ("is written by both", "phase starts must begin at 0 and increase")
+#: that disagree where neither the text nor the pipeline's names say which is wrong (a dep that either
+#: task's stage, moved, would satisfy: the error is at the dep, naming both rows).
+SECOND_LINE_CONFLICTS = (
+    "is written by both",
+    "phase starts must begin at 0 and increase",
+    "a stage of either task, moved, would satisfy it",
+)
 
 RIGHT, SECOND, REMOVED_REFUSED, REMOVED_RIGHT, REMOVED_VISIBLE = (
     "refused at its line",

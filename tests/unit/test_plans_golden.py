@@ -7,6 +7,7 @@ and read the diff.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -145,8 +146,11 @@ def parse_seed(text: str) -> list[tuple[str, str, str, str]]:
 
 def ours(plan: PipelinePlan, columns: int) -> list[tuple[str, str, str, str]]:
     """Our table's rows in the design tables' row order (stage descending, then fire order), guards
-    ignored (the design tables have none), as (task, thread, stream, cells)."""
-    unguarded = plan.replace(schedule={t: s.replace(when=When.ALWAYS) for t, s in plan.schedule.items()})
+    and effects ignored (the design tables have neither), as (task, thread, stream, cells)."""
+    unguarded = plan.replace(
+        schedule={t: s.replace(when=When.ALWAYS) for t, s in plan.schedule.items()},
+        tasks=[dataclasses.replace(io, effects=()) for io in plan.tasks.values()],
+    )
     rows = []
     for line in unguarded.format_schedule(columns).splitlines()[3:]:
         _, task, _stage, thread, stream, *rest = line.split()

@@ -57,7 +57,7 @@ def check_constraints(plan: PipelinePlan, problem: Problem, *, simulate_run: boo
         return [Violation("tasks", extra[0], f"the plan's tasks differ from plan {base.name}'s: {extra}")]
     for t in base.fire_order:
         if plan.tasks[t] != base.tasks[t]:
-            out.append(Violation("tasks", t, f"task {t} changed what it reads or writes"))
+            out.append(Violation("tasks", t, f"task {t} changed what it reads or writes, or its effects"))
         if plan.task(t).comm_group != base.task(t).comm_group:
             out.append(Violation("tasks", t, f"task {t} changed its comm group to {plan.task(t).comm_group}"))
     for field in ("source", "output", "on_exhausted"):

@@ -21,6 +21,19 @@ the first time, then sets the module context and starts the input dist), every l
 ``start_sparse_data_dist``: two tasks, InitPipelinedModules (``when=first``) and InputDistStart
 (``when=not_first``). Forward, Backward and OptimizerStep are anchors (the training step
 itself): the auto-scheduler keeps them on the default stream at the highest stage.
+
+Effects (``PipelineTask.effects``, ``torchrec_swp.plan.effects``): what each task changes outside
+its batch's slot, which the engine captures and restores to undo a step that went non-finite.
+They are declared by task name, once, in ``EFFECTS`` (the tables leave the ``effects`` column out:
+rows of nine cells, which the text form reads as declaring none, and ``_table`` declares each
+task's from ``EFFECTS``), so that a task has the same effects in every pipeline whose function
+for it is the same; where a pipeline's function does more, its plan function adds what it does
+(``_declaring``: TrainPipelineBase's WaitBatch, PT2's Forward, the stashing pipelines' Forward and
+Backward). Moving data declares nothing: H2D (and Enqueue) advance upstream's ``_batch_count`` and
+context index, but those number the batches drawn, not the steps trained (a step undone does not
+undraw its batch), and they run batches ahead of the step. Eval pipelines forward only and declare
+nothing, but for EvalPipelineFusedSparseDist's ZeroGrad, which zeroes the gradients where the model
+is in training mode, as upstream's.
 """
 
 from __future__ import annotations
@@ -34,9 +47,67 @@ from torchrec_swp.plan.threads import IO_THREAD
 
 WORLD = "world"
 
+FUSED_BACKWARD = ("fused_rows", "dense_grads")
+DENSE_STEP = ("dense_params", "dense_optim")
+
+#: What each task changes outside its batch's slot (module docstring), by task name; a task not
+#: named here changes nothing but its slot (``_table`` declares these; ``_declaring`` adds more).
+EFFECTS: dict[str, tuple[str, ...]] = {
+    # the optimizer's zero_grad(): .grad set to None (or zero)
+    "ZeroGrad": ("dense_grads",),
+    # the backward: the dense gradients accumulate, and the fused TBE (optimizer in backward) updates
+    # the rows the batch's ids touch and their optimizer state. SparseDist's also runs the 2D
+    # (DMPCollection) sync of every replica's embeddings and fused optimizer state every N batches:
+    # all rows, not only the batch's. SemiSync's sparse modules are detached (their backward is
+    # EmbBackward), but a module the model rewrite could not pipeline still updates its rows here.
+    "Backward": FUSED_BACKWARD,
+    "OptimizerStep": DENSE_STEP,
+    # BwdOpt: the dense optimizer steps in a hook inside the backward
+    "BackwardOptimizerStep": (*FUSED_BACKWARD, *DENSE_STEP),
+    # SemiSync: the embeddings' backward, the fused TBE updating the rows (and the 2D sync, as Backward)
+    "EmbBackward": ("fused_rows",),
+    # SemiSync's stash_gradients: the gradients just computed kept for the next step, the stashed
+    # ones of the previous batch put in .grad
+    "GradSwap": ("dense_grads", "stashed_grads"),
+    # the prefetch of a batch's rows into the embedding caches (UVM caching)
+    "EmbPrefetch": ("emb_cache",),
+    "PrefetchNext": ("emb_cache",),
+    # PEC: the gradient all-to-all's awaitable applies the gradient to the TBE when waited (re-lookup
+    # with the fused optimizer). NolGradApply(N) applies batch N-1's NOL gradient (deferred one
+    # step: rows of N-1's NOL ids); DeferNolGradLast applies the last batch's at once. The *Start
+    # tasks only start the all-to-alls.
+    "OlGradApply": ("fused_rows",),
+    "NolGradApply": ("fused_rows",),
+    "DeferNolGradLast": ("fused_rows",),
+    # OptStash: the optimizer state restored to the device (RestoreWait ends the restore that
+    # Backward's hook started) and stashed off it after the step
+    "RestoreWait": ("stashed_state",),
+    "StashOptimizerState": ("stashed_state",),
+    # PrefetchEMS: the stashed embedding weights brought back (same values: their rows are
+    # Backward's) and the EMO caches re-allocated and refilled with the batch's rows
+    "RestoreEmbeddings": ("stashed_state", "emb_cache"),
+    # StagedTrainPipeline: upstream's step count (_num_steps, in its logs), the highest stage
+    "Emit": ("counters",),
+}
+
+
+def _task(name: str, **fields: object) -> PipelineTask:
+    """Task ``name`` declaring its effects (``EFFECTS``)."""
+    return PipelineTask(name, effects=EFFECTS.get(name, ()), **fields)  # type: ignore[arg-type]
+
 
 def _table(text: str) -> PipelinePlan:
-    return PipelinePlan.from_text(text)
+    """The plan of a table, each task declaring its effects (``EFFECTS``)."""
+    plan = PipelinePlan.from_text(text)
+    declared = [dataclasses.replace(io, effects=EFFECTS.get(io.name, ())) for io in plan.tasks.values()]
+    return plan.replace(tasks=declared)
+
+
+def _declaring(plan: PipelinePlan, task: str, *effects: str) -> PipelinePlan:
+    """``plan`` whose ``task`` also declares ``effects`` (where this pipeline's function for it does more)."""
+    io = plan.tasks[task]
+    more = dataclasses.replace(io, effects=(*io.effects, *(e for e in effects if e not in io.effects)))
+    return plan.replace(tasks=[more if t.name == task else t for t in plan.tasks.values()])
 
 
 # ----------------------------------------------------------------- option edits, written once
@@ -62,7 +133,7 @@ def _clearing_data_dist_inputs(plan: PipelinePlan, clear: bool, *, after: str | 
     if not clear:
         return plan
     stage = plan.max_stage
-    io = PipelineTask("ClearDataDistInputs", reads=("context",), doc="free input-dist inputs early")
+    io = _task("ClearDataDistInputs", reads=("context",), doc="free input-dist inputs early")
     deps = [("ClearDataDistInputs", after)] if after is not None else []
     plan = plan.with_task(io, TaskSchedule(stage, "data_dist"), after=after, deps=deps)
     if "InputDistWait" not in plan.schedule or "Forward" not in plan.schedule:
@@ -557,16 +628,19 @@ dep SparseForward <- CopyToDevice @1
 # ------------------------------------------------------------------------ plans by options
 def train_pipeline_base_plan() -> PipelinePlan:
     """TrainPipelineBase: H2D of batch i+1 overlaps the optimizer of batch i."""
-    return _table(BASE)
+    # its WaitBatch counts the progress() calls (upstream's _batch_count, in its logs), at the step's stage
+    return _declaring(_table(BASE), "WaitBatch", "counters")
 
 
 def pt2_plan(*, compile_step: bool = False) -> PipelinePlan:
     """TrainPipelinePT2's step (``PT2``); with ``compile_step`` the step that compiles the
     model: a Compile task right before Forward (upstream compiles at the start of forward)."""
-    plan = _table(PT2)
+    # Forward counts the forwards (upstream's _iter, which decides the compile of a plan without Compile)
+    plan = _declaring(_table(PT2), "Forward", "counters")
     if not compile_step:
         return plan
-    compile_task = PipelineTask("Compile", doc="compile the model (compile_configs), with the pre/post-compile hooks")
+    # compiling changes how the model runs, not what it holds: no effect to undo
+    compile_task = _task("Compile", doc="compile the model (compile_configs), with the pre/post-compile hooks")
     plan = plan.with_task(
         compile_task, TaskSchedule(0), after="ZeroGrad", deps=[("Compile", "ZeroGrad"), ("Forward", "Compile")]
     )
@@ -710,7 +784,7 @@ def semi_sync_plan(
         case "semi_sync" | "semi_sync_start":
             plan = _table(SEMI_SYNC)
             if stash_gradients or phase == "semi_sync_start":
-                swap = PipelineTask("GradSwap", doc="swap the stashed gradients in (stash_gradients)")
+                swap = _task("GradSwap", doc="swap the stashed gradients in (stash_gradients)")
                 plan = plan.with_task(
                     swap,
                     TaskSchedule(3),
@@ -800,10 +874,11 @@ def staged_plan(
     streams = stage_streams or ["default"] * n
     fills = fill_callbacks or [False] * n
     schedule = {"Emit": TaskSchedule(n)}
-    tasks = [PipelineTask("Emit", reads=(f"out_{n - 1}",), writes=("output",))]
+    tasks = [_task("Emit", reads=(f"out_{n - 1}",), writes=("output",))]
     deps = []
     for k, name in enumerate(stage_names):
         schedule[name] = TaskSchedule(k, streams[k])
+        # a stage runs the user's code: what it changes is the user's to declare (a plan of their own)
         tasks.append(PipelineTask(name, reads=(f"out_{k - 1}",) if k else (), writes=(f"out_{k}",)))
         if fills[k]:
             schedule[f"{name}.fill"] = TaskSchedule(k, streams[k], when="fill")  # type: ignore[arg-type]
@@ -920,17 +995,19 @@ def opt_stash_plan(
         name="TrainPipelineSparseDistOptStash",
     )
     stage = plan.max_stage
-    wait = PipelineTask("RestoreWait", doc="wait for the restore started in backward, before the step")
+    wait = _task("RestoreWait", doc="wait for the restore started in backward, before the step")
     deps = [("RestoreWait", "Backward"), ("OptimizerStep", "RestoreWait")]
     plan = plan.with_task(wait, TaskSchedule(stage), after="Backward", deps=deps)
-    stash = PipelineTask("StashOptimizerState", doc="stash the optimizer state off the device after the step")
+    stash = _task("StashOptimizerState", doc="stash the optimizer state off the device after the step")
     plan = plan.with_task(
         stash,
         TaskSchedule(stage, D2H, thread_group=STASH_THREAD),
         after="OptimizerStep",
         deps=[("StashOptimizerState", "OptimizerStep")],
     )
-    return plan.replace(inter_iter_deps=[*plan.inter_iter_deps, Dep("Backward", "StashOptimizerState", 1)])
+    plan = plan.replace(inter_iter_deps=[*plan.inter_iter_deps, Dep("Backward", "StashOptimizerState", 1)])
+    # the hook at site_fqn's output dist starts the restore of the optimizer state inside Backward
+    return _declaring(plan, "Backward", "stashed_state")
 
 
 def emb_stash_plan(
@@ -946,13 +1023,16 @@ def emb_stash_plan(
     ``delay_stash`` at ``stash_site_fqn``'s forward, or at ``site_fqn`` in backward) and restored
     inside Backward, by the hook at the injection site ``site_fqn``, before the gradient reaches them.
     """
-    return sparse_dist_plan(
+    plan = sparse_dist_plan(
         enqueue_batch_after_forward=enqueue_batch_after_forward,
         execute_all_batches=execute_all_batches,
         clear_data_dist_inputs=clear_data_dist_inputs,
         h2d_thread=h2d_thread,
         name="TrainPipelineSparseDistEmbStash",
     )
+    # the sharded modules stash their weights (and EMO caches) after the lookup, in Forward (with
+    # delay_stash in Backward), and the hook at site_fqn restores them in Backward
+    return _declaring(_declaring(plan, "Forward", "stashed_state"), "Backward", "stashed_state")
 
 
 def prefetch_ems_plan(
@@ -973,14 +1053,14 @@ def prefetch_ems_plan(
         h2d_thread=h2d_thread,
     ).replace(name="TrainPipelinePrefetchEMS")
     stage = plan.max_stage
-    restore = PipelineTask("RestoreEmbeddings", doc="restore stashed embedding weights and EMO caches")
+    restore = _task("RestoreEmbeddings", doc="restore stashed embedding weights and EMO caches")
     plan = plan.with_task(
         restore,
         TaskSchedule(stage),
         after="InputDistWait",
         deps=[("RestoreEmbeddings", "Forward"), ("Backward", "RestoreEmbeddings")],
     )
-    prefetch = PipelineTask("PrefetchNext", reads=("context",), doc="prefetch the next batch into the caches")
+    prefetch = _task("PrefetchNext", reads=("context",), doc="prefetch the next batch into the caches")
     plan = plan.with_task(
         prefetch,
         TaskSchedule(stage - 1, when=When.NOT_FIRST),

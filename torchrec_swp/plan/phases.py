@@ -44,7 +44,7 @@ def switch_problems(old: PipelinePlan, new: PipelinePlan) -> list[str]:
     for task in dict.fromkeys([*old.fire_order, *new.fire_order]):
         if task in old.schedule and task in new.schedule:
             if old.task(task).stage != new.task(task).stage or old.tasks[task] != new.tasks[task]:
-                problems.append(f"task {task} changes its stage or its reads/writes")
+                problems.append(f"task {task} changes its stage, its reads/writes or its effects")
         elif (old.tasks.get(task) or new.tasks[task]).writes:
             problems.append(f"task {task}, in only one plan, writes data")
     return problems

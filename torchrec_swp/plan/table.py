@@ -9,7 +9,9 @@ iteration), with its stage, thread and stream, then one column per internal iter
 the batch the task works on (``i3``) or ``--`` when it does not run: outside the stage mask,
 or for a batch its ``when`` excludes (``first``: batch 0 only; ``fill``: iterations before batch 0
 reaches the highest stage; ``last``: the last batch, known only when ``num_batches`` is given).
-A ``When`` column appears when some task has a guard.
+A ``When`` column appears when some task has a guard, and an ``Effects`` column after it when some
+task declares effects (``PipelineTask.effects``: what it changes outside its batch's slot,
+comma-separated; ``-`` for none).
 """
 
 from __future__ import annotations
@@ -60,20 +62,27 @@ def format_schedule(
     w_thread = max(7, *(len(plan.task(t).thread_group) for t in rows))
     w_stream = max(12, *(len(plan.task(t).stream) for t in rows))
     w_when = max(4, *(len(plan.task(t).when.value) for t in rows)) if guards else 0
+    effects = {t: ",".join(plan.task(t).io.effects) or "-" for t in rows}
+    declares = any(e != "-" for e in effects.values())
+    w_effects = max(7, *map(len, effects.values())) if declares else 0
     cols = range(num_iterations)
 
-    def line(num: str, task: str, stage: str, thread: str, stream: str, when: str, sep: str, cells: list[str]) -> str:
+    def line(
+        num: str, task: str, stage: str, thread: str, stream: str, when: str, effect: str, sep: str, cells: list[str]
+    ) -> str:
         body = " ".join(c.ljust(_CELL) for c in cells).rstrip()
         guard = f"{when:<{w_when}}  " if guards else ""
+        guard += f"{effect:<{w_effects}}  " if declares else ""
         return (
             f"{num:>4}  {task:<{w_task}}  {stage:>5}  {thread:<{w_thread}}  {stream:<{w_stream}}  {guard}{sep} {body}"
         )
 
     out = [
         header(plan),
-        line("#", "Task", "Stage", "Thread", "Stream", "When", "|", [f"P{p}" for p in cols]),
+        line("#", "Task", "Stage", "Thread", "Stream", "When", "Effects", "|", [f"P{p}" for p in cols]),
         line(
-            "--", "-" * w_task, "-" * 5, "-" * w_thread, "-" * w_stream, "-" * w_when, "+", ["-" * _CELL for _ in cols]
+            "--", "-" * w_task, "-" * 5, "-" * w_thread, "-" * w_stream, "-" * w_when, "-" * w_effects, "+",
+            ["-" * _CELL for _ in cols],
         ),
     ]
     for i, task in enumerate(rows):
@@ -85,5 +94,7 @@ def format_schedule(
                 c = (c.strip() + "*").rjust(3)
             cells.append(c)
         when = "-" if sched.when is When.ALWAYS else sched.when.value
-        out.append(line(str(i), task, str(sched.stage), sched.thread_group, sched.stream, when, "|", cells))
+        out.append(
+            line(str(i), task, str(sched.stage), sched.thread_group, sched.stream, when, effects[task], "|", cells)
+        )
     return "\n".join(out)

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
+from torchrec_swp.plan.effects import check_effect
 from torchrec_swp.plan.errors import PlanError
 
 #: The thread group of the thread that calls ``progress()``.
@@ -182,6 +183,8 @@ class PipelineTask:
         compiler replaces the call by an alias: ``writes[i]`` is ``reads[i]``.
     ``anchor``: the task defines the training step itself (forward, backward, optimizer):
         the auto-scheduler keeps it on the default stream at the highest stage.
+    ``effects``: the state it changes outside its batch's slot (``torchrec_swp.plan.effects``:
+        ``KNOWN_EFFECTS``), what the engine captures and restores to undo a step; none: the task is pure.
     """
 
     name: str
@@ -189,6 +192,7 @@ class PipelineTask:
     writes: tuple[str, ...] = ()
     noop_on: tuple[str, ...] = ()
     anchor: bool = False
+    effects: tuple[str, ...] = ()
     doc: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +200,9 @@ class PipelineTask:
         object.__setattr__(self, "reads", tuple(self.reads))
         object.__setattr__(self, "writes", tuple(self.writes))
         object.__setattr__(self, "noop_on", tuple(self.noop_on))
+        object.__setattr__(self, "effects", tuple(check_effect(e, self.name) for e in self.effects))
+        if len(set(self.effects)) != len(self.effects):
+            raise PlanError(f"task {self.name} declares an effect twice: {self.effects}", culprit=self.name)
         if self.noop_on and len(self.writes) > len(self.reads):
             raise PlanError(
                 f"task {self.name} is a no-op on {', '.join(self.noop_on)} but writes more names than it reads: "

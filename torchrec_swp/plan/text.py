@@ -8,19 +8,24 @@
     streams default data_dist memcpy
     threads default
     comm_groups world
-    #    task            stage  stream     thread   comm   when   reads          writes          flags
-    task ZeroGrad        2      default    default  -      -      -              -               -
-    task InputDistStart  1      data_dist  default  world  -      batch,context  -               -
-    task H2D             0      memcpy     default  -      -      -              batch,context   -
-    task Forward         2      default    default  world  -      batch,context  losses,output   anchor
+    #    task            stage  stream     thread   comm   when   reads          writes          effects      flags
+    task ZeroGrad        2      default    default  -      -      -              -               dense_grads  -
+    task InputDistStart  1      data_dist  default  world  -      batch,context  -               -            -
+    task H2D             0      memcpy     default  -      -      -              batch,context   -            -
+    task Forward         2      default    default  world  -      batch,context  losses,output   -            anchor
     dep Forward <- OptimizerStep @1
 
 Task rows are in fire order; ``-`` is an empty cell. ``when`` is a ``When`` (``first``,
 ``not_first``, ``fill``, ``has_next``, ``last``, ``train``, ``never``); a read ``x@1`` comes from the
-previous batch. ``flags`` holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
+previous batch. ``effects`` names the state the task changes outside its batch's slot, comma-separated,
+each once, from ``effects.KNOWN_EFFECTS`` (``fused_rows``, ``dense_grads``, ``dense_params``,
+``dense_optim``, ``stashed_grads``, ``emb_cache``, ``stashed_state``, ``counters``; ``-``: none, the task
+is pure). ``flags`` holds ``anchor`` and ``noop_on=DEVICE[+DEVICE...]``, comma-separated. Only explicit deps are
 written (inferred ones follow from reads/writes). ``lookahead`` and ``loads`` lines are written only
 when they differ from 0 and 1. ``#`` starts a comment; blank lines are
-ignored. Rows of the older form ``task NAME stage=2 stream=... reads=a,b`` are read too.
+ignored. Rows of the older forms are read too: nine cells, without ``effects``, as a task that
+declares none (in a text whose rows all have nine: one short row among full ones is a missing
+cell), and ``task NAME stage=2 stream=... reads=a,b effects=x,y``.
 
 Names are declared once and checked everywhere (``torchrec_swp.plan.names``): the ``streams``,
 ``threads`` and ``comm_groups`` lines declare the streams, threads and comm groups the rows use
@@ -61,6 +66,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from torchrec_swp.plan.calls import check_call
+from torchrec_swp.plan.effects import KNOWN_EFFECTS
 from torchrec_swp.plan.errors import PlanError
 from torchrec_swp.plan.names import Vocabulary, did_you_mean, is_near, nearest
 from torchrec_swp.plan.task import Dep, PipelineTask, TaskSchedule, When, check_name, parse_read
@@ -72,8 +78,10 @@ _P = TypeVar("_P")
 _Q = TypeVar("_Q")
 
 _NONE = "-"
-COLUMNS = ("task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "flags")
-_OLD_KEYS = ("stage", "stream", "thread", "comm", "reads", "writes", "noop_on", "when")
+COLUMNS = ("task", "stage", "stream", "thread", "comm", "when", "reads", "writes", "effects", "flags")
+#: The columns of the rows written before effects were declared (read as a task that declares none).
+COLUMNS_WITHOUT_EFFECTS = tuple(c for c in COLUMNS if c != "effects")
+_OLD_KEYS = ("stage", "stream", "thread", "comm", "reads", "writes", "noop_on", "when", "effects")
 #: The lines that declare the names the task rows use, and the row cell each declares.
 DECLARATIONS = {"streams": "stream", "threads": "thread", "comm_groups": "comm"}
 _LABEL = {"streams": "stream", "threads": "thread", "comm_groups": "comm group"}
@@ -94,6 +102,7 @@ def _cells(task: str, s: TaskSchedule, io: PipelineTask) -> list[str]:
         _NONE if s.when is When.ALWAYS else s.when.value,
         ",".join(io.reads) or _NONE,
         ",".join(io.writes) or _NONE,
+        ",".join(io.effects) or _NONE,
         ",".join(flags) or _NONE,
     ]
 
@@ -247,6 +256,10 @@ class _Book:
     deps: dict[Dep, Word] = field(default_factory=dict)  # dep -> its consumer's word
     refs: list[tuple[Word, str]] = field(default_factory=list)  # a task named by a dep or the source, and by what
     comments: list[tuple[int, str]] = field(default_factory=list)  # lines that are only a comment
+    # the rows of COLUMNS_WITHOUT_EFFECTS (the older form) and whether a row has every column: a text
+    # is in one form or the other (one row short of a cell in a text of full rows is a slip)
+    short_rows: list[Word] = field(default_factory=list)
+    full_rows: bool = False
 
     def commented(self, looks_like: Callable[[list[str]], bool]) -> Word | None:
         """The first comment line whose words (after its ``#``) ``looks_like`` a line of a plan."""
@@ -295,14 +308,20 @@ class _Book:
     def row(self, key: Word, rest: tuple[Word, ...]) -> None:
         if len(rest) > 1 and "=" in rest[1].text and rest[1].text.partition("=")[0] in _OLD_KEYS:
             cells = _old_cells(key, rest)
-        elif len(rest) != len(COLUMNS):
+        elif len(rest) == len(COLUMNS):
+            cells = dict(zip(COLUMNS, rest))
+            self.full_rows = True
+        elif len(rest) == len(COLUMNS_WITHOUT_EFFECTS):  # a row written before effects: it declares none
+            cells = dict(zip(COLUMNS_WITHOUT_EFFECTS, rest))
+            cells = {c: cells.get(c) or rest[0].part(0, _NONE) for c in COLUMNS}
+            self.short_rows.append(rest[0])
+        else:
             raise _error(
-                f"a task row has {len(COLUMNS)} columns ({' '.join(COLUMNS)}; '-' for none), got {len(rest)}",
+                f"a task row has {len(COLUMNS)} columns ({' '.join(COLUMNS)}; '-' for none; rows of the older "
+                f"form have {len(COLUMNS_WITHOUT_EFFECTS)}, without effects), got {len(rest)}",
                 rest[0] if rest else key,
                 culprit=rest[0].text if rest else "task",
             )
-        else:
-            cells = dict(zip(COLUMNS, rest))
         name = cells["task"]
         _checked(name, "task")
         if name.text in self.rows:
@@ -366,6 +385,13 @@ def _read_plan(
             raise _error("this is a phased plan: read it with PhasedPlan.from_text or plan.load_plan", key)
         else:
             raise _error(f"unknown keyword {key.text!r}{did_you_mean(key.text, _KEYWORDS)}", key)
+    if book.full_rows and book.short_rows:
+        raise _error(
+            f"a task row has {len(COLUMNS)} columns ({' '.join(COLUMNS)}; '-' for none), got "
+            f"{len(COLUMNS_WITHOUT_EFFECTS)}: a row of the older form, without effects, in a text whose other rows "
+            "have effects (is a cell missing?)",
+            book.short_rows[0],
+        )
     # a text that declares its names (as plan_to_text writes it) gives every line, so that no line
     # can be left out, or commented out, unnoticed; an older one needs only 'plan' and 'depth'
     declares = any(k in book.decls for k in DECLARATIONS)
@@ -484,6 +510,18 @@ def _parse_cells(
             if w.text in seen:
                 raise _error(f"task {name} {kind} a name twice: {w.text!r}", w, culprit=name)
             seen.add(w.text)
+    effects: list[str] = []
+    for w in _items(cells["effects"]):
+        if w.text not in KNOWN_EFFECTS:
+            raise _error(
+                f"task {name} declares unknown effect {w.text!r} (effects: {', '.join(KNOWN_EFFECTS)})"
+                + did_you_mean(w.text, KNOWN_EFFECTS),
+                w,
+                culprit=name,
+            )
+        if w.text in effects:
+            raise _error(f"task {name} declares effect {w.text!r} twice", w, culprit=name)
+        effects.append(w.text)
     anchor, noop_on = False, ()
     for flag in _items(cells["flags"]):
         if flag.text == "anchor" and not anchor:
@@ -495,14 +533,15 @@ def _parse_cells(
         else:
             raise _error(
                 f"unknown flag {flag.text!r} of task {name} (flags: anchor, noop_on=DEVICE, each once)"
-                + did_you_mean(flag.text, ["anchor", "noop_on"]),
+                + (" (an effect: effects go in the effects column, before flags)" if flag.text in KNOWN_EFFECTS
+                   else did_you_mean(flag.text, ["anchor", "noop_on"])),
                 flag,
                 culprit=name,
             )
     try:
         sched = TaskSchedule(stage=stage, stream=stream, thread_group=thread, comm_group=comm, when=when)
         io = PipelineTask(name, reads=tuple(w.text for w in reads), writes=tuple(w.text for w in writes),
-                          noop_on=noop_on, anchor=anchor)
+                          noop_on=noop_on, anchor=anchor, effects=tuple(effects))
     except PlanError as e:
         raise _error(str(e), cells["flags"] if noop_on else cells["task"], culprit=name) from None
     return sched, io, tuple((w.part(0, parse_read(w.text)[0]), parse_read(w.text)[1]) for w in reads), tuple(writes)
@@ -818,7 +857,7 @@ def _odd_one(values: list[tuple[int, object]], right: object = None) -> tuple[in
 
 
 def _check_turns(phases: list[tuple[int, Any]], where: list[TextLines], vocabulary: Vocabulary) -> None:
-    """The phases agree on each task's stage and reads/writes, a task of only some phases writes
+    """The phases agree on each task's stage, reads/writes and effects, a task of only some phases writes
     nothing, and they share their source and output (what lets them take turns), else a PlanError
     at the phase that disagrees with the others: with most of them, or with the pipeline's ``io``,
     else the later of two."""
@@ -843,8 +882,9 @@ def _check_turns(phases: list[tuple[int, Any]], where: list[TextLines], vocabula
             ours, theirs = where[odd].find(task), where[other].find(task)
             assert ours is not None and theirs is not None
             raise _error(
-                f"phases {phases[other][0]} and {phases[odd][0]} cannot take turns: task {task} changes its stage "
-                f"or its reads/writes (phase {phases[odd][0]} here, phase {phases[other][0]} at line {theirs.line})",
+                f"phases {phases[other][0]} and {phases[odd][0]} cannot take turns: task {task} changes its stage, "
+                f"its reads/writes or its effects (phase {phases[odd][0]} here, phase {phases[other][0]} at line "
+                f"{theirs.line})",
                 ours, culprit=task, others=[theirs.line])
     for field_ in ("source", "output"):
         found = _odd_one([(k, getattr(p, field_)) for k, (_, p) in enumerate(phases)])

@@ -245,6 +245,12 @@ def _check_all_satisfiable(plan: PlanView, deps: list[Dep]) -> None:
                 culprit=fixable[0],
                 also=(str(dep),),
             )
+        if len(fixable) == 2:  # nothing tells which of the two stages (or the dep itself) is the slip
+            raise PlanError(
+                f"{e} (a stage of either task, moved, would satisfy it: {fixable[0]}'s or {fixable[1]}'s)",
+                culprit=e.culprit,
+                also=(dep.consumer, dep.producer),
+            )
     common = set.intersection(*({d.consumer, d.producer} for d, _ in failed))
     if len(failed) > 1 and len(common) == 1:
         (task,) = common
