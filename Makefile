@@ -65,7 +65,7 @@ test: lint $(STAMP18)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-TEST18 := parity or (not multiprocess and not slow and not torchrec_free)
+TEST18 := parity or every_release or (not multiprocess and not slow and not torchrec_free)
 
 # Parity tests that `make test` runs under the CPU stream checker (SWP_STREAM_CHECK=1): bit-identical
 # to upstream and no unsynchronised access or early free in our tasks. Not in it: PT2 and

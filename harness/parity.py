@@ -144,7 +144,11 @@ def _load_full_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> N
 
 
 def build_model(
-    rank: int, world_size: int, seed: int, device: torch.device | None = None
+    rank: int,
+    world_size: int,
+    seed: int,
+    device: torch.device | None = None,
+    fused_optimizer: EmbOptimType = EmbOptimType.EXACT_SGD,
 ) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """Builds the sharded test model and its dense optimizer, identically for equal seeds.
 
@@ -161,12 +165,13 @@ def build_model(
     model starts as that unsharded ``TestSparseNN`` (on a global batch their predictions were
     found bit-identical; the tables' own sharded initialization would draw other numbers). The
     caller's RNG state is left untouched. ``rank`` is implied by the process group and only checked.
-    ``device`` is where the model is sharded and placed (default: the CPU).
+    ``device`` is where the model is sharded and placed (default: the CPU); ``fused_optimizer``
+    the tables' fused optimizer (e.g. EXACT_ROWWISE_ADAGRAD, which keeps a state per row).
     """
     device = torch.device("cpu") if device is None else device
     assert dist.get_rank() == rank and dist.get_world_size() == world_size, "process group mismatch"
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LEARNING_RATE}
+        fused_params={"optimizer": fused_optimizer, "learning_rate": LEARNING_RATE}
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

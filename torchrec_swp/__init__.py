@@ -56,6 +56,7 @@ __all__ = [
     "__version__",
     "plans",
     "Autotune",
+    "NonFiniteStep",
     *_PLAN_NAMES,
     *_available(),
     *(_MAGLEV if _is_1_9() else ()),
@@ -77,6 +78,10 @@ def __getattr__(name: str) -> Any:
         from torchrec_swp.autotune import Autotune
 
         return Autotune
+    if name == "NonFiniteStep":  # what on_nonfinite="raise" raises
+        from torchrec_swp.engine.transaction import NonFiniteStep
+
+        return NonFiniteStep
     if name == "plans":
         import torchrec_swp.plans
 

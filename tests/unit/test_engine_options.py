@@ -41,7 +41,8 @@ def test_take_pops_the_engine_keywords_and_leaves_the_rest() -> None:
     assert options == EngineOptions(thread_map="io", loads=2, lookahead=3)
     assert EngineOptions.take({}, "X") == EngineOptions(None, None, 1, None, DEFAULT_TIMEOUT_S)
     assert EngineOptions.names() == (
-        "plan", "thread_map", "loads", "lookahead", "engine_timeout_s", "autotune", "sync_dataloader_exhaustion"
+        "plan", "thread_map", "loads", "lookahead", "engine_timeout_s", "autotune", "sync_dataloader_exhaustion",
+        "on_nonfinite",
     )
 
 

@@ -35,6 +35,7 @@ from torchrec_swp.engine.ops import PlanOps
 from torchrec_swp.engine.source import Draws
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Observer
+from torchrec_swp.engine.transaction import Transaction
 from torchrec_swp.engine.unrolled import NOT_STEADY, steady_step
 from torchrec_swp.engine.walkers import Failure, Walker, WalkState
 from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan
@@ -55,6 +56,9 @@ class Engine(Interpreter):
     ``on_new_data``: called whenever the source gets new data (``Epochs.new_data``: a new
     iterator given to ``step()``, the same one after StopIteration, ``new_data()``), before any
     task draws from it (a pipeline clears its upstream class's end-of-data flag there).
+    ``transaction``: each batch's step is undone where it goes non-finite: the plan's declared
+    effects captured before their tasks, the step decided after its deciding task
+    (``torchrec_swp.engine.transaction``; the plan must pass its ``check_plan``).
     """
 
     def __init__(
@@ -72,8 +76,10 @@ class Engine(Interpreter):
         exhaustion: ExhaustionSync | None = None,
         on_new_data: Callable[[], None] | None = None,
         undo_draw: Callable[[int, Mapping[str, Any]], None] | None = None,
+        transaction: Transaction | None = None,
     ) -> None:
         super().__init__(streams=streams, timeout_s=timeout_s, name=name)
+        self.transaction = transaction
         self.installed = InstalledPlans(
             plan, streams=self.streams, device_type=device_type, max_threads=max_threads, max_in_flight=max_in_flight
         )
@@ -82,7 +88,7 @@ class Engine(Interpreter):
         self.batches = Batches()
         self._ops = PlanOps(
             self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion,
-            undo_draw=undo_draw,
+            undo_draw=undo_draw, undoable=transaction is not None,
         )  # fmt: skip
         self._feed = self._ops.source.feed
         self._epochs = Epochs(self, self.installed, self.batches, self._feed, on_new_data)
@@ -112,6 +118,7 @@ class Engine(Interpreter):
         inst.bind(
             self._bindings, self.batches, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
+            transaction=self.transaction,
         )  # fmt: skip
         self._ops.compile(inst, self._observer)
         body = inst.bodies.get(MAIN_THREAD)
@@ -290,6 +297,8 @@ class Engine(Interpreter):
                     self._walk(main, d + shape.top, self._ops.program, self._ops.iteration_done, threaded=threaded)
                 output = self._finish(d)
                 if output is not _AGAIN:
+                    if self.transaction is not None:
+                        self.transaction.after_step()  # (mode "raise": the step of d rolled back)
                     return output
                 ended = end.ended()
         finally:
@@ -407,6 +416,8 @@ class Engine(Interpreter):
         """Drop the batches in flight (``ledger.dropped``); start again at iteration 0, batch number
         0 and ticket 0 (``Epochs.reset``)."""
         self._epochs.reset()
+        if self.transaction is not None:
+            self.transaction.reset()
 
     def new_data(self) -> None:
         """The source has new data (``Epochs.new_data``)."""

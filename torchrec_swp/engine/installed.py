@@ -31,6 +31,7 @@ from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Invoker, Observer, task_context, task_timer
+from torchrec_swp.engine.transaction import Transaction, decider
 from torchrec_swp.engine.unrolled import Body
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
@@ -165,19 +166,30 @@ class InstalledPlan:
         device_type: str | None,
         observer: Observer | None,
         labels: bool,
+        transaction: Transaction | None = None,
     ) -> None:
         """Its (instrumented) task calls (made by ``batches``, which owns the slots they read
         and write), entering each task's stream where the device has streams: the source's gets
-        ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance for the observer."""
+        ``data_argument(b)``; ``iteration(b, stage)`` numbers an instance for the observer. With a
+        ``transaction``, a task with effects captures them first, and the deciding task
+        (``transaction.decider``) decides its batch's step after it."""
         plan = self.plan
+        deciding = decider(plan, transaction.empty) if transaction is not None else None
         for task in plan.fire_order:
             t = plan.task(task)
             extra = data_argument if task == plan.source else None
             stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
             timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
             around = task_context(task, labels, stream)
-            self.invokers[task] = batches.invoker(t.io, bindings[task], extra, around, timed)
-            if around is None and timed is None:
+            fn = bindings[task]
+            undoable = transaction is not None and (bool(set(t.io.effects) - transaction.empty) or task == deciding)
+            if undoable:  # (inside its stream: what captures and restores is ordered with the task)
+                serial = lambda b: batches.book.serial(b)  # noqa: E731 - (the book is replaced on reset)
+                fn = transaction.wrap(t.io.effects, task == deciding, fn, batches.slot, serial)
+            self.invokers[task] = batches.invoker(t.io, fn, extra, around, timed)
+            if undoable:
+                self.bare.pop(task, None)
+            elif around is None and timed is None:
                 self.bare[task] = bindings[task]
             else:
                 self.bare.pop(task, None)

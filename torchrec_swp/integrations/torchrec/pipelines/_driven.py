@@ -25,6 +25,8 @@ from torch.nn import Module
 from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.ddp_layout import layout_state, restore_layout_state
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
+from torchrec_swp.engine.transaction import Transaction, Verdict, check_plan, ordered
+from torchrec_swp.integrations.torchrec import nonfinite
 from torchrec_swp.integrations.torchrec.engine_driven import EngineDriven, check_keywords
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import without_stream_lookups
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
@@ -82,6 +84,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     row in ``torchrec_swp.drop_ins``. All is checked when the class is defined."""
 
     _swp_engine: Engine
+    #: The step's transaction of ``on_nonfinite=`` (None: "off").
+    _swp_nonfinite: Transaction | None = None
 
     #: ``{task: method name}``: the class's task functions (``protocol.task_methods``), set when
     #: the class is defined.
@@ -133,6 +137,15 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         tuning = options.tuning
         if tuning is not None:
             chosen = start_for_tuning(chosen)
+        transaction = None
+        if options.on_nonfinite != "off":
+            if tuning is not None:
+                raise ValueError(
+                    f"{owner}: on_nonfinite={options.on_nonfinite!r} with autotune is not supported yet (the tuner's "
+                    "plans are not checked to be undoable); choose one"
+                )
+            transaction = self._swp_transaction(options.on_nonfinite)
+        self._swp_nonfinite = transaction
         self._swp_engine_options = {
             "streams": streams,
             "timeout_s": options.engine_timeout_s,
@@ -147,6 +160,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
             "exhaustion": options.exhaustion_sync(owner),
             "on_new_data": self._swp_on_new_data,
             "undo_draw": self._swp_draw_undoer(),
+            "transaction": transaction,
         }
         if (sync := self._swp_engine_options["exhaustion"]) is not None:
             self._swp_teardown().group(sync.group, sync.finish)  # its last agreement waited for first
@@ -163,6 +177,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
                 f"{owner} has no task {unknown[0]!r}; its tasks are {', '.join(functions)}",
                 culprit=unknown[0],
             )
+        if self._swp_nonfinite is not None:
+            plan = undoable(plan, self._swp_nonfinite, owner)
         return Engine(plan, {t: functions[t] for t in tasks}, **self._swp_engine_options)
 
     @property
@@ -268,6 +284,31 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         then agree inside the draw, on the thread that draws (``torchrec_swp.engine.exhaustion``)."""
         return None
 
+    def _swp_transaction(self, mode: str) -> Transaction:
+        """The transaction of ``on_nonfinite=mode``: the effects of upstream's ``_model`` and
+        ``_optimizer`` (``nonfinite.effects_for``), the verdict reduced over the default group's
+        ranks, each rolled-back step told at rank 0. A class whose tasks change other state
+        overrides this (a plan declaring an effect nobody captures is refused, ``undoable``)."""
+        device = getattr(self, "_device", None)
+        host = device is None or getattr(device, "type", "cpu") == "cpu"
+        model, optimizer = getattr(self, "_model", None), getattr(self, "_optimizer", None)
+        if not isinstance(model, Module) or optimizer is None:
+            raise PlanError(f"{type(self).__name__}: on_nonfinite needs a model and an optimizer to roll back")
+        effects, fused = nonfinite.effects_for(model, optimizer, host=host)
+        self._swp_teardown().threads(fused.close)  # (a stop like the threads': the lookups' hooks go)
+        return Transaction(
+            effects, mode=mode, reduce=_reduce_max(), host=host,  # type: ignore[arg-type]
+            report=nonfinite.report_at_rank_0(dist.get_rank() if dist.is_initialized() else 0, type(self).__name__),
+        )  # fmt: skip
+
+    @property
+    def skipped_steps(self) -> list[Verdict]:
+        """The steps rolled back because something was not finite (``on_nonfinite=``), each as
+        ``Verdict`` (batch in its epoch, draw serial, what was not finite on this rank); empty
+        with ``on_nonfinite="off"``. Carried by ``state_dict()``."""
+        transaction = self._swp_nonfinite
+        return [] if transaction is None else list(transaction.settled().skipped)
+
     def reset(self) -> None:
         """The upstream class's ``reset()``, then the engine's: the batches in flight are
         dropped (``untrained_batches()`` names them) and the next ``progress()`` refills."""
@@ -301,6 +342,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
             "ddp_layout": layout_state(self._swp_model()),
             # the tuner's decision: a resume with autotune applies it instead of tuning again
             "autotune": None if self._swp_tuner is None else self._swp_tuner.state_dict(),
+            # the steps on_nonfinite rolled back
+            "nonfinite": None if self._swp_nonfinite is None else self._swp_nonfinite.settled().state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, resized: bool = False) -> None:
@@ -334,6 +377,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         # a plan tuned for the old world's ranks is tuned again on the new one
         if self._swp_tuner is not None and state.get("autotune") and not resized:
             self._swp_tuner.load_state_dict(state["autotune"])
+        if self._swp_nonfinite is not None and state.get("nonfinite"):
+            self._swp_nonfinite.account.load_state_dict(state["nonfinite"])
 
     def _swp_model(self) -> Module:
         """The model whose DDPs a cut records the bucket layout of: upstream's ``_model`` (an empty
@@ -375,6 +420,34 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         ``plan.print_schedule(n)``)."""
         engine = self._swp_engine
         return engine.phased if len(engine.phased.phases) > 1 else engine.plan
+
+
+def undoable(plan: PipelinePlan | PhasedPlan, transaction: Transaction, owner: str) -> PipelinePlan | PhasedPlan:
+    """``plan`` (each phase) with its deciding task ordered among the collectives
+    (``transaction.ordered``), checked to be undoable one batch at a time with ``transaction``'s
+    effects (``check_plan``: PlanError naming ``owner`` otherwise)."""
+
+    def edit(p: PipelinePlan) -> PipelinePlan:
+        p = ordered(p, transaction.empty)
+        try:
+            check_plan(p, transaction.effects, transaction.empty)
+        except PlanError as e:
+            raise PlanError(f"{owner}(on_nonfinite={transaction.mode!r}): {e}", culprit=e.culprit) from None
+        return p
+
+    return plan.each(edit) if isinstance(plan, PhasedPlan) else edit(plan)
+
+
+def _reduce_max() -> Callable[[Any], Any] | None:
+    """The verdict's reduction: MAX over the default group's ranks (None in a world of one)."""
+    if world_size() == 1:
+        return None
+
+    def reduce(flags: Any) -> Any:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
+    return reduce
 
 
 def world_size() -> int:

@@ -22,7 +22,11 @@ split off where it splits. ``sync_dataloader_exhaustion`` (the name of upstream'
 ranks whose data runs out unevenly stop together (``torchrec_swp.engine.exhaustion``); on by
 default (None) wherever torch.distributed's default group is initialized with more than one
 rank when the pipeline is built, required with True (ValueError without a process group), off
-with False: a rank whose data ends first then stops alone, as upstream's do. A new option is a field here (with
+with False: a rank whose data ends first then stops alone, as upstream's do. ``on_nonfinite``
+(``"off"``, the default: upstream's behaviour, nothing captured; ``"skip"``; ``"raise"``): a step
+whose loss or gradients are not finite on some rank is rolled back on every rank, its declared
+effects restored (``torchrec_swp.engine.transaction``, docs/nonfinite.md), and the pipeline goes
+on with the next batch (``"skip"``) or raises ``NonFiniteStep`` (``"raise"``). A new option is a field here (with
 its check in ``__post_init__``), a key of ``EngineKeywords``, and, if it edits the plan, a step in
 ``plan_for``.
 """
@@ -37,6 +41,7 @@ from typing import Any, TypedDict
 from torchrec_swp.autotune import Autotune
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S
 from torchrec_swp.engine.exhaustion import ExhaustionSync
+from torchrec_swp.engine.transaction import MODES as NONFINITE_MODES
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, ThreadMap, Vocabulary, load_plan
 from torchrec_swp.plan.calls import TaskCall
 from torchrec_swp.plans import with_lookahead, with_parallel_loads
@@ -54,6 +59,7 @@ class EngineKeywords(TypedDict, total=False):
     engine_timeout_s: float
     autotune: bool | Autotune
     sync_dataloader_exhaustion: bool | None
+    on_nonfinite: str
 
 
 def _check_number(name: str, value: object, kind: type | tuple[type, ...], low: float, *, above: bool = False) -> None:
@@ -78,6 +84,7 @@ class EngineOptions:
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
     autotune: bool | Autotune = False
     sync_dataloader_exhaustion: bool | None = None
+    on_nonfinite: str = "off"
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, (PipelinePlan, PhasedPlan, str, os.PathLike)):
@@ -102,6 +109,9 @@ class EngineOptions:
                 f"sync_dataloader_exhaustion must be a bool or None (the default: on with a process group of "
                 f"several ranks), got {self.sync_dataloader_exhaustion!r}"
             )
+        if self.on_nonfinite not in NONFINITE_MODES:
+            modes = ", ".join(map(repr, NONFINITE_MODES))
+            raise ValueError(f"on_nonfinite must be one of {modes}, got {self.on_nonfinite!r}")
 
     @property
     def tuning(self) -> Autotune | None:

@@ -1,0 +1,274 @@
+"""``on_nonfinite="skip"``: a non-finite step rolled back on every rank, as if its batch had never been seen.
+
+For each pipeline, on 1 and 2 gloo ranks: the run whose batch ``K`` is poisoned (non-finite dense
+features: a NaN loss) under ``on_nonfinite="skip"`` ends with the same weights (sharded tables
+included), fused and dense optimizer state, and the same loss and output at every other step, bit
+for bit, as the run (``on_nonfinite="off"``, which the parity suite holds equal to upstream) whose
+data lacks batch ``K``. Likewise with a finite loss and an Inf gradient (a hook multiplies the
+dense arch's output gradient by Inf for the marked batch), with batch ``K`` poisoned on rank 1
+only (every rank skips that step; the reference drops that step's batch on every rank), and with
+``"raise"`` (``NonFiniteStep`` from the step's ``progress()``, naming the batch, then the next).
+
+The tables use row-wise Adagrad (a state per row, and a TBE step counter) and the dense optimizer is
+Adagrad (a state per parameter, a step count), so that every kind of captured state matters; the
+dense gradients are compared after every step (``dense_grads``: the step's ``ZeroGrad`` and
+``Backward`` change them). ``test_each_capture_is_needed`` removes one effect's capture at a time
+and shows the run then differs from the reference.
+
+Every case of one world size runs in one pair of rank processes (``_all``), each test checks one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+from harness.parity import build_model, local_state, make_batches, record_losses
+from harness.ranks import run_on_ranks
+from torchrec_swp.data import MapSource
+from torchrec_swp.engine.transaction import NonFiniteStep
+from torchrec_swp.integrations.torchrec.compat import installed
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.every_release]
+
+N, K = 10, 4  # batches per rank, the poisoned one
+SENTINEL = 7777.0  # a dense feature that marks the batch whose gradient the hook makes Inf
+CPU = torch.device("cpu")
+EFFECTS = ("fused_rows", "dense_grads", "dense_params", "dense_optim")
+
+
+def _synchronous_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+    """DDP's averaging all-reduce, done before it returns (BwdOpt steps inside the backward, which
+    would otherwise read gradients gloo's threads are still writing; tests/dist/test_parity_experimental.py)."""
+    grads = bucket.buffer().div_(dist.get_world_size())
+    dist.all_reduce(grads)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(grads)
+    return done
+
+
+def _factories(world_size: int = 2) -> dict[str, Callable[..., Any]]:
+    import torchrec_swp as swp
+
+    out: dict[str, Callable[..., Any]] = {
+        "SparseDist": lambda m, o, **kw: swp.TrainPipelineSparseDist(m, o, CPU, **kw),
+        "SparseDist.io_thread": lambda m, o, **kw: swp.TrainPipelineSparseDist(m, o, CPU, thread_map="io", **kw),
+        "FusedSparseDist": lambda m, o, **kw: swp.TrainPipelineFusedSparseDist(m, o, CPU, **kw),
+        "Prefetch": lambda m, o, **kw: swp.PrefetchTrainPipelineSparseDist(m, o, CPU, **kw),
+    }
+    if installed().release >= (1, 9, 0) and world_size > 1:  # (on 1 rank upstream's hook finds no grad: see below)
+        out["BwdOpt"] = lambda m, o, **kw: swp.TrainPipelineSparseDistBwdOpt(m, o, CPU, "sparse.ebc", **kw)
+    return out
+
+
+def _model(rank: int, world_size: int, name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, sgd = build_model(rank, world_size, 0, fused_optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    optimizer = torch.optim.Adagrad([p for g in sgd.param_groups for p in g["params"]], lr=0.1)
+    if name == "BwdOpt":
+        model._dmp_wrapped_module.register_comm_hook(None, _synchronous_allreduce)
+    return model, optimizer
+
+
+def _inf_gradient_hook(model: torch.nn.Module) -> None:
+    """The dense arch's output gradient times Inf for a batch whose first dense feature is SENTINEL."""
+    dense = model.module.dense
+
+    def hook(_module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if output.requires_grad and float(args[0][0, 0]) == SENTINEL:
+            output.register_hook(lambda g: g * math.inf)
+
+    dense.register_forward_hook(hook)
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Weights, the tables' optimizer state rows and step counters, the dense optimizer's state."""
+    from torchrec_swp.integrations.torchrec.nonfinite import fused_lookups
+
+    state = local_state(model)
+    for k, lookup in enumerate(fused_lookups(model)):
+        tbe = lookup.emb_module
+        for t, states in enumerate(tbe.split_optimizer_states()):
+            for j, s in enumerate(states):
+                state[f"fused {k} table {t} state {j}"] = s.detach().clone()
+        state[f"fused {k} iter"] = tbe.iter.detach().clone()
+    for j, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                state[f"dense {j} {key}"] = value.detach().clone()
+    return state
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+
+
+def _run(rank: int, world_size: int, name: str, batches: list[Any], *, inf_hook: bool = False, **options: Any) -> dict[str, Any]:
+    model, optimizer = _model(rank, world_size, name)
+    if inf_hook:
+        _inf_gradient_hook(model)
+    pipeline = _factories()[name](model, optimizer, **options)
+    outputs: list[Any] = []
+    grads: list[list[torch.Tensor | None]] = []
+    raised: list[str] = []
+    it = MapSource(batches)  # (a loader with a state: the pipeline's state_dict() needs one)
+    with record_losses(model) as losses:
+        for _ in range(len(batches) + 2):
+            try:
+                out = pipeline.progress(it)
+            except StopIteration:
+                break
+            except NonFiniteStep as e:  # under "raise": recorded, the run goes on
+                raised.append(f"{type(e).__name__}: {e}")
+                outputs.append(None)
+                grads.append(_grads(optimizer))
+                continue
+            outputs.append(out.detach().clone() if isinstance(out, torch.Tensor) else out)
+            grads.append(_grads(optimizer))
+    skipped = [(v.batch, v.what) for v in pipeline.skipped_steps]
+    saved = pipeline.state_dict()
+    pipeline.close()
+    if options:  # the count of skipped steps comes back with the state
+        again = _factories()[name](model, optimizer, **options)
+        again.load_state_dict(saved)
+        assert [(v.batch, v.what) for v in again.skipped_steps] == skipped
+        again.close()
+    return {
+        "state": _state(model, optimizer),
+        "losses": [float(x) for x in losses],
+        "outputs": outputs,
+        "grads": grads,
+        "skipped": skipped,
+        "raised": raised,
+        "saved": saved["nonfinite"],
+    }
+
+
+def _batches(rank: int, world_size: int, *, poison: str | None, ranks: tuple[int, ...] = (0, 1)) -> list[Any]:
+    batches = make_batches(rank, world_size, N, 0)
+    if poison is None:
+        del batches[K]
+    elif rank in ranks:
+        batches[K].float_features[0, 0] = math.nan if poison == "nan" else SENTINEL
+    return batches
+
+
+def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
+    from torchrec_swp.integrations.torchrec import nonfinite
+
+    out: dict[tuple[str, ...], Any] = {}
+    for name in _factories(world_size):
+        reference = _run(rank, world_size, name, _batches(rank, world_size, poison=None))
+        out[(name, "reference")] = reference
+        out[(name, "nan")] = _run(rank, world_size, name, _batches(rank, world_size, poison="nan"), on_nonfinite="skip")
+    # the rest on TrainPipelineSparseDist
+    name = "SparseDist"
+    out[(name, "inf gradient")] = _run(
+        rank, world_size, name, _batches(rank, world_size, poison="inf"), inf_hook=True, on_nonfinite="skip"
+    )
+    out[(name, "raise")] = _run(rank, world_size, name, _batches(rank, world_size, poison="nan"), on_nonfinite="raise")
+    if world_size > 1:
+        out[(name, "rank 1 only")] = _run(
+            rank, world_size, name, _batches(rank, world_size, poison="nan", ranks=(1,)), on_nonfinite="skip"
+        )
+    for effect in EFFECTS:  # each capture removed in turn: the restore then puts nothing back
+        classes = {
+            "fused_rows": nonfinite.FusedRows,
+            "dense_grads": nonfinite.DenseGrads,
+            "dense_params": nonfinite.DenseParams,
+            "dense_optim": nonfinite.DenseOptim,
+        }
+        cls = classes[effect]
+        original = cls.restore
+        cls.restore = lambda self, saved, keep: None  # type: ignore[method-assign]
+        try:
+            out[(name, f"without {effect}")] = _run(
+                rank, world_size, name, _batches(rank, world_size, poison="nan"), on_nonfinite="skip"
+            )
+        finally:
+            cls.restore = original  # type: ignore[method-assign]
+    return out
+
+
+@cache
+def _results(world_size: int) -> list[dict[tuple[str, ...], Any]]:
+    return run_on_ranks(_all, world_size=world_size, timeout_s=600)
+
+
+def _without_k(values: list[Any]) -> list[Any]:
+    return values[:K] + values[K + 1 :]
+
+
+def _differences(run: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """What differs between a run with batch K rolled back and the run without it (empty: nothing)."""
+    found = []
+    for key, value in reference["state"].items():
+        if not torch.equal(run["state"][key], value):
+            found.append(f"state {key}")
+    if _without_k(run["losses"]) != reference["losses"]:
+        found.append(f"losses {run['losses']} vs {reference['losses']}")
+    for j, (a, b) in enumerate(zip(_without_k(run["outputs"]), reference["outputs"], strict=True)):
+        if not (a is None or torch.equal(a, b)):
+            found.append(f"output {j}")
+    # after the rolled-back step the gradients are those of the step before it
+    expected = reference["grads"][: K] + [reference["grads"][K - 1]] + reference["grads"][K:]
+    for j, (a, b) in enumerate(zip(run["grads"], expected, strict=True)):
+        if any((x is None) != (y is None) or (x is not None and not torch.equal(x, y)) for x, y in zip(a, b)):
+            found.append(f"grads after step {j}")
+    return found
+
+
+WORLDS = [pytest.param(1, id="1rank"), pytest.param(2, id="2ranks")]
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", ["SparseDist", "SparseDist.io_thread", "FusedSparseDist", "Prefetch", "BwdOpt"])
+def test_a_nan_batch_is_rolled_back_as_if_never_seen(world_size: int, name: str) -> None:
+    if name == "BwdOpt" and (installed().release < (1, 9, 0) or world_size == 1):
+        pytest.skip("TrainPipelineSparseDistBwdOpt: new in TorchRec 1.9; on 1 rank its hook finds no grad (upstream's too)")
+    for rank, result in enumerate(_results(world_size)):
+        run, reference = result[(name, "nan")], result[(name, "reference")]
+        assert _differences(run, reference) == [], f"rank {rank} {name}"
+        assert [b for b, _ in run["skipped"]] == [K]
+        assert "the losses" in run["skipped"][0][1]
+        assert run["saved"] == {"skipped": [(K, K, list(run["skipped"][0][1]))]}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_an_inf_gradient_with_a_finite_loss_is_rolled_back(world_size: int) -> None:
+    for rank, result in enumerate(_results(world_size)):
+        run, reference = result[("SparseDist", "inf gradient")], result[("SparseDist", "reference")]
+        assert math.isfinite(run["losses"][K]), run["losses"]
+        assert _differences(run, reference) == [], f"rank {rank}"
+        assert run["skipped"][0][0] == K and "the losses" not in run["skipped"][0][1]
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_raise_names_the_batch_after_rolling_back(world_size: int) -> None:
+    for rank, result in enumerate(_results(world_size)):
+        run, reference = result[("SparseDist", "raise")], result[("SparseDist", "reference")]
+        assert len(run["raised"]) == 1 and run["raised"][0].startswith(f"NonFiniteStep: batch {K} of the epoch")
+        assert _differences(run, reference) == [], f"rank {rank}"
+
+
+def test_one_ranks_bad_batch_rolls_the_step_back_on_every_rank() -> None:
+    results = _results(2)
+    for rank, result in enumerate(results):
+        run, reference = result[("SparseDist", "rank 1 only")], result[("SparseDist", "reference")]
+        assert _differences(run, reference) == [], f"rank {rank}"
+        assert [b for b, _ in run["skipped"]] == [K]
+    assert results[1][("SparseDist", "rank 1 only")]["skipped"][0][1][0] == "the losses"
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("effect", EFFECTS)
+def test_each_capture_is_needed(world_size: int, effect: str) -> None:
+    """With one effect's restore removed, the run is no longer the run without batch K."""
+    differences = [_differences(r[("SparseDist", f"without {effect}")], r[("SparseDist", "reference")]) for r in _results(world_size)]
+    assert any(differences), f"removing {effect}'s restore changed nothing"

@@ -1,0 +1,291 @@
+"""A training step as a transaction: declared effects captured, then committed or rolled back.
+
+A plan's task declares the state it changes outside its batch's slot (``PipelineTask.effects``,
+``torchrec_swp.plan.effects``). With a ``Transaction`` the engine runs each of a batch's tasks
+with an effect as
+
+* before the task, ``capture`` of each effect it declares that no earlier task of the batch
+  declared: exactly what will change (``Effect``: the pipeline's, e.g. only the fused rows the
+  batch's ids touch);
+* after the batch's **deciding task** (``decider``: of the tasks with effects, the one the batch
+  runs last), the verdict: the watched values of the batch's slot (its loss) and every effect's
+  new state (``Effect.finite``) are finite, reduced over the ranks (``reduce``: one collective,
+  issued inside the deciding task, whose comm-group ticket orders it with the plan's other
+  collectives); then every effect keeps its new state or gets its captured one back
+  (``Effect.restore``), selected on the verdict, so that on a GPU nothing waits for it on the host.
+
+What the verdict was reaches the host later (``Account``): at the next verdict, or when asked
+(``settled()``); a step rolled back is then counted, told (``report``, once per step) and, with
+``mode="raise"``, raised as ``NonFiniteStep`` on every rank alike, once the ``step()`` that
+trains the batch is over (``after_step``: the step is rolled back, the next call trains the next batch).
+
+The rules a plan must keep for its batches to be undone one at a time (``check_plan``): its tasks
+with effects are of one stage and one thread, so that batch ``b``'s verdict comes before batch
+``b + 1``'s first capture (program order), and the deciding task is ordered among the collectives
+(in a comm group). A batch whose deciding task does not run (its guard says no) is committed
+when the next batch captures. Memory: the captures of one batch at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from torchrec_swp.engine.tasks import Binding
+from torchrec_swp.plan import PipelinePlan, PlanError, When
+
+Mode = Literal["skip", "raise"]
+MODES = ("off", "skip", "raise")
+
+
+class Effect(Protocol):
+    """What captures and restores one declared effect (``torchrec_swp.plan.effects``). ``empty``:
+    there is nothing to capture (e.g. a cache the model does not have): its tasks run as they are."""
+
+    empty: bool
+
+    def capture(self) -> Any:
+        """What the tasks that declare the effect are about to change, copied."""
+
+    def finite(self, saved: Any) -> tuple[torch.Tensor, str] | None:
+        """A bool tensor, whether the new state is finite, and what it checked (for the report);
+        None: nothing to check. The same kind of answer on every rank (the ranks' flags are
+        reduced as one vector)."""
+
+    def restore(self, saved: Any, keep: torch.Tensor | bool) -> None:
+        """Keep the new state where ``keep``, else put ``saved`` back (device-side where ``keep`` is a tensor)."""
+
+
+class NonFiniteStep(RuntimeError):
+    """A step went non-finite and was rolled back on every rank (``on_nonfinite="raise"``)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A step rolled back: the batch (in its epoch), what was not finite on this rank (empty where
+    another rank's was not)."""
+
+    batch: int
+    serial: int
+    what: tuple[str, ...]
+
+    def line(self) -> str:
+        found = ", ".join(self.what) if self.what else "on another rank"
+        return f"batch {self.batch} of the epoch (drawn #{self.serial}) rolled back on every rank: not finite: {found}"
+
+
+@dataclass
+class Account:
+    """The steps rolled back so far (``Verdict``), what ``state_dict()`` carries."""
+
+    skipped: list[Verdict] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": [(v.batch, v.serial, list(v.what)) for v in self.skipped]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skipped = [Verdict(int(b), int(s), tuple(w)) for b, s, w in state.get("skipped", ())]
+
+
+def _live(effects: tuple[str, ...], empty: Iterable[str]) -> tuple[str, ...]:
+    return tuple(e for e in effects if e not in empty)
+
+
+def decider(plan: PipelinePlan, empty: Iterable[str] = ()) -> str | None:
+    """The task after which a batch's step is decided: of the tasks with effects (that ever run;
+    ``empty``: effects with nothing to capture, which do not count), the one of the highest stage
+    fired last; None where no task has an effect."""
+    empty = frozenset(empty)
+    tasks = [t for t in plan.scheduled() if _live(t.io.effects, empty) and t.when is not When.NEVER]
+    return max(tasks, key=lambda t: (t.stage, t.fire_index)).name if tasks else None
+
+
+def check_plan(plan: PipelinePlan, known: Iterable[str], empty: Iterable[str] = ()) -> None:
+    """PlanError where ``plan``'s steps cannot be undone one batch at a time: an effect without a
+    capture (``known``), tasks with effects on several stages or threads, a deciding task outside
+    the comm groups. ``empty``: known effects with nothing to capture (a cache the model does not
+    have), which constrain nothing."""
+    known, empty = set(known), frozenset(empty)
+    for t in plan.scheduled():
+        missing = [e for e in t.io.effects if e not in known]
+        if missing:
+            raise PlanError(
+                f"plan {plan.name}: task {t.name} declares {', '.join(missing)}, which this pipeline cannot capture "
+                f"(it captures {', '.join(sorted(known)) or 'nothing'}): its steps cannot be undone",
+                culprit=t.name,
+            )
+    tasks = [t for t in plan.scheduled() if _live(t.io.effects, empty)]
+    for attribute, what in (("stage", "stages"), ("thread_group", "threads")):
+        values = {getattr(t, attribute) for t in tasks}
+        if len(values) > 1:
+            raise PlanError(
+                f"plan {plan.name}: its tasks with effects are on several {what} "
+                f"({', '.join(f'{t.name}: {getattr(t, attribute)}' for t in tasks)}): one batch's step must be decided "
+                "before the next batch's first capture, which program order gives only on one stage and one thread",
+                culprit=tasks[0].name,
+            )
+    last = decider(plan, empty)
+    if last is not None and plan.task(last).comm_group is None:
+        raise PlanError(
+            f"plan {plan.name}: {last} decides each step (a collective) but is in no comm group "
+            "(torchrec_swp.engine.transaction.ordered puts it in 'world')",
+            culprit=last,
+        )
+
+
+def ordered(plan: PipelinePlan, empty: Iterable[str] = ()) -> PipelinePlan:
+    """``plan`` with its deciding task in comm group ``world`` where it is in none: its verdict's
+    reduction then takes a ticket among the plan's other collectives."""
+    last = decider(plan, empty)
+    if last is None or plan.task(last).comm_group is not None:
+        return plan
+    return plan.with_schedule(last, globally_ordered=True)
+
+
+def _finite_values(value: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            out.append(torch.isfinite(value.detach()).all())
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _finite_values(v, out)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _finite_values(v, out)
+
+
+class Transaction:
+    """The captures of the batch whose step is open, the verdict, the account (module docstring).
+
+    ``effects``: ``{effect name: Effect}``; ``watch``: names of slot values that must be finite
+    (e.g. ``losses``); ``reduce(flags)``: the flags (a float tensor, 1 = not finite, one per kind
+    of check) reduced with MAX over the ranks (None: one rank); ``host``: the verdict is read at
+    once on the host (a CPU device: reading costs nothing), else it selects on the device and is
+    read at the next verdict; ``report(verdict)``: told of each rolled-back step (e.g. a line at
+    rank 0); ``mode``: ``"skip"`` or ``"raise"`` (``NonFiniteStep`` once the step is over,
+    ``after_step``; the verdict is read at once)."""
+
+    def __init__(
+        self,
+        effects: Mapping[str, Effect],
+        *,
+        mode: Mode,
+        watch: tuple[str, ...] = ("losses",),
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        host: bool = True,
+        report: Callable[[Verdict], None] | None = None,
+    ) -> None:
+        if mode not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        self.effects, self.mode, self.watch = dict(effects), mode, watch
+        #: the effects with nothing to capture (``Effect.empty``)
+        self.empty = frozenset(n for n, e in self.effects.items() if getattr(e, "empty", False))
+        self._reduce, self._host, self._report = reduce, host or mode == "raise", report
+        self.account = Account()
+        self._lock = threading.Lock()
+        self._open: dict[int, dict[str, Any]] = {}  # batch -> {effect: what its capture saved}
+        # verdicts not yet read: batch, serial, what was checked, its flags here, everywhere
+        self._pending: list[tuple[int, int, list[str], torch.Tensor, torch.Tensor]] = []
+        self._failed: Verdict | None = None  # a rolled-back step to raise (mode "raise")
+
+    # ------------------------------------------------------------ the engine's side
+    def wrap(
+        self,
+        io_effects: tuple[str, ...],
+        decides: bool,
+        fn: Binding,
+        slot: Callable[[int], Mapping[str, Any]],
+        serial: Callable[[int], int],
+    ) -> Binding:
+        """Task function ``fn(b, **reads)`` with the captures of ``io_effects`` before it and, where
+        it ``decides``, the verdict after it (``slot(b)``: the batch's values, ``serial(b)``: its
+        draw's serial). Called inside the task's stream and labels, as ``fn`` is."""
+
+        io_effects = _live(io_effects, self.empty)
+
+        def transact(b: int, **reads: Any) -> Any:
+            if io_effects:
+                self.before(io_effects, b)
+            result = fn(b, **reads)
+            if decides:
+                self.decide(b, slot(b), serial(b))
+            return result
+
+        return transact
+
+    def before(self, effects: tuple[str, ...], b: int) -> None:
+        """Capture what ``effects`` will change for batch ``b``, each once per batch; an older
+        batch still open was never decided (its deciding task did not run): committed."""
+        with self._lock:
+            for older in [k for k in self._open if k < b]:
+                del self._open[older]
+            saved = self._open.setdefault(b, {})
+        for name in effects:
+            if name not in saved:
+                saved[name] = self.effects[name].capture()
+
+    def decide(self, b: int, slot: Mapping[str, Any], serial: int) -> None:
+        """Batch ``b``'s verdict, its reduction over the ranks, then commit or restore."""
+        with self._lock:
+            saved = self._open.pop(b, {})
+        # one flag per watched value and per effect captured, in the same order on every rank
+        checks: list[torch.Tensor] = []
+        names: list[str] = []
+        for name in self.watch:
+            values: list[torch.Tensor] = []
+            _finite_values(slot.get(name), values)
+            checks.append(torch.stack(values).all() if values else torch.ones((), dtype=torch.bool))
+            names.append(f"the {name}")
+        for name, state in saved.items():
+            found = self.effects[name].finite(state)
+            checks.append(found[0] if found is not None else torch.ones((), dtype=torch.bool))
+            names.append(found[1] if found is not None else name)
+        device = checks[0].device
+        bad = torch.stack([(~c).to(device=device, dtype=torch.float32).reshape(()) for c in checks])
+        everywhere = bad if self._reduce is None else self._reduce(bad.clone())
+        keep: torch.Tensor | bool = ~(everywhere.amax() > 0)
+        if self._host:
+            keep = bool(keep)
+        for name, state in saved.items():
+            self.effects[name].restore(state, keep)
+        if self._host:
+            if not keep:
+                self._rolled_back(b, serial, names, bad.tolist())
+        else:
+            self._read_pending()
+            self._pending.append((b, serial, names, bad, everywhere))
+
+    def _rolled_back(self, b: int, serial: int, names: list[str], here: list[float]) -> None:
+        verdict = Verdict(b, serial, tuple(n for n, x in zip(names, here) if x > 0))
+        self.account.skipped.append(verdict)
+        if self._report is not None:
+            self._report(verdict)
+        if self.mode == "raise":
+            self._failed = verdict  # raised once the step is over (after_step), not inside a task
+
+    def _read_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for b, serial, names, here, everywhere in pending:
+            if float(everywhere.amax()) > 0:
+                self._rolled_back(b, serial, names, here.tolist())
+
+    def after_step(self) -> None:
+        """NonFiniteStep for a step this ``step()`` rolled back, with ``mode="raise"``: raised once the
+        step is over, so that the engine goes on with the next batch at the next call."""
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise NonFiniteStep(failed.line())
+
+    def settled(self) -> Account:
+        """The account with every verdict read (a host read of the last one on a GPU)."""
+        self._read_pending()
+        return self.account
+
+    def reset(self) -> None:
+        """The batches in flight were dropped: their open captures go (what they changed stays)."""
+        with self._lock:
+            self._open.clear()

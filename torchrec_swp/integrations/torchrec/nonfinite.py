@@ -1,0 +1,374 @@
+"""What a TorchRec model's step changes, captured and restored: the effects of ``on_nonfinite=``.
+
+Each class here is the ``Effect`` (``torchrec_swp.engine.transaction``) of one name of
+``torchrec_swp.plan.effects``, for a model sharded by TorchRec and its optimizer:
+
+* ``FusedRows`` (``fused_rows``): the fused tables' rows (TorchRec's FUSED kernels: FBGEMM's TBE
+  applies the optimizer inside the backward). A forward pre-hook on each fused lookup module
+  records the ids it is given (this rank's shard rows, after the input dist) and its TBE's step
+  counters; the capture copies those rows of each table and of each of its optimizer states
+  (``split_optimizer_states()``: momenta, row counters), never whole tables.
+* ``DenseGrads`` (``dense_grads``), ``DenseParams`` (``dense_params``), ``DenseOptim``
+  (``dense_optim``): the parameters the dense optimizer steps (not the fused tables'), their
+  ``.grad``, and the optimizer's state of them.
+* ``EmbCache`` (``emb_cache``): a TBE's cache (a prefetch loads rows into it). Without one (the
+  CPU, a table on the device) there is nothing to capture; a cached TBE is refused.
+
+On the CPU the verdict is read on the host and a step that stays finite costs its captures and
+checks only; on a GPU each restore selects on the verdict's tensor (``torch.where``), nothing
+waits for it on the host. ``effects_for(model, optimizer)`` makes them for a pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrec_swp.engine.transaction import Effect, Verdict
+from torchrec_swp.plan import PlanError
+
+LOG = logging.getLogger("torchrec_swp.nonfinite")
+
+#: At most this many lookups of one module are kept between two captures (forward calls in
+#: training mode without a backward through the pipeline would otherwise pile up).
+MAX_RECORDS = 64
+
+_OK = torch.ones((), dtype=torch.bool)
+
+
+def _keep(new: torch.Tensor, saved: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``new`` where ``keep`` else ``saved`` (a device-side select)."""
+    return torch.where(keep.to(new.device), new, saved)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return _OK
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+
+# ------------------------------------------------------------------------------ fused rows
+def fused_lookups(model: nn.Module) -> list[nn.Module]:
+    """TorchRec's fused lookup modules of ``model`` (those with a TBE whose optimizer runs in the
+    backward): inside each sharded module's ``_lookups``, which ``named_modules`` does not reach."""
+    found: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for lookup in getattr(module, "_lookups", None) or ():
+            if not isinstance(lookup, nn.Module):
+                continue
+            for m in lookup.modules():
+                tbe = getattr(m, "emb_module", None)
+                if tbe is not None and hasattr(tbe, "split_optimizer_states") and hasattr(m, "_feature_table_map"):
+                    found[id(m)] = m
+    return list(found.values())
+
+
+def _check_tbe(tbe: Any, where: str) -> None:
+    """PlanError where a TBE's rows cannot be captured as rows: a cache in front of them, or
+    optimizer states that are not one row per table row."""
+    cache = getattr(tbe, "lxu_cache_weights", None)
+    if isinstance(cache, torch.Tensor) and cache.numel() > 0:
+        raise PlanError(
+            f"on_nonfinite: {where} keeps its rows in a cache (UVM caching), whose contents torchrec_swp does not "
+            "capture yet; use on_nonfinite='off' for this model"
+        )
+    weights = tbe.split_embedding_weights()
+    for t, states in enumerate(tbe.split_optimizer_states() if str(tbe.optimizer) != "exact_sgd" else []):
+        for state in states:
+            if state.dim() == 0 or state.shape[0] != weights[t].shape[0]:
+                raise PlanError(
+                    f"on_nonfinite: {where}'s optimizer {tbe.optimizer} keeps a state of shape {tuple(state.shape)} "
+                    f"for a table of {weights[t].shape[0]} rows: not one row per row, it cannot be captured by rows"
+                )
+
+
+class FusedRows:
+    """``fused_rows`` (module docstring). ``lookups``: the fused lookup modules (``fused_lookups``)."""
+
+    empty = False
+
+    def __init__(self, lookups: list[nn.Module], *, host: bool) -> None:
+        self.host = host
+        self.empty = not lookups  # (a model without fused tables)
+        self._records: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
+        self._iters: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (counter, its value before)
+        self._modules = {id(m): m for m in lookups}
+        self._handles = []
+        for k, m in enumerate(lookups):
+            _check_tbe(m.emb_module, f"fused lookup {k} ({type(m).__name__})")
+            self._handles.append(m.register_forward_pre_hook(self._record, with_kwargs=True))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A lookup in training with grad: its ids, by key (this rank's rows), and, the module's
+        first since the last capture, its TBE's step counters (a forward advances them)."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        features = args[0] if args else kwargs.get("features")
+        if features is None:
+            return
+        records = self._records.setdefault(id(module), [])
+        if len(records) >= MAX_RECORDS:
+            del records[0]
+        records.append((features.values(), list(features.length_per_key())))
+        if id(module) not in self._iters:
+            tbe = module.emb_module
+            counters = [getattr(tbe, n) for n in ("iter", "iter_cpu")]
+            counters = [c for c in counters if isinstance(c, torch.Tensor)]
+            self._iters[id(module)] = [(c, c.detach().clone()) for c in counters]
+
+    def _rows(self, module: nn.Module) -> dict[int, torch.Tensor]:
+        """``{table: the rows the recorded lookups touch}`` (with repeats: no unique, no host sync)."""
+        table_of = module._feature_table_map
+        segments: dict[int, list[torch.Tensor]] = {}
+        for values, lengths in self._records.get(id(module), ()):
+            start = 0
+            for f, n in enumerate(lengths):
+                if n:
+                    segments.setdefault(table_of[f], []).append(values[start : start + n])
+                start += n
+        return {t: (s[0] if len(s) == 1 else torch.cat(s)).long() for t, s in segments.items()}
+
+    def capture(self) -> list[tuple[Any, ...]]:
+        saved = []
+        for key, module in self._modules.items():
+            rows_by_table = self._rows(module)
+            tbe = module.emb_module
+            weights = tbe.split_embedding_weights()
+            states = tbe.split_optimizer_states() if str(tbe.optimizer) != "exact_sgd" else []
+            tables = []
+            for t, rows in rows_by_table.items():
+                targets = [weights[t], *states[t]]
+                tables.append((rows, targets, [x.index_select(0, rows) for x in targets]))
+            saved.append((tables, self._iters.pop(key, [])))
+            self._records.pop(key, None)
+        return saved
+
+    def finite(self, saved: list[tuple[Any, ...]]) -> tuple[torch.Tensor, str]:
+        news = [x.index_select(0, rows) for tables, _ in saved for rows, targets, _ in tables for x in targets]
+        return _all_finite(news), "the fused embedding rows"
+
+    def restore(self, saved: list[tuple[Any, ...]], keep: torch.Tensor | bool) -> None:
+        if keep is True:
+            return
+        for tables, counters in saved:
+            for rows, targets, olds in tables:
+                for x, old in zip(targets, olds):
+                    x.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
+            for counter, before in counters:
+                counter.copy_(before if keep is False else _keep(counter, before, keep))
+
+
+class EmbCache:
+    """``emb_cache``: nothing to capture where no TBE has a cache (checked when made: ``FusedRows``
+    refuses a cached TBE); its tasks run as they are."""
+
+    empty = True
+
+    def capture(self) -> None:
+        return None
+
+    def finite(self, saved: None) -> None:
+        return None
+
+    def restore(self, saved: None, keep: torch.Tensor | bool) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------------ dense part
+def _is_dense(p: Any) -> bool:
+    """A parameter the dense optimizer steps: a plain tensor, not a fused table (TorchRec marks
+    those ``_in_backward_optimizers``), not a ShardedTensor."""
+    sharded = type(p).__name__ == "ShardedTensor"
+    return isinstance(p, torch.Tensor) and not sharded and not hasattr(p, "_in_backward_optimizers")
+
+
+def leaf_optimizers(optimizer: Any) -> Iterator[Any]:
+    """The torch optimizers inside TorchRec's wrappers (CombinedOptimizer's ``_optims``,
+    KeyedOptimizerWrapper's and OptimizerWrapper's ``_optimizer``)."""
+    inner = getattr(optimizer, "_optims", None)
+    if inner is not None:
+        for item in inner:
+            yield from leaf_optimizers(item[1] if isinstance(item, tuple) else item)
+        return
+    wrapped = getattr(optimizer, "_optimizer", None)
+    if wrapped is not None and wrapped is not optimizer:
+        yield from leaf_optimizers(wrapped)
+        return
+    yield optimizer
+
+
+def dense_parameters(optimizer: Any) -> list[tuple[Any, torch.Tensor]]:
+    """``(leaf optimizer, parameter)`` for each dense parameter the optimizer steps, in order, once."""
+    seen: set[int] = set()
+    out = []
+    for leaf in leaf_optimizers(optimizer):
+        for group in getattr(leaf, "param_groups", ()):
+            for p in group["params"]:
+                if _is_dense(p) and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((leaf, p))
+    return out
+
+
+class DenseParams:
+    """``dense_params``: a copy of every dense parameter."""
+
+    empty = False
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+
+    def capture(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def finite(self, saved: list[torch.Tensor]) -> tuple[torch.Tensor, str]:
+        return _all_finite([p.detach() for p in self.params]), "the dense parameters"
+
+    def restore(self, saved: list[torch.Tensor], keep: torch.Tensor | bool) -> None:
+        if keep is True:
+            return
+        with torch.no_grad():
+            for p, old in zip(self.params, saved):
+                p.copy_(old if keep is False else _keep(p, old, keep))
+
+
+class DenseGrads:
+    """``dense_grads``: a copy of every dense parameter's ``.grad`` (None stays None)."""
+
+    empty = False
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], host: bool) -> None:
+        self.named, self.host = named, host
+
+    def capture(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.detach().clone() for _, p in self.named]
+
+    def finite(self, saved: list[torch.Tensor | None]) -> tuple[torch.Tensor, str]:
+        grads = [(n, p.grad) for n, p in self.named if p.grad is not None]
+        ok = _all_finite([g for _, g in grads])
+        if self.host and not bool(ok):  # (read on the host only where that costs nothing)
+            name = next(n for n, g in grads if not bool(torch.isfinite(g).all()))
+            return ok, f"the gradient of {name}"
+        return ok, "the dense gradients"
+
+    def restore(self, saved: list[torch.Tensor | None], keep: torch.Tensor | bool) -> None:
+        if keep is True:
+            return
+        if keep is not False and any(old is None for old in saved):
+            keep = bool(keep)  # (a gradient to drop again: decided on the host)
+            if keep:
+                return
+        for (_, p), old in zip(self.named, saved):
+            if old is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = old
+            else:
+                p.grad.copy_(old if keep is False else _keep(p.grad, old, keep))
+
+
+class DenseOptim:
+    """``dense_optim``: each dense parameter's optimizer state, copied (absent stays absent: a
+    state the step created is dropped again)."""
+
+    empty = False
+
+    def __init__(self, owned: list[tuple[Any, torch.Tensor]]) -> None:
+        self.owned = owned
+
+    def capture(self) -> list[dict[str, Any] | None]:
+        saved = []
+        for leaf, p in self.owned:
+            state = leaf.state.get(p)
+            saved.append(
+                None
+                if not state
+                else {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            )
+        return saved
+
+    def finite(self, saved: list[dict[str, Any] | None]) -> tuple[torch.Tensor, str]:
+        tensors = [
+            v
+            for leaf, p in self.owned
+            for v in (leaf.state.get(p) or {}).values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        return _all_finite(tensors), "the dense optimizer's state"
+
+    def restore(self, saved: list[dict[str, Any] | None], keep: torch.Tensor | bool) -> None:
+        if keep is True:
+            return
+        if keep is not False and not self._selectable(saved):
+            keep = bool(keep)  # (a state to drop or a number to put back: decided on the host)
+            if keep:
+                return
+        with torch.no_grad():
+            for (leaf, p), old in zip(self.owned, saved):
+                state = leaf.state.get(p)
+                if old is None:
+                    leaf.state.pop(p, None)
+                    continue
+                if state is None:
+                    leaf.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in old.items()}
+                    continue
+                for k, v in old.items():
+                    now = state.get(k)
+                    if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) and now.shape == v.shape:
+                        now.copy_(v if keep is False else _keep(now, v, keep))
+                    elif now is not v:  # a number, None, or a tensor replaced: as it was
+                        state[k] = v
+                for k in [k for k in state if k not in old]:
+                    del state[k]
+
+    def _selectable(self, saved: list[dict[str, Any] | None]) -> bool:
+        """Whether the restore is selects only: every state there before, with the same tensors'
+        shapes and the same other values (SGD's ``momentum_buffer=None``)."""
+        for (leaf, p), old in zip(self.owned, saved):
+            state = leaf.state.get(p)
+            if old is None or state is None or set(state) != set(old):
+                return False
+            for k, v in old.items():
+                now = state[k]
+                if isinstance(v, torch.Tensor):
+                    if not isinstance(now, torch.Tensor) or now.shape != v.shape:
+                        return False
+                elif now is not v and now != v:
+                    return False
+        return True
+
+
+# ------------------------------------------------------------------------------ for a pipeline
+def effects_for(model: nn.Module, optimizer: Any, *, host: bool) -> tuple[dict[str, Effect], FusedRows]:
+    """The effects a TorchRec pipeline's plan may declare, for its ``model`` and ``optimizer``
+    (``host``: verdicts read on the host, the CPU); and the fused rows' hooks, to remove on close."""
+    owned = dense_parameters(optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    fused = FusedRows(fused_lookups(model), host=host)
+    effects: dict[str, Effect] = {
+        "fused_rows": fused,
+        "emb_cache": EmbCache(),
+        "dense_params": DenseParams([p for _, p in owned]),
+        "dense_grads": DenseGrads([(names.get(id(p), f"parameter {k}"), p) for k, (_, p) in enumerate(owned)], host),
+        "dense_optim": DenseOptim(owned),
+    }
+    return effects, fused
+
+
+def report_at_rank_0(rank: int, owner: str) -> Any:
+    """What tells of a rolled-back step: one line at rank 0 (logger ``torchrec_swp.nonfinite``)."""
+
+    def report(verdict: Verdict) -> None:
+        if rank == 0:
+            LOG.warning("%s: %s", owner, verdict.line())
+
+    return report
