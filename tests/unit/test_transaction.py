@@ -83,7 +83,7 @@ class Copy:
     def __init__(self, name: str, tensor: torch.Tensor, log: list[str]) -> None:
         self.name, self.tensor, self.log = name, tensor, log
 
-    def capture(self) -> torch.Tensor:
+    def capture(self, b: int) -> torch.Tensor:
         self.log.append(f"capture {self.name}")
         return self.tensor.clone()
 
@@ -243,3 +243,42 @@ def test_effect_tasks_on_a_worker_thread_are_undone_too() -> None:
 def test_a_bad_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="on_nonfinite must be one of 'off', 'skip', 'raise'"):
         Transaction({}, mode="ignore")  # type: ignore[arg-type]
+
+
+def test_an_effect_after_the_deciding_task_is_refused() -> None:
+    """A task guarded ``last`` that changes state after the step was decided (PEC's
+    DeferNolGradLast) could not be undone: refused, naming it."""
+    plan = _plan().with_task(
+        PipelineTask("Late", effects=("dense_params",)), S(1, comm_group="world", when=When.LAST), after="Opt",
+        deps=[("Late", "Opt")],
+    )
+    assert decider(plan) == "Opt"
+    with pytest.raises(PlanError, match="task Late \\(when=last\\) changes dense_params after Opt"):
+        check_plan(plan, ["dense_grads", "dense_params", "dense_optim"])
+
+
+def test_effects_with_nothing_to_capture_constrain_nothing() -> None:
+    """An effect the model has nothing of (``Effect.empty``: a cache it does not have) on another
+    stage: not refused, and its task is not the deciding one."""
+    plan = _plan().with_task(PipelineTask("Prefetch", effects=("emb_cache",)), S(0), after="Load")
+    with pytest.raises(PlanError, match="several stages"):
+        check_plan(plan, ["dense_grads", "dense_params", "dense_optim", "emb_cache"])
+    check_plan(plan, ["dense_grads", "dense_params", "dense_optim", "emb_cache"], empty=["emb_cache"])
+    assert decider(plan, empty=["emb_cache"]) == "Opt"
+
+
+def test_the_running_batch_is_known_inside_every_task() -> None:
+    """Hooks learn whose lookup they see (``running_batch``): every task of an undoable plan runs
+    with its batch set on its thread, and nothing outside."""
+    from torchrec_swp.engine.transaction import running_batch
+
+    m = Model([0.5, 0.25, 0.125])
+    seen: list[tuple[str, int | None]] = []
+    bindings = m.bindings()
+    fwd = bindings["Fwd"]
+    bindings["Fwd"] = lambda b, x: (seen.append(("Fwd", running_batch())), fwd(b, x))[1]
+    engine = Engine(_plan(), bindings, transaction=Transaction(_effects(m), mode="skip"))
+    engine.step()
+    engine.step()
+    assert seen == [("Fwd", 0), ("Fwd", 1)] and running_batch() is None
+    engine.close()

@@ -182,7 +182,7 @@ class InstalledPlan:
             timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
             around = task_context(task, labels, stream)
             fn = bindings[task]
-            undoable = transaction is not None and (bool(set(t.io.effects) - transaction.empty) or task == deciding)
+            undoable = transaction is not None  # every task: its hooks tell which batch runs (running_batch)
             if undoable:  # (inside its stream: what captures and restores is ordered with the task)
                 serial = lambda b: batches.book.serial(b)  # noqa: E731 - (the book is replaced on reset)
                 fn = transaction.wrap(t.io.effects, task == deciding, fn, batches.slot, serial)

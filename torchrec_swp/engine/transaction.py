@@ -39,6 +39,8 @@ from torchrec_swp.engine.tasks import Binding
 from torchrec_swp.plan import PipelinePlan, PlanError, When
 
 Mode = Literal["skip", "raise"]
+#: The guards of a task that runs for every batch a step trains: where a step can be decided.
+_EVERY_BATCH = (When.ALWAYS, When.TRAIN)
 MODES = ("off", "skip", "raise")
 
 
@@ -48,8 +50,8 @@ class Effect(Protocol):
 
     empty: bool
 
-    def capture(self) -> Any:
-        """What the tasks that declare the effect are about to change, copied."""
+    def capture(self, b: int) -> Any:
+        """What the tasks that declare the effect are about to change for batch ``b``, copied."""
 
     def finite(self, saved: Any) -> tuple[torch.Tensor, str] | None:
         """A bool tensor, whether the new state is finite, and what it checked (for the report);
@@ -91,16 +93,26 @@ class Account:
         self.skipped = [Verdict(int(b), int(s), tuple(w)) for b, s, w in state.get("skipped", ())]
 
 
+_RUNNING = threading.local()
+
+
+def running_batch() -> int | None:
+    """The batch of the task this thread runs under a transaction (``Transaction.wrap``; every
+    task of an undoable plan is wrapped), None outside one: what tells an effect's hooks whose
+    lookup they see (SemiSync looks up the next batch before this one's update)."""
+    return getattr(_RUNNING, "batch", None)
+
+
 def _live(effects: tuple[str, ...], empty: Iterable[str]) -> tuple[str, ...]:
     return tuple(e for e in effects if e not in empty)
 
 
 def decider(plan: PipelinePlan, empty: Iterable[str] = ()) -> str | None:
-    """The task after which a batch's step is decided: of the tasks with effects (that ever run;
-    ``empty``: effects with nothing to capture, which do not count), the one of the highest stage
-    fired last; None where no task has an effect."""
+    """The task after which a batch's step is decided: of the tasks with effects that run for
+    every batch the step trains (``when`` always or train; ``empty``: effects with nothing to
+    capture, which do not count), the one of the highest stage fired last; None where there is none."""
     empty = frozenset(empty)
-    tasks = [t for t in plan.scheduled() if _live(t.io.effects, empty) and t.when is not When.NEVER]
+    tasks = [t for t in plan.scheduled() if _live(t.io.effects, empty) and t.when in _EVERY_BATCH]
     return max(tasks, key=lambda t: (t.stage, t.fire_index)).name if tasks else None
 
 
@@ -129,6 +141,22 @@ def check_plan(plan: PipelinePlan, known: Iterable[str], empty: Iterable[str] = 
                 culprit=tasks[0].name,
             )
     last = decider(plan, empty)
+    if tasks and last is None:
+        raise PlanError(
+            f"plan {plan.name}: none of its tasks with effects runs for every batch "
+            f"({', '.join(f'{t.name}: when={t.when}' for t in tasks)}): no task can decide each step",
+            culprit=tasks[0].name,
+        )
+    if last is not None:
+        end = plan.task(last)
+        late = [t for t in tasks if (t.stage, t.fire_index) > (end.stage, end.fire_index)]
+        if late:
+            raise PlanError(
+                f"plan {plan.name}: task {late[0].name} (when={late[0].when}) changes "
+                f"{', '.join(_live(late[0].io.effects, empty))} after {last}, the last task with an effect that "
+                "runs for every batch, has decided the step: its change could not be undone",
+                culprit=late[0].name,
+            )
     if last is not None and plan.task(last).comm_group is None:
         raise PlanError(
             f"plan {plan.name}: {last} decides each step (a collective) but is in no comm group "
@@ -203,14 +231,20 @@ class Transaction:
     ) -> Binding:
         """Task function ``fn(b, **reads)`` with the captures of ``io_effects`` before it and, where
         it ``decides``, the verdict after it (``slot(b)``: the batch's values, ``serial(b)``: its
-        draw's serial). Called inside the task's stream and labels, as ``fn`` is."""
+        draw's serial); while it runs, ``running_batch()`` is ``b`` on its thread. Called inside
+        the task's stream and labels, as ``fn`` is."""
 
         io_effects = _live(io_effects, self.empty)
 
         def transact(b: int, **reads: Any) -> Any:
             if io_effects:
                 self.before(io_effects, b)
-            result = fn(b, **reads)
+            outer = getattr(_RUNNING, "batch", None)
+            _RUNNING.batch = b
+            try:
+                result = fn(b, **reads)
+            finally:
+                _RUNNING.batch = outer
             if decides:
                 self.decide(b, slot(b), serial(b))
             return result
@@ -226,7 +260,7 @@ class Transaction:
             saved = self._open.setdefault(b, {})
         for name in effects:
             if name not in saved:
-                saved[name] = self.effects[name].capture()
+                saved[name] = self.effects[name].capture(b)
 
     def decide(self, b: int, slot: Mapping[str, Any], serial: int) -> None:
         """Batch ``b``'s verdict, its reduction over the ranks, then commit or restore."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchrec_swp.engine.transaction import Effect, Verdict
+from torchrec_swp.engine.transaction import Effect, Verdict, running_batch
 from torchrec_swp.plan import PlanError
 
 LOG = logging.getLogger("torchrec_swp.nonfinite")
@@ -62,9 +62,22 @@ def fused_lookups(model: nn.Module) -> list[nn.Module]:
                 continue
             for m in lookup.modules():
                 tbe = getattr(m, "emb_module", None)
-                if tbe is not None and hasattr(tbe, "split_optimizer_states") and hasattr(m, "_feature_table_map"):
+                fused = tbe is not None and hasattr(tbe, "split_optimizer_states") and _fused(tbe)
+                if fused and hasattr(m, "_feature_table_map"):
                     found[id(m)] = m
     return list(found.values())
+
+
+def _optimizer_states(tbe: Any) -> list[list[torch.Tensor]]:
+    """A TBE's optimizer states by table (views): ``[table][state]``; none per table for a
+    stateless optimizer (EXACT_SGD, whose ``split_optimizer_states()`` is ``[]``)."""
+    states = tbe.split_optimizer_states()
+    return states if states else [[] for _ in tbe.split_embedding_weights()]
+
+
+def _fused(tbe: Any) -> bool:
+    """Whether a TBE applies an optimizer in its backward (OptimType NONE leaves the rows alone)."""
+    return getattr(getattr(tbe, "optimizer", None), "name", "") != "NONE"
 
 
 def _check_tbe(tbe: Any, where: str) -> None:
@@ -77,7 +90,7 @@ def _check_tbe(tbe: Any, where: str) -> None:
             "capture yet; use on_nonfinite='off' for this model"
         )
     weights = tbe.split_embedding_weights()
-    for t, states in enumerate(tbe.split_optimizer_states() if str(tbe.optimizer) != "exact_sgd" else []):
+    for t, states in enumerate(_optimizer_states(tbe)):
         for state in states:
             if state.dim() == 0 or state.shape[0] != weights[t].shape[0]:
                 raise PlanError(
@@ -87,30 +100,44 @@ def _check_tbe(tbe: Any, where: str) -> None:
 
 
 class FusedRows:
-    """``fused_rows`` (module docstring). ``lookups``: the fused lookup modules (``fused_lookups``)."""
+    """``fused_rows`` (module docstring). ``lookups``: the fused lookup modules (``fused_lookups``).
+
+    A lookup is recorded for the batch whose task runs it (``running_batch``): SemiSync looks
+    up the next batch before this one's update, so a capture takes its own batch's lookups only.
+    A TBE's step counters (``iter``: Adam's and LAMB's step, advanced by each forward) are put
+    back by the advance the batch's own lookups made."""
 
     empty = False
 
     def __init__(self, lookups: list[nn.Module], *, host: bool) -> None:
         self.host = host
         self.empty = not lookups  # (a model without fused tables)
-        self._records: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
-        self._iters: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (counter, its value before)
+        # module -> [(batch, ids, ids per key)]
+        self._records: dict[int, list[tuple[int, torch.Tensor, list[int]]]] = {}
+        # (module, batch) -> [(counter, its value before the batch's first lookup, after its last)]
+        self._counters: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
         self._modules = {id(m): m for m in lookups}
         self._handles = []
         for k, m in enumerate(lookups):
             _check_tbe(m.emb_module, f"fused lookup {k} ({type(m).__name__})")
             self._handles.append(m.register_forward_pre_hook(self._record, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._advanced))
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
+    @staticmethod
+    def _counters_of(module: nn.Module) -> list[torch.Tensor]:
+        tbe = module.emb_module
+        return [c for c in (getattr(tbe, "iter", None), getattr(tbe, "iter_cpu", None)) if isinstance(c, torch.Tensor)]
+
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A lookup in training with grad: its ids, by key (this rank's rows), and, the module's
-        first since the last capture, its TBE's step counters (a forward advances them)."""
-        if not (module.training and torch.is_grad_enabled()):
+        """A lookup in training with grad, by a task of batch ``b``: its ids by key (this rank's
+        rows) and, the batch's first, its TBE's step counters before it."""
+        b = running_batch()
+        if b is None or not (module.training and torch.is_grad_enabled()):
             return
         features = args[0] if args else kwargs.get("features")
         if features is None:
@@ -118,38 +145,52 @@ class FusedRows:
         records = self._records.setdefault(id(module), [])
         if len(records) >= MAX_RECORDS:
             del records[0]
-        records.append((features.values(), list(features.length_per_key())))
-        if id(module) not in self._iters:
-            tbe = module.emb_module
-            counters = [getattr(tbe, n) for n in ("iter", "iter_cpu")]
-            counters = [c for c in counters if isinstance(c, torch.Tensor)]
-            self._iters[id(module)] = [(c, c.detach().clone()) for c in counters]
+        records.append((b, features.values(), list(features.length_per_key())))
+        if (id(module), b) not in self._counters:
+            self._counters[(id(module), b)] = [[c, c.detach().clone(), c] for c in self._counters_of(module)]
 
-    def _rows(self, module: nn.Module) -> dict[int, torch.Tensor]:
-        """``{table: the rows the recorded lookups touch}`` (with repeats: no unique, no host sync)."""
-        table_of = module._feature_table_map
+    def _advanced(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """After a recorded lookup: the counters' values now (the batch's advance is after - before)."""
+        b = running_batch()
+        entry = self._counters.get((id(module), b)) if b is not None else None
+        for item in entry or ():
+            item[2] = item[0].detach().clone()
+
+    def _rows(self, key: int, b: int) -> dict[int, torch.Tensor]:
+        """``{table: the rows batch b's lookups touch}`` (with repeats: no unique, no host sync);
+        the records of older batches dropped (never captured: their step ran without an effect)."""
+        table_of = self._modules[key]._feature_table_map
         segments: dict[int, list[torch.Tensor]] = {}
-        for values, lengths in self._records.get(id(module), ()):
+        kept = []
+        for batch, values, lengths in self._records.get(key, ()):
+            if batch > b:
+                kept.append((batch, values, lengths))
+                continue
+            if batch < b:
+                continue
             start = 0
             for f, n in enumerate(lengths):
                 if n:
                     segments.setdefault(table_of[f], []).append(values[start : start + n])
                 start += n
+        self._records[key] = kept
         return {t: (s[0] if len(s) == 1 else torch.cat(s)).long() for t, s in segments.items()}
 
-    def capture(self) -> list[tuple[Any, ...]]:
+    def capture(self, b: int) -> list[tuple[Any, ...]]:
         saved = []
         for key, module in self._modules.items():
-            rows_by_table = self._rows(module)
+            rows_by_table = self._rows(key, b)
             tbe = module.emb_module
             weights = tbe.split_embedding_weights()
-            states = tbe.split_optimizer_states() if str(tbe.optimizer) != "exact_sgd" else []
+            states = _optimizer_states(tbe)
             tables = []
             for t, rows in rows_by_table.items():
                 targets = [weights[t], *states[t]]
                 tables.append((rows, targets, [x.index_select(0, rows) for x in targets]))
-            saved.append((tables, self._iters.pop(key, [])))
-            self._records.pop(key, None)
+            counters = self._counters.pop((key, b), [])
+            for stale in [k for k in self._counters if k[0] == key and k[1] < b]:
+                del self._counters[stale]
+            saved.append((tables, [(c, after - before) for c, before, after in counters]))
         return saved
 
     def finite(self, saved: list[tuple[Any, ...]]) -> tuple[torch.Tensor, str]:
@@ -163,8 +204,8 @@ class FusedRows:
             for rows, targets, olds in tables:
                 for x, old in zip(targets, olds):
                     x.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
-            for counter, before in counters:
-                counter.copy_(before if keep is False else _keep(counter, before, keep))
+            for counter, advance in counters:
+                counter.copy_(counter - advance if keep is False else _keep(counter, counter - advance, keep))
 
 
 class EmbCache:
@@ -173,7 +214,7 @@ class EmbCache:
 
     empty = True
 
-    def capture(self) -> None:
+    def capture(self, b: int) -> None:
         return None
 
     def finite(self, saved: None) -> None:
@@ -227,7 +268,7 @@ class DenseParams:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
 
-    def capture(self) -> list[torch.Tensor]:
+    def capture(self, b: int) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
 
     def finite(self, saved: list[torch.Tensor]) -> tuple[torch.Tensor, str]:
@@ -249,7 +290,7 @@ class DenseGrads:
     def __init__(self, named: list[tuple[str, torch.Tensor]], host: bool) -> None:
         self.named, self.host = named, host
 
-    def capture(self) -> list[torch.Tensor | None]:
+    def capture(self, b: int) -> list[torch.Tensor | None]:
         return [None if p.grad is None else p.grad.detach().clone() for _, p in self.named]
 
     def finite(self, saved: list[torch.Tensor | None]) -> tuple[torch.Tensor, str]:
@@ -285,7 +326,7 @@ class DenseOptim:
     def __init__(self, owned: list[tuple[Any, torch.Tensor]]) -> None:
         self.owned = owned
 
-    def capture(self) -> list[dict[str, Any] | None]:
+    def capture(self, b: int) -> list[dict[str, Any] | None]:
         saved = []
         for leaf, p in self.owned:
             state = leaf.state.get(p)
