@@ -260,7 +260,9 @@ def test_an_effect_after_the_deciding_task_is_refused() -> None:
 def test_effects_with_nothing_to_capture_constrain_nothing() -> None:
     """An effect the model has nothing of (``Effect.empty``: a cache it does not have) on another
     stage: not refused, and its task is not the deciding one."""
-    plan = _plan().with_task(PipelineTask("Prefetch", effects=("emb_cache",)), S(0), after="Load")
+    plan = _plan().with_task(
+        PipelineTask("Prefetch", effects=("emb_cache",)), S(0), after="Load", deps=[("Prefetch", "Load")]
+    )
     with pytest.raises(PlanError, match="several stages"):
         check_plan(plan, ["dense_grads", "dense_params", "dense_optim", "emb_cache"])
     check_plan(plan, ["dense_grads", "dense_params", "dense_optim", "emb_cache"], empty=["emb_cache"])
