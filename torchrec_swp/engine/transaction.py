@@ -149,7 +149,9 @@ def check_plan(plan: PipelinePlan, known: Iterable[str], empty: Iterable[str] = 
         )
     if last is not None:
         end = plan.task(last)
-        late = [t for t in tasks if (t.stage, t.fire_index) > (end.stage, end.fire_index)]
+        late = [
+            t for t in tasks if t.when is not When.NEVER and (t.stage, t.fire_index) > (end.stage, end.fire_index)
+        ]
         if late:
             raise PlanError(
                 f"plan {plan.name}: task {late[0].name} (when={late[0].when}) changes "

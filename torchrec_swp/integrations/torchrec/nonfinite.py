@@ -200,12 +200,14 @@ class FusedRows:
     def restore(self, saved: list[tuple[Any, ...]], keep: torch.Tensor | bool) -> None:
         if keep is True:
             return
+        # Through ``.data``, as the TBE's own update in the backward, which autograd does not see:
+        # a lookup made before it (SemiSync's next batch) still backpropagates through these weights.
         for tables, counters in saved:
             for rows, targets, olds in tables:
                 for x, old in zip(targets, olds):
-                    x.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
+                    x.data.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
             for counter, advance in counters:
-                counter.copy_(counter - advance if keep is False else _keep(counter, counter - advance, keep))
+                counter.data.copy_(counter - advance if keep is False else _keep(counter, counter - advance, keep))
 
 
 class EmbCache:
