@@ -3,7 +3,9 @@
 1. Every pipeline (ours, on 1 gloo rank in this process, the DLRM example's small model, 12
    batches; default plans, ``by_stream`` where the plan has several streams, H2D on an ``io``
    thread, Staged with its stages' own streams; and TrainPipelinePEC on TorchRec's PEC test
-   model, ``PEC_MODEL_RUNS``) runs in checked mode (``SWP_STREAM_CHECK=1``):
+   model, ``PEC_MODEL_RUNS``; and SparseDist, Fused, Prefetch and SemiSync with
+   ``on_nonfinite="skip"`` over data with a poisoned batch, which they must roll back) runs in
+   checked mode (``SWP_STREAM_CHECK=1``):
    emulated streams for the plan's streams and for TorchRec's stream attributes, every aten
    op's storage accesses recorded per task, batch, thread and stream, host-memory H2D copies
    made on the current stream, backward ops on their forward op's stream; then the Maglev
@@ -71,8 +73,17 @@ PIPELINES = (
     ("StagedTrainPipeline", None),
     ("TrainPipelinePEC", None),
     ("TrainPipelinePEC", "by_stream"),
+    # on_nonfinite="skip" with batch NONFINITE_BATCH poisoned: the captures, the verdict and the
+    # rollback run in the tasks' streams like their own work
+    ("TrainPipelineSparseDist", "nonfinite"),
+    ("TrainPipelineSparseDist", "nonfinite by_stream"),
+    ("TrainPipelineFusedSparseDist", "nonfinite by_stream"),
+    ("PrefetchTrainPipelineSparseDist", "nonfinite by_stream"),
+    ("TrainPipelineSemiSync", "nonfinite by_stream"),
 )
 STEPS = 12
+#: The batch the ``nonfinite`` runs poison (a NaN dense feature), rolled back by on_nonfinite="skip".
+NONFINITE_BATCH = 5
 
 
 def _setup() -> Any:
@@ -105,15 +116,24 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
     from harness.dlrm import make_runner
     from harness.dlrm_data import SIZES, batches
 
+    nonfinite = thread_map is not None and thread_map.startswith("nonfinite")
+    if nonfinite:
+        thread_map = thread_map.removeprefix("nonfinite").strip() or None
     tmap = THREAD_MAPS.get(thread_map, thread_map) if thread_map is not None else None
+    options = {"on_nonfinite": "skip"} if nonfinite else None
+    if name == "TrainPipelineSemiSync" and nonfinite:
+        options = {**(options or {}), "start_batch": 1}  # (its semi-synchronous phase from batch 1)
     if name == PEC_MODEL:
         model, optimizer, pec_batches = build_pec_model(0, steps)
         runner = make_runner("TrainPipelinePEC", "ours", lambda: (model, optimizer), thread_map=tmap)
         data = iter(pec_batches)
     else:
         size = SIZES["small"]
-        runner = make_runner(name, "ours", lambda: build_dlrm(0, 1, size), thread_map=tmap)
-        data = iter(list(batches(size, 0, steps, 0.0)))  # made before: host memory, copied by H2D
+        runner = make_runner(name, "ours", lambda: build_dlrm(0, 1, size), thread_map=tmap, options=options)
+        made = list(batches(size, 0, steps, 0.0))  # made before: host memory, copied by H2D
+        if nonfinite:
+            made[NONFINITE_BATCH].dense_features[0, 0] = float("nan")
+        data = iter(made)
     if mutate is not None:
         mutate(runner.pipeline.engine)
     steps = 0
@@ -125,6 +145,8 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
                 return steps
             steps += 1
     finally:
+        if nonfinite and [v.batch for v in runner.pipeline.skipped_steps] != [NONFINITE_BATCH]:
+            raise AssertionError(f"on_nonfinite: rolled back {runner.pipeline.skipped_steps}, not batch {NONFINITE_BATCH}")
         runner.close()
 
 

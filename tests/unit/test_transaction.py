@@ -284,3 +284,16 @@ def test_the_running_batch_is_known_inside_every_task() -> None:
     engine.step()
     assert seen == [("Fwd", 0), ("Fwd", 1)] and running_batch() is None
     engine.close()
+
+
+def test_what_waits_for_an_effect_waits_for_the_deciding_task() -> None:
+    """The next batch's lookup on a stream of its own waits for this batch's Backward (it reads the
+    rows Backward updated); a rollback rewrites them in the deciding task (Opt), so the lookup
+    waits for Opt too (the CPU stream checker found Fused's lookup reading rows Opt put back)."""
+    plan = _plan().with_task(
+        PipelineTask("Lookup", reads=("x",)), S(1, "data_dist"), after="Load"
+    )
+    plan = plan.replace(inter_iter_deps=[*plan.explicit_deps[-2:], ("Lookup", "Bwd", 1)])
+    fixed = ordered(plan)
+    assert ("Lookup", "Opt", 1) in {(d.consumer, d.producer, d.distance) for d in fixed.deps}
+    assert ("Lookup", "Opt", 1) not in {(d.consumer, d.producer, d.distance) for d in plan.deps}

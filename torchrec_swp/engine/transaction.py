@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from torchrec_swp.engine.tasks import Binding
-from torchrec_swp.plan import PipelinePlan, PlanError, When
+from torchrec_swp.plan import Dep, PipelinePlan, PlanError, When
 
 Mode = Literal["skip", "raise"]
 #: The guards of a task that runs for every batch a step trains: where a step can be decided.
@@ -168,12 +168,29 @@ def check_plan(plan: PipelinePlan, known: Iterable[str], empty: Iterable[str] = 
 
 
 def ordered(plan: PipelinePlan, empty: Iterable[str] = ()) -> PipelinePlan:
-    """``plan`` with its deciding task in comm group ``world`` where it is in none: its verdict's
-    reduction then takes a ticket among the plan's other collectives."""
+    """``plan`` made undoable: its deciding task in comm group ``world`` where it is in none (its
+    verdict's reduction takes a ticket among the plan's other collectives), and whatever waits for
+    a task with an effect waits for the deciding task too (a restore rewrites what that task
+    wrote: Fused's lookup of the next batch, on its own stream, must see the rows put back). A
+    wait the plan cannot keep is PlanError (from the plan's own check)."""
+    empty = frozenset(empty)
     last = decider(plan, empty)
-    if last is None or plan.task(last).comm_group is not None:
+    if last is None:
         return plan
-    return plan.with_schedule(last, globally_ordered=True)
+    if plan.task(last).comm_group is None:
+        plan = plan.with_schedule(last, globally_ordered=True)
+    effects = {t.name for t in plan.scheduled() if _live(t.io.effects, empty)}
+    have = {(d.consumer, d.producer, d.distance) for d in plan.deps}
+    extra = {
+        (d.consumer, last, d.distance)
+        for d in plan.deps
+        if d.producer in effects and d.consumer != last and d.producer != last and d.distance > 0
+    } - have
+    if not extra:
+        return plan
+    intra = [d for d in plan.explicit_deps if d.distance == 0]
+    inter = [*(d for d in plan.explicit_deps if d.distance != 0), *(Dep(c, p, k) for c, p, k in sorted(extra))]
+    return plan.replace(inter_iter_deps=inter, intra_iter_deps=intra)
 
 
 def _finite_values(value: Any, out: list[torch.Tensor]) -> None:
