@@ -145,8 +145,9 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
                 return steps
             steps += 1
     finally:
-        if nonfinite and [v.batch for v in runner.pipeline.skipped_steps] != [NONFINITE_BATCH]:
-            raise AssertionError(f"on_nonfinite: rolled back {runner.pipeline.skipped_steps}, not batch {NONFINITE_BATCH}")
+        skipped = [v.batch for v in runner.pipeline.skipped_steps] if nonfinite else None
+        if nonfinite and skipped != [NONFINITE_BATCH]:
+            raise AssertionError(f"on_nonfinite: rolled back batches {skipped}, not batch {NONFINITE_BATCH}")
         runner.close()
 
 
