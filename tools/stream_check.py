@@ -146,9 +146,9 @@ def train(name: str, thread_map: str | None, mutate: Callable[[Any], None] | Non
             steps += 1
     finally:
         skipped = [v.batch for v in runner.pipeline.skipped_steps] if nonfinite else None
+        runner.close()
         if nonfinite and skipped != [NONFINITE_BATCH]:
             raise AssertionError(f"on_nonfinite: rolled back batches {skipped}, not batch {NONFINITE_BATCH}")
-        runner.close()
 
 
 def unavailable(name: str) -> str | None:
