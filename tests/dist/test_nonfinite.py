@@ -109,7 +109,9 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]]
 
 
-def _run(rank: int, world_size: int, name: str, batches: list[Any], *, inf_hook: bool = False, **options: Any) -> dict[str, Any]:
+def _run(
+    rank: int, world_size: int, name: str, batches: list[Any], *, inf_hook: bool = False, **options: Any
+) -> dict[str, Any]:
     model, optimizer = _model(rank, world_size, name)
     if inf_hook:
         _inf_gradient_hook(model)
@@ -177,6 +179,7 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
         out[(name, "rank 1 only")] = _run(
             rank, world_size, name, _batches(rank, world_size, poison="nan", ranks=(1,)), on_nonfinite="skip"
         )
+    out[("refusals",)] = _refusals(rank, world_size)
     out[("SemiSync", "nan")] = _stepwise(rank, world_size, "SemiSync")
     out[("accumulation", "nan")] = _stepwise(rank, world_size, "accumulation")
     for effect in EFFECTS:  # each capture removed in turn: the restore then puts nothing back
@@ -226,6 +229,41 @@ def _stepwise(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     return {"states": states, "losses": [float(x) for x in losses], "skipped": skipped}
 
 
+def _refusals(rank: int, world_size: int) -> dict[str, str]:
+    """What each pipeline that cannot undo a step says when asked to (one line each)."""
+    import torchrec_swp
+    from torchrec_swp.plan import PipelinePlan
+
+    model, optimizer = _model(rank, world_size, "SparseDist")
+    text = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU).plan.to_text()
+    for effects in ("dense_params,dense_optim", "fused_rows,dense_grads", "dense_grads"):
+        text = text.replace(effects, "-")
+    no_effects = PipelinePlan.from_text(text)
+    cases: dict[str, Callable[[], Any]] = {
+        "Base": lambda: torchrec_swp.TrainPipelineBase(model, optimizer, CPU, on_nonfinite="skip"),
+        "no effects": lambda: torchrec_swp.TrainPipelineSparseDist(
+            model, optimizer, CPU, plan=no_effects, on_nonfinite="skip"
+        ),
+        "autotune": lambda: torchrec_swp.TrainPipelineSparseDist(
+            model, optimizer, CPU, autotune=True, on_nonfinite="skip"
+        ),
+        "bad mode": lambda: torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, on_nonfinite="ignore"),
+    }
+    if installed().has_pec:
+        from harness.pec_model import build_pec_model
+
+        pec_model, pec_optimizer, _ = build_pec_model(0, 1)
+        cases["PEC"] = lambda: torchrec_swp.TrainPipelinePEC(pec_model, pec_optimizer, CPU, on_nonfinite="skip")
+    said = {}
+    for label, make in cases.items():
+        try:
+            make().close()
+            said[label] = "accepted"
+        except Exception as e:  # noqa: BLE001 - what each says is the result
+            said[label] = f"{type(e).__name__}: {e}"
+    return said
+
+
 @cache
 def _results(world_size: int) -> list[dict[tuple[str, ...], Any]]:
     return run_on_ranks(_all, world_size=world_size, timeout_s=600)
@@ -261,7 +299,7 @@ WORLDS = [pytest.param(1, id="1rank"), pytest.param(2, id="2ranks")]
 @pytest.mark.parametrize("name", ["SparseDist", "SparseDist.io_thread", "FusedSparseDist", "Prefetch", "BwdOpt"])
 def test_a_nan_batch_is_rolled_back_as_if_never_seen(world_size: int, name: str) -> None:
     if name == "BwdOpt" and (installed().release < (1, 9, 0) or world_size == 1):
-        pytest.skip("TrainPipelineSparseDistBwdOpt: new in TorchRec 1.9; on 1 rank its hook finds no grad (upstream's too)")
+        pytest.skip("TrainPipelineSparseDistBwdOpt: new in TorchRec 1.9; on 1 rank its hook finds no grad, upstream's too")
     for rank, result in enumerate(_results(world_size)):
         run, reference = result[(name, "nan")], result[(name, "reference")]
         assert _differences(run, reference) == [], f"rank {rank} {name}"
@@ -300,7 +338,9 @@ def test_one_ranks_bad_batch_rolls_the_step_back_on_every_rank() -> None:
 @pytest.mark.parametrize("effect", EFFECTS)
 def test_each_capture_is_needed(world_size: int, effect: str) -> None:
     """With one effect's restore removed, the run is no longer the run without batch K."""
-    differences = [_differences(r[("SparseDist", f"without {effect}")], r[("SparseDist", "reference")]) for r in _results(world_size)]
+    differences = [
+        _differences(r[("SparseDist", f"without {effect}")], r[("SparseDist", "reference")]) for r in _results(world_size)
+    ]
     assert any(differences), f"removing {effect}'s restore changed nothing"
 
 
@@ -321,3 +361,18 @@ def test_a_step_across_batches_rolls_back_and_goes_on_finite(world_size: int, ki
         assert [k for k in before if not torch.equal(before[k], after[k])] == [], f"rank {rank}"
         assert math.isnan(run["losses"][K]) and all(math.isfinite(x) for x in _without_k(run["losses"]))
         assert all(bool(torch.isfinite(v).all()) for v in run["states"][-1].values() if v.is_floating_point())
+
+
+def test_what_cannot_be_undone_is_refused_in_one_line() -> None:
+    said = _results(1)[0][("refusals",)]
+    assert said["Base"].startswith("PlanError: TrainPipelineBase(on_nonfinite='skip'): plan TrainPipelineBase: task ")
+    assert "declares counters, which this pipeline cannot capture" in said["Base"]
+    assert "declares no effects" in said["no effects"] and said["no effects"].startswith("PlanError")
+    autotune = "ValueError: TrainPipelineSparseDist: on_nonfinite='skip' with autotune"
+    assert said["autotune"].startswith(autotune)
+    assert said["bad mode"] == (
+        "ValueError: TrainPipelineSparseDist: on_nonfinite must be one of 'off', 'skip', 'raise', got 'ignore'"
+    )
+    if installed().has_pec:
+        assert "task DeferNolGradLast (when=last) changes fused_rows after" in said["PEC"]
+    assert all("\n" not in line for line in said.values())

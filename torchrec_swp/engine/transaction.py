@@ -167,18 +167,20 @@ def check_plan(plan: PipelinePlan, known: Iterable[str], empty: Iterable[str] = 
         )
 
 
-def ordered(plan: PipelinePlan, empty: Iterable[str] = ()) -> PipelinePlan:
+def ordered(plan: PipelinePlan, empty: Iterable[str] = (), *, waits: bool = True) -> PipelinePlan:
     """``plan`` made undoable: its deciding task in comm group ``world`` where it is in none (its
     verdict's reduction takes a ticket among the plan's other collectives), and whatever waits for
     a task with an effect waits for the deciding task too (a restore rewrites what that task
-    wrote: Fused's lookup of the next batch, on its own stream, must see the rows put back). A
-    wait the plan cannot keep is PlanError (from the plan's own check)."""
+    wrote: Fused's lookup of the next batch, on its own stream, must see the rows put back;
+    ``waits=False``: not these). A wait the plan cannot keep is PlanError (from the plan's own check)."""
     empty = frozenset(empty)
     last = decider(plan, empty)
     if last is None:
         return plan
     if plan.task(last).comm_group is None:
         plan = plan.with_schedule(last, globally_ordered=True)
+    if not waits:
+        return plan
     effects = {t.name for t in plan.scheduled() if _live(t.io.effects, empty)}
     have = {(d.consumer, d.producer, d.distance) for d in plan.deps}
     extra = {
@@ -231,7 +233,9 @@ class Transaction:
         self.effects, self.mode, self.watch = dict(effects), mode, watch
         #: the effects with nothing to capture (``Effect.empty``)
         self.empty = frozenset(n for n, e in self.effects.items() if getattr(e, "empty", False))
-        self._reduce, self._host, self._report = reduce, host or mode == "raise", report
+        #: the verdict read on the host (else selects on the device; "raise" reads it always)
+        self.host = host or mode == "raise"
+        self._reduce, self._report = reduce, report
         self.account = Account()
         self._lock = threading.Lock()
         self._open: dict[int, dict[str, Any]] = {}  # batch -> {effect: what its capture saved}
@@ -301,11 +305,11 @@ class Transaction:
         bad = torch.stack([(~c).to(device=device, dtype=torch.float32).reshape(()) for c in checks])
         everywhere = bad if self._reduce is None else self._reduce(bad.clone())
         keep: torch.Tensor | bool = ~(everywhere.amax() > 0)
-        if self._host:
+        if self.host:
             keep = bool(keep)
         for name, state in saved.items():
             self.effects[name].restore(state, keep)
-        if self._host:
+        if self.host:
             if not keep:
                 self._rolled_back(b, serial, names, bad.tolist())
         else:

@@ -123,6 +123,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     def _swp_setup(self, default_plan: PipelinePlan | PhasedPlan, options: EngineOptions, streams: StreamPool) -> None:
         owner = type(self).__name__
         without_stream_lookups(self)
+        self._swp_default = default_plan
         chosen = options.plan_for(default_plan, owner, tasks=self._swp_task_functions())
         for p in _plans(chosen):
             if p.loads > 1 and p.source not in DRAW_TASKS:
@@ -178,7 +179,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
                 culprit=unknown[0],
             )
         if self._swp_nonfinite is not None:
-            plan = undoable(plan, self._swp_nonfinite, owner)
+            plan = undoable(plan, self._swp_nonfinite, owner, self._swp_default)
         return Engine(plan, {t: functions[t] for t in tasks}, **self._swp_engine_options)
 
     @property
@@ -422,20 +423,33 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         return engine.phased if len(engine.phased.phases) > 1 else engine.plan
 
 
-def undoable(plan: PipelinePlan | PhasedPlan, transaction: Transaction, owner: str) -> PipelinePlan | PhasedPlan:
-    """``plan`` (each phase) with its deciding task ordered among the collectives
-    (``transaction.ordered``), checked to be undoable one batch at a time with ``transaction``'s
-    effects (``check_plan``: PlanError naming ``owner`` otherwise)."""
+def undoable(
+    plan: PipelinePlan | PhasedPlan, transaction: Transaction, owner: str, default: PipelinePlan | PhasedPlan
+) -> PipelinePlan | PhasedPlan:
+    """``plan`` (each phase) made undoable (``transaction.ordered``: its deciding task ordered
+    among the collectives, what waits for an effect waiting for it too), checked to be undoable
+    one batch at a time with ``transaction``'s effects (``check_plan``: PlanError naming ``owner``
+    otherwise). A plan that declares no effect where the pipeline's ``default`` plan does (a plan
+    file saved before effects were declared) would undo nothing: refused."""
+    if _declares_effects(default) and not _declares_effects(plan):
+        raise PlanError(
+            f"{owner}(on_nonfinite={transaction.mode!r}): plan {plan.name} declares no effects (its rows have no "
+            "effects column, e.g. a plan file saved before there was one), so a step could not be undone; declare "
+            f"them as the default plan {default.name} does (print it with .to_text())"
+        )
 
     def edit(p: PipelinePlan) -> PipelinePlan:
-        p = ordered(p, transaction.empty)
         try:
-            check_plan(p, transaction.effects, transaction.empty)
+            check_plan(ordered(p, transaction.empty, waits=False), transaction.effects, transaction.empty)
+            return ordered(p, transaction.empty)
         except PlanError as e:
             raise PlanError(f"{owner}(on_nonfinite={transaction.mode!r}): {e}", culprit=e.culprit) from None
-        return p
 
     return plan.each(edit) if isinstance(plan, PhasedPlan) else edit(plan)
+
+
+def _declares_effects(plan: PipelinePlan | PhasedPlan) -> bool:
+    return any(t.io.effects for p in _plans(plan) for t in p.scheduled())
 
 
 def _reduce_max() -> Callable[[Any], Any] | None:
