@@ -87,8 +87,8 @@ class Copy:
         self.log.append(f"capture {self.name}")
         return self.tensor.clone()
 
-    def finite(self, saved: torch.Tensor) -> tuple[torch.Tensor, str]:
-        return torch.isfinite(self.tensor).all(), f"the {self.name}"
+    def changed(self, saved: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+        return [self.tensor], f"the {self.name}"
 
     def restore(self, saved: torch.Tensor, keep: torch.Tensor | bool) -> None:
         if keep is True:
@@ -170,11 +170,11 @@ def test_the_verdict_is_reduced_once_per_step_and_a_peers_flag_rolls_back() -> N
     def reduce(flags: torch.Tensor) -> torch.Tensor:
         calls.append(flags.tolist())
         if len(calls) == 2:
-            flags[0] = 1.0  # the peer's loss
+            flags[0] = 1.0  # the peer's batch
         return flags
 
     m, _, transaction = _run([0.5, 0.25, 0.125], reduce=reduce)
-    assert len(calls) == 3 and all(len(c) == 4 for c in calls)  # losses, grads, params, steps
+    assert len(calls) == 3 and all(len(c) == 1 for c in calls)  # on the host: one flag
     reference, _, _ = _run([0.5, 0.125])
     _same(m, reference)
     assert transaction.settled().skipped[0].what == ()

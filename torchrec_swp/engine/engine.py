@@ -88,7 +88,7 @@ class Engine(Interpreter):
         self.batches = Batches()
         self._ops = PlanOps(
             self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion,
-            undo_draw=undo_draw, undoable=transaction is not None,
+            undo_draw=undo_draw,
         )  # fmt: skip
         self._feed = self._ops.source.feed
         self._epochs = Epochs(self, self.installed, self.batches, self._feed, on_new_data)
@@ -259,6 +259,8 @@ class Engine(Interpreter):
         if steady is not None:
             output = steady(data)
             if output is not NOT_STEADY:
+                if self.transaction is not None:
+                    self.transaction.after_step()  # (mode "raise": the step rolled back)
                 return output
         on_step = self._on_step
         if on_step is not None:

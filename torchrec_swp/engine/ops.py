@@ -65,10 +65,8 @@ class PlanOps:
         checker: Any,
         exhaustion: ExhaustionSync | None,
         undo_draw: Callable[[int, Mapping[str, Any]], None] | None = None,
-        undoable: bool = False,
     ) -> None:
         self._interpreter = interpreter
-        self._undoable = undoable  # task calls wrapped in the step's transaction: never inlined
         self._board = interpreter.board
         self._batches = batches
         self._end = batches.end  # the end of data: the one answer to "does batch b exist"
@@ -174,8 +172,8 @@ class PlanOps:
         """The calling thread's iteration as code where no other thread walks
         (``torchrec_swp.engine.unrolled``); None elsewhere: the walk's loop runs the ops."""
         shape = self._installed.shape
-        if thread != MAIN_THREAD or shape.threaded or self._exhaustion is not None or self._undoable:
-            return None  # (the ranks' agreement gates tasks the body would inline; a transaction wraps them)
+        if thread != MAIN_THREAD or shape.threaded or self._exhaustion is not None:
+            return None  # (the ranks' agreement gates tasks the body would inline)
         return unroll(
             f"plan {inst.plan.name}, thread {thread}",
             instrs,

@@ -53,10 +53,10 @@ class Effect(Protocol):
     def capture(self, b: int) -> Any:
         """What the tasks that declare the effect are about to change for batch ``b``, copied."""
 
-    def finite(self, saved: Any) -> tuple[torch.Tensor, str] | None:
-        """A bool tensor, whether the new state is finite, and what it checked (for the report);
-        None: nothing to check. The same kind of answer on every rank (the ranks' flags are
-        reduced as one vector)."""
+    def changed(self, saved: Any) -> tuple[list[torch.Tensor], str]:
+        """The new state to check (its floating tensors) and what it is, for the report (``the
+        dense gradients``); an effect may also have ``describe(saved) -> str``, asked on the host
+        only where its state is not finite (e.g. which parameter's gradient)."""
 
     def restore(self, saved: Any, keep: torch.Tensor | bool) -> None:
         """Keep the new state where ``keep``, else put ``saved`` back (device-side where ``keep`` is a tensor)."""
@@ -94,6 +94,13 @@ class Account:
 
 
 _RUNNING = threading.local()
+
+
+def _what(kind: tuple[str, list[torch.Tensor], Any, Any]) -> str:
+    """What a kind of check found not finite, as its effect describes it where it can."""
+    what, _, effect, state = kind
+    describe = getattr(effect, "describe", None)
+    return what if describe is None else describe(state)
 
 
 def running_batch() -> int | None:
@@ -195,16 +202,46 @@ def ordered(plan: PipelinePlan, empty: Iterable[str] = (), *, waits: bool = True
     return plan.replace(inter_iter_deps=inter, intra_iter_deps=intra)
 
 
-def _finite_values(value: Any, out: list[torch.Tensor]) -> None:
+def _floats(value: Any, out: list[torch.Tensor]) -> None:
+    """The floating tensors in ``value`` (a tensor, or lists, tuples and mappings of them), detached."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex():
-            out.append(torch.isfinite(value.detach()).all())
+        if value.is_floating_point():
+            out.append(value.detach())
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _finite_values(v, out)
+            _floats(v, out)
     elif isinstance(value, Mapping):
         for v in value.values():
-            _finite_values(v, out)
+            _floats(v, out)
+
+
+_ONE: dict[torch.device, torch.Tensor] = {}
+
+
+def nonfinite(tensors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """A one-element float tensor on ``device`` (default: the tensors'): 1 where some element of
+    ``tensors`` is NaN or Inf, else 0. One fused op per device (GradScaler's
+    ``_amp_foreach_non_finite_check_and_unscale_``, scale 1: it multiplies in place by 1, which
+    changes no value), so that many small tensors cost one call, and nothing waits on the host."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    if device is None:
+        device = next(iter(groups), torch.device("cpu"))
+    found = torch.zeros(1, device=device)
+    for where, group in groups.items():
+        one = _ONE.get(where)
+        if one is None:
+            one = _ONE[where] = torch.ones(1, device=where)
+        here = found if where == device else torch.zeros(1, device=where)
+        with torch.no_grad():
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, here, one)
+            except (RuntimeError, NotImplementedError):  # (a dtype or device without the fused op)
+                here.copy_(torch.stack([~torch.isfinite(t).all() for t in group]).any().float().reshape(1))
+        if here is not found:
+            found = torch.maximum(found, here.to(device))
+    return found
 
 
 class Transaction:
@@ -286,38 +323,42 @@ class Transaction:
                 saved[name] = self.effects[name].capture(b)
 
     def decide(self, b: int, slot: Mapping[str, Any], serial: int) -> None:
-        """Batch ``b``'s verdict, its reduction over the ranks, then commit or restore."""
+        """Batch ``b``'s verdict, its reduction over the ranks, then commit or restore. On the host
+        (``host``): one check of everything (``nonfinite``), one flag reduced; what was not finite
+        is looked for only where something was. On a device: a flag per kind (per watched value,
+        per effect), the vector reduced, every restore a select on it."""
         with self._lock:
             saved = self._open.pop(b, {})
-        # one flag per watched value and per effect captured, in the same order on every rank
-        checks: list[torch.Tensor] = []
-        names: list[str] = []
+        kinds: list[tuple[str, list[torch.Tensor], Any, Any]] = []  # (what, its tensors, effect, its capture)
         for name in self.watch:
             values: list[torch.Tensor] = []
-            _finite_values(slot.get(name), values)
-            checks.append(torch.stack(values).all() if values else torch.ones((), dtype=torch.bool))
-            names.append(f"the {name}")
+            _floats(slot.get(name), values)
+            kinds.append((f"the {name}", values, None, None))
         for name, state in saved.items():
-            found = self.effects[name].finite(state)
-            checks.append(found[0] if found is not None else torch.ones((), dtype=torch.bool))
-            names.append(found[1] if found is not None else name)
-        device = checks[0].device
-        bad = torch.stack([(~c).to(device=device, dtype=torch.float32).reshape(()) for c in checks])
-        everywhere = bad if self._reduce is None else self._reduce(bad.clone())
-        keep: torch.Tensor | bool = ~(everywhere.amax() > 0)
+            effect = self.effects[name]
+            tensors, what = effect.changed(state)
+            kinds.append((what, tensors, effect, state))
         if self.host:
-            keep = bool(keep)
-        for name, state in saved.items():
-            self.effects[name].restore(state, keep)
-        if self.host:
+            here = nonfinite([t for _, tensors, _, _ in kinds for t in tensors])
+            found = [] if not here.item() else [_what(k) for k in kinds if nonfinite(k[1]).item()]
+            everywhere = here if self._reduce is None else self._reduce(here)
+            keep = not everywhere.item()
+            for name, state in saved.items():
+                self.effects[name].restore(state, keep)
             if not keep:
-                self._rolled_back(b, serial, names, bad.tolist())
-        else:
-            self._read_pending()
-            self._pending.append((b, serial, names, bad, everywhere))
+                self._rolled_back(b, serial, found)
+            return
+        device = next((t.device for _, tensors, _, _ in kinds for t in tensors), torch.device("cpu"))
+        flags = torch.cat([nonfinite(tensors, device) for _, tensors, _, _ in kinds])  # same length on every rank
+        everywhere = flags if self._reduce is None else self._reduce(flags.clone())
+        keep_tensor = ~(everywhere.amax() > 0)
+        for name, state in saved.items():
+            self.effects[name].restore(state, keep_tensor)
+        self._read_pending()
+        self._pending.append((b, serial, [k[0] for k in kinds], flags, everywhere))
 
-    def _rolled_back(self, b: int, serial: int, names: list[str], here: list[float]) -> None:
-        verdict = Verdict(b, serial, tuple(n for n, x in zip(names, here) if x > 0))
+    def _rolled_back(self, b: int, serial: int, what: list[str]) -> None:
+        verdict = Verdict(b, serial, tuple(what))
         self.account.skipped.append(verdict)
         if self._report is not None:
             self._report(verdict)
@@ -328,7 +369,7 @@ class Transaction:
         pending, self._pending = self._pending, []
         for b, serial, names, here, everywhere in pending:
             if float(everywhere.amax()) > 0:
-                self._rolled_back(b, serial, names, here.tolist())
+                self._rolled_back(b, serial, [n for n, x in zip(names, here.tolist()) if x > 0])
 
     def after_step(self) -> None:
         """NonFiniteStep for a step this ``step()`` rolled back, with ``mode="raise"``: raised once the

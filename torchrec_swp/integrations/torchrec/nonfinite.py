@@ -37,18 +37,10 @@ LOG = logging.getLogger("torchrec_swp.nonfinite")
 #: training mode without a backward through the pipeline would otherwise pile up).
 MAX_RECORDS = 64
 
-_OK = torch.ones((), dtype=torch.bool)
-
 
 def _keep(new: torch.Tensor, saved: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``new`` where ``keep`` else ``saved`` (a device-side select)."""
     return torch.where(keep.to(new.device), new, saved)
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return _OK
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 # ------------------------------------------------------------------------------ fused rows
@@ -99,24 +91,83 @@ def _check_tbe(tbe: Any, where: str) -> None:
                 )
 
 
+class _Layout:
+    """Where a TBE's rows are: for its weights and each optimizer state, one tensor over the whole
+    buffer, rows first (``full``), and the row of each table's first row in it (``first``, per
+    feature: ``first[f]`` for feature ``f``'s table), so that a batch's rows of every table are one
+    ``index_select``; None for a buffer whose tables' views do not tile it by rows (tables of
+    different widths), captured table by table instead (``tables``)."""
+
+    def __init__(self, tbe: Any, feature_table_map: list[int]) -> None:
+        weights = tbe.split_embedding_weights()
+        states = _optimizer_states(tbe)
+        #: per buffer (weights, then each optimizer state): each table's view
+        self.tables: list[list[torch.Tensor]] = [list(weights)] + [
+            [states[t][k] for t in range(len(weights))] for k in range(len(states[0]) if states else 0)
+        ]
+        self.key = _buffers_key(tbe)
+        self.full: list[torch.Tensor | None] = []
+        self.first: list[torch.Tensor | None] = []
+        ftm = torch.tensor(feature_table_map, dtype=torch.long)
+        for views in self.tables:
+            tiled = _tiled(views)
+            self.full.append(None if tiled is None else tiled[0])
+            self.first.append(None if tiled is None else tiled[1][ftm].to(views[0].device))
+        #: (bags per key) -> per buffer, the first row of each bag's table (None: not tiled)
+        self.bag_first: dict[tuple[int, ...], list[torch.Tensor | None]] = {}
+
+
+_BUFFERS = ("weights_dev", "weights_host", "weights_uvm", "momentum1_dev", "momentum1_host", "momentum1_uvm")
+
+
+def _buffers_key(tbe: Any) -> tuple[int, ...]:
+    """Where a TBE's buffers are (a layout made for other buffers is made again)."""
+    buffers = tbe._buffers  # (registered buffers; the module's __getattr__ is slower)
+    return tuple(b.data_ptr() if isinstance(b := buffers.get(n), torch.Tensor) else 0 for n in _BUFFERS)
+
+
+def _tiled(views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One tensor over the buffer ``views`` (each table's rows) lie in, rows first, and each
+    table's first row in it; None unless every view is contiguous, of one storage, dtype and row
+    shape, starting at a whole row."""
+    v0 = views[0]
+    row = v0[0].numel() if v0.dim() > 1 else 1
+    storage = v0.untyped_storage()
+    for v in views:
+        if (
+            v.untyped_storage().data_ptr() != storage.data_ptr()
+            or v.dtype != v0.dtype
+            or v.shape[1:] != v0.shape[1:]
+            or not v.is_contiguous()
+            or v.storage_offset() % row
+        ):
+            return None
+    rows = storage.nbytes() // v0.element_size() // row
+    full = torch.as_strided(v0, (rows, *v0.shape[1:]), (row, *v0.stride()[1:]) if v0.dim() > 1 else (1,), 0)
+    return full, torch.tensor([v.storage_offset() // row for v in views], dtype=torch.long)
+
+
 class FusedRows:
     """``fused_rows`` (module docstring). ``lookups``: the fused lookup modules (``fused_lookups``).
 
     A lookup is recorded for the batch whose task runs it (``running_batch``): SemiSync looks
     up the next batch before this one's update, so a capture takes its own batch's lookups only.
-    A TBE's step counters (``iter``: Adam's and LAMB's step, advanced by each forward) are put
-    back by the advance the batch's own lookups made."""
+    The rows of every table of one TBE are gathered at once (``_Layout``: one ``index_select`` per
+    buffer, not one per table and buffer). A TBE's step counters (``iter``: Adam's and LAMB's
+    step, advanced by each forward) are put back by the advance the batch's own lookups made."""
 
     empty = False
 
     def __init__(self, lookups: list[nn.Module], *, host: bool) -> None:
         self.host = host
         self.empty = not lookups  # (a model without fused tables)
-        # module -> [(batch, ids, ids per key)]
-        self._records: dict[int, list[tuple[int, torch.Tensor, list[int]]]] = {}
+        # module -> [(batch, ids, ids per bag, bags per key)]
+        self._records: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, tuple[int, ...]]]] = {}
         # (module, batch) -> [(counter, its value before the batch's first lookup, after its last)]
         self._counters: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
         self._modules = {id(m): m for m in lookups}
+        self._layouts: dict[int, _Layout] = {}
+        self._bag_features: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # the feature of each bag
         self._handles = []
         for k, m in enumerate(lookups):
             _check_tbe(m.emb_module, f"fused lookup {k} ({type(m).__name__})")
@@ -130,12 +181,15 @@ class FusedRows:
 
     @staticmethod
     def _counters_of(module: nn.Module) -> list[torch.Tensor]:
+        """The TBE's step counters, where its optimizer advances them (EXACT_SGD's forward returns first)."""
         tbe = module.emb_module
+        if getattr(tbe.optimizer, "name", "") == "EXACT_SGD":
+            return []
         return [c for c in (getattr(tbe, "iter", None), getattr(tbe, "iter_cpu", None)) if isinstance(c, torch.Tensor)]
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A lookup in training with grad, by a task of batch ``b``: its ids by key (this rank's
-        rows) and, the batch's first, its TBE's step counters before it."""
+        """A lookup in training with grad, by a task of batch ``b``: its ids (this rank's rows)
+        and how many per bag and bags per key, and, the batch's first, its TBE's step counters."""
         b = running_batch()
         if b is None or not (module.training and torch.is_grad_enabled()):
             return
@@ -145,9 +199,10 @@ class FusedRows:
         records = self._records.setdefault(id(module), [])
         if len(records) >= MAX_RECORDS:
             del records[0]
-        records.append((b, features.values(), list(features.length_per_key())))
+        records.append((b, features.values(), features.lengths(), tuple(features.stride_per_key())))
         if (id(module), b) not in self._counters:
-            self._counters[(id(module), b)] = [[c, c.detach().clone(), c] for c in self._counters_of(module)]
+            counters = self._counters_of(module)
+            self._counters[(id(module), b)] = [[c, c.detach().clone(), c] for c in counters] if counters else []
 
     def _advanced(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """After a recorded lookup: the counters' values now (the batch's advance is after - before)."""
@@ -156,56 +211,75 @@ class FusedRows:
         for item in entry or ():
             item[2] = item[0].detach().clone()
 
-    def _rows(self, key: int, b: int) -> dict[int, torch.Tensor]:
-        """``{table: the rows batch b's lookups touch}`` (with repeats: no unique, no host sync);
-        the records of older batches dropped (never captured: their step ran without an effect)."""
-        table_of = self._modules[key]._feature_table_map
-        segments: dict[int, list[torch.Tensor]] = {}
+    def _layout(self, key: int) -> _Layout:
+        module = self._modules[key]
+        layout = self._layouts.get(key)
+        if layout is None or layout.key != _buffers_key(module.emb_module):  # (a buffer replaced)
+            layout = self._layouts[key] = _Layout(module.emb_module, module._feature_table_map)
+        return layout
+
+    def _rows(self, key: int, b: int, layout: _Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Batch ``b``'s rows on module ``key``: ``(buffer, rows)`` for each buffer (weights, each
+        optimizer state; a buffer not tiled by rows: each table's view), with repeats (no unique,
+        no host sync); the records of older batches dropped (their step ran without an effect)."""
+        per_buffer: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.tables]
         kept = []
-        for batch, values, lengths in self._records.get(key, ()):
+        for record in self._records.get(key, ()):
+            batch, values, lengths, strides = record
             if batch > b:
-                kept.append((batch, values, lengths))
+                kept.append(record)
                 continue
-            if batch < b:
+            if batch < b or not values.numel():
                 continue
-            start = 0
-            for f, n in enumerate(lengths):
-                if n:
-                    segments.setdefault(table_of[f], []).append(values[start : start + n])
-                start += n
+            ids, n = values.long(), values.numel()
+            firsts = layout.bag_first.get(strides)
+            if firsts is None:
+                bags = torch.repeat_interleave(torch.arange(len(strides)), torch.tensor(strides)).to(values.device)
+                firsts = layout.bag_first[strides] = [None if f is None else f[bags] for f in layout.first]
+            for k, full in enumerate(layout.full):
+                if full is not None:
+                    per_buffer[k].append((full, ids + torch.repeat_interleave(firsts[k], lengths, output_size=n)))
+                else:  # table by table (tables of different widths; a boolean mask: a host sync on a GPU)
+                    table_of = torch.repeat_interleave(
+                        torch.tensor(self._modules[key]._feature_table_map, device=ids.device)[
+                            torch.repeat_interleave(torch.arange(len(strides)), torch.tensor(strides)).to(ids.device)
+                        ],
+                        lengths,
+                        output_size=n,
+                    )
+                    per_buffer[k].extend((view, ids[table_of == t]) for t, view in enumerate(layout.tables[k]))
         self._records[key] = kept
-        return {t: (s[0] if len(s) == 1 else torch.cat(s)).long() for t, s in segments.items()}
+        out = []
+        for pairs in per_buffer:
+            if len(pairs) == 1 or (pairs and layout.full[0] is None):
+                out.extend(pairs)
+            elif pairs:  # several lookups of one buffer in the batch
+                out.append((pairs[0][0], torch.cat([rows for _, rows in pairs])))
+        return out
 
     def capture(self, b: int) -> list[tuple[Any, ...]]:
         saved = []
-        for key, module in self._modules.items():
-            rows_by_table = self._rows(key, b)
-            tbe = module.emb_module
-            weights = tbe.split_embedding_weights()
-            states = _optimizer_states(tbe)
-            tables = []
-            for t, rows in rows_by_table.items():
-                targets = [weights[t], *states[t]]
-                tables.append((rows, targets, [x.index_select(0, rows) for x in targets]))
+        for key in self._modules:
+            layout = self._layout(key)
+            buffers = [(x, rows, x.index_select(0, rows)) for x, rows in self._rows(key, b, layout)]
             counters = self._counters.pop((key, b), [])
-            for stale in [k for k in self._counters if k[0] == key and k[1] < b]:
-                del self._counters[stale]
-            saved.append((tables, [(c, after - before) for c, before, after in counters]))
+            if len(self._counters) > len(self._modules):  # (a batch whose step never captured)
+                for stale in [k for k in self._counters if k[0] == key and k[1] < b]:
+                    del self._counters[stale]
+            saved.append((buffers, [(c, after - before) for c, before, after in counters]))
         return saved
 
-    def finite(self, saved: list[tuple[Any, ...]]) -> tuple[torch.Tensor, str]:
-        news = [x.index_select(0, rows) for tables, _ in saved for rows, targets, _ in tables for x in targets]
-        return _all_finite(news), "the fused embedding rows"
+    def changed(self, saved: list[tuple[Any, ...]]) -> tuple[list[torch.Tensor], str]:
+        return [x.index_select(0, rows) for buffers, _ in saved for x, rows, _ in buffers], "the fused embedding rows"
 
     def restore(self, saved: list[tuple[Any, ...]], keep: torch.Tensor | bool) -> None:
         if keep is True:
             return
         # Through ``.data``, as the TBE's own update in the backward, which autograd does not see:
         # a lookup made before it (SemiSync's next batch) still backpropagates through these weights.
-        for tables, counters in saved:
-            for rows, targets, olds in tables:
-                for x, old in zip(targets, olds):
-                    x.data.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
+        for buffers, counters in saved:
+            for x, rows, old in buffers:
+                x.data.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
             for counter, advance in counters:
                 counter.data.copy_(counter - advance if keep is False else _keep(counter, counter - advance, keep))
 
@@ -219,8 +293,8 @@ class EmbCache:
     def capture(self, b: int) -> None:
         return None
 
-    def finite(self, saved: None) -> None:
-        return None
+    def changed(self, saved: None) -> tuple[list[torch.Tensor], str]:
+        return [], "the embedding cache"
 
     def restore(self, saved: None, keep: torch.Tensor | bool) -> None:
         return None
@@ -262,6 +336,27 @@ def dense_parameters(optimizer: Any) -> list[tuple[Any, torch.Tensor]]:
     return out
 
 
+class _Buffers:
+    """Copies of a list of tensors into buffers kept from step to step: one fused copy
+    (``_foreach_copy_``) where the tensors have the last step's shapes, else new clones. What a
+    capture returns is only good until the next capture (one step open at a time)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        buffers = self._buffers
+        with torch.no_grad():
+            if len(buffers) == len(tensors) and all(
+                b.shape == t.shape and b.dtype == t.dtype and b.device == t.device for b, t in zip(buffers, tensors)
+            ):
+                if tensors:
+                    torch._foreach_copy_(buffers, tensors)
+                return buffers
+            self._buffers = [t.detach().clone() for t in tensors]
+        return self._buffers
+
+
 class DenseParams:
     """``dense_params``: a copy of every dense parameter."""
 
@@ -269,19 +364,23 @@ class DenseParams:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
+        self._buffers = _Buffers()
 
     def capture(self, b: int) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.params]
+        return self._buffers.copy(self.params)
 
-    def finite(self, saved: list[torch.Tensor]) -> tuple[torch.Tensor, str]:
-        return _all_finite([p.detach() for p in self.params]), "the dense parameters"
+    def changed(self, saved: list[torch.Tensor]) -> tuple[list[torch.Tensor], str]:
+        return self.params, "the dense parameters"
 
     def restore(self, saved: list[torch.Tensor], keep: torch.Tensor | bool) -> None:
         if keep is True:
             return
         with torch.no_grad():
+            if keep is False:
+                torch._foreach_copy_(self.params, saved)
+                return
             for p, old in zip(self.params, saved):
-                p.copy_(old if keep is False else _keep(p, old, keep))
+                p.copy_(_keep(p, old, keep))
 
 
 class DenseGrads:
@@ -291,17 +390,25 @@ class DenseGrads:
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], host: bool) -> None:
         self.named, self.host = named, host
+        self._buffers = _Buffers()
 
     def capture(self, b: int) -> list[torch.Tensor | None]:
-        return [None if p.grad is None else p.grad.detach().clone() for _, p in self.named]
+        grads = [p.grad for _, p in self.named]
+        present = [g for g in grads if g is not None]
+        if not present:
+            return grads  # (all None: nothing to copy)
+        copies = iter(self._buffers.copy(present))
+        return [None if g is None else next(copies) for g in grads]
 
-    def finite(self, saved: list[torch.Tensor | None]) -> tuple[torch.Tensor, str]:
-        grads = [(n, p.grad) for n, p in self.named if p.grad is not None]
-        ok = _all_finite([g for _, g in grads])
-        if self.host and not bool(ok):  # (read on the host only where that costs nothing)
-            name = next(n for n, g in grads if not bool(torch.isfinite(g).all()))
-            return ok, f"the gradient of {name}"
-        return ok, "the dense gradients"
+    def changed(self, saved: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], str]:
+        return [p.grad for _, p in self.named if p.grad is not None], "the dense gradients"
+
+    def describe(self, saved: list[torch.Tensor | None]) -> str:
+        """Which gradient is not finite (the first, by parameter name)."""
+        for name, p in self.named:
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return f"the gradient of {name}"
+        return "the dense gradients"
 
     def restore(self, saved: list[torch.Tensor | None], keep: torch.Tensor | bool) -> None:
         if keep is True:
@@ -314,7 +421,7 @@ class DenseGrads:
             if old is None:
                 p.grad = None
             elif p.grad is None:
-                p.grad = old
+                p.grad = old.clone()  # (the buffer is the next capture's)
             else:
                 p.grad.copy_(old if keep is False else _keep(p.grad, old, keep))
 
@@ -327,26 +434,25 @@ class DenseOptim:
 
     def __init__(self, owned: list[tuple[Any, torch.Tensor]]) -> None:
         self.owned = owned
+        self._buffers = _Buffers()
 
     def capture(self, b: int) -> list[dict[str, Any] | None]:
-        saved = []
-        for leaf, p in self.owned:
-            state = leaf.state.get(p)
-            saved.append(
-                None
-                if not state
-                else {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-            )
-        return saved
+        states = [leaf.state.get(p) for leaf, p in self.owned]
+        tensors = [v for state in states for v in (state or {}).values() if isinstance(v, torch.Tensor)]
+        copies = iter(self._buffers.copy(tensors))
+        return [
+            None if not state else {k: next(copies) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for state in states
+        ]
 
-    def finite(self, saved: list[dict[str, Any] | None]) -> tuple[torch.Tensor, str]:
+    def changed(self, saved: list[dict[str, Any] | None]) -> tuple[list[torch.Tensor], str]:
         tensors = [
             v
             for leaf, p in self.owned
             for v in (leaf.state.get(p) or {}).values()
             if isinstance(v, torch.Tensor) and v.is_floating_point()
         ]
-        return _all_finite(tensors), "the dense optimizer's state"
+        return tensors, "the dense optimizer's state"
 
     def restore(self, saved: list[dict[str, Any] | None], keep: torch.Tensor | bool) -> None:
         if keep is True:
@@ -361,7 +467,7 @@ class DenseOptim:
                 if old is None:
                     leaf.state.pop(p, None)
                     continue
-                if state is None:
+                if state is None:  # (clones: the buffers are the next capture's)
                     leaf.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in old.items()}
                     continue
                 for k, v in old.items():
@@ -369,7 +475,7 @@ class DenseOptim:
                     if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) and now.shape == v.shape:
                         now.copy_(v if keep is False else _keep(now, v, keep))
                     elif now is not v:  # a number, None, or a tensor replaced: as it was
-                        state[k] = v
+                        state[k] = v.clone() if isinstance(v, torch.Tensor) else v
                 for k in [k for k in state if k not in old]:
                     del state[k]
 
