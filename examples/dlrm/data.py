@@ -25,6 +25,10 @@ what TorchRec's DLRM and every train pipeline take. The feature counts and names
   ``--criteo-tsv`` without the download (the tests write theirs with it).
 * ``with_latency``: wraps an iterable so that each batch arrives ``latency_s`` late, like a
   loader waiting on storage (the wait sleeps, releasing the GIL).
+* ``EditedBatches``: one rank's batches as it draws them with ``--drop-batch K`` (without its
+  ``K``-th batch) or ``--poison-batch K`` (its ``K``-th batch with NaN dense features), edited by
+  index, so that a batch is the same whoever draws it when (a loader's workers, the map source's
+  loads, a pipeline's lookahead, a resume).
 
 Every rank reads its own share: synthetic data is seeded per rank; a TSV file is cut into rounds
 of ``world_size`` batches, rank r takes the r-th batch of each round, and an incomplete last
@@ -381,3 +385,50 @@ def with_latency(batches: Iterable[T], latency_s: float) -> Iterator[T]:
         if latency_s:
             time.sleep(latency_s)
         yield batch
+
+
+def poisoned(batch: Batch) -> Batch:
+    """``batch`` with every dense feature NaN (its ids and labels as they were): a step that trains on
+    it has a NaN loss and NaN gradients (``--poison-batch``)."""
+    return Batch(
+        dense_features=torch.full_like(batch.dense_features, math.nan),
+        sparse_features=batch.sparse_features,
+        labels=batch.labels,
+    )
+
+
+class EditedBatches:
+    """``source``'s batches (``SyntheticCriteo`` or ``CriteoTsv``: ``len()``, ``batch(k)``, iterating)
+    as one rank draws them: without batch ``drop`` of ``source`` (``--drop-batch``; the later ones
+    move up by one), and with draw ``poison`` (0-based, counted after the drop) ``poisoned``
+    (``--poison-batch``). Item ``k`` is decided by ``k`` alone, the same read by index or in order:
+    the draws of a StatefulDataLoader (its workers), of the map source's parallel loads or of a
+    pipeline running ahead get the same batches as the plain loop, and a resume the same ones again.
+    """
+
+    def __init__(
+        self, source: SyntheticCriteo | CriteoTsv, *, drop: int | None = None, poison: int | None = None
+    ) -> None:
+        for name, value in (("drop", drop), ("poison", poison)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a batch index >= 0, got {value}")
+        self.source, self.drop, self.poison = source, drop, poison
+
+    def __len__(self) -> int:
+        n = len(self.source)
+        return n - 1 if self.drop is not None and self.drop < n else n
+
+    def batch(self, k: int) -> Batch:
+        """The ``k``-th batch this rank draws."""
+        if not 0 <= k < len(self):
+            raise IndexError(f"batch {k} of {len(self)}")
+        batch = self.source.batch(k + 1 if self.drop is not None and k >= self.drop else k)
+        return poisoned(batch) if k == self.poison else batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        k = 0
+        for j, batch in enumerate(self.source):
+            if j == self.drop:
+                continue
+            yield poisoned(batch) if k == self.poison else batch
+            k += 1

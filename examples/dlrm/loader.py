@@ -38,7 +38,7 @@ from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec.datasets.utils import Batch
 
-from examples.dlrm.data import CriteoTsv, SyntheticCriteo
+from examples.dlrm.data import CriteoTsv, EditedBatches, SyntheticCriteo
 
 
 class MapBatches(Dataset[Batch]):
@@ -47,7 +47,11 @@ class MapBatches(Dataset[Batch]):
     CUDA device: the pipelines copy batches there)."""
 
     def __init__(
-        self, batches: SyntheticCriteo | CriteoTsv, latency_s: float = 0.0, *, pin_memory: bool = False
+        self,
+        batches: SyntheticCriteo | CriteoTsv | EditedBatches,
+        latency_s: float = 0.0,
+        *,
+        pin_memory: bool = False,
     ) -> None:
         if latency_s < 0:
             raise ValueError(f"latency must be >= 0, got {latency_s}")
@@ -80,14 +84,14 @@ class SyntheticBatches(MapBatches):
     this dataset the loader's state is its sampler's position: the same batches at any resume,
     with or without workers."""
 
-    def __init__(self, synthetic: SyntheticCriteo, latency_s: float = 0.0) -> None:
+    def __init__(self, synthetic: SyntheticCriteo | EditedBatches, latency_s: float = 0.0) -> None:
         super().__init__(synthetic, latency_s)
 
 
 class TsvBatches(IterableDataset[Batch]):
-    """Iterable: the batches of ``tsv``, each ``latency_s`` late."""
+    """Iterable: the batches of ``tsv`` (or of an ``EditedBatches`` over one), each ``latency_s`` late."""
 
-    def __init__(self, tsv: CriteoTsv, latency_s: float = 0.0) -> None:
+    def __init__(self, tsv: CriteoTsv | EditedBatches, latency_s: float = 0.0) -> None:
         if latency_s < 0:
             raise ValueError(f"latency must be >= 0, got {latency_s}")
         self.tsv = tsv

@@ -62,6 +62,18 @@ evaluation so that no training batch is in flight at the switch (``evaluate.py``
 ``--record-batches FILE`` writes which batch the model ran at each step, training or evaluating
 (``record.py``).
 
+Non-finite steps: ``--on-nonfinite skip|raise`` (ours: the pipelines' ``on_nonfinite=``) rolls a
+step whose loss or gradients are not finite on some rank back on every rank (the fused embedding
+rows its batch touched and their optimizer state, the dense parameters, gradients and optimizer
+state), then trains on with the next batch (``skip``) or ends the run with one line naming the
+batch (``raise``); ``off``, the default, is upstream's behaviour: the NaN goes into the weights.
+``--poison-batch K`` gives each rank's ``K``-th batch (``--poison-rank R``: rank ``R``'s only)
+NaN dense features, ``--drop-batch K`` takes each rank's ``K``-th batch out of its data (both
+0-based counts of the batches a rank draws, ``data.EditedBatches``). ``--steps`` counts the
+batches each rank draws, a rolled-back step's too: ``--steps N --poison-batch K --on-nonfinite
+skip`` trains the very batches of ``--steps N-1 --drop-batch K`` and ends with the same weights;
+the summary says which steps were rolled back.
+
 Rank 0's first line says what runs where (pipeline, ranks as nodes x processes, backend, device),
 then it prints the plan (ours), shows a progress bar with the loss and the QPS (examples per
 second over all ranks), and a summary at the end; ``--json FILE`` also writes the summary.
@@ -77,6 +89,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import statistics
@@ -97,7 +110,7 @@ from tqdm import tqdm
 
 from examples.dlrm import checkpoint
 from examples.dlrm.checkpoint import CheckpointError, TrainState
-from examples.dlrm.data import CriteoTsv, SyntheticCriteo
+from examples.dlrm.data import CriteoTsv, EditedBatches, SyntheticCriteo
 from examples.dlrm.evaluate import EVAL_MODES, Evaluation, Evaluator, ValidationMetrics
 from examples.dlrm.loader import MapBatches, SyntheticBatches, TsvBatches, make_loader, shutdown_workers
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
@@ -110,7 +123,10 @@ from harness.dlrm import (
     unknown_options,
     upstream_unavailable,
 )
+from torchrec_swp import NonFiniteStep
 from torchrec_swp.data import GlobalMapSource, MapSource
+from torchrec_swp.engine.transaction import MODES as NONFINITE_MODES
+from torchrec_swp.engine.transaction import check_plan, ordered
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, load_plan
 from torchrec_swp.plans import default_plans
@@ -196,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--steps",
         type=int,
-        help=f"batches per rank (default: {STEPS}; with --autotune, {STEPS} more than its tuning takes at most; with "
+        help=f"batches per rank, those each rank draws (a step --on-nonfinite skip rolls back counts) "
+        f"(default: {STEPS}; with --autotune, {STEPS} more than its tuning takes at most; with "
         "--data-source global, what the epoch leaves for each rank)",
     )
     model.add_argument(
@@ -346,6 +363,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each rank appends a JSON line per batch the model runs (training or evaluating: which split, "
         "which batch, at which step) to FILE with .rank<r> before its suffix (see record.py)",
     )
+    bad = parser.add_argument_group("non-finite steps (ours: on_nonfinite=)")
+    bad.add_argument(
+        "--on-nonfinite",
+        choices=NONFINITE_MODES,
+        default="off",
+        help="ours: a step whose loss or gradients are not finite on some rank: off (upstream's behaviour: it is "
+        "trained as it is, the NaN goes into the weights), skip (rolled back on every rank: the fused embedding "
+        "rows its batch touched and their optimizer state, the dense parameters, gradients and optimizer state; "
+        "training goes on with the next batch, and --steps still counts it), raise (rolled back, then the run "
+        "ends with one line naming the batch) (default: %(default)s)",
+    )
+    bad.add_argument(
+        "--poison-batch",
+        type=int,
+        metavar="K",
+        help="ours: each rank's K-th batch gets NaN dense features (K counts the batches that rank draws from its "
+        "data, from 0, so 0 <= K < --steps): its step has a NaN loss and NaN gradients. With --on-nonfinite off the "
+        "run goes on and ends with NaN weights (upstream's behaviour); skip rolls that step back; raise ends the run",
+    )
+    bad.add_argument(
+        "--poison-rank",
+        type=int,
+        metavar="R",
+        help="ours, with --poison-batch: only rank R's K-th batch is poisoned (the step is rolled back on every rank)",
+    )
+    bad.add_argument(
+        "--drop-batch",
+        type=int,
+        metavar="K",
+        help="each rank's data without its K-th batch (0-based, 0 <= K < --steps; the ones after it move up): "
+        "--steps N --drop-batch K trains the batches that --steps N+1 --poison-batch K --on-nonfinite skip keeps",
+    )
     long = parser.add_argument_group("long jobs (see checkpoint.py)")
     long.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints into DIR")
     long.add_argument(
@@ -442,10 +491,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lookahead": args.lookahead is not None,
         "--input-dist-group": args.input_dist_group,
         "--autotune": args.autotune,
+        "--on-nonfinite": args.on_nonfinite != "off",
+        "--poison-batch": args.poison_batch is not None,
+        "--poison-rank": args.poison_rank is not None,
     }
     given = [flag for flag, value in ours_only.items() if value]
     if args.impl == "upstream" and given:
         parser.error(f"{', '.join(given)}: for our pipelines only (--impl ours)")
+    _check_nonfinite(parser, args)
     if args.plan and not args.plan.is_file():
         parser.error(f"--plan: no such file: {args.plan}")
     try:
@@ -459,7 +512,83 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_thread_map(args)
     except PlanError as e:
         parser.error(f"--thread-map: {e}")
+    _check_undoable(parser, args)
     return args
+
+
+def _check_nonfinite(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--on-nonfinite``, ``--poison-batch``, ``--poison-rank`` and ``--drop-batch`` hang together
+    (``--impl upstream`` was refused the ours-only ones before)."""
+    for flag, value in (("--poison-batch", args.poison_batch), ("--drop-batch", args.drop_batch)):
+        if value is None:
+            continue
+        if args.data_source == "global":
+            parser.error(
+                f"{flag}: not with --data-source global, whose epoch deals its batches to the ranks by step "
+                "(a rank's K-th batch depends on the number of ranks); use --data-source dataloader or map"
+            )
+        if not 0 <= value < args.steps:
+            parser.error(
+                f"{flag} {value}: out of range: each rank draws --steps {args.steps} batches, 0 to {args.steps - 1}"
+            )
+    if args.poison_rank is not None:
+        if args.poison_batch is None:
+            parser.error("--poison-rank: poisons rank R's batch of --poison-batch K: give --poison-batch")
+        if args.poison_rank < 0:
+            parser.error("--poison-rank must be >= 0")
+        if args.world_size is not None and args.poison_rank >= args.world_size:
+            last = args.world_size - 1
+            parser.error(f"--poison-rank {args.poison_rank}: the job has {args.world_size} ranks, 0 to {last}")
+    if "on_nonfinite" in args.options:
+        parser.error("--option on_nonfinite: give --on-nonfinite MODE")
+    kind = INFO[args.pipeline].kind
+    if args.on_nonfinite != "off":
+        if kind == "eval":
+            parser.error(f"--on-nonfinite {args.on_nonfinite}: {args.pipeline} evaluates only: no step to roll back")
+        if kind == "staged":
+            parser.error(
+                f"--on-nonfinite {args.on_nonfinite}: {args.pipeline}'s caller trains on the batch it hands out, "
+                "outside the pipeline's step: nothing the pipeline could roll back"
+            )
+        if args.autotune:
+            parser.error(
+                f"--on-nonfinite {args.on_nonfinite}: not with --autotune (the tuner's plans are not checked to be "
+                "undoable yet); choose one"
+            )
+    if args.poison_batch is not None and kind == "eval":
+        parser.error(f"--poison-batch: {args.pipeline} evaluates only: no training step to poison")
+
+
+def _check_undoable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """With ``--on-nonfinite skip|raise``, the plan that will run (``--plan``, ``--thread-map``,
+    ``--loads``, ``--lookahead`` applied) can be undone a batch at a time with the effects our
+    TorchRec pipelines capture: the library's check (``transaction.check_plan``), before anything
+    starts, with its message (the pipeline would raise it when built)."""
+    if args.on_nonfinite == "off" or args.impl == "upstream" or INFO[args.pipeline].kind != "train":
+        return  # (upstream's, the eval pipelines and StagedTrainPipeline were refused before)
+    from torch import nn
+
+    from torchrec_swp.integrations.torchrec.nonfinite import effects_for
+
+    # what a TorchRec pipeline captures (``_swp_transaction``): its effects' names, and those with
+    # nothing to capture whatever the model (a cache), the fused rows aside (the DLRM has fused tables)
+    probe = nn.Linear(1, 1)
+    effects, fused = effects_for(probe, torch.optim.SGD(probe.parameters(), lr=0.1), host=True)
+    fused.close()
+    empty = frozenset(n for n, e in effects.items() if e.empty and n != "fused_rows")
+    plan = args.plan_value if args.plan_value is not None else default_plans()[args.pipeline]
+
+    def check(p: PipelinePlan) -> PipelinePlan:
+        p = ordered(p, empty)
+        check_plan(p, effects, empty)
+        return p
+
+    try:
+        keywords = {k: v for k, v in engine_keywords(args).items() if k != "autotune"}
+        chosen = EngineOptions(thread_map=args.thread_map_value, **keywords).plan_for(plan, args.pipeline)
+        chosen.each(check) if isinstance(chosen, PhasedPlan) else check(chosen)
+    except (ValueError, PlanError) as e:
+        parser.error(f"--on-nonfinite {args.on_nonfinite}: our {args.pipeline} cannot roll its steps back: {e}")
 
 
 def _check_global(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -529,14 +658,16 @@ def _check_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
-    """``--loads``, ``--lookahead`` and ``--autotune`` as our pipelines' constructor keywords
-    (``loads=``, ``lookahead=``, ``autotune=``; EngineOptions); none for upstream's. The tuner's
-    lines go to stdout on rank 0 as it decides."""
+    """``--loads``, ``--lookahead``, ``--on-nonfinite`` and ``--autotune`` as our pipelines'
+    constructor keywords (``loads=``, ``lookahead=``, ``on_nonfinite=``, ``autotune=``;
+    EngineOptions); none for upstream's. The tuner's lines go to stdout on rank 0 as it decides."""
     if args.impl == "upstream":
         return {}
     keywords: dict[str, Any] = {"loads": args.loads} if args.loads != 1 else {}
     if args.lookahead is not None:
         keywords["lookahead"] = args.lookahead
+    if args.on_nonfinite != "off":
+        keywords["on_nonfinite"] = args.on_nonfinite
     if args.autotune:
         from torchrec_swp import Autotune
 
@@ -701,9 +832,14 @@ def thread_map_of(text: str | None) -> Any:
     return mapping
 
 
-def batches_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticCriteo | CriteoTsv:
-    """This rank's batches: Criteo TSV files or synthetic data."""
-    return _split(args, rank, world_size, "train")
+def batches_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticCriteo | CriteoTsv | EditedBatches:
+    """This rank's batches: Criteo TSV files or synthetic data; as this rank draws them
+    (``EditedBatches``) with ``--drop-batch`` or ``--poison-batch``."""
+    batches = _split(args, rank, world_size, "train")
+    poison = args.poison_batch if args.poison_rank in (None, rank) else None
+    if args.drop_batch is None and poison is None:
+        return batches
+    return EditedBatches(batches, drop=args.drop_batch, poison=poison)
 
 
 def held_out_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticCriteo | CriteoTsv:
@@ -717,6 +853,8 @@ def _split(args: argparse.Namespace, rank: int, world_size: int, split: str) -> 
     synthetic) or ``val`` (``--eval-batches``, from ``--eval-tsv`` or synthetic)."""
     size: DlrmSize = args.size
     files, count = (args.criteo_tsv, args.steps) if split == "train" else (args.eval_tsv, args.eval_batches)
+    if split == "train" and args.drop_batch is not None:
+        count += 1  # --steps of them once the dropped one is out
     shape = {"batch_size": size.batch_size, "num_embeddings": size.num_embeddings, "num_sparse": size.num_sparse}
     if split == "train" and args.data_source == "global":
         # one sequence for all ranks, which GlobalMapSource splits: rank 0's of a world of one
@@ -758,7 +896,7 @@ def evaluator_for(args: argparse.Namespace, runner: Any, rank: int, world_size: 
 def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticBatches | TsvBatches:
     """This rank's batches, for the StatefulDataLoader, with the loader latency."""
     batches, latency_s = batches_for(args, rank, world_size), args.loader_latency_ms / 1000
-    if isinstance(batches, CriteoTsv):
+    if isinstance(batches.source if isinstance(batches, EditedBatches) else batches, CriteoTsv):
         return TsvBatches(batches, latency_s)
     return SyntheticBatches(batches, latency_s)
 
@@ -806,6 +944,12 @@ def fingerprint(args: argparse.Namespace, world_size: int | None) -> dict[str, A
     }
     if args.data_source == "global":
         found["data"]["epoch_batches"] = args.epoch_batches
+    # the batches a rank draws (only where given: checkpoints of runs without them stay comparable)
+    if args.drop_batch is not None:
+        found["data"]["drop_batch"] = args.drop_batch
+    if args.poison_batch is not None:
+        found["data"]["poison_batch"] = args.poison_batch
+        found["data"]["poison_rank"] = args.poison_rank
     found["pipeline"] = f"{args.impl} {args.pipeline}"
     return found
 
@@ -837,6 +981,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     size: DlrmSize = args.size
     device: torch.device = args.device_value
+    if args.poison_rank is not None and args.poison_rank >= world_size:  # (launch.py's --check said so already)
+        raise ValueError(f"--poison-rank {args.poison_rank}: the job has {world_size} ranks, 0 to {world_size - 1}")
     fp = fingerprint(args, world_size) if args.checkpoint_dir else {}
     resume_from = None
     if args.checkpoint_dir:
@@ -927,8 +1073,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 print(_resize_line(written_on, world_size, loader), flush=True)
         if evaluator is not None:
             print(_eval_note(args, world_size), flush=True)
+        if (note := _nonfinite_note(args)) is not None:
+            print(note, flush=True)
         if args.impl == "ours":
             print(runner.pipeline.plan.format_schedule(runner.pipeline.plan.max_stage + 3))
+    if rank == 0 and args.on_nonfinite != "off":
+        _rollbacks_above_the_bar()
     profiler = None
     if args.profile_out:
         from torchrec_swp.profiler import TaskProfiler
@@ -963,6 +1113,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     postfix: dict[str, str] = {}
     trained = start_step
     data_ended = False
+    # the steps rolled back so far (a resume's pipeline carries those of the runs before it)
+    watch = args.on_nonfinite == "skip"
+    rolled_back = carried = len(runner.pipeline.skipped_steps) if watch else 0
     start = time.perf_counter()
 
     def evaluate() -> None:
@@ -1000,11 +1153,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             step_s.append(time.perf_counter() - t0)
             if recorder is not None and trained >= last_step - recorder.keep:
                 recorder.step(t0, t0 + step_s[-1])
-            losses.append(float(output[0]))
+            if watch and len(runner.pipeline.skipped_steps) > rolled_back:
+                rolled_back += 1  # this step was rolled back (on every rank): its loss is of no step kept
+                postfix["skipped"] = str(rolled_back)
+            else:
+                losses.append(float(output[0]))
             trained += 1
             if rank == 0:
                 recent = step_s[-20:]
-                postfix["loss"] = f"{statistics.fmean(losses[-20:]):.4f}"
+                postfix["loss"] = f"{statistics.fmean(losses[-20:]):.4f}" if losses else "-"
                 postfix["qps"] = f"{examples_per_step * len(recent) / sum(recent):,.0f}"
                 bar.set_postfix(postfix, refresh=False)
                 bar.update()
@@ -1050,6 +1207,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         shutdown_workers(it)
     wall = time.perf_counter() - start
     eval_s = sum(e.seconds for e in evaluated)
+    skipped = _skipped_on_ranks(runner, args, world_size)
     timeline = None
     if recorder is not None and recorder.steps:
         from examples.dlrm.picture import save_gantt
@@ -1105,6 +1263,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "loss_first": statistics.fmean(head) if losses else None,
         "loss_last": statistics.fmean(tail) if losses else None,
         "losses": losses,
+        "on_nonfinite": args.on_nonfinite,
+        "poison_batch": args.poison_batch,
+        "poison_rank": args.poison_rank,
+        "drop_batch": args.drop_batch,
+        "skipped": skipped,
+        "rolled_back": rolled_back - carried,  # of this run's steps (not in "losses")
         "timeline_png": timeline,
         "eval_every": args.eval_every,
         "eval_batches": args.eval_batches,
@@ -1115,6 +1279,71 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
         "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
     }
+
+
+def _nonfinite_note(args: argparse.Namespace) -> str | None:
+    """The header's line about non-finite steps and the edited data (None: nothing to say)."""
+    parts = []
+    if args.on_nonfinite == "skip":
+        parts.append(
+            "--on-nonfinite skip: a step not finite on some rank is rolled back on every rank and training goes on "
+            "(--steps counts it)"
+        )
+    elif args.on_nonfinite == "raise":
+        parts.append("--on-nonfinite raise: a step not finite on some rank is rolled back and ends the run")
+    if args.poison_batch is not None:
+        whose = "each rank's" if args.poison_rank is None else f"rank {args.poison_rank}'s"
+        parts.append(f"{whose} batch {args.poison_batch} poisoned (NaN dense features)")
+    if args.drop_batch is not None:
+        parts.append(f"each rank's batch {args.drop_batch} dropped from its data")
+    return "; ".join(parts) if parts else None
+
+
+def _rollbacks_above_the_bar() -> None:
+    """The pipeline's line about each rolled-back step (logger ``torchrec_swp.nonfinite``, at rank 0)
+    printed above the progress bar, on stdout, instead of through logging's last resort (stderr)."""
+
+    class AboveTheBar(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            tqdm.write(f"rolled back: {record.getMessage()}", file=sys.stdout)
+
+    log = logging.getLogger("torchrec_swp.nonfinite")
+    if not any(type(h).__name__ == "AboveTheBar" for h in log.handlers):
+        log.addHandler(AboveTheBar())
+        log.propagate = False
+
+
+def _skipped_on_ranks(runner: Any, args: argparse.Namespace, world_size: int) -> list[dict[str, Any]]:
+    """The steps rolled back (``--on-nonfinite``; a resume's include the runs' before it), the same
+    on every rank (collective where there is a transaction): each step's batch in its epoch, its
+    draw serial, and what was not finite on each rank (``not_finite[r]``, empty where rank r's
+    step was finite)."""
+    if args.impl != "ours" or args.on_nonfinite == "off":
+        return []
+    mine = [(v.batch, v.serial, list(v.what)) for v in runner.pipeline.skipped_steps]
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, mine)
+    return [
+        {"batch": batch, "serial": serial, "not_finite": [ranks[k][2] for ranks in every]}
+        for k, (batch, serial, _) in enumerate(every[0])
+    ]
+
+
+def _skipped_line(skipped: list[dict[str, Any]], shown: int = 5) -> str:
+    """The summary's line: how many steps were rolled back, which batches, what was not finite where."""
+    count = f"{len(skipped)} step{'s' if len(skipped) != 1 else ''}"
+    if not skipped:
+        return f"skipped: {count} (nothing was rolled back)"
+    items = []
+    for step in skipped[:shown]:
+        per_rank = step["not_finite"]
+        if all(what == per_rank[0] for what in per_rank):
+            items.append(f"batch {step['batch']}: {', '.join(per_rank[0])}")
+        else:
+            where = "; ".join(f"rank {r}: {', '.join(what)}" for r, what in enumerate(per_rank) if what)
+            items.append(f"batch {step['batch']}: {where}")
+    more = f"; and {len(skipped) - shown} more" if len(skipped) > shown else ""
+    return f"skipped: {count} rolled back on every rank ({'; '.join(items)}{more})"
 
 
 def rank_path(path: Path, rank: int | str) -> Path:
@@ -1266,6 +1495,15 @@ def print_summary(s: dict[str, Any]) -> None:
             "(steps after the first 10%)\n"
             f"  QPS: {s['steady_qps']:,.0f} examples/s at the median step, {s['qps']:,.0f} over the whole run\n"
             f"  loss: {s['loss_first']:.4f} (first 10% of steps) -> {s['loss_last']:.4f} (last 10%)"
+            + (" (the steps kept)" if s.get("rolled_back") else "")
+        )
+    if s.get("on_nonfinite", "off") != "off":
+        print("  " + _skipped_line(s["skipped"]))
+    elif bad := [k for k, loss in enumerate(s["losses"]) if not math.isfinite(loss)]:
+        steps = f"{len(bad)} step{'s' if len(bad) != 1 else ''}"
+        print(
+            f"  not finite: the loss of {steps}, the first at batch {s['start_step'] + bad[0]} (--on-nonfinite off: "
+            "trained as it was, upstream's behaviour; --on-nonfinite skip rolls such a step back)"
         )
     tuned = s.get("autotune")
     if tuned and tuned["switched"] and tuned["measured_ms"] is not None:
@@ -1321,7 +1559,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.data_source == "global"
             else f"{args.steps} steps"
         )
-        print(f"ok: {args.impl} {args.pipeline}, {length}" + (f", plan {args.plan}" if args.plan else ""))
+        print(
+            f"ok: {args.impl} {args.pipeline}, {length}"
+            + (f", plan {args.plan}" if args.plan else "")
+            + (f", on_nonfinite {args.on_nonfinite}" if args.on_nonfinite != "off" else "")
+        )
         return 0
     # a crash in native code (an abort, a segfault) prints every Python thread's stack to stderr
     faulthandler.enable()
@@ -1362,8 +1604,17 @@ def main(argv: list[str] | None = None) -> int:
         # the model, its pipeline and the process groups they hold go now, while the interpreter is
         # whole (cycles through the engine's task functions would otherwise keep them to its exit)
         gc.collect()
-    except (PipelineUnavailable, PlanError, CheckpointError, FileNotFoundError, ValueError, TypeError) as e:
-        # what a user can fix: one line, not a traceback per rank
+    except (
+        PipelineUnavailable,
+        PlanError,
+        CheckpointError,
+        FileNotFoundError,
+        ValueError,
+        TypeError,
+        NonFiniteStep,
+    ) as e:
+        # what a user can fix (a step rolled back with --on-nonfinite raise: which batch): one line, not a
+        # traceback per rank
         print(f"error: rank {dist.get_rank()}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         return 1
     finally:
