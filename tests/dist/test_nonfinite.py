@@ -11,8 +11,8 @@ only (every rank skips that step; the reference drops that step's batch on every
 
 The tables use row-wise Adagrad (a state per row, and a TBE step counter) and the dense optimizer is
 Adagrad (a state per parameter, a step count), so that every kind of captured state matters; the
-dense gradients are compared after every step (``dense_grads``: the step's ``ZeroGrad`` and
-``Backward`` change them). ``test_each_capture_is_needed`` removes one effect's capture at a time
+dense gradients are compared after every step (``dense_grads``: ``Backward`` changes them; after
+the rolled-back step they are as its ZeroGrad left them, cleared). ``test_each_capture_is_needed`` removes one effect's capture at a time
 and shows the run then differs from the reference.
 
 Every case of one world size runs in one pair of rank processes (``_all``), each test checks one.
@@ -284,8 +284,10 @@ def _differences(run: dict[str, Any], reference: dict[str, Any]) -> list[str]:
     for j, (a, b) in enumerate(zip(_without_k(run["outputs"]), reference["outputs"], strict=True)):
         if not (a is None or torch.equal(a, b)):
             found.append(f"output {j}")
-    # after the rolled-back step the gradients are those of the step before it
-    expected = reference["grads"][: K] + [reference["grads"][K - 1]] + reference["grads"][K:]
+    # after the rolled-back step the gradients are as its ZeroGrad left them (cleared: None), not
+    # the step before's, which that step's optimizer consumed (docs/nonfinite.md)
+    cleared = [[None] * len(reference["grads"][0])]
+    expected = reference["grads"][:K] + cleared + reference["grads"][K:]
     for j, (a, b) in enumerate(zip(run["grads"], expected, strict=True)):
         if any((x is None) != (y is None) or (x is not None and not torch.equal(x, y)) for x, y in zip(a, b)):
             found.append(f"grads after step {j}")

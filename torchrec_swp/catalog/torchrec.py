@@ -31,9 +31,9 @@ for it is the same; where a pipeline's function does more, its plan function add
 (``_declaring``: TrainPipelineBase's WaitBatch, PT2's Forward, the stashing pipelines' Forward and
 Backward). Moving data declares nothing: H2D (and Enqueue) advance upstream's ``_batch_count`` and
 context index, but those number the batches drawn, not the steps trained (a step undone does not
-undraw its batch), and they run batches ahead of the step. Eval pipelines forward only and declare
-nothing, but for EvalPipelineFusedSparseDist's ZeroGrad, which zeroes the gradients where the model
-is in training mode, as upstream's.
+undraw its batch), and they run batches ahead of the step. ZeroGrad declares none: it clears the
+gradients the previous step consumed, which a rolled-back step leaves cleared. Eval pipelines forward
+only and declare nothing.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ DENSE_STEP = ("dense_params", "dense_optim")
 #: What each task changes outside its batch's slot (module docstring), by task name; a task not
 #: named here changes nothing but its slot (``_table`` declares these; ``_declaring`` adds more).
 EFFECTS: dict[str, tuple[str, ...]] = {
-    # the optimizer's zero_grad(): .grad set to None (or zero)
-    "ZeroGrad": ("dense_grads",),
+    # ZeroGrad (the optimizer's zero_grad()) declares none: it clears the gradients the previous
+    # step's optimizer consumed, a rolled-back step leaves them cleared as the next step would, and
+    # restoring them would carry one accumulation window's gradients into the next. The dense
+    # gradients are captured before Backward, after the clear.
     # the backward: the dense gradients accumulate, and the fused TBE (optimizer in backward) updates
     # the rows the batch's ids touch and their optimizer state. SparseDist's also runs the 2D
     # (DMPCollection) sync of every replica's embeddings and fused optimizer state every N batches:
