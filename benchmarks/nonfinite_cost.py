@@ -13,7 +13,9 @@ interleaved call by call (``benchmarks/common.py``), with the default plan:
   verdict is read on the host: nothing is restored when it says finite);
 * ``skip, device selects``: the same with the GPU's path forced on the CPU: every restore is a
   ``torch.where`` on the verdict's tensor, whatever it says (what a GPU run does without
-  reading it on the host), so its CPU cost is an upper bound of that path's work.
+  reading it on the host), so its CPU cost is an upper bound of that path's work;
+* ``skip, no reduction`` (a diagnosis, not a mode: each rank would decide alone): ``skip``
+  without the verdict's all-reduce, to tell its cost from the captures' and checks'.
 
 Every contender must give the same loss at every step. Reported per contender: median and P90
 step time (rank 0), the ratio of its median to ``off``'s with the 95% bootstrap interval, the
@@ -38,7 +40,7 @@ from benchmarks.common import Contender, interleave, rank_setup, ratio_interval,
 from harness.dlrm_data import SIZES, batches
 
 PIPELINE = "TrainPipelineSparseDist"
-KINDS = ("off", "skip", "skip, device selects")
+KINDS = ("off", "skip", "skip, device selects", "skip, no reduction")
 
 
 def _nbytes(value: Any) -> int:
@@ -94,6 +96,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
                 meters[kind] = CaptureMeter(transaction)
                 if kind == "skip, device selects":
                     transaction.host = False  # the GPU's path: restores selected on the verdict's tensor
+                if kind == "skip, no reduction":
+                    transaction._reduce = None  # (diagnosis: what the verdict's all-reduce costs)
             contenders.append(Contender(kind, runner, batches(size, rank, total + 5)))
         interleave(contenders, args.warmup)
         for c in contenders:

@@ -1300,14 +1300,15 @@ def _nonfinite_note(args: argparse.Namespace) -> str | None:
 
 
 def _rollbacks_above_the_bar() -> None:
-    """The pipeline's line about each rolled-back step (logger ``torchrec_swp.nonfinite``, at rank 0)
+    """The pipeline's line about each rolled-back step (logger ``nonfinite.LOG``, at rank 0)
     printed above the progress bar, on stdout, instead of through logging's last resort (stderr)."""
 
     class AboveTheBar(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             tqdm.write(f"rolled back: {record.getMessage()}", file=sys.stdout)
 
-    log = logging.getLogger("torchrec_swp.nonfinite")
+    from torchrec_swp.integrations.torchrec.nonfinite import LOG as log
+
     if not any(type(h).__name__ == "AboveTheBar" for h in log.handlers):
         log.addHandler(AboveTheBar())
         log.propagate = False

@@ -31,7 +31,7 @@ from torch import nn
 from torchrec_swp.engine.transaction import Effect, Verdict, running_batch
 from torchrec_swp.plan import PlanError
 
-LOG = logging.getLogger("torchrec_swp.nonfinite")
+LOG = logging.getLogger(__name__)
 
 #: At most this many lookups of one module are kept between two captures (forward calls in
 #: training mode without a backward through the pipeline would otherwise pile up).
@@ -514,7 +514,7 @@ def effects_for(model: nn.Module, optimizer: Any, *, host: bool) -> tuple[dict[s
 
 
 def report_at_rank_0(rank: int, owner: str) -> Any:
-    """What tells of a rolled-back step: one line at rank 0 (logger ``torchrec_swp.nonfinite``)."""
+    """What tells of a rolled-back step: one line at rank 0 (logger ``LOG``: this module's name)."""
 
     def report(verdict: Verdict) -> None:
         if rank == 0:
