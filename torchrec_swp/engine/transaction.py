@@ -1,29 +1,33 @@
 """A training step as a transaction: declared effects captured, then committed or rolled back.
 
 A plan's task declares the state it changes outside its batch's slot (``PipelineTask.effects``,
-``torchrec_swp.plan.effects``). With a ``Transaction`` the engine runs each of a batch's tasks
-with an effect as
+``torchrec_swp.plan.effects``). With a ``Transaction`` the engine runs every task of a batch
+through ``wrap`` (``running_batch()`` tells hooks whose task runs), and one with an effect as
 
 * before the task, ``capture`` of each effect it declares that no earlier task of the batch
   declared: exactly what will change (``Effect``: the pipeline's, e.g. only the fused rows the
   batch's ids touch);
-* after the batch's **deciding task** (``decider``: of the tasks with effects, the one the batch
-  runs last), the verdict: the watched values of the batch's slot (its loss) and every effect's
-  new state (``Effect.finite``) are finite, reduced over the ranks (``reduce``: one collective,
-  issued inside the deciding task, whose comm-group ticket orders it with the plan's other
-  collectives); then every effect keeps its new state or gets its captured one back
-  (``Effect.restore``), selected on the verdict, so that on a GPU nothing waits for it on the host.
+* after the batch's **deciding task** (``decider``: of the tasks with effects that run for every
+  batch, the one the batch runs last), the verdict: the watched values of the batch's slot (its
+  loss) and every effect's new state (``Effect.changed``) checked (``nonfinite``: one fused check),
+  reduced over the ranks (``reduce``: one collective, issued inside the deciding task, whose
+  comm-group ticket orders it with the plan's other collectives); then every effect keeps its
+  new state or gets its captured one back (``Effect.restore``). On the host (``host``: the CPU)
+  the verdict is read at once; on a device every restore selects on it, nothing waits for it.
 
-What the verdict was reaches the host later (``Account``): at the next verdict, or when asked
-(``settled()``); a step rolled back is then counted, told (``report``, once per step) and, with
-``mode="raise"``, raised as ``NonFiniteStep`` on every rank alike, once the ``step()`` that
-trains the batch is over (``after_step``: the step is rolled back, the next call trains the next batch).
+On a device what the verdict was reaches the host later (``Account``): at the next verdict, or
+when asked (``settled()``); a step rolled back is then counted, told (``report``, once per step)
+and, with ``mode="raise"`` (read at once), raised as ``NonFiniteStep`` on every rank alike, once
+the ``step()`` that trains the batch is over (``after_step``: the step is rolled back, the next
+call trains the next batch).
 
 The rules a plan must keep for its batches to be undone one at a time (``check_plan``): its tasks
 with effects are of one stage and one thread, so that batch ``b``'s verdict comes before batch
-``b + 1``'s first capture (program order), and the deciding task is ordered among the collectives
-(in a comm group). A batch whose deciding task does not run (its guard says no) is committed
-when the next batch captures. Memory: the captures of one batch at a time.
+``b + 1``'s first capture (program order); none changes anything after the deciding task; the
+deciding task is ordered among the collectives (in a comm group; ``ordered`` puts it in
+``world`` and makes what waits for an effect wait for it too). A batch whose deciding task does
+not run (its guard says no) is committed when the next batch captures. Memory: the captures of
+one batch at a time.
 """
 
 from __future__ import annotations
