@@ -501,7 +501,8 @@ def effects_for(model: nn.Module, optimizer: Any, *, host: bool) -> tuple[dict[s
     """The effects a TorchRec pipeline's plan may declare, for its ``model`` and ``optimizer``
     (``host``: verdicts read on the host, the CPU); and the fused rows' hooks, to remove on close."""
     owned = dense_parameters(optimizer)
-    names = {id(p): n for n, p in model.named_parameters()}
+    named = list(model.named_parameters())  # (kept alive: a sharded module yields new objects, whose ids recur)
+    names = {id(p): n for n, p in named}
     fused = FusedRows(fused_lookups(model), host=host)
     effects: dict[str, Effect] = {
         "fused_rows": fused,
