@@ -12,8 +12,8 @@ only (every rank skips that step; the reference drops that step's batch on every
 The tables use row-wise Adagrad (a state per row, and a TBE step counter) and the dense optimizer is
 Adagrad (a state per parameter, a step count), so that every kind of captured state matters; the
 dense gradients are compared after every step (``dense_grads``: ``Backward`` changes them; after
-the rolled-back step they are as its ZeroGrad left them, cleared). ``test_each_capture_is_needed`` removes one effect's capture at a time
-and shows the run then differs from the reference.
+the rolled-back step they are as its ZeroGrad left them, cleared). ``test_each_capture_is_needed``
+removes one effect's capture at a time and shows the run then differs from the reference.
 
 Every case of one world size runs in one pair of rank processes (``_all``), each test checks one.
 """
@@ -110,12 +110,21 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
 
 
 def _run(
-    rank: int, world_size: int, name: str, batches: list[Any], *, inf_hook: bool = False, **options: Any
+    rank: int,
+    world_size: int,
+    name: str,
+    batches: list[Any],
+    *,
+    inf_hook: bool = False,
+    device_selects: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
     model, optimizer = _model(rank, world_size, name)
     if inf_hook:
         _inf_gradient_hook(model)
     pipeline = _factories()[name](model, optimizer, **options)
+    if device_selects:  # the GPU's path on the CPU: every restore a torch.where on the verdict's tensor
+        pipeline.engine.transaction.host = False
     outputs: list[Any] = []
     grads: list[list[torch.Tensor | None]] = []
     raised: list[str] = []
@@ -173,6 +182,9 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
     name = "SparseDist"
     out[(name, "inf gradient")] = _run(
         rank, world_size, name, _batches(rank, world_size, poison="inf"), inf_hook=True, on_nonfinite="skip"
+    )
+    out[(name, "device selects")] = _run(
+        rank, world_size, name, _batches(rank, world_size, poison="nan"), device_selects=True, on_nonfinite="skip"
     )
     out[(name, "raise")] = _run(rank, world_size, name, _batches(rank, world_size, poison="nan"), on_nonfinite="raise")
     if world_size > 1:
@@ -301,7 +313,7 @@ WORLDS = [pytest.param(1, id="1rank"), pytest.param(2, id="2ranks")]
 @pytest.mark.parametrize("name", ["SparseDist", "SparseDist.io_thread", "FusedSparseDist", "Prefetch", "BwdOpt"])
 def test_a_nan_batch_is_rolled_back_as_if_never_seen(world_size: int, name: str) -> None:
     if name == "BwdOpt" and (installed().release < (1, 9, 0) or world_size == 1):
-        pytest.skip("TrainPipelineSparseDistBwdOpt: new in TorchRec 1.9; on 1 rank its hook finds no grad, upstream's too")
+        pytest.skip("TrainPipelineSparseDistBwdOpt: new in TorchRec 1.9; on 1 rank upstream's own fails too")
     for rank, result in enumerate(_results(world_size)):
         run, reference = result[(name, "nan")], result[(name, "reference")]
         assert _differences(run, reference) == [], f"rank {rank} {name}"
@@ -341,7 +353,8 @@ def test_one_ranks_bad_batch_rolls_the_step_back_on_every_rank() -> None:
 def test_each_capture_is_needed(world_size: int, effect: str) -> None:
     """With one effect's restore removed, the run is no longer the run without batch K."""
     differences = [
-        _differences(r[("SparseDist", f"without {effect}")], r[("SparseDist", "reference")]) for r in _results(world_size)
+        _differences(r[("SparseDist", f"without {effect}")], r[("SparseDist", "reference")])
+        for r in _results(world_size)
     ]
     assert any(differences), f"removing {effect}'s restore changed nothing"
 
@@ -378,3 +391,13 @@ def test_what_cannot_be_undone_is_refused_in_one_line() -> None:
     if installed().has_pec:
         assert "task DeferNolGradLast (when=last) changes fused_rows after" in said["PEC"]
     assert all("\n" not in line for line in said.values())
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_the_gpu_path_rolls_back_the_same(world_size: int) -> None:
+    """The verdict kept on the device (``Transaction.host`` False, what a GPU run does): every
+    restore a ``torch.where`` on the reduced flags, read on the host a step later; the same run."""
+    for rank, result in enumerate(_results(world_size)):
+        run, reference = result[("SparseDist", "device selects")], result[("SparseDist", "reference")]
+        assert _differences(run, reference) == [], f"rank {rank}"
+        assert [b for b, _ in run["skipped"]] == [K] and "the losses" in run["skipped"][0][1]
