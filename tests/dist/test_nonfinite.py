@@ -260,6 +260,8 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
             model, optimizer, CPU, autotune=True, on_nonfinite="skip"
         ),
         "bad mode": lambda: torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, on_nonfinite="ignore"),
+        # nothing of an eval step changes what outlives it: accepted, nothing to undo
+        "eval": lambda: torchrec_swp.EvalPipelineSparseDist(model, optimizer, CPU, on_nonfinite="skip"),
     }
     if installed().has_pec:
         from harness.pec_model import build_pec_model
@@ -388,6 +390,7 @@ def test_what_cannot_be_undone_is_refused_in_one_line() -> None:
     assert said["bad mode"] == (
         "ValueError: TrainPipelineSparseDist: on_nonfinite must be one of 'off', 'skip', 'raise', got 'ignore'"
     )
+    assert said["eval"] == "accepted"
     if installed().has_pec:
         assert "task DeferNolGradLast (when=last) changes fused_rows after" in said["PEC"]
     assert all("\n" not in line for line in said.values())
