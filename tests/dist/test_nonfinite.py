@@ -39,6 +39,7 @@ from torchrec_swp.integrations.torchrec.compat import installed
 pytestmark = [pytest.mark.multiprocess, pytest.mark.every_release]
 
 N, K = 10, 4  # batches per rank, the poisoned one
+WINDOW_START = 3  # with windows of 3, the first micro-batch of the second window
 SENTINEL = 7777.0  # a dense feature that marks the batch whose gradient the hook makes Inf
 CPU = torch.device("cpu")
 EFFECTS = ("fused_rows", "dense_grads", "dense_params", "dense_optim")
@@ -194,6 +195,7 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
     out[("refusals",)] = _refusals(rank, world_size)
     out[("SemiSync", "nan")] = _stepwise(rank, world_size, "SemiSync")
     out[("accumulation", "nan")] = _stepwise(rank, world_size, "accumulation")
+    out[("accumulation", "window start")] = _stepwise(rank, world_size, "accumulation", k=WINDOW_START)
     for effect in EFFECTS:  # each capture removed in turn: the restore then puts nothing back
         classes = {
             "fused_rows": nonfinite.FusedRows,
@@ -213,7 +215,7 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
     return out
 
 
-def _stepwise(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+def _stepwise(rank: int, world_size: int, kind: str, k: int = K) -> dict[str, Any]:
     """Batch K poisoned, the state after each step: TrainPipelineSemiSync in its semi-synchronous
     phase from batch 1 (``kind="SemiSync"``), or GradientAccumulationWrapper over
     TrainPipelineSparseDist, windows of 3 (``"accumulation"``: K is a window's second micro-batch)."""
@@ -227,7 +229,9 @@ def _stepwise(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, on_nonfinite="skip")
         config = torchrec_swp.GradientAccumulationConfig(num_steps=3)
         stepper = torchrec_swp.GradientAccumulationWrapper(pipeline, optimizer, model, config)
-    states, it = [], iter(_batches(rank, world_size, poison="nan"))
+    batches = make_batches(rank, world_size, N, 0)
+    batches[k].float_features[0, 0] = math.nan
+    states, it = [], iter(batches)
     with record_losses(model) as losses:
         while True:
             try:
@@ -404,3 +408,17 @@ def test_the_gpu_path_rolls_back_the_same(world_size: int) -> None:
         run, reference = result[("SparseDist", "device selects")], result[("SparseDist", "reference")]
         assert _differences(run, reference) == [], f"rank {rank}"
         assert [b for b, _ in run["skipped"]] == [K] and "the losses" in run["skipped"][0][1]
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_a_windows_first_micro_batch_rolled_back_leaves_no_gradient_behind(world_size: int) -> None:
+    """The accumulation wrapper, the window's first micro-batch rolled back: the gradients are as
+    its ZeroGrad left them (cleared), not the previous window's (already stepped), which its next
+    micro-batch would otherwise add onto; weights and optimizer state as before the step."""
+    for rank, result in enumerate(_results(world_size)):
+        states = result[("accumulation", "window start")]["states"]
+        before, after = states[WINDOW_START - 1], states[WINDOW_START]
+        assert any(key.startswith("grad ") for key in before), "the previous window left gradients"
+        assert not any(key.startswith("grad ") for key in after), f"rank {rank}: gradients carried over"
+        assert [k for k in before if not k.startswith("grad ") and not torch.equal(before[k], after[k])] == []
+        assert all(bool(torch.isfinite(v).all()) for v in states[-1].values() if v.is_floating_point())
