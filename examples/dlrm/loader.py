@@ -30,8 +30,10 @@ DataLoader's position.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Iterator
+from multiprocessing.context import BaseContext
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -109,6 +111,19 @@ def _whole_batch(item: Batch) -> Batch:
     return item
 
 
+def _workers_context() -> BaseContext:
+    """Where worker processes come from: a fork server (one clean process per rank, the loader's
+    modules imported once, workers forked from it), not a fork of the rank itself. A rank runs
+    threads (gloo's, the engine's, a previous loader's queue feeders); a worker forked while one
+    of them held a lock inherits it held: torch's shared-tensor cache lock, taken by the feeder
+    thread that sends a worker its start state while the next worker is forked, left a worker hung
+    at its exit and its rank waiting for a batch (tests/dist/test_checkpoint_resume.py, SemiSync
+    with 2 workers after six runs in one process)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def make_loader(
     dataset: SyntheticBatches | TsvBatches, *, num_workers: int = 0, device: torch.device | None = None
 ) -> StatefulDataLoader:
@@ -126,6 +141,7 @@ def make_loader(
         num_workers=num_workers,
         collate_fn=_whole_batch,
         pin_memory=device is not None and device.type == "cuda",
+        multiprocessing_context=_workers_context() if num_workers else None,
     )
 
 
