@@ -8,6 +8,7 @@ ranks is tested in tests/dist/test_uneven_data.py."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torchrec_swp
 from tests.unit.test_engine_options import Summing, build
 from torchrec_swp.data import MapSource
-from torchrec_swp.engine import exhaustion
+from torchrec_swp.engine import exhaustion, source
 from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.integrations.torchrec import pipelines
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
@@ -100,6 +101,29 @@ def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
     assert drew_on_caller == (options == {}), (options, set(sync.threads))
 
 
+def test_a_task_that_found_its_batch_in_flight_before_another_thread_retracts_it_does_not_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The io thread's next draw settles batch 10's "no" and retracts it while the main thread's
+    first task of batch 10 has found it in flight: that task must still see the retraction (a
+    slow retraction widens the window; before the gate kept the retracted batch it ran batch 10
+    in nearly every epoch)."""
+    retract = source.Source.retract
+
+    def slow(self: source.Source, b: int, book: Any) -> None:
+        time.sleep(0.003)
+        retract(self, b, book)
+
+    monkeypatch.setattr(source.Source, "retract", slow)
+    sync = PeerSync(10)
+    monkeypatch.setattr(ExhaustionSync, "create", classmethod(lambda cls, owner, timeout_s, required=True: sync))
+    reference, ref_weights, _ = epochs([10] * 6, sync_dataloader_exhaustion=False)
+    runs, weights, pipeline = epochs([13] * 6, MapSource, sync_dataloader_exhaustion=True, thread_map="io", lookahead=2)
+    assert [stop for _, stop in runs] == [10] * 6
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert pipeline.batch_ledger.trained == 60
+
+
 @pytest.mark.parametrize("option", [False, None], ids=["off", "default-without-a-process-group"])
 def test_without_the_sync_nothing_agrees_and_the_data_ends_where_it_ends(option: bool | None) -> None:
     assert not torch.distributed.is_initialized()
@@ -165,7 +189,8 @@ def test_a_deferred_agreement_retracts_the_batch_a_peer_lacks_and_nothing_after_
     assert sync.begin(1, pull, lambda: retracted.append(1)) == 1  # the open one settled first
     assert sync.log == ["issue 1", "wait 1", "issue 1"] and sync.gated_from == 1
     assert sync.begin(2, pull, lambda: retracted.append(2)) == 2  # the peer has no batch 2
-    assert sync.settle() is False and retracted == [2] and sync.gated_from == exhaustion.NEVER
+    assert sync.settle() is False and retracted == [2]
+    assert sync.gated_from == 2  # still gated: a task that saw batch 2 in flight asks again
     # a draw that began before the retraction was seen: nothing pulled, nothing issued
     issued = len(sync.log)
     with pytest.raises(StopIteration):

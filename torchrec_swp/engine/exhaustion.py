@@ -80,8 +80,9 @@ class ExhaustionSync:
         self.group = group
         self.calls = 0
         self.seconds: dict[str, float] = {}
-        #: the batch of the open agreement where this rank had it (NEVER: none): a task of batch
-        #: ``b >= gated_from`` settles it before it runs; read without the lock (one int)
+        #: the batch of the open agreement where this rank had it, else the batch retracted last
+        #: (NEVER: neither): a task of batch ``b >= gated_from`` settles before it runs; read
+        #: without the lock (one int), so it leaves a retracted batch only for the next agreement
         self.gated_from = NEVER
         self._open: _Open | None = None
         self._last: _Open | None = None  # the last settled: its work and tensor outlive the gloo thread's use
@@ -155,12 +156,14 @@ class ExhaustionSync:
             if self._checker is not None:
                 self._checker.cpu_acquire(open_.key)
             self._open, self._last = None, open_
-            self.gated_from = NEVER
             if open_.have and not bool(open_.flag.item()):
+                # gated_from stays at the retracted batch: a task of it that found it in flight
+                # before the retraction reads the gate after, settles (nothing open) and asks again
                 self._retracted = open_.batch
                 if open_.retract is not None:
                     open_.retract()
                 return False
+            self.gated_from = NEVER
             return True
 
     def finish(self) -> None:
