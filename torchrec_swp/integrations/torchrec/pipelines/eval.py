@@ -6,12 +6,15 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
 
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
+from torchrec_swp.integrations.torchrec import input_dist_cache
+from torchrec_swp.integrations.torchrec.input_dist_cache import InputDistCache
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -37,7 +40,28 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
     Differences: batch 0's input dist is started once (upstream starts it twice and discards
     the first result); the loader appends each batch and its context to ``batches``/``contexts``
     when it loads it, so between calls they hold batches i+1 and i+2 (upstream: i+1).
+
+    ``input_dist_cache_mb`` (ours; default None: off): evaluating the same held-out batches
+    again reuses their input dist, kept from the first time under this many MiB per rank
+    (``torchrec_swp.integrations.torchrec.input_dist_cache``: keyed by each batch's content,
+    agreed by every rank; same outputs). ``input_dist_cache`` holds it (``stats()``); it
+    outlives ``reset()``. Every rank must build its eval pipelines in the same order (the
+    agreement's gloo group is made here, where ranks > 1).
     """
+
+    def __init__(self, *args: Any, input_dist_cache_mb: float | None = None, **kwargs: Any) -> None:
+        self.input_dist_cache: InputDistCache | None = None
+        super().__init__(*args, **kwargs)
+        if input_dist_cache_mb is None:
+            return
+        owner = type(self).__name__
+        if isinstance(input_dist_cache_mb, bool) or not isinstance(input_dist_cache_mb, (int, float)):
+            raise TypeError(f"{owner}: input_dist_cache_mb must be a number of MiB or None, got {input_dist_cache_mb!r}")
+        group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.new_group(backend="gloo")
+            self._swp_teardown().group(group)
+        self.input_dist_cache = InputDistCache(int(input_dist_cache_mb * 2**20), group, owner)
 
     def _swp_default_plan(self) -> PipelinePlan:
         return catalog.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
@@ -48,6 +72,21 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         binds = self._swp_engine.draws is None
         self._swp_check_progress(dataloader_iter, read=binds)
         return self._swp_engine.step(dataloader_iter if binds else None)
+
+    def start_sparse_data_dist(self, batch: In | None, context: Any) -> None:
+        cache = self.input_dist_cache
+        if cache is None or batch is None:
+            super().start_sparse_data_dist(batch, context)
+            return
+        start = super().start_sparse_data_dist
+        cache.start(self._pipelined_modules, self._pipelined_postprocs, context, lambda: start(batch, context))
+
+    def wait_sparse_data_dist(self, context: Any) -> None:
+        cache = self.input_dist_cache
+        if cache is None:
+            super().wait_sparse_data_dist(context)
+            return
+        cache.wait(context, lambda: super(EvalPipelineSparseDist, self).wait_sparse_data_dist(context))
 
     def reset(self) -> None:
         super().reset()
@@ -69,8 +108,10 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         # what upstream's DataLoadingThread does for one batch (the draw is Fetch's with loads=);
         # the engine has entered the memcpy stream.
         batch = self._task_fetch(b, data) if data is not None else host
-        batch = batch.to(self._device, non_blocking=True)
         context = self._create_context()
+        if self.input_dist_cache is not None:
+            input_dist_cache.mark(context, batch)  # the key of the batch as loaded, on the host
+        batch = batch.to(self._device, non_blocking=True)
         self.batches.append(batch)
         self.contexts.append(context)
         return batch, context
