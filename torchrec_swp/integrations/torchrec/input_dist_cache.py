@@ -196,9 +196,21 @@ class InputDistCache:
     """The input dists of batches seen before, reused (module docstring). ``group``: the gloo
     group of the agreement (None: one rank); ``max_bytes``: the cap."""
 
+    @classmethod
+    def create(cls, megabytes: Any, owner: str) -> InputDistCache:
+        """The cache of pipeline ``owner`` (``input_dist_cache_mb=megabytes``), with the
+        agreement's gloo group where ranks > 1 (a collective: every rank builds its pipelines in
+        the same order). TypeError or ValueError in one line for a cap that is not a number >= 0."""
+        if isinstance(megabytes, bool) or not isinstance(megabytes, (int, float)):
+            raise TypeError(f"{owner}: input_dist_cache_mb must be a number of MiB or None, got {megabytes!r}")
+        if not megabytes >= 0 or megabytes == float("inf"):
+            raise ValueError(f"{owner}: input_dist_cache_mb must be a finite number >= 0, got {megabytes!r}")
+        group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.new_group(backend="gloo")
+        return cls(int(megabytes * 2**20), group, owner)
+
     def __init__(self, max_bytes: int, group: dist.ProcessGroup | None, owner: str) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"{owner}: input_dist_cache_mb must be >= 0, got {max_bytes / 2**20:g}")
         self.max_bytes = max_bytes
         self.group = group
         self._owner = owner

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
@@ -52,16 +51,11 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
     def __init__(self, *args: Any, input_dist_cache_mb: float | None = None, **kwargs: Any) -> None:
         self.input_dist_cache: InputDistCache | None = None
         super().__init__(*args, **kwargs)
-        if input_dist_cache_mb is None:
-            return
-        owner = type(self).__name__
-        if isinstance(input_dist_cache_mb, bool) or not isinstance(input_dist_cache_mb, (int, float)):
-            raise TypeError(f"{owner}: input_dist_cache_mb must be a number of MiB or None, got {input_dist_cache_mb!r}")
-        group = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            group = dist.new_group(backend="gloo")
-            self._swp_teardown().group(group)
-        self.input_dist_cache = InputDistCache(int(input_dist_cache_mb * 2**20), group, owner)
+        if input_dist_cache_mb is not None:
+            cache = InputDistCache.create(input_dist_cache_mb, type(self).__name__)
+            if cache.group is not None:
+                self._swp_teardown().group(cache.group)
+            self.input_dist_cache = cache
 
     def _swp_default_plan(self) -> PipelinePlan:
         return catalog.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
