@@ -110,9 +110,8 @@ def evaluate(cache: InputDistCache, modules: list[Any], batches: list[Any], post
 
         cache.start(modules, postprocs, context, start)
         cache.wait(context, wait)
-        got.append(
-            [(context.module_contexts.pop(n), context.input_dist_tensors_requests.pop(n).wait()) for n in names(modules)]
-        )
+        requests = context.input_dist_tensors_requests
+        got.append([(context.module_contexts.pop(n), requests.pop(n).wait()) for n in names(modules)])
     return got
 
 
