@@ -47,6 +47,7 @@ def dlrm(
     eval_every: int = 0,
     eval_batches: Optional[int] = None,  # noqa: UP045 - see the import
     eval_mode: str = "",
+    input_dist_cache_mb: Optional[float] = None,  # noqa: UP045 - see the import
     json: str = "",
     cpu: int = 2,
     memMB: int = 4096,
@@ -77,6 +78,8 @@ def dlrm(
         eval_batches: held-out batches per rank of each evaluation (default: train.py's, 10); with eval_every only
         eval_mode: pipeline (an EvalPipelineSparseDist beside the training pipeline) or hybrid (the training
             pipeline, TrainEvalHybridPipelineBase, in eval mode); "": train.py's default
+        input_dist_cache_mb: ours, eval_mode pipeline: evaluations after the first reuse the held-out batches'
+            input dist, kept under this many MiB per rank
         json: rank 0 writes the summary to this file ("" for none)
         cpu: CPUs of the job (a resource request; local_cwd does not enforce it)
         memMB: memory of the job in MB (a resource request; local_cwd does not enforce it)
@@ -108,6 +111,8 @@ def dlrm(
         args += ["--eval-batches", str(eval_batches)]
     if eval_mode:
         args += ["--eval-mode", eval_mode]
+    if input_dist_cache_mb is not None:
+        args += ["--input-dist-cache-mb", str(input_dist_cache_mb)]
     if json:
         args += ["--json", json]
     env = {"OMP_NUM_THREADS": "1", "PET_MAX_RESTARTS": str(max_retries)}

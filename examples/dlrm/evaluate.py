@@ -128,15 +128,31 @@ class SeparatePipeline:
     SHARES_TRAINING_PIPELINE = False
 
     def __init__(
-        self, impl: str, train_pipeline: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Any
+        self,
+        impl: str,
+        train_pipeline: Any,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: Any,
+        input_dist_cache_mb: float | None = None,
     ) -> None:
-        if impl == "ours":
-            from torchrec_swp import EvalPipelineSparseDist
-        else:
-            from torchrec.distributed.train_pipeline.train_pipelines import EvalPipelineSparseDist
         self._train = train_pipeline
         self._model = model
-        self._pipeline = EvalPipelineSparseDist(model, optimizer, device)
+        if impl == "ours":
+            from torchrec_swp import EvalPipelineSparseDist
+
+            self._pipeline = EvalPipelineSparseDist(model, optimizer, device, input_dist_cache_mb=input_dist_cache_mb)
+        else:
+            from torchrec.distributed.train_pipeline.train_pipelines import EvalPipelineSparseDist
+
+            if input_dist_cache_mb is not None:
+                raise ValueError("input_dist_cache_mb: upstream's EvalPipelineSparseDist has no input dist cache")
+            self._pipeline = EvalPipelineSparseDist(model, optimizer, device)
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """The eval pipeline's input dist cache on this rank (``--input-dist-cache-mb``), or None."""
+        cache = getattr(self._pipeline, "input_dist_cache", None)
+        return None if cache is None else cache.stats()
 
     def evaluate(self, batches: Iterable[Any], each: Callable[[Any], None]) -> int:
         """Evaluate ``batches`` (each exactly once), calling ``each(output)`` with the eval
@@ -354,6 +370,11 @@ class Evaluator:
         )
         self.evaluations.append(found)
         return found
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """The input dist cache of the evaluations on this rank, or None (none asked for)."""
+        stats = getattr(self._mode, "cache_stats", None)
+        return None if stats is None else stats()
 
     @property
     def last(self) -> Evaluation | None:

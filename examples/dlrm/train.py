@@ -357,6 +357,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"(default: hybrid with --pipeline {HYBRID_PIPELINE}, else pipeline)",
     )
     val.add_argument(
+        "--input-dist-cache-mb",
+        type=float,
+        metavar="MB",
+        help="with --eval-mode pipeline: evaluations after the first reuse the held-out batches' input dist, kept "
+        "under MB MiB per rank (the eval pipeline's input_dist_cache_mb; same AUC and NE; docs/input_dist_cache.md)",
+    )
+    val.add_argument(
         "--record-batches",
         type=Path,
         metavar="FILE",
@@ -704,6 +711,8 @@ def _check_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             )
             if value
         ]
+        if args.input_dist_cache_mb is not None:
+            given.append("--input-dist-cache-mb")
         if given:
             parser.error(f"{', '.join(given)}: no evaluation without --eval-every N")
         return
@@ -713,6 +722,14 @@ def _check_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.eval_mode = "hybrid" if args.pipeline == HYBRID_PIPELINE else "pipeline"
     if args.eval_batches == 0:
         parser.error(f"--eval-every {args.eval_every}: no held-out data to evaluate on (--eval-batches 0)")
+    if args.input_dist_cache_mb is not None:
+        if args.eval_mode != "pipeline" or args.impl != "ours":
+            parser.error(
+                "--input-dist-cache-mb: the cache is our EvalPipelineSparseDist's (--eval-mode pipeline, --impl "
+                f"ours), not --eval-mode {args.eval_mode} --impl {args.impl}"
+            )
+        if not 0 <= args.input_dist_cache_mb < float("inf"):
+            parser.error(f"--input-dist-cache-mb must be a finite number >= 0, got {args.input_dist_cache_mb:g}")
     if args.eval_tsv and not args.criteo_tsv:
         parser.error("--eval-tsv: held-out Criteo files go with --criteo-tsv (synthetic data holds out its own split)")
     if args.criteo_tsv and not args.eval_tsv:
@@ -879,7 +896,8 @@ def evaluator_for(args: argparse.Namespace, runner: Any, rank: int, world_size: 
         TsvBatches(held_out, latency_s) if isinstance(held_out, CriteoTsv) else SyntheticBatches(held_out, latency_s)
     )
     loader = make_loader(dataset, device=device)
-    mode = EVAL_MODES[args.eval_mode](args.impl, runner.pipeline, runner.model, runner.optimizer, device)
+    cache = {} if args.input_dist_cache_mb is None else {"input_dist_cache_mb": args.input_dist_cache_mb}
+    mode = EVAL_MODES[args.eval_mode](args.impl, runner.pipeline, runner.model, runner.optimizer, device, **cache)
     metrics = ValidationMetrics(
         world_size=world_size, rank=rank, batch_size=args.size.batch_size, num_batches=len(held_out)
     )
@@ -1276,6 +1294,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "evaluations": [asdict(e) for e in evaluator.evaluations] if evaluator is not None else [],
         "val_auc": evaluator.last.auc if evaluator is not None and evaluator.last else None,
         "val_ne": evaluator.last.ne if evaluator is not None and evaluator.last else None,
+        "input_dist_cache": evaluator.cache_stats() if evaluator is not None else None,
         "weights_sha256": _all_ranks_sha256(state.local_sha256("model")),
         "optimizers_sha256": _all_ranks_sha256(state.local_sha256("optimizers")),
     }
@@ -1482,6 +1501,19 @@ def _all_ranks_sha256(local: str) -> str:
     return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
+def _cache_line(c: dict[str, Any]) -> str:
+    """The summary's line about the evaluations' input dist cache (rank 0's)."""
+    if c["disabled"]:
+        return f"input dist cache: off for this model ({c['disabled']})"
+    seen = c["hits"] + c["misses"]
+    per = f", {1e3 * c['saved_s'] / c['hits']:.2f} ms host time saved per reused batch" if c["hits"] else ""
+    full = f"; {c['not_kept']} did not fit under the cap" if c["not_kept"] else ""
+    return (
+        f"input dist cache: {c['hits']} of {seen} held-out batches reused their input dist{per} "
+        f"({c['entries']} kept, {c['bytes'] / 2**20:.2f} of {c['max_bytes'] / 2**20:g} MiB on rank 0{full})"
+    )
+
+
 def print_summary(s: dict[str, Any]) -> None:
     end = s["start_step"] + s["steps"]
     resumed = f" (steps {s['start_step'] + 1}..{end})" if s["start_step"] else ""
@@ -1533,6 +1565,8 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  validation: AUC {s['val_auc']:.4f}, NE {s['val_ne']:.4f} after step {last['step']} "
             f"({count} evaluation{'s' if count != 1 else ''}, {s['eval_s']:.1f}s of this run's time, not in the QPS)"
         )
+    if cache := s.get("input_dist_cache"):
+        print("  " + _cache_line(cache))
     print(f"  weights: sha256 {s['weights_sha256'][:16]} (all ranks' shards)")
     if s.get("timeline_png"):
         print(f"  timeline: {s['timeline_png']} (the last steps as a Gantt chart, one row per thread)")
