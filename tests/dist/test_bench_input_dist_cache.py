@@ -20,7 +20,8 @@ def test_the_benchmark_compares_equal_outputs_and_reports_the_reuse(tmp_path: Pa
     for rank in found["ranks"]:
         assert rank["same_outputs"] is True
         assert [row["label"] for row in rank["rows"]] == list(input_dist_cache.KINDS)
-        cache = rank["cache"]
-        assert (cache["entries"], cache["hits"], cache["misses"]) == (3, 2 * 3, 3)
+        for kind, cache in rank["cache"].items():
+            assert (cache["entries"], cache["hits"], cache["misses"]) == (3, 2 * 3, 3), kind
+        assert rank["cache"]["ours, cached"]["carried"] == 9 and rank["cache"]["ours, cached, own agreement"]["carried"] == 0
     table = capsys.readouterr().out
     assert "| ours, cached |" in table and "same outputs as upstream in every evaluation: yes" in table

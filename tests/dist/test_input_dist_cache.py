@@ -7,8 +7,10 @@ before each evaluation after the first (so every evaluation sees other weights),
 example alternates them (attach, evaluate until StopIteration, detach, reset). Compared with the
 same run without the cache, bit for bit: every evaluation's outputs and the final weights. The
 sharded modules' ``input_dist`` is counted: ``N`` calls per module with the cache (the first
-evaluation), ``4 N`` without. With a cap that keeps nothing on rank 1 only, no batch is reused
-on any rank (their agreement), none hangs, and the outputs are the same again.
+evaluation), ``4 N`` without. On 2 ranks the ranks agree on each reuse in the agreement the
+draws make anyway (``sync_dataloader_exhaustion``), and with that turned off in a collective of
+the cache's own. With a cap that keeps nothing on rank 1 only, no batch is reused on any rank
+(their agreement), none hangs, and the outputs are the same again.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ EVALS = 4
 CPU = torch.device("cpu")
 
 
-def _run(rank: int, world_size: int, cache_mb: float | None) -> dict[str, Any]:
+def _run(rank: int, world_size: int, cache_mb: float | None, **options: Any) -> dict[str, Any]:
     from torchrec_swp import EvalPipelineSparseDist
 
     model, optimizer = build_model(rank, world_size, seed=3)
@@ -46,7 +48,7 @@ def _run(rank: int, world_size: int, cache_mb: float | None) -> dict[str, Any]:
                 return _original(*args, **kwargs)
 
             module.input_dist = counted  # type: ignore[method-assign]
-    pipeline = EvalPipelineSparseDist(model, optimizer, CPU, input_dist_cache_mb=cache_mb)
+    pipeline = EvalPipelineSparseDist(model, optimizer, CPU, input_dist_cache_mb=cache_mb, **options)
     evaluations, dists = [], []
     try:
         for e in range(EVALS):
@@ -77,8 +79,14 @@ def _run(rank: int, world_size: int, cache_mb: float | None) -> dict[str, Any]:
 
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
-    caps: dict[str, float | None] = {"off": None, "on": 64.0, "rank 1 keeps nothing": 64.0 if rank == 0 else 0.0}
-    return {name: _run(rank, world_size, cap) for name, cap in caps.items()}
+    runs = {
+        "off": _run(rank, world_size, None),
+        "on": _run(rank, world_size, 64.0),
+        "rank 1 keeps nothing": _run(rank, world_size, 64.0 if rank == 0 else 0.0),
+    }
+    if world_size > 1:  # without the draws' agreement, the cache's own
+        runs["on, own agreement"] = _run(rank, world_size, 64.0, sync_dataloader_exhaustion=False)
+    return runs
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
@@ -107,6 +115,12 @@ def test_the_held_out_set_is_distributed_once_and_evaluates_the_same(runs: list[
         assert (stats["hits"], stats["misses"], stats["entries"], stats["not_kept"]) == ((EVALS - 1) * N, N, N, 0)
         assert 0 < stats["bytes"] <= stats["max_bytes"] and stats["disabled"] is None
         assert stats["saved_s"] > 0
+        # on 2 ranks the reuse is agreed in the draws' agreement (sync_dataloader_exhaustion), else alone
+        assert stats["carried"] == (EVALS * N if len(runs) > 1 else 0) and stats["agree_s"] == 0.0
+        if len(runs) > 1:
+            own = run["on, own agreement"]
+            _equal(own, off)
+            assert own["dists"] == on["dists"] and own["stats"]["carried"] == 0 and own["stats"]["hits"] == 3 * N
 
 
 def test_a_rank_that_cannot_keep_a_batch_makes_every_rank_distribute_it(runs: list[dict[str, Any]]) -> None:

@@ -96,7 +96,7 @@ def evaluate(cache: InputDistCache, modules: list[Any], batches: list[Any], post
     got = []
     for b in batches:
         context = Context()
-        cache_module.mark(context, b)
+        cache.mark(context, b)
 
         def start(context: Context = context) -> None:
             for m in modules:
@@ -193,3 +193,36 @@ def test_a_cap_that_is_not_a_number_of_mib_is_refused_in_one_line(value: Any, er
         InputDistCache.create(value, "Eval")
     assert "\n" not in str(info.value)
     assert InputDistCache.create(0, "Eval").max_bytes == 0
+
+
+# ------------------------------------------------------------------ the agreement carried by the draw's
+def drawn(cache: InputDistCache, batches: list[Any], peer_has: bool) -> list[Any]:
+    """What the draw does for each batch: ``carry``, then the draw's agreement settled (a peer
+    that has it or not); the batches as drawn."""
+    for b in batches:
+        carried = cache.carry(b)
+        carried.every = carried.mine and peer_has
+    return batches
+
+
+def test_where_the_draw_carries_the_flag_no_collective_of_its_own_is_made() -> None:
+    modules = [ShardedEmbeddingBagCollection("a")]
+    cache = InputDistCache(1 << 20, None, "Eval")
+    cache._agree = lambda have: pytest.fail("a collective of its own")  # type: ignore[method-assign]
+    evaluate(cache, modules, drawn(cache, held_out(2), peer_has=True))  # nothing held yet: "no"
+    runs = evaluate.runs  # type: ignore[attr-defined]
+    evaluate(cache, modules, drawn(cache, held_out(2), peer_has=False))  # a peer lacks them
+    assert evaluate.runs == runs + 2 and cache.stats()["hits"] == 0  # type: ignore[attr-defined]
+    evaluate(cache, modules, drawn(cache, held_out(2), peer_has=True))
+    assert evaluate.runs == runs + 2 and cache.stats()["hits"] == 2  # type: ignore[attr-defined]
+    assert cache.carried == 6
+
+
+def test_a_sharding_changed_after_every_rank_agreed_at_the_draw_is_an_error_not_a_hang() -> None:
+    modules = [ShardedEmbeddingBagCollection("a")]
+    cache = InputDistCache(1 << 20, None, "Eval")
+    evaluate(cache, modules, held_out(1))
+    batches = drawn(cache, held_out(1), peer_has=True)
+    modules[0]._embedding_shardings = [object()]  # resharded between the draw and the input dist
+    with pytest.raises(RuntimeError, match=r"reshard between evaluations, not during one"):
+        evaluate(cache, modules, batches)

@@ -201,6 +201,41 @@ def test_a_deferred_agreement_retracts_the_batch_a_peer_lacks_and_nothing_after_
     assert sync.settle() is True and retracted == [2]
 
 
+def test_a_carried_flag_rides_on_the_draws_all_reduce_and_is_known_once_settled() -> None:
+    class CarryingPeer(ExhaustionSync):
+        """A peer with ``peer`` batches that holds every carried flag; records what was issued."""
+
+        def __init__(self, peer: int) -> None:
+            super().__init__(group=None)  # type: ignore[arg-type]
+            self.peer, self.position, self.issued = peer, 0, []
+
+        def _issue(self, *flags: bool) -> tuple[Any, torch.Tensor]:
+            self.issued.append(flags)
+            every = flags[0] and self.position < self.peer
+            self.position = self.position + 1 if every else 0
+            return Done(), torch.tensor([int(every), int(flags[1])], dtype=torch.int32)
+
+    sync = CarryingPeer(peer=2)
+    carried: list[exhaustion.Carried] = []
+
+    def carry(item: Any) -> exhaustion.Carried:
+        carried.append(exhaustion.Carried(mine=item % 2 == 0))
+        return carried[-1]
+
+    sync.carry = carry
+    items = iter(range(10))
+    pull = lambda: next(items)  # noqa: E731
+    assert sync.begin(0, pull, lambda: None) == 0 and carried[0].every is None  # begun, not settled
+    assert sync.begin(1, pull, lambda: None) == 1 and carried[0].every is True
+    assert sync.settle() is True and carried[1].every is False  # one int32 more, no collective more
+    assert sync.issued == [(True, True), (True, False)]
+    assert sync.begin(2, pull, lambda: None) == 2 and sync.settle() is False  # the peer has no batch 2
+    assert carried[2].every is None  # retracted: nothing agreed
+    with pytest.raises(StopIteration):  # the end of this rank's data carries nothing of its own
+        sync.begin(0, lambda: next(iter(())), None)
+    assert sync.issued[-1] == (False, False)
+
+
 def test_a_rank_whose_data_ends_agrees_no_and_its_next_epoch_settles_that_first() -> None:
     sync = LatePeerSync(peer=5)
     with pytest.raises(StopIteration):

@@ -61,13 +61,33 @@ class _Open:
     """An agreement begun and not settled: its batch, this rank's answer, the all-reduce's work
     and tensor, and what to call if the answer is "not every rank" (this rank had the batch)."""
 
-    __slots__ = ("batch", "have", "work", "flag", "retract", "key")
+    __slots__ = ("batch", "have", "work", "flag", "retract", "key", "carried")
 
     def __init__(
-        self, batch: int, have: bool, work: Any, flag: torch.Tensor, retract: Callable[[], None] | None, key: Hashable
+        self,
+        batch: int,
+        have: bool,
+        work: Any,
+        flag: torch.Tensor,
+        retract: Callable[[], None] | None,
+        key: Hashable,
+        carried: Carried | None = None,
     ) -> None:
         self.batch, self.have, self.work, self.flag, self.retract = batch, have, work, flag, retract
         self.key = key  # the stream checker's hand-off from the thread that began it to the one that settles it
+        self.carried = carried
+
+
+class Carried:
+    """One flag of this rank's own that rides on a draw's agreement (``ExhaustionSync.carry``):
+    ``mine`` as this rank said it, ``every`` the MIN over every rank once the agreement is settled
+    (None before, and where the batch was retracted)."""
+
+    __slots__ = ("mine", "every")
+
+    def __init__(self, mine: bool) -> None:
+        self.mine = mine
+        self.every: bool | None = None
 
 
 class ExhaustionSync:
@@ -90,6 +110,10 @@ class ExhaustionSync:
         self._begun = 0  # agreements begun (names each one's hand-off for the checker)
         self._checker: Any = None
         self._lock = threading.Lock()
+        #: what a pipeline's own flag for a drawn item is (``Carried``), agreed in the same
+        #: all-reduce as the item (a second int32: no collective of its own); None: nothing carried.
+        #: Set on every rank alike before the first draw.
+        self.carry: Callable[[Any], Carried] | None = None
 
     @classmethod
     def create(cls, owner: str, timeout_s: float, required: bool = True) -> ExhaustionSync | None:
@@ -109,13 +133,17 @@ class ExhaustionSync:
             return None
         return cls(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
-    def agree(self, have: bool) -> bool:
-        """Whether every rank has its batch (this rank: ``have``); a MIN all-reduce on the group."""
+    def agree(self, have: bool, carried: Carried | None = None) -> bool:
+        """Whether every rank has its batch (this rank: ``have``); a MIN all-reduce on the group
+        (of ``carried`` too, where something is carried)."""
         start = time.perf_counter()
-        work, flag = self._issue(have)
+        work, flag = self._flags(have, carried)
         work.wait()
         self._count(start)
-        return bool(flag.item())
+        every = bool(flag[0].item())
+        if carried is not None and every:
+            carried.every = bool(flag[1].item())
+        return every
 
     def check_with(self, checker: Any) -> None:
         """Tell the stream checker (``torchrec_swp.streamcheck``) that a deferred agreement's
@@ -140,7 +168,7 @@ class ExhaustionSync:
         except StopIteration:
             self._start(b, False, None)
             raise
-        self._start(b, True, retract)
+        self._start(b, True, retract, None if self.carry is None else self.carry(item))
         return item
 
     def settle(self) -> bool:
@@ -156,13 +184,15 @@ class ExhaustionSync:
             if self._checker is not None:
                 self._checker.cpu_acquire(open_.key)
             self._open, self._last = None, open_
-            if open_.have and not bool(open_.flag.item()):
+            if open_.have and not bool(open_.flag[0].item()):
                 # gated_from stays at the retracted batch: a task of it that found it in flight
                 # before the retraction reads the gate after, settles (nothing open) and asks again
                 self._retracted = open_.batch
                 if open_.retract is not None:
                     open_.retract()
                 return False
+            if open_.carried is not None:
+                open_.carried.every = bool(open_.flag[1].item())
             self.gated_from = NEVER
             return True
 
@@ -180,19 +210,26 @@ class ExhaustionSync:
                 except Exception:  # noqa: BLE001 - nothing left to agree on: the group is gone
                     pass
 
-    def _issue(self, have: bool) -> tuple[Any, torch.Tensor]:
-        """The MIN all-reduce of ``have`` begun: its work and its tensor (the answer once waited for)."""
-        flag = torch.tensor([1 if have else 0], dtype=torch.int32)
+    def _issue(self, *flags: bool) -> tuple[Any, torch.Tensor]:
+        """The MIN all-reduce of ``flags`` begun: its work and its tensor (the answer once waited for)."""
+        flag = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         return dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag
 
-    def _start(self, b: int, have: bool, retract: Callable[[], None] | None) -> None:
-        work, flag = self._issue(have)
+    def _flags(self, have: bool, carried: Carried | None) -> tuple[Any, torch.Tensor]:
+        """The all-reduce begun: of ``have`` alone, or with something carried (every rank
+        carries, or none: ``carry`` is set alike) of ``have`` and the carried flag."""
+        if self.carry is None:
+            return self._issue(have)
+        return self._issue(have, bool(have and carried is not None and carried.mine))
+
+    def _start(self, b: int, have: bool, retract: Callable[[], None] | None, carried: Carried | None = None) -> None:
+        work, flag = self._flags(have, carried)
         self._begun += 1
         key = ("agreement", id(self), self._begun)
         if self._checker is not None:
             self._checker.cpu_release(key)
         with self._lock:
-            self._open = _Open(b, have, work, flag, retract, key)
+            self._open = _Open(b, have, work, flag, retract, key, carried)
             if have:
                 self.gated_from = b
 
@@ -214,7 +251,7 @@ class ExhaustionSync:
         except StopIteration:
             self.agree(False)
             raise
-        if not self.agree(True):
+        if not self.agree(True, None if self.carry is None else self.carry(item)):
             if dropped is not None:
                 dropped(item)
             raise StopIteration

@@ -17,10 +17,15 @@ evaluation of the same held-out batches can reuse what the first evaluation dist
   stamp of the sharded modules (their identity and their shardings): a batch is reused only
   while the sharding is the one it was distributed under.
 * **the agreement**: every rank must skip the same input dists, or the ranks that do not would
-  wait for all-to-alls the others never issue. Before each batch's input dist, one MIN
-  all-reduce of "I have it" on a gloo group of the cache's own (ranks > 1): the batch is reused
-  only where every rank has it; its order is the batches' (one thread starts input dists, in
-  batch order, on every rank).
+  wait for all-to-alls the others never issue. Each rank says "I have it" per batch and the batch
+  is reused only where every rank has it. Where the ranks already agree on each draw
+  (``sync_dataloader_exhaustion``, on by default on several ranks), the flag rides on that
+  agreement (``ExhaustionSync.carry``: a second int32 in the same all-reduce, issued when the
+  batch is drawn and settled before its input dist): no collective of its own. Otherwise (the
+  sync turned off, or a source that draws claims, not batches), one blocking MIN all-reduce before
+  each batch's input dist on a gloo group of the cache's own (ranks > 1), in batch order (one
+  thread starts input dists, in batch order, on every rank). Which of the two a batch takes
+  depends only on the pipeline's options and plan, the same on every rank.
 * **the cap**: ``max_bytes`` bounds what is kept (the features' and contexts' tensors, counted
   by their storage); a batch that does not fit is not kept, and its later evaluations
   distribute it again (the agreement makes that so on every rank).
@@ -36,7 +41,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+from torchrec_swp.engine.exhaustion import Carried
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,8 @@ PURE_INPUT_DIST = frozenset(
 _KEY = "_swp_input_dist_key"  # the batch's digest, on its pipeline context
 _HIT = "_swp_input_dist_hit"  # the context's input dist came from the cache
 _PENDING = "_swp_input_dist_pending"  # what the forward's awaits record for the cache
+_CARRIED = "_swp_input_dist_carried"  # the ranks' answer carried by the draw's agreement
+_DRAWN = 64  # items whose key was taken at their draw, held until their copy task reads it
 
 
 class _Unreadable(Exception):
@@ -222,12 +233,43 @@ class InputDistCache:
         self.saved_s = 0.0  # the distributing time of the reused batches, less what reusing took
         self.agree_s = 0.0  # time in the agreement's all-reduces
         self.disabled: str | None = None  # why the cache is off for this model, once found
+        self.carried = 0  # batches whose agreement rode on the draw's (no collective of its own)
+        self._modules: list[Any] = []  # the pipelined modules of the last input dist started
+        self._drawn: OrderedDict[int, tuple[Any, bytes | None, Carried]] = OrderedDict()
+        self._drawn_lock = threading.Lock()
 
     # ------------------------------------------------------------ the pipeline's hooks
+    def carry(self, item: Any) -> Carried:
+        """``ExhaustionSync.carry``: item just drawn (on the thread that draws): its key taken,
+        and whether this rank holds its input dist, as the agreement on the draw carries it."""
+        try:  # (never raises: a draw that failed here on one rank would leave its peers waiting)
+            key = batch_key(item)
+            entry = self._entries.get(key) if key is not None and self.disabled is None else None
+            carried = Carried(entry is not None and entry.stamp == self._stamp(self._modules))
+        except Exception:  # noqa: BLE001 - this batch is distributed, not reused
+            logger.warning("%s(input_dist_cache_mb=): a drawn batch's key failed", self._owner, exc_info=True)
+            key, carried = None, Carried(False)
+        with self._drawn_lock:
+            self._drawn[id(item)] = (item, key, carried)
+            while len(self._drawn) > _DRAWN:
+                self._drawn.popitem(last=False)
+        return carried
+
+    def mark(self, context: Any, host_batch: Any) -> None:
+        """The copy task's part: ``host_batch``'s key on its pipeline context (taken at its draw
+        where the draw's agreement carried the flag: with it), before the copy to the device."""
+        with self._drawn_lock:
+            drawn = self._drawn.get(id(host_batch))
+        if drawn is not None and drawn[0] is host_batch:  # (a retried copy finds it again)
+            setattr(context, _KEY, drawn[1])
+            setattr(context, _CARRIED, drawn[2])
+        else:
+            setattr(context, _KEY, batch_key(host_batch))
+
     def start(self, modules: Iterable[Any], postprocs: Iterable[Any], context: Any, run: Callable[[], None]) -> None:
         """Batch ``context``'s input dist: from the cache where every rank has it, else ``run()``
         (the pipeline's start), recorded for the cache."""
-        modules = list(modules)
+        modules = self._modules = list(modules)
         key = getattr(context, _KEY, None)
         self._check(modules, list(postprocs))
         stamp = self._stamp(modules)
@@ -235,7 +277,18 @@ class InputDistCache:
         if entry is not None and entry.stamp != stamp:  # the sharding changed: it no longer holds
             self._drop(key)
             entry = None
-        if self.disabled is None and self._agree(entry is not None):
+        carried = getattr(context, _CARRIED, None)
+        if carried is not None and carried.every is not None:  # agreed with the draw
+            self.carried += 1
+            reuse = carried.every
+            if reuse and entry is None:
+                raise RuntimeError(
+                    f"{self._owner}(input_dist_cache_mb=): every rank agreed to reuse a batch's input dist when it was "
+                    "drawn, and its sharding changed before its input dist: reshard between evaluations, not during one"
+                )
+        else:
+            reuse = self.disabled is None and self._agree(entry is not None)
+        if reuse:
             began = time.perf_counter()
             for name, (module_context, data) in entry.parts.items():  # type: ignore[union-attr]
                 context.module_contexts[name] = module_context
@@ -282,6 +335,7 @@ class InputDistCache:
             "not_kept": self.not_kept,
             "saved_s": self.saved_s,
             "agree_s": self.agree_s,
+            "carried": self.carried,
             "disabled": self.disabled,
         }
 
@@ -315,7 +369,7 @@ class InputDistCache:
                 found = list(getattr(m, "_sharding_type_to_sharding", {}).values())
             return tuple(id(s) for s in found)
 
-        return tuple((m.forward.name, id(m), shardings(m)) for m in modules)
+        return tuple((id(m), shardings(m)) for m in modules)  # (read at a draw too: forwards may be detached)
 
     def _agree(self, have: bool) -> bool:
         if self.group is None:
@@ -340,8 +394,3 @@ class InputDistCache:
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
         self.nbytes -= entry.nbytes
-
-
-def mark(context: Any, host_batch: Any) -> None:
-    """The copy task's part: ``host_batch``'s key on its pipeline context."""
-    setattr(context, _KEY, batch_key(host_batch))

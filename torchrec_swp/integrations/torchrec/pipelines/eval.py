@@ -12,7 +12,6 @@ from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
 
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
-from torchrec_swp.integrations.torchrec import input_dist_cache
 from torchrec_swp.integrations.torchrec.input_dist_cache import InputDistCache
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
@@ -56,6 +55,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
             if cache.group is not None:
                 self._swp_teardown().group(cache.group)
             self.input_dist_cache = cache
+            if (sync := self._swp_engine.exhaustion) is not None:
+                sync.carry = cache.carry  # the ranks agree on reuse in the draw's agreement
 
     def _swp_default_plan(self) -> PipelinePlan:
         return catalog.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
@@ -104,7 +105,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
         batch = self._task_fetch(b, data) if data is not None else host
         context = self._create_context()
         if self.input_dist_cache is not None:
-            input_dist_cache.mark(context, batch)  # the key of the batch as loaded, on the host
+            self.input_dist_cache.mark(context, batch)  # the key of the batch as loaded, on the host
         batch = batch.to(self._device, non_blocking=True)
         self.batches.append(batch)
         self.contexts.append(context)
