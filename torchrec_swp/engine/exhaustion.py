@@ -30,6 +30,11 @@ the last open agreement (before the group is destroyed). Where the answer is nee
 source task that is itself a collective or that the pipeline cannot undo, a plan that stops at
 the end), ``draw`` agrees in the draw (blocking), and so do pipelines that draw outside the engine (``SyncedIterator``).
 
+A pipeline may carry one flag of its own on each draw's agreement (``carry``: a ``Carried`` per
+item drawn, a second int32 in the same all-reduce, ``every`` known once it is settled): the input
+dist cache (``integrations/torchrec/input_dist_cache.py``) agrees there on which batches every
+rank reuses, with no collective of its own.
+
 An item a rank drew for the common end (it had one, a peer did not) is not trained: it is
 dropped or retracted, and the engine's ledger counts it (``ledger.past_end``); the rank's later
 items stay undrawn in its iterator. A draw that fails with another exception issues no
