@@ -63,6 +63,7 @@ def _factories(world_size: int = 2) -> dict[str, Callable[..., Any]]:
         "SparseDist.io_thread": lambda m, o, **kw: swp.TrainPipelineSparseDist(m, o, CPU, thread_map="io", **kw),
         "FusedSparseDist": lambda m, o, **kw: swp.TrainPipelineFusedSparseDist(m, o, CPU, **kw),
         "Prefetch": lambda m, o, **kw: swp.PrefetchTrainPipelineSparseDist(m, o, CPU, **kw),
+        "Base": lambda m, o, **kw: swp.TrainPipelineBase(m, o, CPU, **kw),
     }
     if installed().release >= (1, 9, 0) and world_size > 1:  # (on 1 rank upstream's hook finds no grad: see below)
         out["BwdOpt"] = lambda m, o, **kw: swp.TrainPipelineSparseDistBwdOpt(m, o, CPU, "sparse.ebc", **kw)
@@ -145,6 +146,9 @@ def _run(
             grads.append(_grads(optimizer))
     skipped = [(v.batch, v.what) for v in pipeline.skipped_steps]
     saved = pipeline.state_dict()
+    state = _state(model, optimizer)
+    for counter in getattr(pipeline, "_swp_counters", ()):  # the pipeline's own (counters)
+        state[f"pipeline {counter}"] = torch.tensor(getattr(pipeline, counter))
     pipeline.close()
     if options:  # the count of skipped steps comes back with the state
         again = _factories()[name](model, optimizer, **options)
@@ -152,7 +156,7 @@ def _run(
         assert [(v.batch, v.what) for v in again.skipped_steps] == skipped
         again.close()
     return {
-        "state": _state(model, optimizer),
+        "state": state,
         "losses": [float(x) for x in losses],
         "outputs": outputs,
         "grads": grads,
@@ -212,6 +216,14 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
             )
         finally:
             cls.restore = original  # type: ignore[method-assign]
+    original_counters = nonfinite.Counters.restore
+    nonfinite.Counters.restore = lambda self, saved, keep: None  # type: ignore[method-assign]
+    try:
+        out[("Base", "without counters")] = _run(
+            rank, world_size, "Base", _batches(rank, world_size, poison="nan"), on_nonfinite="skip"
+        )
+    finally:
+        nonfinite.Counters.restore = original_counters  # type: ignore[method-assign]
     return out
 
 
@@ -256,7 +268,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
         text = text.replace(effects, "-")
     no_effects = PipelinePlan.from_text(text)
     cases: dict[str, Callable[[], Any]] = {
-        "Base": lambda: torchrec_swp.TrainPipelineBase(model, optimizer, CPU, on_nonfinite="skip"),
+        "PT2": lambda: torchrec_swp.TrainPipelinePT2(model, optimizer, CPU, on_nonfinite="skip"),
         "no effects": lambda: torchrec_swp.TrainPipelineSparseDist(
             model, optimizer, CPU, plan=no_effects, on_nonfinite="skip"
         ),
@@ -316,7 +328,7 @@ WORLDS = [pytest.param(1, id="1rank"), pytest.param(2, id="2ranks")]
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("name", ["SparseDist", "SparseDist.io_thread", "FusedSparseDist", "Prefetch", "BwdOpt"])
+@pytest.mark.parametrize("name", ["SparseDist", "SparseDist.io_thread", "FusedSparseDist", "Prefetch", "BwdOpt", "Base"])
 def test_a_nan_batch_is_rolled_back_as_if_never_seen(world_size: int, name: str) -> None:
     if name == "BwdOpt" and (installed().release < (1, 9, 0) or world_size == 1):
         pytest.skip("TrainPipelineSparseDistBwdOpt: new in TorchRec 1.9; on 1 rank upstream's own fails too")
@@ -366,6 +378,15 @@ def test_each_capture_is_needed(world_size: int, effect: str) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
+def test_the_counters_capture_is_needed(world_size: int) -> None:
+    """TrainPipelineBase's step count (``counters``) with its restore removed: one step too many."""
+    for r in _results(world_size):
+        run, reference = r[("Base", "without counters")], r[("Base", "reference")]
+        assert _differences(run, reference) == ["state pipeline _batch_count"]
+        assert int(run["state"]["pipeline _batch_count"]) == int(reference["state"]["pipeline _batch_count"]) + 1
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("kind", ["SemiSync", "accumulation"])
 def test_a_step_across_batches_rolls_back_and_goes_on_finite(world_size: int, kind: str) -> None:
     """What docs/nonfinite.md says SemiSync and the accumulation wrapper guarantee: the rolled-back
@@ -386,8 +407,8 @@ def test_a_step_across_batches_rolls_back_and_goes_on_finite(world_size: int, ki
 
 def test_what_cannot_be_undone_is_refused_in_one_line() -> None:
     said = _results(1)[0][("refusals",)]
-    assert said["Base"].startswith("PlanError: TrainPipelineBase(on_nonfinite='skip'): plan TrainPipelineBase: task ")
-    assert "declares counters, which this pipeline cannot capture" in said["Base"]
+    assert said["PT2"].startswith("PlanError: TrainPipelinePT2(on_nonfinite='skip'): plan TrainPipelinePT2")
+    assert "declares counters, which this pipeline cannot capture" in said["PT2"]
     assert "declares no effects" in said["no effects"] and said["no effects"].startswith("PlanError")
     autotune = "ValueError: TrainPipelineSparseDist: on_nonfinite='skip' with autotune"
     assert said["autotune"].startswith(autotune)

@@ -383,8 +383,13 @@ class Transaction:
             raise NonFiniteStep(failed.line())
 
     def settled(self) -> Account:
-        """The account with every verdict read (a host read of the last one on a GPU)."""
+        """The account with every verdict read (a host read of the last one on a GPU), and
+        every effect's restore done (an effect with ``settle()`` finishes a late one)."""
         self._read_pending()
+        for effect in self.effects.values():
+            settle = getattr(effect, "settle", None)
+            if settle is not None:
+                settle()
         return self.account
 
     def reset(self) -> None:

@@ -22,6 +22,7 @@ waits for it on the host. ``effects_for(model, optimizer)`` makes them for a pip
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -298,6 +299,47 @@ class EmbCache:
 
     def restore(self, saved: None, keep: torch.Tensor | bool) -> None:
         return None
+
+
+class Counters:
+    """``counters``: a pipeline's own counters (host ints: e.g. TrainPipelineBase's
+    ``_batch_count``), put back where the step rolls back. On a device the verdict is a tensor:
+    the restore waits for its host read at the next capture (one step later, as the transaction's
+    own count of skipped steps), or at ``settle()`` (the transaction's ``settled()``). Holds the
+    pipeline weakly (the pipeline holds its transaction)."""
+
+    empty = False
+
+    def __init__(self, owner: Any, names: tuple[str, ...]) -> None:
+        self._owner = weakref.ref(owner)
+        self.names = names
+        self._late: tuple[dict[str, Any], torch.Tensor] | None = None
+
+    def capture(self, b: int) -> dict[str, Any]:
+        self.settle()
+        owner = self._owner()
+        return {} if owner is None else {n: getattr(owner, n) for n in self.names}
+
+    def changed(self, saved: dict[str, Any]) -> tuple[list[torch.Tensor], str]:
+        return [], "the pipeline's counters"
+
+    def restore(self, saved: dict[str, Any], keep: torch.Tensor | bool) -> None:
+        if isinstance(keep, torch.Tensor):
+            self._late = (saved, keep)
+        elif not keep:
+            self._put(saved)
+
+    def settle(self) -> None:
+        """A device verdict read on the host, its restore done where it rolled back."""
+        late, self._late = self._late, None
+        if late is not None and not bool(late[1]):
+            self._put(late[0])
+
+    def _put(self, saved: dict[str, Any]) -> None:
+        owner = self._owner()
+        if owner is not None:
+            for name, value in saved.items():
+                setattr(owner, name, value)
 
 
 # ------------------------------------------------------------------------------ dense part

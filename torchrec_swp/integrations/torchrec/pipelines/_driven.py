@@ -93,6 +93,10 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     #: The hooks every drop-in implements (checked when a drop-in's class is defined).
     _SWP_REQUIRED = ("_swp_default_plan", "_swp_streams")
 
+    #: The pipeline's own counters its plan's ``counters`` effect changes (put back by a rolled-back
+    #: step, ``on_nonfinite=``); empty: the effect cannot be captured and such a plan is refused.
+    _swp_counters: ClassVar[tuple[str, ...]] = ()
+
     #: Keywords a class's constructor takes from ``**kwargs`` itself, beyond those its signature
     #: and its bases' name and the engine's options (``check_keywords``).
     _swp_keywords: tuple[str, ...] = ()
@@ -296,6 +300,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         if not isinstance(model, Module) or optimizer is None:
             raise PlanError(f"{type(self).__name__}: on_nonfinite needs a model and an optimizer to roll back")
         effects, fused = nonfinite.effects_for(model, optimizer, host=host)
+        if self._swp_counters:
+            effects["counters"] = nonfinite.Counters(self, self._swp_counters)
         self._swp_teardown().threads(fused.close)  # (a stop like the threads': the lookups' hooks go)
         return Transaction(
             effects, mode=mode, reduce=_reduce_max(), host=host,  # type: ignore[arg-type]

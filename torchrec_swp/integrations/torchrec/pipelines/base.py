@@ -28,6 +28,8 @@ class TrainPipelineBase(PlanDriven, TrainingTasks, upstream.TrainPipelineBase[In
     ``loads=`` moves it to the load threads as it is.
     """
 
+    _swp_counters = ("_batch_count",)  # WaitBatch counts the steps (upstream's logs use it)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
