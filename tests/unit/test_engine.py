@@ -670,3 +670,27 @@ def test_a_batch_that_leaves_keeps_only_what_a_later_batch_reads(thread_map: Any
             assert d == 0 or made[("x", d - 1)]() is None, d
     finally:
         engine.close()
+
+
+def test_an_edited_program_runs_as_written_in_steady_calls_too() -> None:
+    """Outside checked mode the calling thread's steady calls run a compiled step: an edit of the
+    program (``edit_program``) must reach it, not only the walk's ops."""
+    from tests.unit.engine_fixtures import toy_plan
+
+    optimized: list[int] = []
+    data = iter(range(8))
+    bindings = {
+        "H2D": lambda b: next(data),
+        "Dist": lambda b, x: x,
+        "Fwd": lambda b, y: y,
+        "Opt": lambda b, out: optimized.append(b),
+    }
+    engine = Engine(toy_plan(), bindings, timeout_s=10)
+    try:
+        assert engine._steady, "the plan has a steady step outside checked mode"
+        (text,) = engine.program_texts()
+        engine.edit_program(0, "\n".join(line for line in text.splitlines() if line.strip() != "run Opt"))
+        outputs = [engine.step(None) for _ in range(6)]
+        assert outputs == list(range(6)) and optimized == []  # Opt is no longer in the program
+    finally:
+        engine.stop_threads()

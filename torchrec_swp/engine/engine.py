@@ -201,8 +201,9 @@ class Engine(Interpreter):
         """Run ``text``'s programs for the ``plan_index``-th installed plan, for mutation testing
         only (a mutant engine: call it before the first step; tools/stream_check.py removes one
         stream wait or event record line at a time). PlanError naming the line when ``text``
-        does not parse against that plan."""
-        self._ops.compile(self.installed.edit_program(plan_index, text), self._observer)
+        does not parse against that plan. Everything compiled from the programs is made again:
+        the walks' ops and the steady step."""
+        self._bind(self.installed.edit_program(plan_index, text))
 
     @property
     def compiled(self) -> CompiledPlan:
