@@ -56,12 +56,36 @@ def test_equal_batches_have_one_key_and_any_change_gives_another() -> None:
 
 def test_a_batch_off_the_host_or_of_an_unknown_type_gets_no_key() -> None:
     assert batch_key(batch(dense=torch.empty(2, 3, device="meta"))) is None
+    assert cache_module.why_no_key(batch(dense=torch.empty(2, 3, device="meta"))) == "a tensor on meta"
 
-    class Opaque:
-        pass
+    class Slotted:
+        __slots__ = ("ids",)
 
-    assert batch_key([torch.ones(2), Opaque()]) is None
+    assert batch_key([torch.ones(2), Slotted()]) is None
     assert batch_key({"ids": torch.ones(2), "n": 3}) is not None
+
+
+def test_a_plain_class_of_the_users_is_read_by_its_attributes() -> None:
+    class UserBatch:
+        def __init__(self, ids: list[int], label: float) -> None:
+            self.kjt = kjt(ids, [1, 1, 2, 0])
+            self.label = torch.tensor([label])
+
+    key = batch_key(UserBatch([1, 2, 3, 4], 0.5))
+    assert key is not None and key == batch_key(UserBatch([1, 2, 3, 4], 0.5))
+    assert key != batch_key(UserBatch([1, 2, 3, 5], 0.5)) and key != batch_key(UserBatch([1, 2, 3, 4], 1.5))
+
+
+def test_a_batch_without_a_key_is_told_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Slotted:
+        __slots__ = ("ids",)
+
+    cache = InputDistCache(1 << 20, None, "Eval")
+    with caplog.at_level(logging.WARNING, logger=cache_module.__name__):
+        for _ in range(3):
+            cache.mark(Context(), Slotted())
+    assert len(caplog.records) == 1
+    assert "a batch (" in caplog.text and "Slotted) gets no key, its input dist is not cached: " in caplog.text
 
 
 # ------------------------------------------------------------------ the cache on stand-ins

@@ -11,7 +11,8 @@ evaluation of the same held-out batches can reuse what the first evaluation dist
   device (every tensor's dtype, shape and bytes, a KeyedJaggedTensor's keys, values, lengths,
   weights and strides), taken by the task that copies it (on the loader thread: no device
   synchronisation). A batch with a tensor already off the host, or of a type the digest cannot
-  read, gets no key and is never cached.
+  read (a dataclass, a plain class's attributes and the usual containers can be read), gets no
+  key and is never cached, with one warning saying why.
 * **what is kept**: for each pipelined module, the distributed features (the awaited result of
   its input dist) and its module context, recorded when the forward awaits them, along with a
   stamp of the sharded modules (their identity and their shardings): a batch is reused only
@@ -79,13 +80,22 @@ class _Unreadable(Exception):
 
 def batch_key(batch: Any) -> bytes | None:
     """A digest of ``batch`` on the host (see the module docstring), or None where it has a
-    tensor off the host or a part the digest cannot read."""
+    tensor off the host or a part the digest cannot read (``why_no_key`` says which)."""
+    return _key(batch)[0]
+
+
+def why_no_key(batch: Any) -> str | None:
+    """Why ``batch`` gets no key (None: it gets one)."""
+    return _key(batch)[1]
+
+
+def _key(batch: Any) -> tuple[bytes | None, str | None]:
     digest = hashlib.blake2b(digest_size=20)
     try:
         _feed(digest, batch, depth=0)
-    except _Unreadable:
-        return None
-    return digest.digest()
+    except _Unreadable as e:
+        return None, str(e)
+    return digest.digest(), None
 
 
 def _feed(digest: Any, value: Any, depth: int) -> None:
@@ -131,6 +141,11 @@ def _feed(digest: Any, value: Any, depth: int) -> None:
         for field in dataclasses.fields(value):
             put(field.name.encode())
             _feed(digest, getattr(value, field.name), depth + 1)
+    elif isinstance(getattr(value, "__dict__", None), dict) and not callable(value):
+        put(f"{type(value).__module__}.{type(value).__qualname__}".encode())  # a batch class of the user's
+        for name in sorted(vars(value)):
+            put(name.encode())
+            _feed(digest, vars(value)[name], depth + 1)
     else:
         raise _Unreadable(type(value).__qualname__)
 
@@ -234,6 +249,7 @@ class InputDistCache:
         self.agree_s = 0.0  # time in the agreement's all-reduces
         self.disabled: str | None = None  # why the cache is off for this model, once found
         self.carried = 0  # batches whose agreement rode on the draw's (no collective of its own)
+        self._told_no_key = False
         self._modules: list[Any] = []  # the pipelined modules of the last input dist started
         self._drawn: OrderedDict[int, tuple[Any, bytes | None, Carried]] = OrderedDict()
         self._drawn_lock = threading.Lock()
@@ -243,7 +259,7 @@ class InputDistCache:
         """``ExhaustionSync.carry``: item just drawn (on the thread that draws): its key taken,
         and whether this rank holds its input dist, as the agreement on the draw carries it."""
         try:  # (never raises: a draw that failed here on one rank would leave its peers waiting)
-            key = batch_key(item)
+            key = self._key(item)
             entry = self._entries.get(key) if key is not None and self.disabled is None else None
             carried = Carried(entry is not None and entry.stamp == self._stamp(self._modules))
         except Exception:  # noqa: BLE001 - this batch is distributed, not reused
@@ -264,7 +280,7 @@ class InputDistCache:
             setattr(context, _KEY, drawn[1])
             setattr(context, _CARRIED, drawn[2])
         else:
-            setattr(context, _KEY, batch_key(host_batch))
+            setattr(context, _KEY, self._key(host_batch))
 
     def start(self, modules: Iterable[Any], postprocs: Iterable[Any], context: Any, run: Callable[[], None]) -> None:
         """Batch ``context``'s input dist: from the cache where every rank has it, else ``run()``
@@ -345,6 +361,16 @@ class InputDistCache:
         self.nbytes = 0
 
     # ------------------------------------------------------------ inside
+    def _key(self, batch: Any) -> bytes | None:
+        key, why = _key(batch)
+        if key is None and not self._told_no_key:
+            self._told_no_key = True
+            logger.warning(
+                "%s(input_dist_cache_mb=): a batch (%s) gets no key, its input dist is not cached: %s",
+                self._owner, type(batch).__qualname__, why,
+            )  # fmt: skip
+        return key
+
     def _check(self, modules: list[Any], postprocs: list[Any]) -> None:
         if self.disabled is not None:
             return
