@@ -1,4 +1,4 @@
-"""EvalPipelineSparseDist on the engine: the background loader is a thread group of the plan."""
+"""EvalPipelineSparseDist on the engine: upstream's background loading thread is the plan's ``io`` thread."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):
-    """EvalPipelineSparseDist on the engine: H2D(i+2) on a loader thread || InputDist(i+1) || forward(i).
+    """EvalPipelineSparseDist on the engine: H2D(i+2) on the io thread || InputDist(i+1) || forward(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
     default plan is ``catalog.eval_sparse_dist_plan(...)``: upstream's background DataLoadingThread is
-    the plan's ``loader`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
+    the plan's ``io`` thread group, which runs H2D (``next()``, then ``.to(device)`` on the
     memcpy stream) while the calling thread runs input dist and forward; ``thread_map`` can move it
     like any other task.
 
