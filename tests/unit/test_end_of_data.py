@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from torchrec_swp.engine.batches import Batches
-from torchrec_swp.engine.end_of_data import TRANSITIONS, EndOfData, EndState, Event, Then
+from torchrec_swp.engine.end_of_data import TRANSITIONS, EndEvent, EndOfData, EndState, Then
 from torchrec_swp.engine.errors import EngineError, Stopped
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +32,16 @@ load_state_dict()            | running  | -        | -        | -
 adopt()                      | running  | -        | running  | running
 """
 
-EVENTS: dict[str, tuple[Event, Callable[[Batches], object]]] = {
-    "end seen at 3": (Event.END, lambda b: b.found_end(M, False)),
-    "end seen at 3 under a stop": (Event.STOP, lambda b: b.found_end(M, True)),
-    "common end at 3": (Event.COMMON_END, lambda b: b.count_past_end(M)),
-    "new data": (Event.NEW_DATA, lambda b: b.new_data()),
-    "StopIteration raised": (Event.REPORT, lambda b: b.report_end()),
-    "the next epoch": (Event.EPOCH, lambda b: b.new_epoch(Event.EPOCH, 0, None, 0)),
-    "reset()": (Event.RESET, lambda b: b.new_epoch(Event.RESET, 0, 0, 0)),
-    "load_state_dict()": (Event.LOAD, lambda b: b.new_epoch(Event.LOAD, 0, 0, 0)),
-    "adopt()": (Event.ADOPT, lambda b: b.new_epoch(Event.ADOPT, 2, None, 0)),
+EVENTS: dict[str, tuple[EndEvent, Callable[[Batches], object]]] = {
+    "end seen at 3": (EndEvent.END, lambda b: b.found_end(M, False)),
+    "end seen at 3 under a stop": (EndEvent.STOP, lambda b: b.found_end(M, True)),
+    "common end at 3": (EndEvent.COMMON_END, lambda b: b.count_past_end(M)),
+    "new data": (EndEvent.NEW_DATA, lambda b: b.new_data()),
+    "StopIteration raised": (EndEvent.REPORT, lambda b: b.report_end()),
+    "the next epoch": (EndEvent.EPOCH, lambda b: b.new_epoch(EndEvent.EPOCH, 0, None, 0)),
+    "reset()": (EndEvent.RESET, lambda b: b.new_epoch(EndEvent.RESET, 0, 0, 0)),
+    "load_state_dict()": (EndEvent.LOAD, lambda b: b.new_epoch(EndEvent.LOAD, 0, 0, 0)),
+    "adopt()": (EndEvent.ADOPT, lambda b: b.new_epoch(EndEvent.ADOPT, 2, None, 0)),
 }
 
 
@@ -162,7 +162,7 @@ def test_a_new_epoch_starts_running_and_forgets_the_report() -> None:
     batches = in_state(EndState.DRAINED)
     batches.report_end()
     assert batches.end.reported()
-    batches.new_epoch(Event.EPOCH, 0, None, 0)
+    batches.new_epoch(EndEvent.EPOCH, 0, None, 0)
     assert batches.end.state is EndState.RUNNING and not batches.end.reported()
     assert batches.end.exists(0) is None  # the new book's batches
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from torchrec_swp.engine.end_of_data import EndOfData, Event, Then
+from torchrec_swp.engine.end_of_data import EndEvent, EndOfData, Then
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.tasks import Around, Binding, Invoker, TaskTimer, named
 from torchrec_swp.plan import PipelineTask
@@ -314,7 +314,7 @@ class Batches:
 
     # ------------------------------------------------------------- epochs
     def new_epoch(
-        self, why: Event, start: int, first_trained: int | None, first_iteration: int, kept: Sequence[int] = ()
+        self, why: EndEvent, start: int, first_trained: int | None, first_iteration: int, kept: Sequence[int] = ()
     ) -> None:
         """A new book for ``why`` (an event of ``end`` that begins an epoch; the batches in flight go
         to the ledger as dropped, and so do the batches ``kept``: drawn, their source call failed,

@@ -64,7 +64,7 @@ class EndState(enum.Enum):
     STOPPED = "stopped"
 
 
-class Event(enum.Enum):
+class EndEvent(enum.Enum):
     END = "end seen"
     STOP = "end seen under a stop"
     COMMON_END = "a common end across ranks"
@@ -87,34 +87,34 @@ class Then(enum.Enum):
 _R, _DG, _DD, _S = EndState.RUNNING, EndState.DRAINING, EndState.DRAINED, EndState.STOPPED
 
 #: (state, event) -> the state it leads to. A pair not here is illegal.
-TRANSITIONS: dict[tuple[EndState, Event], EndState] = {
-    (_R, Event.END): _DG,
-    (_DG, Event.END): _DG,
-    (_DD, Event.END): _DD,
-    (_S, Event.END): _S,
-    (_R, Event.STOP): _S,
-    (_DG, Event.STOP): _DG,
-    (_DD, Event.STOP): _DD,
-    (_S, Event.STOP): _S,
-    (_R, Event.COMMON_END): _R,
-    (_R, Event.NEW_DATA): _R,
-    (_DG, Event.NEW_DATA): _DG,
-    (_DD, Event.NEW_DATA): _DD,
-    (_S, Event.NEW_DATA): _R,
-    (_DD, Event.REPORT): _DD,
-    (_S, Event.REPORT): _S,
-    (_DD, Event.EPOCH): _R,
-    (_R, Event.RESET): _R,
-    (_DG, Event.RESET): _R,
-    (_DD, Event.RESET): _R,
-    (_S, Event.RESET): _R,
-    (_R, Event.LOAD): _R,
-    (_R, Event.ADOPT): _R,
-    (_DD, Event.ADOPT): _R,
-    (_S, Event.ADOPT): _R,
+TRANSITIONS: dict[tuple[EndState, EndEvent], EndState] = {
+    (_R, EndEvent.END): _DG,
+    (_DG, EndEvent.END): _DG,
+    (_DD, EndEvent.END): _DD,
+    (_S, EndEvent.END): _S,
+    (_R, EndEvent.STOP): _S,
+    (_DG, EndEvent.STOP): _DG,
+    (_DD, EndEvent.STOP): _DD,
+    (_S, EndEvent.STOP): _S,
+    (_R, EndEvent.COMMON_END): _R,
+    (_R, EndEvent.NEW_DATA): _R,
+    (_DG, EndEvent.NEW_DATA): _DG,
+    (_DD, EndEvent.NEW_DATA): _DD,
+    (_S, EndEvent.NEW_DATA): _R,
+    (_DD, EndEvent.REPORT): _DD,
+    (_S, EndEvent.REPORT): _S,
+    (_DD, EndEvent.EPOCH): _R,
+    (_R, EndEvent.RESET): _R,
+    (_DG, EndEvent.RESET): _R,
+    (_DD, EndEvent.RESET): _R,
+    (_S, EndEvent.RESET): _R,
+    (_R, EndEvent.LOAD): _R,
+    (_R, EndEvent.ADOPT): _R,
+    (_DD, EndEvent.ADOPT): _R,
+    (_S, EndEvent.ADOPT): _R,
 }
 
-_BEGINS = (Event.EPOCH, Event.RESET, Event.LOAD, Event.ADOPT)
+_BEGINS = (EndEvent.EPOCH, EndEvent.RESET, EndEvent.LOAD, EndEvent.ADOPT)
 
 
 class EndOfData:
@@ -223,7 +223,7 @@ class EndOfData:
     # ------------------------------------------------------------------ events
     def found(self, n: int, stop: bool = False) -> None:
         """The source found the end of data at batch ``n`` (``stop``: under ``on_exhausted="stop"``)."""
-        self._go(Event.STOP if stop else Event.END)
+        self._go(EndEvent.STOP if stop else EndEvent.END)
         if self._at is not None:
             if n < self._at:
                 raise EngineError(f"end of data seen at batch {n}, before batch {self._at} where it was seen first")
@@ -239,12 +239,12 @@ class EndOfData:
     def common(self, n: int) -> None:
         """The ranks agreed that the data ends at batch ``n``, for which this rank drew an item
         (``exhaustion``); the draw's StopIteration follows (``found(n)``)."""
-        self._go(Event.COMMON_END)
+        self._go(EndEvent.COMMON_END)
 
     def new_data(self) -> Then:
         """The source has new data (module docstring); what the owner does next."""
         before = self.state
-        self._go(Event.NEW_DATA)
+        self._go(EndEvent.NEW_DATA)
         if before is EndState.DRAINING:
             self._restart = True
         elif before is EndState.DRAINED:
@@ -256,10 +256,10 @@ class EndOfData:
 
     def report(self) -> None:
         """``step()`` raised StopIteration for the end of data."""
-        self._go(Event.REPORT)
+        self._go(EndEvent.REPORT)
         self._reported = True
 
-    def begin(self, event: Event, book: Book) -> None:
+    def begin(self, event: EndEvent, book: Book) -> None:
         """A new epoch, its batches in ``book``, for ``event`` (EPOCH, RESET, LOAD or ADOPT)."""
         if event not in _BEGINS:
             raise EngineError(f"end of data: {event.value} does not begin an epoch")
@@ -268,7 +268,7 @@ class EndOfData:
         self._enter_running()
 
     # ---------------------------------------------------------------- internal
-    def _go(self, event: Event) -> None:
+    def _go(self, event: EndEvent) -> None:
         if (self.state, event) not in TRANSITIONS:
             raise EngineError(
                 f"end of data: {event.value} is not expected while {self.state.value} (end seen at batch {self._at})"

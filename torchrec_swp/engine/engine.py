@@ -25,7 +25,7 @@ from torchrec_swp.compile import CompiledPlan, Run
 from torchrec_swp.engine import cuts
 from torchrec_swp.engine.batches import BatchBook, Batches, BatchLedger
 from torchrec_swp.engine.board import ITERATION
-from torchrec_swp.engine.end_of_data import Event
+from torchrec_swp.engine.end_of_data import EndEvent
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
@@ -286,7 +286,7 @@ class Engine(Interpreter):
                 if ended:
                     if end.restarts():
                         self.wait_until_resting()
-                        self._epochs.start(Event.EPOCH)
+                        self._epochs.start(EndEvent.EPOCH)
                         ended = end.ended()
                         continue
                     batches.report_end()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrec_swp.engine.batches import Batches, BatchLedger
-from torchrec_swp.engine.end_of_data import Event, Then
+from torchrec_swp.engine.end_of_data import EndEvent, Then
 from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.installed import InstalledPlans, check_adoptable
 from torchrec_swp.engine.interpreter import Interpreter
@@ -47,7 +47,7 @@ class Epochs:
         self._feed = feed
         self._on_new_data = on_new_data  # the engine's owner, told of new data first
 
-    def start(self, why: Event, start: int = 0, first_trained: int | None = None) -> None:
+    def start(self, why: EndEvent, start: int = 0, first_trained: int | None = None) -> None:
         """A new epoch for ``why`` (the end of data's event that begins it), its threads at internal
         iteration ``start``; its batches trained count on from the last epoch's (``first_trained``:
         from that number instead)."""
@@ -61,14 +61,14 @@ class Epochs:
         self._batches.restart_numbers(0)
         for t in self._interpreter.turnstiles.values():
             t.restart()
-        self.start(Event.RESET, first_trained=0)
+        self.start(EndEvent.RESET, first_trained=0)
 
     def resume(self, ledger: BatchLedger, number: int, trained: int) -> None:
         """Go on from a cut: its ledger, the batch number and the trained number of its first batch."""
         self._batches.restore_ledger(ledger)
         self._batches.restart_numbers(number)
         self._feed.forget()
-        self.start(Event.LOAD, first_trained=trained)
+        self.start(EndEvent.LOAD, first_trained=trained)
 
     def count_trained_from(self, n: int) -> None:
         """Number the next batch to train ``n`` on the clock ``"trained"``; only before the first
@@ -97,7 +97,7 @@ class Epochs:
                 board.forget_stopped_latches()
         if then is Then.NEXT_EPOCH:
             self._interpreter.wait_until_resting()
-            self.start(Event.EPOCH)
+            self.start(EndEvent.EPOCH)
 
     def take_data(self, data: Iterator[Any]) -> None:
         """``step(data)`` with an iterator that is new, or the same one after the end was reported."""
@@ -140,7 +140,7 @@ class Epochs:
         top = self._installed.shape.top
         check_adoptable(self._installed.current, top, slots)
         self._interpreter.wait_until_resting()
-        self.start(Event.ADOPT, start=top)
+        self.start(EndEvent.ADOPT, start=top)
         self._batches.adopt(slots)
         if len(slots) < top:
             self._batches.end_after(len(slots))

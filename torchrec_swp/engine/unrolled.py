@@ -49,7 +49,7 @@ from torchrec_swp.engine.walkers import Op, Walker, WalkState
 from torchrec_swp.plan import PipelinePlan, When
 
 
-class Source(Protocol):
+class SourceCalls(Protocol):
     """What a body needs of the source (``torchrec_swp.engine.source.Source``)."""
 
     feed: Any  # its Feed: ``draws_for(b)``
@@ -61,7 +61,7 @@ class Source(Protocol):
     def found_end(self, b: int, plan: PipelinePlan) -> None: ...
 
 
-class Batches(Protocol):
+class BatchesCode(Protocol):
     """What a body needs of the batches (``torchrec_swp.engine.batches.Batches``): the code of a
     task's call and of an alias, a batch's slot opened and dropped, the batch drawn."""
 
@@ -139,8 +139,8 @@ def unroll(
     bare: Mapping[str, Any],
     bare_aliases: set[str],
     tasks: Callable[[str], Any],
-    source: Source,
-    batches: Batches,
+    source: SourceCalls,
+    batches: BatchesCode,
     plan: PipelinePlan,
     *,
     top: int,
@@ -359,7 +359,7 @@ def steady_step(
     return _compile(f"steady step of {body.name}", code, env)["step"]
 
 
-def _draw(k: int, instr: Run, steady: bool, op: Op, source: Source, env: dict[str, Any]) -> list[Line]:
+def _draw(k: int, instr: Run, steady: bool, op: Op, source: SourceCalls, env: dict[str, Any]) -> list[Line]:
     """The source's instruction ``k``: its gates (already passed in the steady step, else the
     batch still to draw and the credit; the op for the rest), then batch ``b``'s draw
     (``Source.drawer``: its slot, the source's call with its ``Draws``, the batch drawn or the

@@ -53,7 +53,7 @@ class _EmbeddingPipelinedForward(EmbeddingPipelinedForward):
         self._context.detached_embedding_tensors.append([detached])
 
 
-class _Replay(torch.autograd.Function):
+class _ReplayedEmbeddings(torch.autograd.Function):
     """Forward: the embeddings looked up before a checkpoint's cut; backward: the gradient goes
     to the same lookup run again after the resume (the tables' gradient depends on the indices
     and the gradient, not on the weights looked up), so the optimizer sees what it saw."""
@@ -74,7 +74,7 @@ def _replayed(saved: torch.Tensor, what: str) -> Callable[[Any], Any]:
                 f"TrainPipelineSemiSync resume: the embeddings of {what} looked up again differ in shape from "
                 "the ones saved at the cut (another model, sharding or data?)"
             )
-        embeddings._values = _Replay.apply(embeddings.values(), saved.to(embeddings.values().device))
+        embeddings._values = _ReplayedEmbeddings.apply(embeddings.values(), saved.to(embeddings.values().device))
         return embeddings
 
     return replay
@@ -170,7 +170,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
         """The embeddings already looked up for the batches in flight at the cut: in the
         semi-sync phase they were looked up before the last trained batch's update, which the
         checkpointed tables already hold, so the resumed run uses these values instead (see
-        ``_Replay``). Waiting for them here changes no value, only when they are waited for.
+        ``_ReplayedEmbeddings``). Waiting for them here changes no value, only when they are waited for.
         With ``stash_gradients``, also the stashed gradients (upstream's ``_gradients``: those of
         the last trained batch, which the next batch's optimizer step applies), copied to the CPU."""
         engine = self._swp_engine
