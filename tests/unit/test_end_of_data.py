@@ -182,10 +182,3 @@ def test_no_other_module_reads_the_end_of_datas_fields() -> None:
     home = PACKAGE / "engine" / "end_of_data.py"
     found = [r for f in sorted(PACKAGE.rglob("*.py")) if f != home for r in _reads_outside(f, fields)]
     assert found == []
-
-
-def test_no_engine_module_rebuilds_the_end_from_the_books_alias() -> None:
-    """``BatchBook.num_batches`` answers readers outside the engine; the engine asks ``end``."""
-    engine = PACKAGE / "engine"
-    found = [r for f in sorted(engine.glob("*.py")) for r in _reads_outside(f, {"num_batches"})]
-    assert found == []

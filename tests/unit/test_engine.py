@@ -58,7 +58,7 @@ def test_empty_data_raises_stop_iteration_at_once() -> None:
         engine = Engine(toy_plan().with_thread_map(thread_map), Toy(0).bindings())
         with pytest.raises(StopIteration):
             engine.step()
-        assert engine.book.returned == 0 and engine.book.num_batches == 0
+        assert engine.book.returned == 0 and engine.batches.end.end_at() == 0
         engine.close()
 
 
@@ -138,16 +138,6 @@ def test_a_failing_task_surfaces_with_where_it_failed(thread_map: Any, failing: 
     assert all(t.is_alive() for t in engine.worker_threads)
     engine.close()
     assert not any(t.is_alive() for t in engine.worker_threads)
-
-
-def test_quiesce_is_a_deprecated_name_of_wait_until_blocked() -> None:
-    """``engine.quiesce()`` (called by users before this name) warns and still waits."""
-    engine = Engine(toy_plan().with_thread_map(THREAD_MAPS[-1]), Toy(6).bindings())
-    engine.step()
-    with pytest.warns(DeprecationWarning, match=r"Engine\.quiesce\(\) is deprecated: call wait_until_blocked\(\)"):
-        engine.quiesce()
-    assert len(engine.run_to_end()) == 5
-    engine.close()
 
 
 def test_failure_aborts_later_collectives_on_other_threads() -> None:

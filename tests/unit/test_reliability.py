@@ -162,7 +162,7 @@ def test_new_data_while_draining_continues_without_a_stop() -> None:
     source: list[Any] = [iter(range(4))]
     engine = Engine(toy_plan(), counting_plan_bindings(source))
     outs = [engine.step() for _ in range(3)]  # batch 4 was looked for: the drain has begun
-    assert engine.book.num_batches == 4
+    assert engine.batches.end.end_at() == 4
     source[0] = iter(range(10, 12))
     engine.new_data()
     outs += engine.run_to_end()

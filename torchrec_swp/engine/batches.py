@@ -73,7 +73,7 @@ class BatchBook:
     calls of this epoch that found the end under a stop and were followed by more data (each took
     a batch number); ``next_claim``: the batch whose draw is next (several loads take turns);
     ``requested`` / ``returned``: batches ``step()`` was asked for / handed out. The end of data
-    is not the book's: ``Batches.end`` (``end`` here, for ``num_batches``).
+    is not the book's: ``Batches.end``.
     """
 
     first_number: int = 0
@@ -89,7 +89,6 @@ class BatchBook:
     next_claim: int = 0
     requested: int = 0
     returned: int = 0
-    end: EndOfData | None = field(default=None, repr=False, compare=False)
 
     def number(self, b: int) -> int:
         """Batch ``b``'s number (its source call since the engine was built or reset)."""
@@ -101,11 +100,6 @@ class BatchBook:
 
     def serial(self, b: int) -> int:
         return self.first_serial + b
-
-    @property
-    def num_batches(self) -> int | None:
-        """``M``: the batch the source found the end of data at (None: not yet), as ``end.end_at()`` says."""
-        return None if self.end is None else self.end.end_at()
 
 
 class Batches:
@@ -119,7 +113,6 @@ class Batches:
         self.slots: dict[int, dict[str, Any]] = {}  # every epoch's book holds this one dict
         self.book = BatchBook(slots=self.slots)
         self.end = EndOfData(self.book)
-        self.book.end = self.end
         self.next_number = 0
 
     # ----------------------------------------------------------- the caller
@@ -330,7 +323,6 @@ class Batches:
             start=start,
             first_iteration=first_iteration,
             slots=self.slots,
-            end=self.end,
         )
         self.end.begin(why, new)  # EngineError, changing nothing, where the end of data allows no new epoch
         for b in sorted(book.in_flight):

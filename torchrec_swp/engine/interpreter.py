@@ -37,7 +37,6 @@ import itertools
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -302,12 +301,6 @@ class Interpreter(abc.ABC):
             if stalled:
                 raise EngineTimeout(self._timeout_report())
             time.sleep(0.001)
-
-    def quiesce(self) -> None:
-        """Deprecated: ``wait_until_blocked()``."""
-        name = type(self).__name__
-        warnings.warn(f"{name}.quiesce() is deprecated: call wait_until_blocked()", DeprecationWarning, stacklevel=2)
-        self.wait_until_blocked()
 
     def park_all(self, why: str) -> None:
         """Interrupt every thread (``why``) so that each parks where it is, wait until every one is
