@@ -39,7 +39,7 @@ from torchrec_swp.integrations.torchrec.compat import installed
 pytestmark = [pytest.mark.multiprocess, pytest.mark.every_release]
 
 N, K = 10, 4  # batches per rank, the poisoned one
-WINDOW_START = 3  # with windows of 3, the first micro-batch of the second window
+WINDOW_START, WINDOW_END = 3, 5  # with windows of 3, the first and the last micro-batch of the second window
 SENTINEL = 7777.0  # a dense feature that marks the batch whose gradient the hook makes Inf
 CPU = torch.device("cpu")
 EFFECTS = ("fused_rows", "dense_grads", "dense_params", "dense_optim")
@@ -198,8 +198,18 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
         )
     out[("refusals",)] = _refusals(rank, world_size)
     out[("SemiSync", "nan")] = _stepwise(rank, world_size, "SemiSync")
-    out[("accumulation", "nan")] = _stepwise(rank, world_size, "accumulation")
-    out[("accumulation", "window start")] = _stepwise(rank, world_size, "accumulation", k=WINDOW_START)
+    for k in (K, WINDOW_START, WINDOW_END):  # a window's middle, first and last micro-batch
+        out[("accumulation", "nan", k)] = _stepwise(rank, world_size, "accumulation", k=k)
+        out[("accumulation", "reference", k)] = _stepwise(rank, world_size, "accumulation", k=k, poison=False)
+    out[("accumulation", "io_thread")] = _stepwise(rank, world_size, "accumulation", thread_map="io")
+    from torchrec_swp.engine.batches import Batches
+
+    original_clock = Batches.rolled_back
+    Batches.rolled_back = lambda self, b: None  # type: ignore[method-assign]  # the window counts batch K
+    try:
+        out[("accumulation", "without the clock")] = _stepwise(rank, world_size, "accumulation")
+    finally:
+        Batches.rolled_back = original_clock  # type: ignore[method-assign]
     for effect in EFFECTS:  # each capture removed in turn: the restore then puts nothing back
         classes = {
             "fused_rows": nonfinite.FusedRows,
@@ -227,22 +237,31 @@ def _all(rank: int, world_size: int) -> dict[tuple[str, ...], Any]:
     return out
 
 
-def _stepwise(rank: int, world_size: int, kind: str, k: int = K) -> dict[str, Any]:
-    """Batch K poisoned, the state after each step: TrainPipelineSemiSync in its semi-synchronous
-    phase from batch 1 (``kind="SemiSync"``), or GradientAccumulationWrapper over
-    TrainPipelineSparseDist, windows of 3 (``"accumulation"``: K is a window's second micro-batch)."""
+def _stepwise(
+    rank: int, world_size: int, kind: str, k: int = K, *, poison: bool = True, thread_map: str | None = None
+) -> dict[str, Any]:
+    """Batch k poisoned (``poison``; else the data without it and ``on_nonfinite="off"``), the state
+    after each step: TrainPipelineSemiSync in its semi-synchronous phase from batch 1
+    (``kind="SemiSync"``), or GradientAccumulationWrapper over TrainPipelineSparseDist, windows of 3
+    (``"accumulation"``; K is a window's second micro-batch)."""
     import torchrec_swp
 
     model, optimizer = _model(rank, world_size, kind)
+    option = {"on_nonfinite": "skip"} if poison else {}
+    if thread_map is not None:
+        option["thread_map"] = thread_map
     if kind == "SemiSync":
-        pipeline = torchrec_swp.TrainPipelineSemiSync(model, optimizer, CPU, start_batch=1, on_nonfinite="skip")
+        pipeline = torchrec_swp.TrainPipelineSemiSync(model, optimizer, CPU, start_batch=1, **option)
         stepper = pipeline
     else:
-        pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, on_nonfinite="skip")
+        pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, **option)
         config = torchrec_swp.GradientAccumulationConfig(num_steps=3)
         stepper = torchrec_swp.GradientAccumulationWrapper(pipeline, optimizer, model, config)
     batches = make_batches(rank, world_size, N, 0)
-    batches[k].float_features[0, 0] = math.nan
+    if poison:
+        batches[k].float_features[0, 0] = math.nan
+    else:
+        del batches[k]
     states, it = [], iter(batches)
     with record_losses(model) as losses:
         while True:
@@ -387,22 +406,63 @@ def test_the_counters_capture_is_needed(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("kind", ["SemiSync", "accumulation"])
-def test_a_step_across_batches_rolls_back_and_goes_on_finite(world_size: int, kind: str) -> None:
-    """What docs/nonfinite.md says SemiSync and the accumulation wrapper guarantee: the rolled-back
-    step leaves every weight, optimizer state (fused rows, counters, dense) and the window's
-    accumulated gradients as the step before left them, and training goes on finite. Not the run
-    without the batch: SemiSync's next batch was looked up before the rolled-back update (one
-    update later than without the batch); the window still closes after 3 batches drawn, one of
-    them rolled back."""
+def test_semi_sync_rolls_back_its_step_and_goes_on_finite(world_size: int) -> None:
+    """What docs/nonfinite.md says SemiSync guarantees: the rolled-back step leaves every weight
+    and optimizer state (fused rows, counters, dense) as the step before left them, and training
+    goes on finite. Not the run without the batch: its next batch was looked up before the
+    rolled-back update (one update later than without the batch)."""
     for rank, result in enumerate(_results(world_size)):
-        run = result[(kind, "nan")]
+        run = result[("SemiSync", "nan")]
         assert run["skipped"] == [K]
         before, after = run["states"][K - 1], run["states"][K]
         assert before.keys() == after.keys()
         assert [k for k in before if not torch.equal(before[k], after[k])] == [], f"rank {rank}"
         assert math.isnan(run["losses"][K]) and all(math.isfinite(x) for x in _without_k(run["losses"]))
         assert all(bool(torch.isfinite(v).all()) for v in run["states"][-1].values() if v.is_floating_point())
+
+
+def _stepwise_differences(run: dict[str, Any], reference: dict[str, Any], k: int) -> list[str]:
+    """What differs between the accumulation run with micro-batch k rolled back, its step's state
+    left out, and the run without batch k: after every step, each weight, optimizer state and
+    accumulated gradient; every loss."""
+    states = run["states"][:k] + run["states"][k + 1 :]
+    if len(states) != len(reference["states"]):
+        return [f"{len(states)} steps vs {len(reference['states'])}"]
+    found = [
+        f"step {j}: {key}"
+        for j, (a, b) in enumerate(zip(states, reference["states"], strict=True))
+        for key in sorted(a.keys() | b.keys())
+        if key not in a or key not in b or not torch.equal(a[key], b[key])
+    ]
+    if run["losses"][:k] + run["losses"][k + 1 :] != reference["losses"]:
+        found.append("losses")
+    return found
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize(("k", "where"), [(K, "middle"), (WINDOW_START, "first"), (WINDOW_END, "last")])
+def test_the_accumulation_window_closes_as_if_the_micro_batch_was_never_seen(world_size: int, k: int, where: str) -> None:
+    """GradientAccumulationWrapper (windows of 3) over TrainPipelineSparseDist, a window's
+    ``where`` micro-batch rolled back: bit for bit the run whose data lacks it, after every step
+    (weights, fused and dense optimizer state, the window's accumulated gradients) and in every
+    loss: the clock ``"trained"`` does not count the rolled-back batch, so the window closes one
+    batch later (the io thread map too, whose loader thread may pick its phase earlier)."""
+    for rank, result in enumerate(_results(world_size)):
+        run, reference = result[("accumulation", "nan", k)], result[("accumulation", "reference", k)]
+        assert run["skipped"] == [k]
+        assert _stepwise_differences(run, reference, k) == [], f"rank {rank}"
+        if k == K:
+            assert _stepwise_differences(result[("accumulation", "io_thread")], reference, k) == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_the_rolled_back_clock_is_needed(world_size: int) -> None:
+    """With the rolled-back batch counted on the clock ``"trained"`` (``Batches.rolled_back`` doing
+    nothing), the window closes after 3 batches drawn, one of them rolled back: not the run without it."""
+    for result in _results(world_size):
+        run, reference = result[("accumulation", "without the clock")], result[("accumulation", "reference", K)]
+        assert run["skipped"] == [K]
+        assert _stepwise_differences(run, reference, K) != []
 
 
 def test_what_cannot_be_undone_is_refused_in_one_line() -> None:
@@ -429,17 +489,3 @@ def test_the_gpu_path_rolls_back_the_same(world_size: int) -> None:
         run, reference = result[("SparseDist", "device selects")], result[("SparseDist", "reference")]
         assert _differences(run, reference) == [], f"rank {rank}"
         assert [b for b, _ in run["skipped"]] == [K] and "the losses" in run["skipped"][0][1]
-
-
-@pytest.mark.parametrize("world_size", WORLDS)
-def test_a_windows_first_micro_batch_rolled_back_leaves_no_gradient_behind(world_size: int) -> None:
-    """The accumulation wrapper, the window's first micro-batch rolled back: the gradients are as
-    its ZeroGrad left them (cleared), not the previous window's (already stepped), which its next
-    micro-batch would otherwise add onto; weights and optimizer state as before the step."""
-    for rank, result in enumerate(_results(world_size)):
-        states = result[("accumulation", "window start")]["states"]
-        before, after = states[WINDOW_START - 1], states[WINDOW_START]
-        assert any(key.startswith("grad ") for key in before), "the previous window left gradients"
-        assert not any(key.startswith("grad ") for key in after), f"rank {rank}: gradients carried over"
-        assert [k for k in before if not k.startswith("grad ") and not torch.equal(before[k], after[k])] == []
-        assert all(bool(torch.isfinite(v).all()) for v in states[-1].values() if v.is_floating_point())

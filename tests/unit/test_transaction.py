@@ -13,7 +13,7 @@ import torch
 
 from torchrec_swp.engine import Engine
 from torchrec_swp.engine.transaction import NonFiniteStep, Transaction, check_plan, decider, ordered
-from torchrec_swp.plan import PipelinePlan, PipelineTask, PlanError, TaskSchedule, When
+from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError, TaskSchedule, When
 
 S = TaskSchedule
 
@@ -297,3 +297,66 @@ def test_what_waits_for_an_effect_waits_for_the_deciding_task() -> None:
     fixed = ordered(plan)
     assert ("Lookup", "Opt", 1) in {(d.consumer, d.producer, d.distance) for d in fixed.deps}
     assert ("Lookup", "Opt", 1) not in {(d.consumer, d.producer, d.distance) for d in plan.deps}
+
+
+def _window(plan: PipelinePlan) -> PhasedPlan:
+    """``plan`` accumulating over windows of 2 on the clock ``"trained"``: the first batch of a
+    window zeroes and does not step, the second steps and does not zero."""
+    first = ordered(plan.with_schedule("Opt", when=When.NEVER).replace(name="accumulate"))
+    second = ordered(plan.with_schedule("Zero", when=When.NEVER).replace(name="step"))
+    return PhasedPlan([(0, first), (1, second)], name="window", clock="trained", cycle=(0, 2))
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "device_selects"])
+@pytest.mark.parametrize("bad", [1, 2, 3])
+def test_a_rolled_back_batch_does_not_count_on_the_clock_trained(host: bool, bad: int) -> None:
+    """Phases on the clock ``"trained"`` (a window of 2): batch ``bad`` rolled back, the window
+    closes one batch later, as in the run without it; on a device the verdict is then read at once
+    (the next batch's phase depends on it)."""
+    data = [0.5, 0.25, 0.125, 0.75, 0.5, 0.25]
+    poisoned = [*data]
+    poisoned[bad] = math.nan
+    m = Model(poisoned)
+    transaction = Transaction(_effects(m), mode="skip", host=host)
+    engine = Engine(_window(_plan()), m.bindings(), transaction=transaction)
+    assert transaction.host, "the verdict must be read before the next batch's phase is picked"
+    while True:
+        try:
+            engine.step()
+        except StopIteration:
+            break
+    assert engine.trained_since_reset == len(data) - 1
+    engine.close()
+    reference = Model(data[:bad] + data[bad + 1 :])
+    other = Engine(_window(_plan()), reference.bindings())
+    while True:
+        try:
+            other.step()
+        except StopIteration:
+            break
+    other.close()
+    _same(m, reference)
+    assert torch.equal(m.g, reference.g)
+    assert [v.batch for v in transaction.settled().skipped] == [bad]
+
+
+def test_phases_on_the_clock_trained_that_differ_off_the_deciding_thread_are_refused() -> None:
+    """A thread that may walk ahead picks its phase before the step before it is decided: phases
+    that give it different programs cannot follow a rollback; refused when the engine is built."""
+    plan = PipelinePlan(
+        schedule={**_plan().schedule, "Log": S(1, thread_group="w")},
+        tasks=[*_plan().tasks.values(), PipelineTask("Log", reads=("x",))],
+        intra_iter_deps=_plan().explicit_deps,
+        source="Load",
+        output="losses",
+        name="logged",
+    )
+    phases = _window(plan)
+    quiet = phases.plans[0].with_schedule("Log", when=When.NEVER)
+    m = Model([0.5])
+    with pytest.raises(PlanError, match="phases accumulate and step differ in thread w"):
+        Engine(
+            PhasedPlan([(0, quiet), (1, phases.plans[1])], name="window", clock="trained", cycle=(0, 2)),
+            {**m.bindings(), "Log": lambda b, x: None},
+            transaction=Transaction(_effects(m), mode="skip"),
+        )

@@ -351,6 +351,11 @@ class Batches:
     def count_trained_from(self, n: int) -> None:
         self.book.first_trained = n - self.book.returned
 
+    def rolled_back(self, b: int) -> None:
+        """Batch ``b``'s step was rolled back (``Transaction.listen``): on the clock ``"trained"`` it
+        does not count, the batches after it are numbered one less."""
+        self.book.first_trained -= 1
+
     def adopt(self, slots: list[dict[str, Any]]) -> None:
         """Batches loaded elsewhere in flight, ``slots[j]`` batch ``j``'s values (in a new book)."""
         book = self.book

@@ -29,7 +29,7 @@ from torchrec_swp.engine.end_of_data import EndEvent
 from torchrec_swp.engine.epochs import Epochs
 from torchrec_swp.engine.errors import EngineError, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
-from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans, check_bindings
+from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans, check_bindings, check_rollback_clock
 from torchrec_swp.engine.interpreter import DEFAULT_TIMEOUT_S, Interpreter
 from torchrec_swp.engine.ops import PlanOps
 from torchrec_swp.engine.source import Draws
@@ -107,10 +107,17 @@ class Engine(Interpreter):
         return self.installed.shape.walkers
 
     def _bind_all(self) -> None:
-        """The installed plans' task calls and ops."""
+        """The installed plans' task calls and ops; the transaction's rollbacks told to the book
+        (the clock ``"trained"`` skips them: at once where the phases go by that clock, checked
+        to differ only on the thread that decides a step, ``check_rollback_clock``)."""
         self._steady.clear()
         for inst in self.installed.by_id.values():
             self._bind(inst)
+        if self.transaction is not None:
+            at_once = self.phased.clock == "trained" and len(self.phased.phases) > 1
+            if at_once:
+                check_rollback_clock(self.installed, self.transaction)
+            self.transaction.listen(self.batches.rolled_back, at_once=at_once)
 
     def _bind(self, inst: InstalledPlan) -> None:
         """``inst``'s (instrumented) task calls, then its programs' ops, which hold them, then its
@@ -436,8 +443,8 @@ class Engine(Interpreter):
 
     @property
     def trained_since_reset(self) -> int:
-        """Batches trained (returned by ``step()``) since the engine was built or reset: the
-        clock ``"trained"``'s number of the next batch to train."""
+        """Batches trained (returned by ``step()``, a step rolled back not counted: ``on_nonfinite``)
+        since the engine was built or reset: the clock ``"trained"``'s number of the next batch to train."""
         return self.batches.book.first_trained + self.batches.book.returned
 
     def count_trained_from(self, n: int) -> None:

@@ -313,6 +313,36 @@ def check_switch(old: PhasedPlan, new: PhasedPlan, max_threads: int, max_in_flig
                 )
 
 
+def check_rollback_clock(installed: InstalledPlans, transaction: Transaction) -> None:
+    """PlanError where phases on the clock ``"trained"`` cannot follow a rolled-back step: the
+    thread that decides each step (``decider``) walks its next iteration after the verdict, so the
+    phase it picks counts the rollback; a thread that may run ahead picks its phase earlier, so
+    every phase must give it the same program, and every phase the same comm-group tickets."""
+    insts = list(installed.by_id.values())
+    deciding = {
+        inst.plan.task(name).thread_group
+        for inst in insts
+        if (name := decider(inst.plan, transaction.empty)) is not None
+    }
+    if len(deciding) > 1:
+        raise PlanError(
+            f"plan {installed.phased.name}: its phases decide a step on different threads "
+            f"({', '.join(sorted(deciding))}): a rolled-back step could not move the clock 'trained' before the "
+            "next batch's phase is picked"
+        )
+    first = insts[0]
+    for inst in insts[1:]:
+        threads = set(first.programs) | set(inst.programs)
+        differ = sorted(t for t in threads - deciding if first.programs.get(t, ()) != inst.programs.get(t, ()))
+        if differ or inst.tickets != first.tickets:
+            where = f"thread {differ[0]}" if differ else "its comm-group tickets"
+            raise PlanError(
+                f"plan {installed.phased.name}: phases {first.plan.name} and {inst.plan.name} differ in {where}, "
+                "which may pick its phase before the step before it is decided: a rolled-back step could not move "
+                "the clock 'trained' there"
+            )
+
+
 def check_adoptable(plan: PipelinePlan, top: int, slots: list[dict[str, Any]]) -> None:
     """``Engine.adopt``'s check: ``slots[j]`` holds every value batch ``j``'s remaining tasks read
     (batch ``j`` placed at stage ``top - j``)."""

@@ -274,9 +274,12 @@ class Transaction:
         self.effects, self.mode, self.watch = dict(effects), mode, watch
         #: the effects with nothing to capture (``Effect.empty``)
         self.empty = frozenset(n for n, e in self.effects.items() if getattr(e, "empty", False))
-        #: the verdict read on the host (else selects on the device; "raise" reads it always)
+        #: the verdict read on the host (else selects on the device; "raise" reads it always, and so
+        #: does a transaction whose listener must know at once, ``listen``)
         self.host = host or mode == "raise"
+        self._on_device = not host
         self._reduce, self._report = reduce, report
+        self._listener: Callable[[int], None] | None = None
         self.account = Account()
         self._lock = threading.Lock()
         self._open: dict[int, dict[str, Any]] = {}  # batch -> {effect: what its capture saved}
@@ -285,6 +288,15 @@ class Transaction:
         self._failed: Verdict | None = None  # a rolled-back step to raise (mode "raise")
 
     # ------------------------------------------------------------ the engine's side
+    def listen(self, fn: Callable[[int], None] | None, *, at_once: bool = False) -> None:
+        """``fn(b)`` is told of each batch ``b`` whose step rolled back (None: nobody), when the
+        verdict is read: the engine's clock ``"trained"`` does not count ``b``. ``at_once``: in
+        ``b``'s deciding task, before the thread runs anything else - what a next batch's phase
+        depends on (a window of gradient accumulation must close one batch later); the verdict is
+        then read on the host on a device too (one host synchronisation per step there)."""
+        self._listener = fn
+        self.host = not self._on_device or self.mode == "raise" or (fn is not None and at_once)
+
     def wrap(
         self,
         io_effects: tuple[str, ...],
@@ -364,6 +376,8 @@ class Transaction:
     def _rolled_back(self, b: int, serial: int, what: list[str]) -> None:
         verdict = Verdict(b, serial, tuple(what))
         self.account.skipped.append(verdict)
+        if self._listener is not None:
+            self._listener(b)
         if self._report is not None:
             self._report(verdict)
         if self.mode == "raise":

@@ -10,7 +10,7 @@ TorchRec's context index counts them), across epochs. ``clock="drawn"``: the bat
 the pipeline's life, across epochs and reset(), the calls that find no batch left out (as
 TrainPipelinePT2's ``_iter`` counts its forwards). ``clock="trained"``: the batches trained
 (returned by ``progress()``) since the engine was built or reset(), across epochs (as TorchRec's
-GradientAccumulationWrapper counts its steps).
+GradientAccumulationWrapper counts its steps); a step rolled back (``on_nonfinite``) does not count.
 
 A ``cycle=(first, period)`` makes the phases from batch ``first`` on repeat every ``period``
 batches: batch ``n >= first`` runs the plan of batch ``first + (n - first) % period`` (a window of
