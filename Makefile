@@ -56,14 +56,17 @@ bench: $(STAMP)
 # tests that reach TorchRec (tests/conftest.py marks those whose imports never reach it
 # torchrec_free: another TorchRec cannot change their result).
 test: lint $(STAMP18)
-	$(PY) -m pytest $(ON_BOTH_CORES) $(addprefix --deselect=,$(CHECKED_PARITY))
+	$(PY) -m pytest $(ON_BOTH_CORES) -m "not serial" $(addprefix --deselect=,$(CHECKED_PARITY))
+	$(PY) -m pytest -m serial
 	SWP_STREAM_CHECK=1 $(PY) -m pytest $(ON_BOTH_CORES) -m parity $(CHECKED_PARITY)
-	$(VENV18)/bin/python -m pytest $(ON_BOTH_CORES) -m "$(TEST18)" $(addprefix --deselect=,$(CHECKED_PARITY))
+	$(VENV18)/bin/python -m pytest $(ON_BOTH_CORES) -m "($(TEST18)) and not serial" $(addprefix --deselect=,$(CHECKED_PARITY))
+	$(VENV18)/bin/python -m pytest -m "($(TEST18)) and serial"
 	SWP_STREAM_CHECK=1 $(VENV18)/bin/python -m pytest $(ON_BOTH_CORES) -m parity $(CHECKED_PARITY)
 
 # Two pytest workers (pytest-xdist), each running whole test files in order (module fixtures are
 # computed once); tests/conftest.py collects the longest files first. A 2-rank test's ranks then
-# share the 2 cores with the other worker's test: the suite's timeouts allow for it.
+# share the 2 cores with the other worker's test: the suite's timeouts allow for it. Tests marked
+# serial (their result depends on measured times) run afterwards, one at a time.
 ON_BOTH_CORES := -n 2 --dist loadfile
 
 # ruff's rules and import order (pyproject.toml); a finding fails `make test`.
@@ -88,7 +91,8 @@ CHECKED_PARITY := tests/dist/test_input_dist_group.py tests/dist/test_parity_fou
 # What `make test` runs on TorchRec 1.8.0: the parity tests against upstream and the fast tests
 # that reach TorchRec.
 test-1.8: $(STAMP18)
-	$(VENV18)/bin/python -m pytest $(ON_BOTH_CORES) -m "$(TEST18)"
+	$(VENV18)/bin/python -m pytest $(ON_BOTH_CORES) -m "($(TEST18)) and not serial"
+	$(VENV18)/bin/python -m pytest -m "($(TEST18)) and serial"
 
 # Upstream's own pipeline test files, run with upstream's classes and with ours swapped in, on
 # both TorchRec versions (needs a torchrec git checkout: TORCHREC_REPO; see docs/upstream_suite.md).
@@ -100,7 +104,8 @@ upstream-suite: $(STAMP) $(STAMP18)
 
 # Only the fast, single-process tests.
 test-fast: $(STAMP)
-	$(PY) -m pytest $(ON_BOTH_CORES) -m "not multiprocess and not slow"
+	$(PY) -m pytest $(ON_BOTH_CORES) -m "not multiprocess and not slow and not serial"
+	$(PY) -m pytest -m "not multiprocess and not slow and serial"
 
 # The pipelines' real tasks under the CPU stream checker (SWP_STREAM_CHECK=1, torchrec_swp.streamcheck),
 # then mutants: each compiled wait / event record removed and each record_stream call site ignored,

@@ -19,6 +19,9 @@ import torchrec_swp
 from torchrec_swp import Autotune, plans
 from torchrec_swp.data import MapSource
 
+# the tuner decides from measured step times: run alone (make test), not beside another worker
+pytestmark = pytest.mark.serial
+
 CPU = torch.device("cpu")
 
 
@@ -63,6 +66,7 @@ def train(
     dataset: Any = None,
     **options: Any,
 ) -> tuple[list[torch.Tensor], Any, Any]:
+
     """``n`` steps of TrainPipelineBase over ``Slow`` (or ``dataset``) with ``Summing`` (or
     ``model``); the outputs, the pipeline (closed), the weights."""
     model = Summing(width) if model is None else model

@@ -32,6 +32,9 @@ from torchrec_swp.autotune.tuner import DRIFT_CHECKS
 from torchrec_swp.data import MapSource
 from torchrec_swp.plan import PipelinePlan
 
+# the tuner decides from measured step times: run alone (make test), not beside another worker
+pytestmark = pytest.mark.serial
+
 
 # ---------------------------------------------------------------------- the rule, on numbers
 def test_t_quantiles_are_students() -> None:
