@@ -197,7 +197,8 @@ class Runner:
     """One pipeline and the model it trains. ``step(it)`` handles one batch; ``close()`` ends it.
 
     ``model`` / ``optimizer`` are the ones ``build()`` returned; ``pipeline`` is the pipeline
-    object (ours has ``.plan`` and ``.engine``).
+    object (ours has ``.plan`` and ``.engine``); ``stepper`` is what ``step`` calls and a
+    checkpoint saves: the pipeline, or the GradientAccumulationWrapper around it (``accumulate``).
     """
 
     def __init__(
@@ -208,14 +209,16 @@ class Runner:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         patch: contextlib.ExitStack,
+        stepper: Any = None,
     ) -> None:
         self.info, self.impl = info, impl
         self.pipeline, self.model, self.optimizer = pipeline, model, optimizer
+        self.stepper = pipeline if stepper is None else stepper
         self._patch = patch
 
     def step(self, batches: Iterator[Any]) -> Any:
         """Train (or evaluate) one batch; return ``(loss, logits, labels)``. StopIteration at the end of data."""
-        return self.finish(self.pipeline.progress(batches))
+        return self.finish(self.stepper.progress(batches))
 
     def finish(self, progressed: Any) -> Any:
         """What ``step`` does after ``pipeline.progress()`` returned ``progressed``: nothing for
@@ -233,8 +236,9 @@ class Runner:
 
     def close(self) -> None:
         """Stop our engine's worker threads and lift the upstream CPU patch (idempotent)."""
-        if hasattr(self.pipeline, "close"):
-            self.pipeline.close()
+        for part in (self.stepper, self.pipeline):
+            if hasattr(part, "close"):
+                part.close()
         self._patch.close()
 
 
@@ -249,6 +253,7 @@ def make_runner(
     options: Mapping[str, Any] | None = None,
     upstream_patch: bool = False,
     device: torch.device = CPU,
+    accumulate: int = 1,
 ) -> Runner:
     """Build a model with ``build()`` and pipeline ``name`` of ``impl`` around it, on ``device``
     (``build()`` puts the model there).
@@ -258,8 +263,9 @@ def make_runner(
     ``edit_plan(plan)``, or ``edit_plan(its default plan)`` (see ``default_plan_of``);
     ``options`` add constructor options (on top of ``INFO[name].options``).
     ``upstream_patch`` allows upstream pipelines that need the test-only CPU patch (see the
-    module docstring; on a CUDA device they run as shipped). Raises PipelineUnavailable when the
-    pipeline cannot run as asked.
+    module docstring; on a CUDA device they run as shipped). ``accumulate`` > 1: the runner steps
+    through a GradientAccumulationWrapper with ``num_steps=accumulate`` (ours over ours, upstream's
+    over upstream's). Raises PipelineUnavailable when the pipeline cannot run as asked.
     """
     if name not in INFO:
         raise PipelineUnavailable(f"unknown pipeline {name!r}; choose one of {', '.join(PIPELINES)}")
@@ -307,10 +313,28 @@ def make_runner(
             pipeline = _staged(cls, impl, model, engine_options, device)
         else:
             pipeline = cls(model, optimizer, device, **kwargs, **engine_options)
+        stepper = None
+        if accumulate > 1:
+            if info.kind != "train":
+                raise PipelineUnavailable(f"{name} steps no optimizer in progress(): nothing to accumulate for")
+            stepper = _accumulating(impl, pipeline, optimizer, model, accumulate)
     except BaseException:
         patch.close()
         raise
-    return Runner(info, impl, pipeline, model, optimizer, patch)
+    return Runner(info, impl, pipeline, model, optimizer, patch, stepper)
+
+
+def _accumulating(impl: Impl, pipeline: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module, n: int) -> Any:
+    """GradientAccumulationWrapper (``impl``'s) around ``pipeline``, windows of ``n`` batches."""
+    if impl == "ours":
+        from torchrec_swp import GradientAccumulationConfig, GradientAccumulationWrapper
+    else:
+        from torchrec.distributed.train_pipeline.gradient_accumulation import (
+            GradientAccumulationConfig,
+            GradientAccumulationWrapper,
+        )
+    config = GradientAccumulationConfig(is_enabled=True, num_steps=n)
+    return GradientAccumulationWrapper(pipeline, optimizer, model, config)
 
 
 def default_plan_of(

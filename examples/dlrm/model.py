@@ -25,6 +25,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
@@ -79,11 +80,13 @@ def build_dlrm(
     device: torch.device | None = None,
     optimizer: str = "sgd",
     sharding: str = "mixed",
+    static_graph: bool = True,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A DistributedModelParallel DLRMTrain of ``size`` on ``device`` (default: the CPU) and the
     optimizer of its dense part (``optimizer``: a key of ``OPTIMIZERS``; the tables' one is fused,
     ``model.fused_optimizer``), its tables sharded as ``sharding`` says. The same seed gives the
-    same initial weights on every device.
+    same initial weights on every device. ``static_graph`` is DDP's (TorchRec's default, True);
+    False lets a run with gradient accumulation resume inside a window.
 
     Needs the default process group. ``DLRMTrain(batch)`` returns ``(loss, (loss, logits, labels))``
     (all detached in the second element): what a train pipeline's ``progress()`` returns.
@@ -102,6 +105,7 @@ def build_dlrm(
         plan=_plan(dlrm, sharder, world_size, device.type, sharding),
         sharders=[sharder],
         device=device,
+        data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
     )
     dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
     dense_optimizer = OPTIMIZERS[optimizer][1]

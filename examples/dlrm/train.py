@@ -402,6 +402,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each rank's data without its K-th batch (0-based, 0 <= K < --steps; the ones after it move up): "
         "--steps N --drop-batch K trains the batches that --steps N+1 --poison-batch K --on-nonfinite skip keeps",
     )
+    accumulation = parser.add_argument_group("gradient accumulation")
+    accumulation.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="one optimizer step every N batches, their gradients accumulated: GradientAccumulationWrapper with "
+        "num_steps=N around the pipeline (ours over ours: the window is in the plan; upstream's over upstream's); "
+        "--steps still counts batches; 1: no wrapper (default: %(default)s)",
+    )
     long = parser.add_argument_group("long jobs (see checkpoint.py)")
     long.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints into DIR")
     long.add_argument(
@@ -468,6 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
     _check_long_job(parser, args)
     _check_eval(parser, args)
+    _check_accumulation(parser, args)
     _check_device(parser, args)
     why = upstream_unavailable(args.pipeline, args.impl, args.device_value, args.upstream_cpu_patch)
     if why:
@@ -564,6 +575,27 @@ def _check_nonfinite(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             )
     if args.poison_batch is not None and kind == "eval":
         parser.error(f"--poison-batch: {args.pipeline} evaluates only: no training step to poison")
+
+
+def _check_accumulation(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--grad-accum N`` wraps a pipeline that steps the optimizer itself (not an eval pipeline,
+    not StagedTrainPipeline, whose caller steps it), and not the hybrid that evaluates through the
+    training pipeline. Checkpoints need no check: with N > 1 the model's DDP is built with
+    ``static_graph=False`` (``build_dlrm``), so a run can resume inside a window (TorchRec's
+    default, ``static_graph=True``, must all-reduce in the first backward after a resume, which
+    only a window's last batch does)."""
+    n = args.grad_accum
+    if n < 1:
+        parser.error("--grad-accum must be >= 1 (1: no accumulation)")
+    if n == 1:
+        return
+    kind = INFO[args.pipeline].kind
+    if kind != "train":
+        why = "evaluates only" if kind == "eval" else "hands its batches to the caller, who steps the optimizer"
+        parser.error(f"--grad-accum {n}: {args.pipeline} {why}: no optimizer step to accumulate for")
+    if args.eval_every and args.eval_mode == "hybrid":
+        parser.error(f"--grad-accum {n}: not with --eval-mode hybrid (the training pipeline evaluates too); "
+                     "use --eval-mode pipeline")
 
 
 def _check_undoable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -969,6 +1001,8 @@ def fingerprint(args: argparse.Namespace, world_size: int | None) -> dict[str, A
         found["data"]["poison_batch"] = args.poison_batch
         found["data"]["poison_rank"] = args.poison_rank
     found["pipeline"] = f"{args.impl} {args.pipeline}"
+    if args.grad_accum > 1:  # (where given: checkpoints of runs without it stay comparable)
+        found["grad_accum"] = args.grad_accum
     return found
 
 
@@ -1013,8 +1047,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         args.pipeline,
         args.impl,
         lambda: build_dlrm(
-            rank, world_size, size, seed=args.seed, device=device, optimizer=args.optimizer, sharding=args.sharding
+            rank,
+            world_size,
+            size,
+            seed=args.seed,
+            device=device,
+            optimizer=args.optimizer,
+            sharding=args.sharding,
+            static_graph=args.grad_accum == 1,
         ),
+        accumulate=args.grad_accum,
         plan=args.plan_value,
         thread_map=args.thread_map_value,
         options={
@@ -1048,9 +1090,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_state = saved["pipeline"]
         loader.load_state_dict(pipeline_state["loader"])
         if resized:
-            runner.pipeline.load_state_dict(pipeline_state, resized=True)
+            runner.stepper.load_state_dict(pipeline_state, resized=True)
         else:
-            runner.pipeline.load_state_dict(pipeline_state)  # the exact path: this rank's own cut
+            runner.stepper.load_state_dict(pipeline_state)  # the exact path: this rank's own cut
         if evaluator is not None and "eval" in saved:
             evaluator.load_state_dict(saved["eval"])
         start_step = int(meta["step"])
@@ -1091,6 +1133,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 print(_resize_line(written_on, world_size, loader), flush=True)
         if evaluator is not None:
             print(_eval_note(args, world_size), flush=True)
+        if args.grad_accum > 1:
+            in_plan = getattr(runner.stepper, "window_in_plan", False)  # (upstream's wrapper has none)
+            where = "the window in the plan" if in_plan else "its optimizer wrapper"
+            print(
+                f"gradient accumulation: one optimizer step every {args.grad_accum} batches "
+                f"({args.impl} GradientAccumulationWrapper, {where})",
+                flush=True,
+            )
         if (note := _nonfinite_note(args)) is not None:
             print(note, flush=True)
         if args.impl == "ours":
@@ -1186,10 +1236,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             cut = None
             if evaluator is not None and evaluator.due(trained):
                 if args.checkpoint_dir and _checkpoint_due(args, trained) and evaluator.shares_training_pipeline:
-                    cut = runner.pipeline.state_dict()  # before the held-out batches go through the pipeline
+                    cut = runner.stepper.state_dict()  # before the held-out batches go through the pipeline
                 evaluate()
             if args.checkpoint_dir and _checkpoint_due(args, trained):
-                per_rank = {"pipeline": cut if cut is not None else runner.pipeline.state_dict()}
+                per_rank = {"pipeline": cut if cut is not None else runner.stepper.state_dict()}
                 if evaluator is not None:
                     per_rank["eval"] = evaluator.state_dict()
                 if args.data_source == "global":
@@ -1265,6 +1315,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "loads": args.loads,
         "lookahead": args.lookahead,
         "input_dist_group": args.input_dist_group,
+        "grad_accum": args.grad_accum,
         "autotune": _decision(runner) if args.autotune else None,
         "autotune_requested": args.autotune,
         "loader_latency_ms": args.loader_latency_ms,

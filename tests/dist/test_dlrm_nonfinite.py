@@ -7,8 +7,10 @@ lacks batch ``K`` (``--drop-batch K``): on every rank's batch ``K``, and on rank
 (``--poison-rank 1``, read through the map source with 2 loads and a lookahead: a batch is poisoned
 by its index, whoever draws it when). The summary says which step was rolled back, and what was not
 finite where; ``--on-nonfinite raise`` ends the run with one line (per rank) naming the batch, the
-line ``make run`` ends with. Small sizes and ``S = 8`` steps: about 40 s on 2 cores. The argument checks are in
-``tests/unit/test_dlrm_nonfinite_args.py``.
+line ``make run`` ends with. The same with ``--grad-accum 3`` (GradientAccumulationWrapper, the
+window in the plan): the poisoned batch opens a window, which closes as if it had never been seen.
+Small sizes and ``S = 8`` steps: about 40 s on 2 cores, 30 s more for the accumulation. The
+argument checks are in ``tests/unit/test_dlrm_nonfinite_args.py``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,29 @@ def test_a_rolled_back_step_trains_what_the_data_without_its_batch_trains(
     assert (summary["steps"], reference["steps"]) == (S, S - 1)
     assert summary["losses"] == reference["losses"] and summary["rolled_back"] == 1
     assert reference["skipped"] == [] and reference["on_nonfinite"] == "off"
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], str]]:
+    tmp = tmp_path_factory.mktemp("dlrm_nonfinite_accumulated")
+    window = ["--grad-accum", "3"]  # calls 0 (warm-up), 1-2, 3-5, 6-8: batch K = 3 opens a window
+    poison = ["--steps", str(S), "--poison-batch", str(K), "--on-nonfinite", "skip", *window]
+    return {
+        "dropped": _ranks(["--steps", str(S - 1), "--drop-batch", str(K), *window], "accumulated_dropped", tmp),
+        "poisoned": _ranks(poison, "accumulated_poisoned", tmp),
+    }
+
+
+def test_a_rolled_back_micro_batch_leaves_its_window_as_the_data_without_it(
+    accumulated: dict[str, tuple[dict[str, Any], str]], runs: dict[str, tuple[dict[str, Any], str]]
+) -> None:
+    (summary, output), (reference, reference_output) = accumulated["poisoned"], accumulated["dropped"]
+    assert "one optimizer step every 3 batches (ours GradientAccumulationWrapper, the window in the plan)" in output
+    assert _weights_line(output) == _weights_line(reference_output)
+    assert (summary["optimizers_sha256"], summary["grad_accum"]) == (reference["optimizers_sha256"], 3)
+    assert summary["losses"] == reference["losses"] and summary["rolled_back"] == 1
+    # and the windows changed the training: not the run without accumulation
+    assert summary["weights_sha256"] != runs["poisoned"][0]["weights_sha256"]
 
 
 def test_the_summary_says_which_step_was_rolled_back_and_what_was_not_finite_where(

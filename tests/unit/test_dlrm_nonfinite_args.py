@@ -1,6 +1,6 @@
 """The DLRM example's non-finite options, in one process: the argument checks and the edited data.
 
-* ``--on-nonfinite``, ``--poison-batch``, ``--poison-rank`` and ``--drop-batch`` that do not hang
+* ``--on-nonfinite``, ``--poison-batch``, ``--poison-rank``, ``--drop-batch`` and ``--grad-accum`` that do not hang
   together are refused by ``train.py --check`` (what ``make run`` runs before launching) with one
   line; those that do pass.
 * ``EditedBatches`` (``--drop-batch``, ``--poison-batch``): the batches a rank draws, the same by
@@ -69,6 +69,20 @@ REFUSED = {
     ),
     "the option by --option": (["--option", "on_nonfinite='skip'"], "--option on_nonfinite: give --on-nonfinite MODE"),
     "an unknown mode": (["--on-nonfinite", "ignore"], "argument --on-nonfinite: invalid choice: 'ignore'"),
+    # --grad-accum, with which --on-nonfinite closes a window as if the rolled-back batch was never seen
+    "no window": (["--grad-accum", "0"], "--grad-accum must be >= 1 (1: no accumulation)"),
+    "accumulating an eval pipeline": (
+        ["--pipeline", "EvalPipelineSparseDist", "--grad-accum", "2"],
+        "--grad-accum 2: EvalPipelineSparseDist evaluates only: no optimizer step to accumulate for",
+    ),
+    "accumulating for the staged pipeline's caller": (
+        ["--pipeline", "StagedTrainPipeline", "--grad-accum", "2"],
+        "--grad-accum 2: StagedTrainPipeline hands its batches to the caller, who steps the optimizer",
+    ),
+    "accumulating while the training pipeline evaluates": (
+        ["--grad-accum", "2", "--eval-every", "5", "--eval-mode", "hybrid"],
+        "--grad-accum 2: not with --eval-mode hybrid (the training pipeline evaluates too)",
+    ),
 }
 
 
@@ -89,6 +103,8 @@ def test_nonfinite_arguments_that_do_not_hang_together_are_refused_with_one_line
         ["--on-nonfinite", "skip", "--pipeline", "TrainPipelineFusedSparseDist", "--optimizer", "adagrad"],
         ["--on-nonfinite", "skip", "--pipeline", "TrainEvalHybridPipelineBase", "--eval-every", "5"],
         ["--on-nonfinite", "skip", "--checkpoint-dir", "{tmp}", "--checkpoint-every", "5"],
+        ["--on-nonfinite", "skip", "--grad-accum", "3", "--checkpoint-dir", "{tmp}", "--checkpoint-every", "5"],
+        ["--impl", "upstream", "--grad-accum", "4", "--eval-every", "5"],
     ],
 )
 def test_nonfinite_arguments_that_hang_together_pass(argv: list[str], tmp_path: Path) -> None:

@@ -98,6 +98,12 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
         super().close()
 
     @property
+    def window_in_plan(self) -> bool:
+        """Whether the window is the plan's phases (our pipeline, see the module docstring), not
+        upstream's optimizer wrapper."""
+        return self._swp_in_plan
+
+    @property
     def current_step(self) -> int:
         """The calls that trained a batch since the wrapper was built or reset (upstream's
         counter; on the plan route the engine's clock ``"trained"``)."""
