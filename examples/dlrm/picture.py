@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,18 @@ class StepRecorder:
 
 def save_gantt(recorder: StepRecorder, path: Path, title: str) -> Path:
     """Draw the recorded steps into ``path`` (PNG); returns it. Raises ValueError with nothing recorded."""
+    import matplotlib.pyplot as plt
+
+    fig = gantt_figure(recorder, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def gantt_figure(recorder: StepRecorder, title: str) -> Any:
+    """The recorded steps as a matplotlib Figure: one row per thread, the steps shaded, a legend of
+    the tasks below the axes' label. Raises ValueError with nothing recorded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,7 +79,9 @@ def save_gantt(recorder: StepRecorder, path: Path, title: str) -> Path:
     tasks = list(dict.fromkeys(r.task for r in runs))
     colours = plt.get_cmap("tab20")
     colour = {task: colours(k % 20) for k, task in enumerate(tasks)}
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * len(threads)))
+    # the legend below the axes, outside them and below their label: constrained layout makes room
+    legend_rows = -(-len(tasks) // 6)
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(threads) + 0.2 * legend_rows), layout="constrained")
     for k, (start, end, _) in enumerate(steps):
         ax.axvspan(1e3 * (start - t0), 1e3 * (end - t0), color="0.92" if k % 2 else "0.85", zorder=0)
     for r in runs:
@@ -80,9 +95,5 @@ def save_gantt(recorder: StepRecorder, path: Path, title: str) -> Path:
     ax.set_xlabel("ms (shaded: the steps, progress() calls of the caller; numbers: the batch each task ran for)")
     ax.set_title(title, fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[t]) for t in tasks]
-    ax.legend(handles, tasks, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(6, len(tasks)), fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig.legend(handles, tasks, loc="outside lower center", ncol=min(6, len(tasks)), fontsize=7, frameon=False)
+    return fig
