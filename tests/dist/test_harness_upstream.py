@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -258,3 +259,48 @@ def test_run_on_ranks_timeout_kills_hanging_rank(tmp_path: Path) -> None:
         run_on_ranks(_hang_on_rank_1, str(tmp_path), timeout_s=30.0)
     assert time.monotonic() - start < 60
     _assert_all_gone(tmp_path)
+
+
+def _rank_environment(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_runs_with_the_callers_environment_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ranks are forked from a fork server started by an earlier call: its environment is that of its
+    # start, and each rank takes the caller's of the call instead
+    run_on_ranks(_rank_environment, "SWP_TEST_CALLER_ENV", timeout_s=120.0)  # the server is up
+    monkeypatch.setenv("SWP_TEST_CALLER_ENV", "set after the server started")
+    assert run_on_ranks(_rank_environment, "SWP_TEST_CALLER_ENV", timeout_s=120.0) == [
+        "set after the server started"
+    ] * 2
+    monkeypatch.delenv("SWP_TEST_CALLER_ENV")
+    assert run_on_ranks(_rank_environment, "SWP_TEST_CALLER_ENV", timeout_s=120.0) == [None, None]
+
+
+_CALLER = """
+import sys
+from tests.dist.test_harness_upstream import _hang_on_rank_1
+from harness.ranks import run_on_ranks
+run_on_ranks(_hang_on_rank_1, sys.argv[1], timeout_s=600.0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_ranks_exit_when_their_caller_is_killed(tmp_path: Path) -> None:
+    """A test run killed (SIGKILL: no finally runs) leaves no rank behind: a rank watches its caller
+    and the fork server it was forked from."""
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER, str(tmp_path)], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "1").exists() and time.monotonic() < deadline:  # rank 1 is up (and hangs)
+            assert caller.poll() is None, "the caller ended before its ranks started"
+            time.sleep(0.1)
+        pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 15
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids), f"ranks {pids} outlived their killed caller"
