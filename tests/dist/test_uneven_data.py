@@ -9,7 +9,7 @@
   first (10 against 13), rank 1 in the second. Every rank stops after batch 10 with
   StopIteration (the staged pipeline: returns None) in both epochs, and outputs, losses and final
   weights equal bit for bit those of the run in which every rank had 10 batches (sync off); the
-  longer rank's draw for batch 10 is counted in ``batch_ledger.past_end``. One rank process runs
+  longer rank's draw for batch 10 is counted in ``batch_ledger.dropped_past_end``. One rank process runs
   every family and case (``_all_cases``), each test checks one family. The eval pipeline gets
   ``reset()`` between epochs, as upstream's needs; StagedTrainPipeline takes no ``loads`` (its
   source runs the user's first stage) and, given a new iterator after returning None, returns
@@ -108,7 +108,7 @@ def _train_run(family: str, rank: int, world_size: int, seed: int, options: dict
             if e and family == "Eval":
                 pipeline.reset()  # upstream's eval pipeline binds its first iterator until reset()
             runs.append(train_pipeline_run(pipeline, _epoch_data(rank, world_size, seed, e, n), LONG + 3))
-        return [*runs, pipeline.batch_ledger.past_end]
+        return [*runs, pipeline.batch_ledger.dropped_past_end]
     finally:
         pipeline.close()
 
@@ -126,7 +126,7 @@ def _staged_run(rank: int, world_size: int, seed: int, options: dict[str, Any], 
             staged_pipeline_run(pipeline, model, optimizer, _epoch_data(rank, world_size, seed, e, n), LONG + 5)
             for e, n in enumerate(_lengths(rank, sync))
         ]
-        return [*runs, pipeline.batch_ledger.past_end]
+        return [*runs, pipeline.batch_ledger.dropped_past_end]
     finally:
         pipeline.close()
 
@@ -144,7 +144,7 @@ def _pec_run(rank: int, world_size: int, seed: int, options: dict[str, Any], syn
             train_pipeline_run(pipeline, batches[e * LONG : e * LONG + n], LONG + 3)
             for e, n in enumerate(_lengths(rank, sync))
         ]
-        return [*runs, pipeline.batch_ledger.past_end]
+        return [*runs, pipeline.batch_ledger.dropped_past_end]
     finally:
         pipeline.close()
 
@@ -193,13 +193,13 @@ def test_uneven_data_stops_every_rank_after_the_same_batch(family: str) -> None:
             if label not in cases:
                 assert family == "Staged" and label == "2 loads"
                 continue
-            *epochs, past_end = cases[label]
+            *epochs, dropped_past_end = cases[label]
             for e, (ref, got) in enumerate(zip(reference, epochs, strict=True)):
                 # outputs, losses, calls, the StopIteration call and the weights after the epoch
                 assert_runs_equal(ref, got, what=f"rank {rank} {family} [{label}] epoch {e + 1}")
             # each rank was the longer one once and drew an item for batch 10 then (not trained)
             drawn_past = 1 if family != "Staged" else int(rank == 1)
-            assert past_end == drawn_past, f"rank {rank} {family} [{label}]: {past_end} items drawn past the common end"
+            assert dropped_past_end == drawn_past, f"rank {rank} {family} [{label}]: {dropped_past_end} items drawn past the end"
 
 
 # --------------------------------------------------------------------------------------------

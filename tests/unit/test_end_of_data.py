@@ -35,7 +35,7 @@ adopt()                      | running  | -        | running  | running
 EVENTS: dict[str, tuple[EndEvent, Callable[[Batches], object]]] = {
     "end seen at 3": (EndEvent.END, lambda b: b.found_end(M, False)),
     "end seen at 3 under a stop": (EndEvent.STOP, lambda b: b.found_end(M, True)),
-    "common end at 3": (EndEvent.COMMON_END, lambda b: b.count_past_end(M)),
+    "common end at 3": (EndEvent.COMMON_END, lambda b: b.count_dropped_past_end(M)),
     "new data": (EndEvent.NEW_DATA, lambda b: b.new_data()),
     "StopIteration raised": (EndEvent.REPORT, lambda b: b.report_end()),
     "the next epoch": (EndEvent.EPOCH, lambda b: b.new_epoch(EndEvent.EPOCH, 0, None, 0)),

@@ -94,7 +94,7 @@ def test_every_rank_stops_at_the_shorter_data_and_trains_as_with_it(
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     # one collective per draw, batch 10 included; an item drawn for it by the longer rank is not trained
     assert len(sync.threads) == 2 * 11
-    assert pipeline.batch_ledger.past_end == (2 if mine > peer else 0)
+    assert pipeline.batch_ledger.dropped_past_end == (2 if mine > peer else 0)
     assert pipeline.batch_ledger.trained == 20 and pipeline.batch_ledger.dropped == []
     # issued by the thread that draws: the calling thread only where the plan draws there
     drew_on_caller = {threading.current_thread().name} == set(sync.threads)

@@ -41,7 +41,7 @@ class BatchLedger:
 
     Batches are numbered by ``serial`` in the order they were drawn (0, 1, ... over the
     engine's life). A batch is trained once it left the highest stage; one that never will is
-    listed in ``dropped`` with the reason. ``past_end`` counts the items drawn for the common end
+    listed in ``dropped`` with the reason. ``dropped_past_end`` counts the items drawn for the common end
     of uneven data (``sync_dataloader_exhaustion``: this rank had one, another had none): never
     batches, never trained, not counted in ``drawn``. ``failed_draws`` lists the draws that
     failed inside the iterator's own ``next()`` where it cannot draw the same item again (no
@@ -54,7 +54,7 @@ class BatchLedger:
     drawn: int = 0
     trained: int = 0
     dropped: list[tuple[int, str]] = field(default_factory=list)
-    past_end: int = 0
+    dropped_past_end: int = 0
     failed_draws: list[tuple[int, str]] = field(default_factory=list)
 
 
@@ -281,15 +281,15 @@ class Batches:
         self.ledger.failed_draws.append((serial, error))
         return serial
 
-    def count_past_end(self, b: int) -> None:
-        """An item drawn for batch ``b``, the common end of uneven data (``BatchLedger.past_end``)."""
+    def count_dropped_past_end(self, b: int) -> None:
+        """An item drawn for batch ``b``, the common end of uneven data (``BatchLedger.dropped_past_end``)."""
         self.end.common(b)
-        self.ledger.past_end += 1
+        self.ledger.dropped_past_end += 1
 
     def retract(self, b: int) -> bool:
         """Batch ``b``, drawn or still in its source call, is the common end of uneven data after
         all (the ranks' deferred agreement: ``torchrec_swp.engine.exhaustion``): out of flight and
-        of ``drawn``, counted in ``past_end``, and the data ends there. Whether it was in flight
+        of ``drawn``, counted in ``dropped_past_end``, and the data ends there. Whether it was in flight
         (else its source call still runs, and ``drawn(b)`` will say False). Its slot stays until
         the epoch ends."""
         book = self.book
@@ -298,7 +298,7 @@ class Batches:
             book.in_flight.discard(b)
             book.numbers.pop(b, None)
             self.ledger.drawn -= 1
-        self.count_past_end(b)
+        self.count_dropped_past_end(b)
         self.found_end(b, False)
         return was
 

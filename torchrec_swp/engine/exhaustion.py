@@ -22,7 +22,7 @@ most one agreement open, so that every rank issues exactly as many as its peers.
 then the peers have drawn ``b`` too (they draw it before their own collectives of the batches
 before it), so the wait is usually already over. Where the answer is "not every rank", the
 batch this rank drew is **retracted** (the callback ``begin`` was given: it leaves the batches in
-flight, is counted in ``ledger.past_end``, the data ends there, and the pipeline undoes what its
+flight, is counted in ``ledger.dropped_past_end``, the data ends there, and the pipeline undoes what its
 source task's call did outside the batch's slot); nothing of it ran but its draw, and no
 collective of it was issued on any rank. A rank whose own draw ends
 (StopIteration) agrees "no" and stops; the peers learn it at their gate. ``finish()`` waits for
@@ -36,7 +36,7 @@ dist cache (``integrations/torchrec/input_dist_cache.py``) agrees there on which
 rank reuses, with no collective of its own.
 
 An item a rank drew for the common end (it had one, a peer did not) is not trained: it is
-dropped or retracted, and the engine's ledger counts it (``ledger.past_end``); the rank's later
+dropped or retracted, and the engine's ledger counts it (``ledger.dropped_past_end``); the rank's later
 items stay undrawn in its iterator. A draw that fails with another exception issues no
 all-reduce: the peers' pending one fails after the group's timeout (``engine_timeout_s``)
 instead of hanging.

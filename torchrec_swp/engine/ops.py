@@ -74,7 +74,7 @@ class PlanOps:
         self._uid = uid  # names the interpreter's hand-offs to the checker
         self._checker = checker  # the stream checker of a checked stream pool (torchrec_swp.streamcheck), or None
         self.source = Source(
-            interpreter, batches, installed, stop_check=self.stop_check, wait=self.wait, in_task=self.in_task,
+            interpreter, batches, installed, check_stop=self._end.check_stop, wait=self.wait, in_task=self.in_task,
             checker=checker, exhaustion=exhaustion, undo_draw=undo_draw,
         )  # fmt: skip
         self._exhaustion = exhaustion
@@ -228,7 +228,7 @@ class PlanOps:
         trains = not main and stage == self._installed.shape.top
         checked = self._checker is not None
         plain = ticket is None and not checked
-        ticketed, stop_check, exists_at = self._interpreter.ticketed, self.stop_check, self._end.exists_at
+        ticketed, check_stop, exists_at = self._interpreter.ticketed, self._end.check_stop, self._end.exists_at
         sync = self._exhaustion if gated else None
 
         def run(w: Walker, P: int) -> None:
@@ -253,9 +253,9 @@ class PlanOps:
                 if plain:
                     invoke(b)
                 elif checked:
-                    ticketed(w, group, ticket, task, b, stop_check, self.in_task, w, task, b, invoke)
+                    ticketed(w, group, ticket, task, b, check_stop, self.in_task, w, task, b, invoke)
                 else:
-                    ticketed(w, group, ticket, task, b, stop_check, invoke, b)
+                    ticketed(w, group, ticket, task, b, check_stop, invoke, b)
             except StopIteration as e:  # would end a generator up the stack silently
                 raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
 
@@ -271,7 +271,7 @@ class PlanOps:
         task, stage = instr.task, instr.stage
 
         def run_alias(w: Walker, P: int) -> None:
-            self.stop_check(P)
+            self._end.check_stop(P)
             b = P - stage
             w.current = (task, b)
             if self.await_exists(b, P):
@@ -306,11 +306,6 @@ class PlanOps:
             return
         self.wait(P, lambda: b < book.requested, lambda: f"step() to be called for batch {b}")
 
-    def stop_check(self, P: int) -> None:
-        """Park a thread at internal iteration ``P`` if the plan stopped before it: single-thread
-        order would not have got there."""
-        self._end.check_stop(P)
-
     def wait(self, P: int, ready: Callable[[], bool], what: Callable[[], str], topic: Hashable = None) -> None:
         """Wait, at internal iteration ``P``, until ``ready()``; park if the plan stops before ``P``
         (``topic``: see ``torchrec_swp.engine.board``)."""
@@ -341,10 +336,10 @@ class PlanOps:
             book = batches.book
             w.current = (what, pb)
             key: Hashable = (producer, pb)
-            self.stop_check(P)
+            self._end.check_stop(P)
             start = time.perf_counter() if observer is not None else 0.0
             if key in latches or pb < book.returned:  # done already: no wait
-                self.stop_check(P)
+                self._end.check_stop(P)
             else:
                 self.wait(
                     P,
@@ -384,7 +379,7 @@ class PlanOps:
         return signal
 
     def _device_sync(self, w: Walker, P: int, instr: Instr) -> None:
-        self.stop_check(P)
+        self._end.check_stop(P)
         book, streams, shape = self._batches.book, self._interpreter.streams, self._installed.shape
         if isinstance(instr, WaitStream):
             event = book.events.get((instr.task, P - instr.consumer_stage - instr.distance))

@@ -250,9 +250,9 @@ class Feed:
 class Source:
     """The source task's side of the engine: the op of ``run! S`` (its lane, the ``credit``, the
     draw into the batch's slot, the end of data), the turns several loads take, and the ``Feed``
-    it draws from. ``stop_check``, ``wait`` and ``in_task`` are the plan ops' methods of those
-    names (``torchrec_swp.engine.ops.PlanOps``, which makes the source): park past the plan's
-    stop, wait at an internal iteration, run a task inside the checker's label."""
+    it draws from. ``check_stop`` is the end of data's (``EndOfData.check_stop``: park past the
+    plan's stop), ``wait`` and ``in_task`` the plan ops' (``torchrec_swp.engine.ops.PlanOps``,
+    which makes the source: wait at an internal iteration, run a task inside the checker's label)."""
 
     def __init__(
         self,
@@ -260,7 +260,7 @@ class Source:
         batches: Batches,
         installed: InstalledPlans,
         *,
-        stop_check: Callable[[int], None],
+        check_stop: Callable[[int], None],
         wait: Callable[[int, Callable[[], bool], Callable[[], str]], None],
         in_task: Callable[[Walker, str, int, Invoker], None],
         checker: Any,
@@ -272,7 +272,7 @@ class Source:
         self._board = interpreter.board
         self._batches = batches
         self._installed = installed  # their shape: the highest stage, the lanes, whether other threads walk
-        self._stop_check, self._wait, self._in_task = stop_check, wait, in_task
+        self._check_stop, self._wait, self._in_task = check_stop, wait, in_task
         self._checker = checker
         self.feed = Feed(
             take_turn=self.take_turn,
@@ -323,7 +323,7 @@ class Source:
         after its gates, and what an unrolled iteration calls (``torchrec_swp.engine.unrolled``)."""
         task, ticket, group = instr.task, instr.ticket, instr.comm_group
         batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
-        stop_check, in_task = self._stop_check, self._in_task
+        check_stop, in_task = self._check_stop, self._in_task
         plain = ticket is None and self._checker is None
 
         def draw_batch(w: Walker, b: int, plan: PipelinePlan) -> None:
@@ -336,9 +336,9 @@ class Source:
                 if plain:
                     invoke(b)
                 elif self._checker is not None:
-                    self._interpreter.ticketed(w, group, ticket, task, b, stop_check, in_task, w, task, b, invoke)
+                    self._interpreter.ticketed(w, group, ticket, task, b, check_stop, in_task, w, task, b, invoke)
                 else:
-                    self._interpreter.ticketed(w, group, ticket, task, b, stop_check, invoke, b)
+                    self._interpreter.ticketed(w, group, ticket, task, b, check_stop, invoke, b)
             except StopIteration:
                 batches.drop_slot(b)
                 if draws is not None:
@@ -459,7 +459,7 @@ class Source:
     def retract(self, b: int, book: Any) -> None:
         """Batch ``b`` of the epoch of ``book``, which this rank drew (or is drawing), lacks on
         another rank (``exhaustion``): it leaves the batches in flight (or never enters them) and
-        the data ends there; counted in ``ledger.past_end``. Nothing, if the epoch is over."""
+        the data ends there; counted in ``ledger.dropped_past_end``. Nothing, if the epoch is over."""
         with self._board.lock:
             if self._batches.book is book and self._batches.retract(b):
                 self.undo(b)
@@ -473,6 +473,6 @@ class Source:
 
     def past_common_end(self, b: int) -> None:
         """This rank drew an item for batch ``b``, which another rank's data lacks (the common end
-        under ``exhaustion``): not a batch, never trained, counted in ``ledger.past_end``."""
+        under ``exhaustion``): not a batch, never trained, counted in ``ledger.dropped_past_end``."""
         with self._board.lock:
-            self._batches.count_past_end(b)
+            self._batches.count_dropped_past_end(b)
