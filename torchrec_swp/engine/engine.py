@@ -86,11 +86,11 @@ class Engine(Interpreter):
         check_bindings(self.installed.phased, bindings)
         self.device_type, self.exhaustion = device_type, exhaustion
         self.batches = Batches()
-        self._ops = PlanOps(
+        self._plan_ops = PlanOps(
             self, self.batches, self.installed, uid=self._uid, checker=self._checker, exhaustion=exhaustion,
             undo_draw=undo_draw,
         )  # fmt: skip
-        self._feed = self._ops.source.feed
+        self._feed = self._plan_ops.source.feed
         self._epochs = Epochs(self, self.installed, self.batches, self._feed, on_new_data)
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
@@ -127,15 +127,15 @@ class Engine(Interpreter):
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
             transaction=self.transaction,
         )  # fmt: skip
-        self._ops.compile(inst, self._observer)
+        self._plan_ops.compile(inst, self._observer)
         body = inst.bodies.get(MAIN_THREAD)
         if body is None or body.steady_lines is None or self._observer is not None or self._checker is not None:
             self._steady.pop(id(inst.plan), None)
             return
         self._steady[id(inst.plan)] = steady_step(
             body, main=self.installed.shape.main, feed=self._feed, failures=self.failures, installed=self.installed,
-            batches=self.batches, begin_step=self._ops.begin_step, is_grad_enabled=torch.is_grad_enabled,
-            training=self._training_mode, plan_at=self._ops.plan_at if len(self.phased.phases) > 1 else None,
+            batches=self.batches, begin_step=self._plan_ops.begin_step, is_grad_enabled=torch.is_grad_enabled,
+            training=self._training_mode, plan_at=self._plan_ops.plan_at if len(self.phased.phases) > 1 else None,
             inst=inst, walk_stopped=self._walk_stopped, finish=self._finish, again=_AGAIN, retire=self._retire,
         )  # fmt: skip
 
@@ -284,7 +284,7 @@ class Engine(Interpreter):
             if self.installed.pending is not None:
                 self._switch_if_ready()
                 ended = end.ended()
-            self._ops.begin_step(
+            self._plan_ops.begin_step(
                 torch.is_grad_enabled(), True if self._training_mode is None else bool(self._training_mode())
             )
             shape = self.installed.shape
@@ -304,7 +304,8 @@ class Engine(Interpreter):
                 if threaded:
                     self._start_workers()
                 if main.state is not WalkState.FINISHED:
-                    self._walk(main, d + shape.top, self._ops.program, self._ops.iteration_done, threaded=threaded)
+                    ops = self._plan_ops
+                    self._walk(main, d + shape.top, ops.program, ops.iteration_done, threaded=threaded)
                 output = self._finish(d)
                 if output is not _AGAIN:
                     if self.transaction is not None:
@@ -350,10 +351,10 @@ class Engine(Interpreter):
                 self._launch(w, lambda w=w: self._background(w))
 
     def _background(self, w: Walker) -> None:
-        torch.set_grad_enabled(self._ops.grad)
+        torch.set_grad_enabled(self._plan_ops.grad)
         if self._checker is not None:
             self._checker.cpu_acquire(("launch", self._uid, w.name))
-        self._walk(w, None, self._ops.program, self._ops.iteration_done, threaded=True)
+        self._walk(w, None, self._plan_ops.program, self._plan_ops.iteration_done, threaded=True)
 
     def _await(self, d: int) -> str:
         """Wait until batch ``d`` is done - with lookahead 0, every thread's part of internal
