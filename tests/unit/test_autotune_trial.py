@@ -28,7 +28,7 @@ from torchrec_swp.autotune.trial import (
     t_quantile,
     trial_bound,
 )
-from torchrec_swp.autotune.tuner import DRIFT_CHECKS
+from torchrec_swp.autotune.tuner import DRIFT_CHECKS, TunerState
 from torchrec_swp.data import MapSource
 from torchrec_swp.plan import PipelinePlan
 
@@ -399,7 +399,7 @@ def test_the_watch_sees_a_drift_in_bursts() -> None:
             tuner._window.extend([7e-3, 0.4e-3, 0.4e-3] * (tuner._window.maxlen // 3))
             assert statistics.median(tuner._window) < 0.5e-3  # the median sees no drift
             tuner._check_drift()
-        assert tuner.phase == "settling", lines  # tuning again
+        assert tuner.state is TunerState.SETTLING, lines  # tuning again
         assert any("the step drifted: 2.60 ms against 0.45 ms" in line for line in lines), lines
     finally:
         pipeline.close()

@@ -57,6 +57,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from enum import Enum
 from typing import Any, Protocol
 
 from torchrec_swp.autosched.inputs import from_profiles
@@ -180,6 +181,21 @@ class Hooks:
     enable: Callable[[], None] | None = None
 
 
+class TunerState(Enum):
+    """Where a tuner stands (``Tuner.state``; not a plan's phase, ``PhasedPlan``): warm-up calls,
+    settling after a switch, profiling, quieting the threads before a collective, trying the
+    candidates, verifying the decision, watching for drift, done."""
+
+    WARMUP = "warmup"
+    SETTLING = "settling"
+    PROFILING = "profiling"
+    QUIETING = "quieting"
+    TRYING = "trying"
+    VERIFYING = "verifying"
+    WATCHING = "watching"
+    DONE = "done"
+
+
 class Tuner:
     """One pipeline's tuner (module docstring)."""
 
@@ -189,7 +205,7 @@ class Tuner:
         self.hooks = hooks
         self.owner = owner
         self.calls = 0
-        self.phase = "warmup"
+        self.state = TunerState.WARMUP
         self.round = 1
         self._until = 0  # the last call of the current profiling or settling
         self.decision: Decision | None = None
@@ -198,13 +214,13 @@ class Tuner:
         self._last_start: float | None = None
         self._periods: list[float] = []
         self._settle = 0
-        self._phase_call = 0  # the call whose step began the current profiling or verification
+        self._state_call = 0  # the call whose step began the current profiling or verification
         self._ended_call = -1  # the last call whose step found the data ended
         self._trial: Trial | None = None
         self._proposal: Decision | None = None  # the search's decision a trial started from
         self._own_groups: list[bool] = []  # whether each candidate of the trial has the own comm group
         self._on: int | None = None  # the trial's candidate running (None: another plan)
-        self._quiet: tuple[int, Callable[[], None], str] | None = None  # (call, action, phase after)
+        self._quiet: tuple[int, Callable[[], None], TunerState] | None = None  # (call, action, state after)
         self._quiet_back: PipelinePlan | None = None  # the plan to go back to after a quiet call
         self._group_enabled = False
         self._switches = 0
@@ -222,36 +238,36 @@ class Tuner:
         now = time.perf_counter()
         period = None if self._last_start is None else now - self._last_start
         if period is not None:
-            if self.phase in ("profiling", "verifying"):
+            if self.state in (TunerState.PROFILING, TunerState.VERIFYING):
                 self._periods.append(period)
-            elif self.phase == "watching":
+            elif self.state == TunerState.WATCHING:
                 self._window.append(period)
-            elif self.phase == "trying" and self._trial is not None:
+            elif self.state == TunerState.TRYING and self._trial is not None:
                 self._trial.measure(self.calls, period)  # self.calls: the call before this one
         self._last_start = now
         self.calls += 1
         o = self.options
-        if self.phase == "warmup" and self.calls > o.warmup:
+        if self.state == TunerState.WARMUP and self.calls > o.warmup:
             self._profile_for(o.steps)
-        elif self.phase == "settling" and self.calls > self._until and not self.engine.switch_pending:
+        elif self.state == TunerState.SETTLING and self.calls > self._until and not self.engine.switch_pending:
             self._profile_for(o.steps)
-        elif self.phase == "profiling" and self.calls > self._until:
+        elif self.state == TunerState.PROFILING and self.calls > self._until:
             self._detach()
             self._when_quiet(self._decide)
-        elif self.phase == "quieting":
+        elif self.state == TunerState.QUIETING:
             assert self._quiet is not None
             at, action, after = self._quiet
             if self.calls >= at:
-                self._quiet, self.phase = None, after
+                self._quiet, self.state = None, after
                 action()
                 if self._quiet_back is not None:  # the action switched nowhere: back to the plan
                     back, self._quiet_back = self._quiet_back, None
                     self._switch(back)
-        elif self.phase == "trying":
+        elif self.state == TunerState.TRYING:
             self._trying()
-        elif self.phase == "verifying" and len(self._periods) >= self._settle + o.verify:
+        elif self.state == TunerState.VERIFYING and len(self._periods) >= self._settle + o.verify:
             self._verified()
-        elif self.phase == "watching" and o.drift is not None:
+        elif self.state == TunerState.WATCHING and o.drift is not None:
             since = self.calls - self._watch_from
             if since > 0 and since % o.drift_every == 0 and len(self._window) == self._window.maxlen:
                 self._when_quiet(self._check_drift)
@@ -259,8 +275,8 @@ class Tuner:
 
     def _profile_for(self, steps: int) -> None:
         self._attach()
-        self.phase, self._until = "profiling", self.calls + steps - 1
-        self._phase_call = self.calls
+        self.state, self._until = TunerState.PROFILING, self.calls + steps - 1
+        self._state_call = self.calls
         self._periods = []
 
     def _when_quiet(self, action: Callable[[], None]) -> None:
@@ -274,8 +290,8 @@ class Tuner:
         self._switch(plan.replace(lookahead=0))
         self._quiet_back = plan
         self._on = None
-        self._quiet = (self.calls + plan.lookahead + 1, action, self.phase)
-        self.phase = "quieting"
+        self._quiet = (self.calls + plan.lookahead + 1, action, self.state)
+        self.state = TunerState.QUIETING
 
     def _switch(self, plan: PipelinePlan) -> None:
         """Run ``plan`` (of the profiled phase; every phase edited alike) from the next boundary."""
@@ -288,15 +304,15 @@ class Tuner:
         """The ``progress()`` call that began last found the data ended (it raises StopIteration):
         say what that leaves undone, once for consecutive calls that find it ended."""
         ended_before, self._ended_call = self._ended_call == self.calls - 1, self.calls
-        if self.phase == "trying":
+        if self.state == TunerState.TRYING:
             self._trial_data_ended(ended_before)
             return
-        if ended_before or self.phase in ("done", "watching", "quieting"):
+        if ended_before or self.state in (TunerState.DONE, TunerState.WATCHING, TunerState.QUIETING):
             return
         o, who = self.options, f"autotune {self.owner}"
         steps = self.calls - 1  # the calls before this one trained their batches
-        profiled = self.calls - self._phase_call if self.phase == "profiling" else 0
-        if self.round == 1 and self.phase in ("warmup", "profiling"):
+        profiled = self.calls - self._state_call if self.state == TunerState.PROFILING else 0
+        if self.round == 1 and self.state in (TunerState.WARMUP, TunerState.PROFILING):
             warmup = f" after {o.warmup} warm-up steps" if o.warmup else ""
             why = (
                 f"not decided: the data ended after {steps} steps, having profiled {profiled} of the {o.steps} steps "
@@ -304,8 +320,8 @@ class Tuner:
             )
             self.decision = Decision(None, why=(why,), decided=False)
             self._report(f"{who}: {why}; the starting plan stays", headline=True)
-        elif self.phase == "verifying":
-            after = self.calls - self._phase_call
+        elif self.state == TunerState.VERIFYING:
+            after = self.calls - self._state_call
             self._report(
                 f"{who}: not verified: the data ended {after} steps after the switch, before the "
                 f"{self._settle + o.verify} steps it measures ({self._settle} to settle, then {o.verify}); "
@@ -481,9 +497,9 @@ class Tuner:
             self._watch()
         elif decision.switched and self.round < self.options.rounds and not self._drift_round:
             self.round += 1
-            self.phase, self._until = "settling", self.calls + self._settle
+            self.state, self._until = TunerState.SETTLING, self.calls + self._settle
         else:
-            self.phase, self._phase_call = "verifying", self.calls
+            self.state, self._state_call = TunerState.VERIFYING, self.calls
             self._periods = []
 
     def _apply(self, decision: Decision) -> None:
@@ -539,7 +555,7 @@ class Tuner:
         )
         for line in proposal.why:
             self._report(f"autotune {self.owner}: {line}")
-        self.phase = "trying"
+        self.state = TunerState.TRYING
         self._visit(self._trial.start_cycle())
 
     def _visit(self, index: int) -> None:
@@ -656,9 +672,9 @@ class Tuner:
         """The plan is chosen: watch its step for a drift (or, without ``drift``, done)."""
         self._drift_round = False
         if self.options.drift is None:
-            self.phase = "done"
+            self.state = TunerState.DONE
             return
-        self.phase, self._watch_from, self._reference, self._drifting = "watching", self.calls, reference, 0
+        self.state, self._watch_from, self._reference, self._drifting = TunerState.WATCHING, self.calls, reference, 0
         self._window.clear()
 
     def _check_drift(self) -> None:
@@ -691,7 +707,7 @@ class Tuner:
         )
         if self._retunes >= o.retunes:  # said once; nothing left to do: the watch ends
             self._report(f"{what}; the plan stays: {o.retunes} re-tunes were the bound", headline=True)
-            self.phase = "done"
+            self.state = TunerState.DONE
             return
         self._retunes += 1
         self._report(
@@ -700,7 +716,7 @@ class Tuner:
         self.round += 1
         self._drift_round = True
         plan = self._quiet_back or self.engine.plan  # the running plan (back after a quiet call)
-        self.phase, self._until = "settling", self.calls + plan.lookahead + plan.loads + SETTLE
+        self.state, self._until = TunerState.SETTLING, self.calls + plan.lookahead + plan.loads + SETTLE
 
     # ------------------------------------------------------------------ reports
     def _round_name(self) -> str:
