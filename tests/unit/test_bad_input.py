@@ -140,7 +140,7 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ),
     (
         "a task on two comm groups",
-        lambda t: PipelinePlan.from_text("plan p\ndepth 1\ntask A stage=0 comm=world,pg2\n"),
+        lambda t: PipelinePlan.from_text("plan p\ndepth 1\ntask A 0 default default world,pg2 - - - - -\n"),
         PlanError,
         "world,pg2",
     ),

@@ -18,7 +18,7 @@ from torchrec_swp.catalog.torchrec import (
 )
 from torchrec_swp.compile import CompiledPlan, format_program
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError, TaskSchedule
-from torchrec_swp.plan.text import plan_to_text
+from torchrec_swp.plan.text_write import plan_to_text
 
 
 def test_the_source_becomes_fetch_on_lanes_and_h2d_copies_what_it_drew() -> None:

@@ -200,23 +200,28 @@ def test_text_round_trip_is_exact() -> None:
     assert PipelinePlan.from_text(text) == guarded
 
 
-def test_text_form_reads_the_older_key_value_rows() -> None:
+def test_text_form_refuses_the_old_key_value_rows() -> None:
+    # the first text form's rows, 'task NAME stage=2 stream=... reads=a,b', are no longer read: the
+    # error is at the row's first key=value cell and names the columns to write instead
     old = (
         "plan toy\ndepth 3\nsource H2D\noutput out\nexhausted drain\n"
         "task Fwd stage=2 stream=default thread=default comm=world reads=y writes=out\n"
-        "task Dist stage=1 stream=data_dist thread=default reads=batch_gpu writes=y\n"
-        "task H2D stage=0 stream=memcpy thread=default writes=batch_gpu\n"
-        "dep Fwd <- Fwd @1\n"
+        "task H2D stage=0 stream=memcpy thread=default writes=y\n"
     )
-    plan = PipelinePlan.from_text(old)
-    assert plan.task("Fwd").comm_group == "world" and plan.task("Dist").io.reads == ("batch_gpu",)
-    assert PipelinePlan.from_text(plan.to_text()) == plan
+    with pytest.raises(PlanError) as info:
+        PipelinePlan.from_text(old)
+    assert str(info.value) == (
+        "line 6, column 10: task rows of the old 'key=value' form are no longer read: a task row has 10 columns "
+        "(task stage stream thread comm when reads writes effects flags; '-' for none) "
+        "(in 'task Fwd stage=2 stream=default thread=default comm=world reads=y writes=out')"
+    )
+    assert (info.value.line, info.value.column, info.value.culprit) == (6, 10, "Fwd")
 
 
 def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
     text = three_stage().to_text().replace("depth 3", "depth 3   # three batches in flight") + "\n# the end\n"
     assert PipelinePlan.from_text(text) == three_stage()
-    with pytest.raises(PlanError, match="line 6, column 18: bad task field 'colour=red'"):
+    with pytest.raises(PlanError, match="line 6, column 10: task rows of the old 'key=value' form"):
         PipelinePlan.from_text(
             "plan p\ndepth 3\nsource H2D\noutput out\nexhausted drain\ntask Fwd stage=2 colour=red\n"
         )
@@ -229,9 +234,10 @@ def test_text_form_ignores_comments_and_reports_bad_lines() -> None:
     with pytest.raises(PlanError, match="unknown keyword 'tsak'"):
         PipelinePlan.from_text("plan p\ndepth 1\ntsak A\n")
     with pytest.raises(PlanError, match="no 'depth' line"):
-        PipelinePlan.from_text("plan p\ntask A stage=0\n")
+        PipelinePlan.from_text("plan p\ntask A 0 default default - - - - - -\n")
     with pytest.raises(PlanError, match="dep line reads"):
-        PipelinePlan.from_text("plan p\ndepth 1\ntask A stage=0\ntask B stage=0\ndep A B\n")
+        PipelinePlan.from_text("plan p\ndepth 1\n" + "".join(f"task {t} 0 default default - - - - - -\n" for t in "AB")
+                               + "dep A B\n")
     with pytest.raises(PlanError, match="phased plan"):
         PipelinePlan.from_text("phases p\nphase 0\nplan p\ndepth 1\n")
 
@@ -264,7 +270,7 @@ _LINE_ERRORS = [
     ("bad stream name", _PLAN + "task B 0 st-ream default - - - - -\n", 4, "stream name 'st-ream'"),
     ("two comm groups", _PLAN + "task B 0 default default w,v - - - -\n", 4, "several comm groups"),
     ("duplicate task", _PLAN + _ROW, 4, "duplicate task name A"),
-    ("old-form field", _PLAN + "task B stage=0 colour=red\n", 4, "bad task field 'colour=red'"),
+    ("old key=value row", _PLAN + "task B stage=0 colour=red\n", 4, "old 'key=value' form are no longer read"),
     ("reads what nobody writes", _PLAN + "task B 0 default default - - y - -\n", 4, "reads 'y', which no task writes"),
     ("stage past the depth", _PLAN + "task B 1 default default - - x - -\n", 4, "smaller than the stage span"),
     ("guard needs a source", _PLAN + "task B 0 default default - has_next x - -\n", 4, "needs a source task"),

@@ -16,7 +16,7 @@ from torchrec_swp.catalog.accumulation import accumulation_phases
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError
 from torchrec_swp.plan import TaskSchedule as S
 from torchrec_swp.plan.effects import KNOWN_EFFECTS
-from torchrec_swp.plan.text import COLUMNS
+from torchrec_swp.plan.text_words import COLUMNS
 
 
 def toy(**effects: tuple[str, ...]) -> PipelinePlan:
@@ -128,17 +128,11 @@ def test_a_row_of_nine_cells_among_rows_of_ten_is_a_missing_cell() -> None:
     assert info.value.line == i + 1
 
 
-def test_the_older_key_value_rows_take_an_effects_key() -> None:
-    text = (
-        "plan p\ndepth 1\n"
-        "task A stage=0 writes=x effects=dense_grads,counters\n"
-        "task B stage=0 reads=x\n"
-    )
-    plan = PipelinePlan.from_text(text)
-    assert plan.tasks["A"].effects == ("dense_grads", "counters") and plan.tasks["B"].effects == ()
-    with pytest.raises(PlanError, match="did you mean 'counters'") as info:
-        PipelinePlan.from_text(text.replace("counters", "counter"))
-    assert (info.value.line, info.value.column) == (3, text.splitlines()[2].index("counter") + 1)
+def test_an_old_key_value_row_with_an_effects_key_is_refused_naming_the_effects_column() -> None:
+    text = "plan p\ndepth 1\ntask A stage=0 writes=x effects=dense_grads,counters\n"
+    with pytest.raises(PlanError, match="old 'key=value' form are no longer read: .* effects flags;") as info:
+        PipelinePlan.from_text(text)
+    assert (info.value.line, info.value.column) == (3, text.splitlines()[2].index("stage=0") + 1)
 
 
 # ------------------------------------------------------------------------------ the table

@@ -51,7 +51,8 @@ import pytest
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError, Vocabulary
-from torchrec_swp.plan.text import DECLARATIONS, is_phased_text
+from torchrec_swp.plan.text_read import is_phased_text
+from torchrec_swp.plan.text_words import DECLARATIONS
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "plans"
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-,.@=+#< "

@@ -11,7 +11,7 @@ import pytest
 
 from torchrec_swp.compile import CompiledPlan, format_program, parse_program
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
-from torchrec_swp.plan.text import is_phased_text
+from torchrec_swp.plan.text_read import is_phased_text
 from torchrec_swp.pp.builders import build
 from torchrec_swp.pp.lower_rank import lower_rank
 

@@ -1,6 +1,6 @@
 """The schedules of TorchRec's training pipelines (1.8 and 1.9, PEC included), as plans: pure data.
 
-Each pipeline's plan is one table in the plan text form (``torchrec_swp.plan.text``): rows in
+Each pipeline's plan is one table in the plan text form (``torchrec_swp.plan.text_words``): rows in
 fire order (the CPU submission order within an internal iteration) with stage, stream, thread,
 comm group, guard (``when``), reads and writes, then the explicit dependencies. A function per
 pipeline takes the constructor options that change the schedule and applies the option edits,

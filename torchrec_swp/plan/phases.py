@@ -30,7 +30,8 @@ from torchrec_swp.plan.names import Vocabulary
 from torchrec_swp.plan.plan import PipelinePlan, ThreadMap
 from torchrec_swp.plan.table import format_schedule
 from torchrec_swp.plan.task import check_name
-from torchrec_swp.plan.text import is_phased_text, phased_from_text, phased_to_text
+from torchrec_swp.plan.text_read import is_phased_text, phased_from_text
+from torchrec_swp.plan.text_write import phased_to_text
 
 #: How a PhasedPlan numbers batches (see the module docstring); the first is the default.
 CLOCKS = ("index", "drawn", "trained")

@@ -41,7 +41,8 @@ from torchrec_swp.plan.task import (
     TaskSchedule,
     check_name,
 )
-from torchrec_swp.plan.text import plan_from_text, plan_to_text
+from torchrec_swp.plan.text_read import plan_from_text
+from torchrec_swp.plan.text_write import plan_to_text
 from torchrec_swp.plan.threads import ThreadMap, resolve_thread_map
 from torchrec_swp.plan.validate import validate_plan
 
@@ -303,7 +304,7 @@ class PipelinePlan:
 
     @classmethod
     def from_text(cls, text: str, vocabulary: Vocabulary | None = None) -> PipelinePlan:
-        """The plan ``text`` describes (``torchrec_swp.plan.text``); ``vocabulary``: the names the
+        """The plan ``text`` describes (``torchrec_swp.plan.text_words``); ``vocabulary``: the names the
         pipeline it is for declares (``Vocabulary.of``), else TorchRec's streams and comm groups."""
         return plan_from_text(text, cls, vocabulary)
 
