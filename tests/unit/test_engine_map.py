@@ -9,6 +9,7 @@ import ast
 import re
 import sys
 import traceback
+from collections import Counter
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -125,14 +126,13 @@ def _stand_ins(fail: str | None = None, at: int = 3) -> dict[str, Any]:
 
 
 def _engine_code(filename: str) -> bool:
-    """An engine module, or code the engine generated (``unrolled.py``: ``<steady step of ...>``,
-    ``<iteration of ...>``)."""
-    return Path(filename).is_relative_to(ENGINE) or filename.startswith(("<steady step of ", "<iteration of "))
+    """An engine module (the task's call is named ``<task T>`` inside ``batches.py``)."""
+    return Path(filename).is_relative_to(ENGINE)
 
 
-@pytest.mark.parametrize("batch", [0, 3], ids=["general step", "steady step"])
+@pytest.mark.parametrize("batch", [0, 3], ids=["filling call", "steady call"])
 def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_frames(batch: int) -> None:
-    # batch 0 trains in the general step (its call fills the pipeline), batch 3 in the steady step
+    # batch 0 trains in a call that fills the pipeline, batch 3 in a steady call: the same loop
     engine = Engine(catalog.sparse_dist_plan(), _stand_ins(fail="Forward", at=batch))
     data = iter(range(100))
     with pytest.raises(ValueError, match="Forward failed") as info:
@@ -142,30 +142,33 @@ def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_fram
     frames = traceback.extract_tb(info.value.__traceback__)
     names = [f.name for f in frames]
     assert names[-1] == "fn"  # the task's own function
-    caller = frames[-2]
-    if batch == 0:  # the iteration's unrolled code, the line of the call marked
-        assert caller.filename.startswith("<iteration of plan TrainPipelineSparseDist, thread default"), caller
-    else:
-        assert caller.filename.startswith("<steady step of plan TrainPipelineSparseDist, thread default"), caller
-    assert caller.line.endswith("# run Forward"), caller.line
+    assert names[-4:-1] == ["_walk", "run", "<task Forward>"], names  # the loop, the op, the task's call
+    assert frames[-4].line == "ops[i](w, P)", frames[-4]
     chain = frames[names.index("step") : -1]  # step() ... the call, re-raised where the caller stopped
     assert all(_engine_code(f.filename) for f in chain), names
     assert len(chain) <= 7, names
-    assert len({f.filename for f in chain}) <= 4, names
+    assert {Path(f.filename).name for f in chain} <= {"engine.py", "interpreter.py", "ops.py", "batches.py"}, names
 
 
-def test_one_step_calls_each_engine_function_of_its_path_once_or_per_task() -> None:
-    """One steady step of the SparseDist plan on one thread, profiled: the engine functions
-    called stay within the parts the map's numbered path names (six files), each once or once per
-    stage; the general step of a call that fills the pipeline goes through the walk."""
+#: The engine functions a call runs once per instruction of the calling thread's program (or
+#: per draw): the op, its batch's existence, the guard, the task's call and its slot.
+PER_INSTRUCTION = {"run", "exists_at", "_admits", "many", "_store", "end_at", "draws_for"}
+
+
+def test_one_step_calls_each_engine_function_of_its_path_once_or_per_instruction() -> None:
+    """Every call of the SparseDist plan on one thread, profiled: the engine functions called stay
+    within the six files the map's numbered path names, the loop (``_walk``) runs once a call,
+    and every other function once, or once per instruction (``PER_INSTRUCTION``, the task calls)."""
     engine = Engine(catalog.sparse_dist_plan(), _stand_ins())
     data = iter(range(100))
     called: list[tuple[str, str]] = []
+    (inst,) = engine.installed.by_id.values()
+    instructions = len(inst.programs["default"])
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         path = Path(frame.f_code.co_filename)
-        if event == "call" and (path.is_relative_to(ENGINE) or str(path).startswith("<steady step of ")):
-            called.append((path.name if path.is_relative_to(ENGINE) else "<steady step>", frame.f_code.co_name))
+        if event == "call" and path.is_relative_to(ENGINE):
+            called.append((path.name, frame.f_code.co_name))
 
     for step in range(5):
         called.clear()
@@ -174,17 +177,19 @@ def test_one_step_calls_each_engine_function_of_its_path_once_or_per_task() -> N
             engine.step(data)
         finally:
             sys.setprofile(None)
-        if step == 0:  # not steady (new data): the general step's walk
-            assert ("interpreter.py", "_walk") in called
+        if step == 0:  # new data: the call takes it first (epochs.py:take_data)
+            assert ("epochs.py", "take_data") in called
+            continue
+        files = {f for f, _ in called}
+        assert files <= {"engine.py", "interpreter.py", "ops.py", "batches.py", "end_of_data.py", "source.py"}, files
+        assert called.count(("interpreter.py", "_walk")) == 1
+        for (file, name), count in Counter(called).items():
+            limit = instructions if name in PER_INSTRUCTION or name.startswith("<task ") else 1
+            assert count <= limit, (file, name, count)
     engine.close()
-    files = {f for f, _ in called}
-    assert files <= {"engine.py", "<steady step>", "batches.py", "ops.py", "end_of_data.py", "source.py"}, files
-    assert ("<steady step>", "step") in called and ("interpreter.py", "_walk") not in called
-    assert called.count(("end_of_data.py", "exists_at")) <= 3  # one per stage
-    # step, the steady step, ended, begin_step, ask, exists_at per stage, the source's credit,
-    # its draw (draw_batch, open_slot, draws_for, the task's call and its data argument, Draws'
-    # drawing, __next__ with its turn taken and claimed, called: the item kept until the call
-    # returned, for a retry), drawn, _retire and retire
-    assert len(called) <= 21, called
-
-
+    # the last (steady) call: step, ended, begin_step, ask, _walk, program, walks_to, per
+    # instruction its op and what it asks, the source's draw (credit, draw_batch, open_slot,
+    # draws_for, the task's call and its data argument, Draws' drawing, __next__ with its turn
+    # taken and claimed, called: the item kept until the call returned, for a retry), drawn,
+    # iteration_done, _finish, _outcome, _retire and retire
+    assert len(called) <= 4 * instructions + 30, called

@@ -60,7 +60,6 @@ RULES = [
         frozenset({"walkers.py", "interpreter.py"}),
         also=(
             ("ops.py", WALKER_ON_ITS_THREAD),
-            ("unrolled.py", frozenset({"i", "current"})),  # where a generated iteration raised
             ("source.py", frozenset({"current"})),
             ("programs.py", frozenset({"current"})),
         ),

@@ -172,52 +172,6 @@ class Batches:
         stored back (``make_invoker``): the one code besides these methods that writes a slot."""
         return make_invoker(io, fn, self.slots, extra, around, timed)
 
-    def call_code(
-        self, io: PipelineTask, fn: str, slot: str, b: str = "b", extra: str = ""
-    ) -> tuple[list[str], list[str], dict[str, Any]]:
-        """The task call ``invoker`` makes when nothing is around it, as straight-line code
-        (``torchrec_swp.engine.unrolled`` compiles it into an iteration): ``reads``, lines that
-        read ``io``'s inputs from ``slot`` (the name of batch ``b``'s slot) into ``a0``, ``a1``...
-        (a KeyError there is a read never written: ``never_written``); ``call``, the call of
-        ``fn`` with them (and ``extra``, keyword arguments of its own, e.g. the source's
-        ``data=...``) whose writes it stores into ``slot``, with ``_store``'s error for a wrong
-        number of values; and the names they use besides ``b``, ``fn``, ``slot`` and ``extra``'s.
-        The slots are written only by code made here."""
-        task, writes = io.name, io.writes
-        env: dict[str, Any] = {"slots": self.slots, "_store": _store, "_previous": previous}
-        reads = [(read_argument(r), *parse_read(r)) for r in io.reads]  # (keyword, data name, batches back)
-        values = [
-            f"{slot}[{data!r}]" if back == 0 else f"_previous(slots, {b} - {back}, {data!r})" for _, data, back in reads
-        ]
-        names = ", ".join(f"a{j}" for j in range(len(reads)))
-        read_lines = [f"{names} = {', '.join(values)}"] if reads else []
-        arguments = "".join(f", {arg}=a{j}" for j, (arg, _, _) in enumerate(reads))
-        call = f"{fn}({b}{arguments}{', ' + extra if extra else ''})"
-        if not writes:
-            call_lines = [call]
-        elif len(writes) == 1:
-            call_lines = [f"{slot}[{writes[0]!r}] = {call}"]
-        else:  # a tuple of as many values, else _store's error
-            env[f"_writes_{fn}"] = writes
-            targets = ", ".join(f"{slot}[{w!r}]" for w in writes)
-            call_lines = [
-                f"v = {call}",
-                f"if type(v) is tuple and len(v) == {len(writes)}:",
-                f"    {targets} = v",
-                "else:",
-                f"    _store({task!r}, _writes_{fn}, {slot}, v)",
-            ]
-        return read_lines, call_lines, env
-
-    def slot_code(self, slot: str, b: str) -> tuple[str, dict[str, Any]]:
-        """The line that names batch ``b``'s slot ``slot`` for ``call_code``'s and
-        ``alias_code``'s lines (a KeyError there: the batch has no slot), and the names it uses."""
-        return f"{slot} = slots[{b}]", {"slots": self.slots}
-
-    def alias_code(self, pairs: tuple[tuple[str, str], ...], slot: str) -> list[str]:
-        """``make_alias``'s copy as straight-line code into ``slot`` (``call_code``'s form)."""
-        return [f"{slot}[{w!r}] = {slot}[{r!r}]" for w, r in pairs]
-
     def alias(
         self, pairs: tuple[tuple[str, str], ...], around: Around | None = None, timed: TaskTimer | None = None
     ) -> Invoker:

@@ -166,21 +166,6 @@ class EndOfData:
             raise Stopped
         return None
 
-    def steady(self, d: int, drawn: int) -> bool:
-        """The steady step's one question (``torchrec_swp.engine.unrolled``): the data has not
-        ended, batches ``d`` to ``drawn - 1`` exist (in flight) and batch ``drawn`` is still to be
-        drawn (neither drawn nor at or past the end). Where it says so, ``exists_at`` answers True
-        for the former and None for the latter in the calling thread's iteration."""
-        if self._book.returned >= self._over or drawn >= self._gone:
-            return False
-        in_flight = self._in_flight
-        if drawn in in_flight:
-            return False
-        for b in range(d, drawn):
-            if b not in in_flight:
-                return False
-        return True
-
     def past_end(self, b: int) -> bool:
         """Batch ``b`` is at or past the end of data (no stop): it never exists."""
         return b >= self._gone

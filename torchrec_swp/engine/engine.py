@@ -36,7 +36,6 @@ from torchrec_swp.engine.source import Draws
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Observer
 from torchrec_swp.engine.transaction import Transaction
-from torchrec_swp.engine.unrolled import NOT_STEADY, steady_step
 from torchrec_swp.engine.walkers import Failure, Walker, WalkState
 from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan
 from torchrec_swp.plan.table import format_schedule
@@ -95,8 +94,6 @@ class Engine(Interpreter):
         self._bindings = dict(bindings)
         self._training_mode, self._labels = training, False
         self._on_step: Callable[[float, float, float, float], None] | None = None  # the observer's, if it has one
-        # per installed plan (by id), its steady step where it has one (unrolled.steady_step)
-        self._steady: dict[int, Callable[[Iterator[Any] | None], Any]] = {}
         self._bind_all()
         self.reset()
 
@@ -110,7 +107,6 @@ class Engine(Interpreter):
         """The installed plans' task calls and ops; the transaction's rollbacks told to the book
         (the clock ``"trained"`` skips them: at once where the phases go by that clock, checked
         to differ only on the thread that decides a step, ``check_rollback_clock``)."""
-        self._steady.clear()
         for inst in self.installed.by_id.values():
             self._bind(inst)
         if self.transaction is not None:
@@ -120,24 +116,13 @@ class Engine(Interpreter):
             self.transaction.listen(self.batches.rolled_back, at_once=at_once)
 
     def _bind(self, inst: InstalledPlan) -> None:
-        """``inst``'s (instrumented) task calls, then its programs' ops, which hold them, then its
-        steady step where it has one."""
+        """``inst``'s (instrumented) task calls, then its programs' ops, which hold them."""
         inst.bind(
             self._bindings, self.batches, self._feed.argument, self.batches.observed_iteration,
             streams=self.streams, device_type=self.device_type, observer=self._observer, labels=self._labels,
             transaction=self.transaction,
         )  # fmt: skip
         self._plan_ops.compile(inst, self._observer)
-        body = inst.bodies.get(MAIN_THREAD)
-        if body is None or body.steady_lines is None or self._observer is not None or self._checker is not None:
-            self._steady.pop(id(inst.plan), None)
-            return
-        self._steady[id(inst.plan)] = steady_step(
-            body, main=self.installed.shape.main, feed=self._feed, failures=self.failures, installed=self.installed,
-            batches=self.batches, begin_step=self._plan_ops.begin_step, is_grad_enabled=torch.is_grad_enabled,
-            training=self._training_mode, plan_at=self._plan_ops.plan_at if len(self.phased.phases) > 1 else None,
-            inst=inst, walk_stopped=self._walk_stopped, finish=self._finish, again=_AGAIN, retire=self._retire,
-        )  # fmt: skip
 
     @property
     def phased(self) -> PhasedPlan:
@@ -209,7 +194,7 @@ class Engine(Interpreter):
         only (a mutant engine: call it before the first step; tools/stream_check.py removes one
         stream wait or event record line at a time). PlanError naming the line when ``text``
         does not parse against that plan. Everything compiled from the programs is made again:
-        the walks' ops and the steady step."""
+        the walks' ops."""
         self._bind(self.installed.edit_program(plan_index, text))
 
     @property
@@ -260,16 +245,7 @@ class Engine(Interpreter):
     # ------------------------------------------------------------------- step
     def step(self, data: Iterator[Any] | None = None) -> Any:
         """Batch ``d``'s output (module docstring); StopIteration when no batch is left. An
-        observer with ``on_step`` gets the call's clocks (``instrument``). A call in the steady
-        state of a plan on the calling thread alone is its compiled steady step
-        (``torchrec_swp.engine.unrolled``): the same, in one function."""
-        steady = self._steady.get(id(self.installed.current))
-        if steady is not None:
-            output = steady(data)
-            if output is not NOT_STEADY:
-                if self.transaction is not None:
-                    self.transaction.after_step()  # (mode "raise": the step rolled back)
-                return output
+        observer with ``on_step`` gets the call's clocks (``instrument``)."""
         on_step = self._on_step
         if on_step is not None:
             start, cpu = time.perf_counter(), time.thread_time()

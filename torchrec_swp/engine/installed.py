@@ -32,7 +32,6 @@ from torchrec_swp.engine.errors import EngineError
 from torchrec_swp.engine.streams import StreamPool
 from torchrec_swp.engine.tasks import Binding, Invoker, Observer, task_context, task_timer
 from torchrec_swp.engine.transaction import Transaction, decider
-from torchrec_swp.engine.unrolled import Body
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import DEFAULT_STREAM, MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plan.calls import TaskCall, check_call
@@ -138,16 +137,8 @@ class InstalledPlan:
     programs: dict[str, tuple[Instr, ...]]
     tickets: tuple[tuple[str, int], ...]
     invokers: dict[str, Invoker] = field(default_factory=dict)
-    #: the bindings of the tasks whose calls have nothing around them (no stream, label or
-    #: timing; the source gets its data argument): what an unrolled iteration may call inline
-    #: (``Batches.call_code``)
-    bare: dict[str, Binding] = field(default_factory=dict)
     aliases: dict[str, Invoker] = field(default_factory=dict)
-    #: the tasks whose aliases have nothing around them (no label, no timing): inlined likewise
-    bare_aliases: set[str] = field(default_factory=set)
     walks: dict[str, Walk] = field(default_factory=dict)
-    #: per thread, its iteration compiled into code, where it is (``torchrec_swp.engine.unrolled``)
-    bodies: dict[str, Body] = field(default_factory=dict)
 
     @classmethod
     def compile(cls, plan: PipelinePlan, streams: StreamPool, device_type: str | None) -> InstalledPlan:
@@ -187,37 +178,14 @@ class InstalledPlan:
                 serial = lambda b: batches.book.serial(b)  # noqa: E731 - (the book is replaced on reset)
                 fn = transaction.wrap(t.io.effects, task == deciding, fn, batches.slot, serial)
             self.invokers[task] = batches.invoker(t.io, fn, extra, around, timed)
-            if undoable:
-                self.bare.pop(task, None)
-            elif around is None and timed is None:
-                self.bare[task] = bindings[task]
-            else:
-                self.bare.pop(task, None)
             if device_type in t.io.noop_on:  # no call, no stream: labelled and timed all the same
                 pairs = tuple(zip(t.io.writes, t.io.reads))
                 self.aliases[task] = batches.alias(pairs, task_context(task, labels, None), timed)
-                if labels or timed is not None:
-                    self.bare_aliases.discard(task)
-                else:
-                    self.bare_aliases.add(task)
 
-    def make_walks(
-        self,
-        op: Callable[[str, Instr], Op],
-        unroll: Callable[[str, tuple[Instr, ...], tuple[Op, ...]], Body | None],
-    ) -> None:
-        """Every thread's program with its ops (``op(thread, instruction)``) and, where
-        ``unroll(thread, instructions, ops)`` compiles it, its iteration as code (``bodies``);
-        made again whenever the programs or the task calls change."""
-        walks: dict[str, Walk] = {}
-        bodies: dict[str, Body] = {}
-        for thread, instrs in self.programs.items():
-            ops = tuple(op(thread, i) for i in instrs)
-            body = unroll(thread, instrs, ops)
-            walks[thread] = (instrs, ops, None if body is None else body.run)
-            if body is not None:
-                bodies[thread] = body
-        self.walks, self.bodies = walks, bodies
+    def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
+        """Every thread's program with its ops (``op(thread, instruction)``); made again
+        whenever the programs or the task calls change."""
+        self.walks = {t: (instrs, tuple(op(t, i) for i in instrs)) for t, instrs in self.programs.items()}
 
     def text(self) -> str:
         """Its programs as text (``compile.format_program``: the steady iteration's, one block per

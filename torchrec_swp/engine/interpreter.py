@@ -25,9 +25,8 @@ pipeline-parallel actions (``torchrec_swp.engine.programs``). A walker executes 
 instruction by its op, ``op(walker, P)``, made once per program (the ``program`` function given
 to ``_walk`` hands out both): by default a dispatch through ``_execute``; the plan engine
 compiles its instructions into ops that know their task, stage and call, so that the loop below
-costs a call per instruction and nothing per iteration; on one thread it also compiles the loop
-itself (``torchrec_swp.engine.unrolled``), which the walk calls in its place from an
-iteration's first instruction.
+costs a call per instruction and nothing per iteration. ``_walk`` is the one loop every thread
+of every engine runs.
 """
 
 from __future__ import annotations
@@ -134,15 +133,12 @@ class Interpreter(abc.ABC):
                 if walk is None:
                     w.state = WalkState.FINISHED
                     break
-                w.prog, ops, unrolled = walk
-                if unrolled is not None and w.i == 0:  # the loop below, compiled (engine/unrolled.py)
-                    unrolled(w, P)
-                else:
-                    for i in range(w.i, len(ops)):
-                        w.i = i  # parked here, it executes this instruction again when resumed
-                        if board.interrupt is not None:
-                            raise Interrupted(board.interrupt)
-                        ops[i](w, P)
+                w.prog, ops = walk
+                for i in range(w.i, len(ops)):
+                    w.i = i  # parked here, it executes this instruction again when resumed
+                    if board.interrupt is not None:
+                        raise Interrupted(board.interrupt)
+                    ops[i](w, P)
                 w.i, w.P, w.prog = 0, P + 1, ()
                 w.done_through = P
                 if done is not None:
@@ -162,7 +158,7 @@ class Interpreter(abc.ABC):
     def _walk_stopped(self, w: Walker) -> None:
         """``w`` stopped walking on the exception being handled: parked where it is when
         interrupted or stopped at the end of data, else failed (recorded, every thread
-        interrupted). Where ``_walk`` ends on an exception, and an unrolled steady step too."""
+        interrupted). Where ``_walk`` ends on an exception."""
         exc = sys.exc_info()[1]
         if isinstance(exc, Interrupted):
             self._park(w, "interrupted")

@@ -16,9 +16,7 @@ walker at internal iteration ``P``:
 * ``wait T@P-k`` / ``signal T``: the latches of the board, keyed ``(task, batch)``.
 * ``stream S <- T@k`` / ``record T``: device events, kept per ``(task, batch)`` in the book.
 
-Where no other thread walks, the calling thread's program is also compiled into straight-line
-code (``_unroll``: ``torchrec_swp.engine.unrolled``), which calls these ops for what it does not
-inline. Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and
+Every wait is broken by a stop before its iteration (``Stopped``: the thread parks) and
 by the end of the epoch before its iteration (the thread finishes). The ops change batches only through
 ``Batches``' methods; ``PlanOps`` owns the caller's mode for the step (``begin_step``) and the
 ``Source``.
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,14 +38,13 @@ from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans
 from torchrec_swp.engine.source import Source
 from torchrec_swp.engine.tasks import Invoker, Observer
-from torchrec_swp.engine.unrolled import Body, unroll
 from torchrec_swp.engine.walkers import Op, Walk, Walker
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, When
 
 if TYPE_CHECKING:
     from torchrec_swp.engine.interpreter import Interpreter
 
-_NOTHING: Walk = ((), (), None)  # a thread with no part in a plan
+_NOTHING: Walk = ((), ())  # a thread with no part in a plan
 
 
 class PlanOps:
@@ -164,34 +160,7 @@ class PlanOps:
     def compile(self, inst: InstalledPlan, observer: Observer | None) -> None:
         """Every thread's program of ``inst`` with its ops (told of ``observer``)."""
         self._observer = observer
-        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer), partial(self._unroll, inst))
-
-    def _unroll(
-        self, inst: InstalledPlan, thread: str, instrs: tuple[Instr, ...], ops: tuple[Op, ...]
-    ) -> Body | None:
-        """The calling thread's iteration as code where no other thread walks
-        (``torchrec_swp.engine.unrolled``); None elsewhere: the walk's loop runs the ops."""
-        shape = self._installed.shape
-        if thread != MAIN_THREAD or shape.threaded or self._exhaustion is not None:
-            return None  # (the ranks' agreement gates tasks the body would inline)
-        return unroll(
-            f"plan {inst.plan.name}, thread {thread}",
-            instrs,
-            ops,
-            inst.invokers,
-            inst.bare,
-            inst.bare_aliases,
-            inst.plan.task,
-            self.source,
-            self._batches,
-            inst.plan,
-            top=shape.top,
-            checked=self._checker is not None,
-            exists_at=self._end.exists_at,
-            await_exists=self.await_exists,
-            admits=self._admits,
-            training=lambda: self._training,
-        )
+        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer))
 
     def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:
         match instr:

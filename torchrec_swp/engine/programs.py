@@ -174,7 +174,7 @@ class ProgramEngine(Interpreter):
         program = self._program_now
         assert program is not None
         instrs = program.instructions(w.thread)
-        return instrs, self._checked[id(program)][1].get(w.thread, ()), None
+        return instrs, self._checked[id(program)][1].get(w.thread, ())
 
     def _run(self, w: Walker, P: int, instr: Instr) -> None:
         if not isinstance(instr, RunAction):

@@ -320,7 +320,7 @@ class Source:
         """``draw_batch(w, b, plan)``: batch ``b``'s draw once its gates passed (its lane, its
         existence not known yet, the credit): its slot opened, the source's call (holding its
         ticket if it has one), the batch in flight, or the end of data found. What ``op`` runs
-        after its gates, and what an unrolled iteration calls (``torchrec_swp.engine.unrolled``)."""
+        after its gates."""
         task, ticket, group = instr.task, instr.ticket, instr.comm_group
         batches, board, draws_for, installed = self._batches, self._board, self.feed.draws_for, self._installed
         check_stop, in_task = self._check_stop, self._in_task

@@ -86,10 +86,8 @@ class Walker:
 
 #: How an instruction of a thread's program is executed: ``op(walker, P)`` at internal iteration ``P``.
 Op = Callable[[Walker, int], None]
-#: One iteration of one thread, ready to walk: its instructions, position by position their ops,
-#: and, where the program was compiled into one function (``torchrec_swp.engine.unrolled``), that
-#: function ``run(walker, P)``, which executes the whole iteration from its first instruction.
-Walk = tuple[tuple[Instr, ...], tuple[Op, ...], Callable[[Walker, int], None] | None]
+#: One iteration of one thread, ready to walk: its instructions and, position by position, their ops.
+Walk = tuple[tuple[Instr, ...], tuple[Op, ...]]
 
 
 @dataclass
