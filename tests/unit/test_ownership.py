@@ -52,6 +52,7 @@ RULES = [
         "the book and the ledger",
         _fields(BatchBook) | _fields(BatchLedger),
         frozenset({"batches.py"}),
+        scope=PACKAGE,  # (Engine.book, Engine.ledger and a pipeline's batch_ledger hand out the live objects)
     ),
     Rule("an installed plan", _fields(InstalledPlan), frozenset({"installed.py:InstalledPlan"})),
     Rule(
@@ -244,3 +245,41 @@ def test_only_the_batches_part_hands_out_the_slots() -> None:
                 if id(node) not in viewed:
                     found.append(f"{_module(path)}:{node.lineno}: {ast.unparse(node)}")
     assert found == []
+
+
+#: Where the board's latches are read without its lock: the wait op's fast path (a latch, once
+#: set, stays until its batch is returned, which the same predicate accepts too; a reader that
+#: finds neither waits on the board, which reads them again under the lock).
+LATCH_READERS = frozenset({("board.py", "Board"), ("ops.py", "_wait_op")})
+
+
+def latch_readers(package: Path = PACKAGE) -> list[str]:
+    """``file:line (function)`` of every ``x.latches`` not inside a function or class of ``LATCH_READERS``."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, path: Path, inside: tuple[str, ...]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if (path.name, node.name) in LATCH_READERS:
+                return
+            inside = (*inside, node.name)
+        if isinstance(node, ast.Attribute) and node.attr == "latches":
+            found.append(f"{path.name}:{node.lineno} ({'.'.join(inside) or 'module'})")
+        for child in ast.iter_child_nodes(node):
+            visit(child, path, inside)
+
+    for path in sorted(package.rglob("*.py")):
+        visit(ast.parse(path.read_text()), path, ())
+    return found
+
+
+def test_the_latches_are_read_without_the_lock_only_on_the_wait_ops_fast_path() -> None:
+    assert latch_readers() == []
+
+
+def test_the_latch_reader_check_sees_one(tmp_path: Path) -> None:
+    (tmp_path / "ops.py").write_text(
+        "class PlanOps:\n    def _wait_op(self):\n        return self._board.latches\n"
+        "    def _signal_op(self):\n        def signal():\n"
+        "            return 1 in self._board.latches\n        return signal\n"
+    )
+    assert latch_readers(tmp_path) == ["ops.py:6 (PlanOps._signal_op.signal)"]

@@ -69,7 +69,7 @@ class BatchBook:
     (the iteration observers and the stream checker see); ``slots``: batch -> its values (one dict
     for the engine's life, emptied per epoch); ``numbers``: batch -> its number; ``in_flight``:
     batches the source drew (or that were adopted) and ``step()`` has not returned yet;
-    ``events``: (task, batch) -> the device event recorded after it; ``renumbered``: source
+    ``device_events``: (task, batch) -> the device event recorded after it; ``renumbered``: source
     calls of this epoch that found the end under a stop and were followed by more data (each took
     a batch number); ``next_claim``: the batch whose draw is next (several loads take turns);
     ``requested`` / ``returned``: batches ``step()`` was asked for / handed out. The end of data
@@ -84,7 +84,7 @@ class BatchBook:
     slots: dict[int, dict[str, Any]] = field(default_factory=dict)
     in_flight: set[int] = field(default_factory=set)
     numbers: dict[int, int] = field(default_factory=dict)
-    events: dict[tuple[str, int], Any] = field(default_factory=dict)
+    device_events: dict[tuple[str, int], Any] = field(default_factory=dict)
     renumbered: int = 0
     next_claim: int = 0
     requested: int = 0
@@ -153,7 +153,7 @@ class Batches:
             for name in [n for n in slot if n not in kept]:
                 del slot[name]
         slots.pop(d - keep_slots, None)
-        events = book.events
+        events = book.device_events
         if events:  # batches leave one by one, in order: each pop removes what every earlier one left
             for task in recorded:
                 events.pop((task, d - keep_events), None)
@@ -257,7 +257,7 @@ class Batches:
         return was
 
     def record_event(self, task: str, b: int, event: Any) -> None:
-        self.book.events[(task, b)] = event
+        self.book.device_events[(task, b)] = event
 
     # ------------------------------------------------------------- epochs
     def new_epoch(

@@ -351,7 +351,7 @@ class PlanOps:
         self._end.check_stop(P)
         book, streams, shape = self._batches.book, self._interpreter.streams, self._installed.shape
         if isinstance(instr, WaitStream):
-            event = book.events.get((instr.task, P - instr.consumer_stage - instr.distance))
+            event = book.device_events.get((instr.task, P - instr.consumer_stage - instr.distance))
             if event is not None:
                 streams.wait(instr.stream, event)
         elif isinstance(instr, RecordEvent):
