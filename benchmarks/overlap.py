@@ -265,7 +265,8 @@ def _describe(text: str) -> str:
 def _plan(pipeline: str, options: list[str]) -> Any:
     """The plan of ``ours+...``: the default one, declaring a lookahead (``ahead``) or split for
     two parallel loads (``2loads``); None: the default plan as it is."""
-    from torchrec_swp.catalog.torchrec import default_plans, with_parallel_loads
+    from torchrec_swp.catalog.torchrec import default_plans
+    from torchrec_swp.catalog.transforms import with_parallel_loads
 
     if "2loads" in options:
         return with_parallel_loads(default_plans()[pipeline], 2)

@@ -12,23 +12,25 @@ changes only where and when work runs, so a pipeline trains bit for bit as with 
 was given. The drop-ins' constructor options do the same edits (``thread_map=``, ``loads=``,
 ``lookahead=``, ``input_dist_group=``; see ``torchrec_swp.integrations.torchrec.pipelines``).
 
-The plans themselves and the TorchRec-specific edits live in ``torchrec_swp.catalog.torchrec``;
-this module re-exports them.
+The edits live in ``torchrec_swp.catalog.transforms`` (with their task names: ``DRAW_TASKS``,
+``FETCH``, ``INPUT_DIST_TASKS``), ``default_plans`` in ``torchrec_swp.catalog.torchrec`` and
+``accumulation_phases`` (gradient accumulation, which changes what a step does) in
+``torchrec_swp.catalog.accumulation``; this module re-exports them.
 """
 
 from __future__ import annotations
 
 from torchrec_swp.catalog.accumulation import accumulation_phases
-from torchrec_swp.catalog.torchrec import (
+from torchrec_swp.catalog.torchrec import default_plans
+from torchrec_swp.catalog.transforms import (
     DRAW_TASKS,
     FETCH,
     INPUT_DIST_TASKS,
-    default_plans,
     splits_draw,
     with_input_dist_group,
+    with_lookahead,
     with_parallel_loads,
 )
-from torchrec_swp.plan import PhasedPlan, PipelinePlan
 
 __all__ = [
     "DRAW_TASKS",
@@ -42,13 +44,3 @@ __all__ = [
     "with_parallel_loads",
 ]
 
-
-def with_lookahead(plan: PipelinePlan | PhasedPlan, lookahead: int) -> PipelinePlan | PhasedPlan:
-    """``plan`` whose source may draw ``lookahead`` batches beyond ``pipeline_depth`` ahead of
-    the oldest batch not yet trained (every phase of a PhasedPlan). The batches drawn ahead
-    wait in their slots; the source's thread keeps drawing between ``progress()`` calls, so it
-    pays only where the source runs on a thread other than the caller's (``thread_map="io"``,
-    ``with_parallel_loads``). Raises PlanError for a lookahead that is not an int >= 0."""
-    if isinstance(plan, PhasedPlan):
-        return plan.each(lambda p: with_lookahead(p, lookahead))
-    return plan.replace(lookahead=lookahead)

@@ -127,7 +127,7 @@ def test_a_plan_with_loads_on_h2d_says_to_give_loads_instead() -> None:
         torchrec_swp.TrainPipelineSparseDist(model, MagicMock(spec=torch.optim.Optimizer), CPU, plan=plan)
     # following it works
     pipeline = torchrec_swp.TrainPipelineSparseDist(model, MagicMock(), CPU, plan=catalog.sparse_dist_plan(), loads=2)
-    assert pipeline.plan.source == catalog.FETCH
+    assert pipeline.plan.source == plans.FETCH
     pipeline.close()
 
 
@@ -180,7 +180,7 @@ def test_every_plan_driven_pipeline_takes_loads_lookahead_and_the_io_thread_map(
         loaded = build(name, loads=2)
         for p in _plans(loaded.plan):
             expected = (True, 2, 2, ("load", "load.1"))
-            assert (p.source in catalog.DRAW_TASKS, p.loads, p.lookahead, p.source_lanes()) == expected
+            assert (p.source in plans.DRAW_TASKS, p.loads, p.lookahead, p.source_lanes()) == expected
         loaded.close()
     finally:
         pipeline.close()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from torchrec_swp.catalog import torchrec as plans
+from torchrec_swp.catalog.transforms import with_input_dist_group
 from torchrec_swp.plan import PhasedPlan, PipelinePlan
 
 INPUT_DIST_TASKS = {"InitPipelinedModules", "InputDistStart", "InputDistWait"}
@@ -28,7 +29,7 @@ def _comm(plan: PipelinePlan) -> dict[str, str]:
 
 def test_sparse_dist_input_dist_tasks_move_to_their_own_comm_group() -> None:
     before = plans.sparse_dist_plan()
-    after = plans.with_input_dist_group(before)
+    after = with_input_dist_group(before)
     assert isinstance(after, PipelinePlan)
     assert _comm(before) == {
         "InitPipelinedModules": "world",
@@ -44,7 +45,7 @@ def test_sparse_dist_input_dist_tasks_move_to_their_own_comm_group() -> None:
         "InputDistWait": "input_dist",
         "Backward": "world",
     }
-    assert plans.with_input_dist_group(before, group="sdd").schedule["InputDistWait"].comm_group == "sdd"
+    assert with_input_dist_group(before, group="sdd").schedule["InputDistWait"].comm_group == "sdd"
     assert type(after).from_text(after.to_text()) == after
 
 
@@ -53,7 +54,7 @@ def test_only_the_input_dist_comm_groups_change(name: str) -> None:
     """Fire order, stages, streams, threads, guards, reads/writes and deps stay: on one thread the
     plan makes the same calls in the same order as before."""
     before = EDITED[name]
-    after = plans.with_input_dist_group(before)
+    after = with_input_dist_group(before)
     assert type(after) is type(before) and after.name == before.name
     if isinstance(before, PhasedPlan):
         assert [s for s, _ in after.phases] == [s for s, _ in before.phases]
@@ -73,7 +74,7 @@ def test_only_the_input_dist_comm_groups_change(name: str) -> None:
 def test_plans_without_an_input_dist_are_refused(name: str) -> None:
     plan = plans.default_plans()[name]
     with pytest.raises(ValueError, match=f"plan {name} has no input dist task"):
-        plans.with_input_dist_group(plan)
+        with_input_dist_group(plan)
 
 
 def _reaches(plan: PipelinePlan, start: tuple[str, int], goal: tuple[str, int], max_batch: int) -> bool:
@@ -101,7 +102,7 @@ def test_every_other_collective_task_follows_the_first_input_dist(name: str) -> 
     """The first input dist (batch 0) runs on the model's process group while holding
     ``input_dist`` tickets: safe because every instance of every task of another comm group runs
     after InputDistWait of batch 0 (which runs after InitPipelinedModules of batch 0)."""
-    for plan in _phases(plans.with_input_dist_group(EDITED[name])):
+    for plan in _phases(with_input_dist_group(EDITED[name])):
         assert any(d.consumer == "InputDistWait" and d.producer == "InitPipelinedModules" for d in plan.deps)
         others = [t for t, s in plan.schedule.items() if s.comm_group not in (None, "input_dist")]
         assert others, plan.name

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from torchrec_swp.autosched.overlap import Machine, Space, apply_candidate, search_overlap
-from torchrec_swp.catalog.torchrec import INPUT_DIST_TASKS, semi_sync_phases, sparse_dist_plan, with_parallel_loads
+from torchrec_swp.catalog.torchrec import semi_sync_phases, sparse_dist_plan
+from torchrec_swp.catalog.transforms import INPUT_DIST_TASKS, with_parallel_loads
 from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.sim import Calibration, Rank, RankCosts, simulate_ranks
 

@@ -8,14 +8,13 @@ import re
 import pytest
 
 from torchrec_swp.catalog.torchrec import (
-    FETCH,
     default_plans,
     pt2_phases,
     semi_sync_phases,
     sparse_dist_plan,
     train_pipeline_base_plan,
-    with_parallel_loads,
 )
+from torchrec_swp.catalog.transforms import FETCH, with_parallel_loads
 from torchrec_swp.compile import CompiledPlan, format_program
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError, TaskSchedule
 from torchrec_swp.plan.text_write import plan_to_text

@@ -13,6 +13,7 @@ import pytest
 from torchrec_swp import drop_ins
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.catalog.accumulation import accumulation_phases
+from torchrec_swp.catalog.transforms import with_input_dist_group
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, PlanError
 from torchrec_swp.plan import TaskSchedule as S
 from torchrec_swp.plan.effects import KNOWN_EFFECTS
@@ -177,7 +178,7 @@ def test_parallel_loads_and_lookahead_keep_effects(name: str) -> None:
 
 def test_gradient_accumulation_and_the_input_dist_group_keep_effects() -> None:
     plan = catalog.sparse_dist_plan()
-    for phased in (accumulation_phases(plan, 3), catalog.with_input_dist_group(plan)):
+    for phased in (accumulation_phases(plan, 3), with_input_dist_group(plan)):
         for p in getattr(phased, "plans", (phased,)):
             assert p.tasks == plan.tasks
 

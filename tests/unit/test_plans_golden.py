@@ -15,6 +15,7 @@ import pytest
 
 from torchrec_swp.catalog import torchrec as plans
 from torchrec_swp.catalog.accumulation import accumulation_phases
+from torchrec_swp.catalog.transforms import with_parallel_loads
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, When
 
 GOLDEN = Path(__file__).parent.parent / "golden"
@@ -34,10 +35,10 @@ VARIANTS = {
         enable_embedding_lookup_prefetch=True
     ),
     # the overlap options: H2D's draw split off onto 2 load lanes; Base's LoadBatch moved as it is
-    "TrainPipelineSparseDist.io.parallel_loads": plans.with_parallel_loads(
+    "TrainPipelineSparseDist.io.parallel_loads": with_parallel_loads(
         plans.sparse_dist_plan().with_thread_map("io"), 2
     ),
-    "TrainPipelineBase.parallel_loads.lookahead_3": plans.with_parallel_loads(
+    "TrainPipelineBase.parallel_loads.lookahead_3": with_parallel_loads(
         plans.train_pipeline_base_plan(), 2, lookahead=3
     ),
     "EvalPipelineCPUSparse.pipeline_depth_1.multi_thread": plans.eval_cpu_sparse_plan(

@@ -1,5 +1,5 @@
 """``torchrec_swp.plans``: the documented import path of the plan edits (pure: no torch), the
-catalog's own functions re-exported, and ``with_lookahead`` on PipelinePlan and PhasedPlan."""
+catalog's own functions and transforms re-exported, and ``with_lookahead`` on PipelinePlan and PhasedPlan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.catalog import transforms
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,18 +41,18 @@ def test_plans_imports_as_documented_without_torch(statement: str) -> None:
 def test_the_edits_are_the_catalogs_own() -> None:
     from torchrec_swp import plans
 
+    assert plans.default_plans is catalog.default_plans
     for name in (
-        "default_plans",
         "with_parallel_loads",
         "with_input_dist_group",
+        "with_lookahead",
+        "splits_draw",
         "DRAW_TASKS",
         "FETCH",
         "INPUT_DIST_TASKS",
     ):
-        assert getattr(plans, name) is getattr(catalog, name), name
-    assert set(plans.__all__) == {name for name in dir(plans) if not name.startswith("_")} - {
-        "annotations", "PhasedPlan", "PipelinePlan"
-    }
+        assert getattr(plans, name) is getattr(transforms, name), name
+    assert set(plans.__all__) == {name for name in dir(plans) if not name.startswith("_")} - {"annotations"}
 
 
 def test_with_lookahead_edits_a_plan_and_every_phase() -> None:

@@ -14,7 +14,8 @@ import random
 
 import pytest
 
-from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan, with_parallel_loads
+from torchrec_swp.catalog.torchrec import sparse_dist_plan, train_pipeline_base_plan
+from torchrec_swp.catalog.transforms import with_parallel_loads
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan, PipelineTask, TaskSchedule
 from torchrec_swp.sim import Rank, SimDeadlock, SimError, Wake, check_happens_before, simulate_ranks
 from torchrec_swp.sim.cores import fair_rates

@@ -5,13 +5,14 @@ with each switch of its catalog function flipped, and with parallel loads) is a 
 from __future__ import annotations
 
 from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.catalog.transforms import with_parallel_loads
 from torchrec_swp.integrations.torchrec.pipelines.protocol import catalog_plans
 from torchrec_swp.plan.threads import IO_THREAD
 
 
 def _plans() -> list[object]:
     plans = catalog_plans()
-    plans.append(catalog.with_parallel_loads(catalog.sparse_dist_plan(), 3))
+    plans.append(with_parallel_loads(catalog.sparse_dist_plan(), 3))
     plans.append(catalog.sparse_dist_plan(h2d_thread=catalog.COPY_THREAD))
     return plans
 

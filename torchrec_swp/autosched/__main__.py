@@ -27,7 +27,7 @@ from torchrec_swp.autosched.inputs import DEFAULT_GIL, DEFAULT_WAKE, from_profil
 from torchrec_swp.autosched.overlap import Space, search_overlap
 from torchrec_swp.autosched.periodic import solve_periodic
 from torchrec_swp.autosched.problem import Problem
-from torchrec_swp.catalog.torchrec import DRAW_TASKS, INPUT_DIST_TASKS
+from torchrec_swp.catalog.transforms import DRAW_TASKS, INPUT_DIST_TASKS
 from torchrec_swp.plan import PlanError
 from torchrec_swp.profiler import Profile, ProfileError
 

@@ -40,7 +40,7 @@ from torchrec_swp.autosched.bounds import Bound, BoundReport
 from torchrec_swp.plan import MAIN_THREAD, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.sim import Calibration, SimError, Wake, simulate_ranks
 
-#: The comm group the input dist's tasks move to (``catalog.torchrec.INPUT_DIST``).
+#: The comm group the input dist's tasks move to (``catalog.transforms.INPUT_DIST``).
 OWN_GROUP = "input_dist"
 #: The thread the source's loads run on.
 LOAD_THREAD = "load"

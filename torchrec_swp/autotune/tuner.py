@@ -77,7 +77,7 @@ from torchrec_swp.autotune.trial import (
     settle_steps,
     tried_line,
 )
-from torchrec_swp.catalog.torchrec import DRAW_TASKS
+from torchrec_swp.catalog.transforms import DRAW_TASKS
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 

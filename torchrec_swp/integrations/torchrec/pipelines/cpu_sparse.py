@@ -12,6 +12,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _start_data_dist, use_context_for_postprocs
 
 from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.catalog.transforms import FETCH
 from torchrec_swp.engine import STREAM_DEVICE_TYPES
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
@@ -53,7 +54,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
         "ClearDataDistInputs",
         "InputDistStart",
         "H2D",
-        catalog.FETCH,
+        FETCH,
         "Forward",
         "InputDistWait",
         "Backward",

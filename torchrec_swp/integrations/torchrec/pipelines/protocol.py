@@ -80,9 +80,9 @@ def catalog_task_names() -> frozenset[str]:
     """Every task name a catalog plan of a drop-in can have: each row's default plan, and the
     plans its catalog function makes with each of its switches (bool arguments) flipped, plus
     ``with_parallel_loads``'s Fetch."""
-    from torchrec_swp.catalog import torchrec as catalog
+    from torchrec_swp.catalog.transforms import FETCH
 
-    names = {catalog.FETCH}
+    names = {FETCH}
     for plan in catalog_plans():
         names |= _task_names(plan)
     return frozenset(names)

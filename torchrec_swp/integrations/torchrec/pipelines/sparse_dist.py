@@ -14,6 +14,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.autotune import Hooks
 from torchrec_swp.catalog import torchrec as catalog
+from torchrec_swp.catalog import transforms
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec import compat
@@ -60,7 +61,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
     created here over the ranks of the default group with its backend (every rank must build
     the pipeline); a ProcessGroup object is used as given (e.g. one group shared by several
     pipelines). The input dists are moved to it right after TorchRec creates them (the first
-    input dist), and the default plan gets ``catalog.with_input_dist_group``: with the input dist
+    input dist), and the default plan gets ``transforms.with_input_dist_group``: with the input dist
     tasks on a thread of their own (``thread_map={"InitPipelinedModules": "dist",
     "InputDistStart": "dist", "InputDistWait": "dist"}`` or ``"by_stream"``), the next batch's
     input dist overlaps this batch's forward and backward collectives (a ``plan=`` of the
@@ -92,7 +93,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         self._swp_init_upstream(*args, **kwargs)
         default_plan: PipelinePlan | PhasedPlan = self._swp_default_plan()
         if self._swp_input_dist_group is not None:
-            default_plan = catalog.with_input_dist_group(default_plan)
+            default_plan = transforms.with_input_dist_group(default_plan)
         self._swp_setup(default_plan, options, self._swp_streams())
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
@@ -132,7 +133,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         more than one rank and the pipeline was not built with one)."""
         if self._swp_input_dist_group is not None or not (dist.is_initialized() and dist.get_world_size() > 1):
             return Hooks()
-        return Hooks(own_group=catalog.INPUT_DIST_TASKS, enable=self._swp_own_input_dist_group)
+        return Hooks(own_group=transforms.INPUT_DIST_TASKS, enable=self._swp_own_input_dist_group)
 
     def _swp_own_input_dist_group(self) -> None:
         """The input dist's own process group, made now (a collective: every rank at the same
@@ -177,14 +178,14 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
             self.batches.pop()
 
     # ------------------------------------------------------------ task functions
-    @task(catalog.FETCH)
+    @task(transforms.FETCH)
     def _task_fetch(self, b: int, data: Iterator[In]) -> In:
-        # catalog.with_parallel_loads: the draw alone, on the loads' lanes; H2D copies it
+        # transforms.with_parallel_loads: the draw alone, on the loads' lanes; H2D copies it
         return next(data)
 
     @task("H2D")
     def _task_h2d(self, b: int, data: Iterator[In] | None = None, host: In | None = None) -> tuple[Any, Any]:
-        if data is None:  # the item was drawn by Fetch (catalog.with_parallel_loads)
+        if data is None:  # the item was drawn by Fetch (transforms.with_parallel_loads)
             data = iter((host,))
         # enqueue_batch appends to self.batches/self.contexts (user-visible state) and, with
         # execute_all_batches=False, raises StopIteration itself at the end of data.
