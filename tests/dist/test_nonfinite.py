@@ -298,11 +298,6 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
         # nothing of an eval step changes what outlives it: accepted, nothing to undo
         "eval": lambda: torchrec_swp.EvalPipelineSparseDist(model, optimizer, CPU, on_nonfinite="skip"),
     }
-    if installed().has_pec:
-        from harness.pec_model import build_pec_model
-
-        pec_model, pec_optimizer, _ = build_pec_model(0, 1)
-        cases["PEC"] = lambda: torchrec_swp.TrainPipelinePEC(pec_model, pec_optimizer, CPU, on_nonfinite="skip")
     said = {}
     for label, make in cases.items():
         try:
@@ -476,8 +471,6 @@ def test_what_cannot_be_undone_is_refused_in_one_line() -> None:
         "ValueError: TrainPipelineSparseDist: on_nonfinite must be one of 'off', 'skip', 'raise', got 'ignore'"
     )
     assert said["eval"] == "accepted"
-    if installed().has_pec:
-        assert "task DeferNolGradLast (when=last) changes fused_rows after" in said["PEC"]
     assert all("\n" not in line for line in said.values())
 
 

@@ -283,8 +283,23 @@ def test_prefetch_and_stashing_pipelines_declare_their_caches_and_stashes() -> N
     pec = plans["TrainPipelinePEC"].tasks
     for task in ("OlGradApply", "NolGradApply", "DeferNolGradLast"):
         assert pec[task].effects == ("fused_rows",), task
-    for task in ("OlGradStart", "NolGradStart", "DeferNolGrad", "OlCompute", "NolCompute", "OverlapDist"):
+    assert pec["OlGradStart"].effects == ("stashed_grads",)  # the batch's NOL gradient, for the next step
+    for task in ("NolGradStart", "DeferNolGrad", "OlCompute", "NolCompute", "OverlapDist"):
         assert pec[task].effects == (), task
+
+
+def test_pecs_undoable_plan_applies_the_last_nol_gradient_first_and_leaves_the_previous_batchs_alone() -> None:
+    from torchrec_swp.integrations.torchrec.compat import installed
+
+    if not installed().has_pec:
+        pytest.skip("TrainPipelinePEC is new in TorchRec 1.9")
+    from torchrec_swp.integrations.torchrec.pipelines.pec import last_nol_before_ol
+
+    plan = last_nol_before_ol(catalog.pec_plan())
+    assert plan.fire_index("OptimizerStep") < plan.fire_index("DeferNolGradLast") < plan.fire_index("OlGradApply")
+    assert "OlGradApply <- DeferNolGradLast" in {str(d) for d in plan.deps}
+    assert plan.tasks["NolGradApply"].effects == ()  # (the batch before's gradient: decided already)
+    assert last_nol_before_ol(plan) == plan
 
 
 # ------------------------------------------------------------------------------ the docs

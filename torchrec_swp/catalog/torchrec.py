@@ -80,7 +80,9 @@ EFFECTS: dict[str, tuple[str, ...]] = {
     # PEC: the gradient all-to-all's awaitable applies the gradient to the TBE when waited (re-lookup
     # with the fused optimizer). NolGradApply(N) applies batch N-1's NOL gradient (deferred one
     # step: rows of N-1's NOL ids); DeferNolGradLast applies the last batch's at once. The *Start
-    # tasks only start the all-to-alls.
+    # tasks only start the all-to-alls; OlGradStart's batch's NOL gradient, made by its backward,
+    # is stashed for the next step (undone by not handing it on).
+    "OlGradStart": ("stashed_grads",),
     "OlGradApply": ("fused_rows",),
     "NolGradApply": ("fused_rows",),
     "DeferNolGradLast": ("fused_rows",),

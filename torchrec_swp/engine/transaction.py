@@ -33,7 +33,8 @@ one batch at a time.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -112,6 +113,19 @@ def running_batch() -> int | None:
     task of an undoable plan is wrapped), None outside one: what tells an effect's hooks whose
     lookup they see (SemiSync looks up the next batch before this one's update)."""
     return getattr(_RUNNING, "batch", None)
+
+
+@contextmanager
+def running_as(b: int | None) -> Iterator[None]:
+    """Inside: ``running_batch()`` is ``b`` on this thread, for a task that works on another batch
+    than its own (TrainPipelinePEC's NolGradApply applies the batch before's deferred gradient,
+    whose step was decided already: ``None``, no batch's, so that no capture counts it)."""
+    outer = getattr(_RUNNING, "batch", None)
+    _RUNNING.batch = b
+    try:
+        yield
+    finally:
+        _RUNNING.batch = outer
 
 
 def _live(effects: tuple[str, ...], empty: Iterable[str]) -> tuple[str, ...]:

@@ -164,10 +164,11 @@ class FusedRows:
         self.empty = not lookups  # (a model without fused tables)
         # module -> [(batch, ids, ids per bag, bags per key)]
         self._records: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, tuple[int, ...]]]] = {}
-        # (module, batch) -> [(counter, its value before the batch's first lookup, after its last)]
-        self._counters: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
+        # (module, batch) -> [[counter, the batch's lookups' advance of it, its value before the lookup running]]
+        self._counters: dict[tuple[int, int], list[list[Any]]] = {}
         self._modules = {id(m): m for m in lookups}
         self._layouts: dict[int, _Layout] = {}
+        self._open: dict[int, list[tuple[Any, ...]]] = {}  # the batch captured and not yet decided: its captures
         self._bag_features: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # the feature of each bag
         self._handles = []
         for k, m in enumerate(lookups):
@@ -200,17 +201,31 @@ class FusedRows:
         records = self._records.setdefault(id(module), [])
         if len(records) >= MAX_RECORDS:
             del records[0]
-        records.append((b, features.values(), features.lengths(), tuple(features.stride_per_key())))
-        if (id(module), b) not in self._counters:
-            counters = self._counters_of(module)
-            self._counters[(id(module), b)] = [[c, c.detach().clone(), c] for c in counters] if counters else []
+        record = (b, features.values(), features.lengths(), tuple(features.stride_per_key()))
+        saved = self._open.get(b)
+        if saved is not None:  # a lookup after its batch's capture (PEC applies a gradient by looking
+            # its rows up again, then backward through them): those rows, before that backward
+            layout = self._layout(id(module))
+            pairs = [p for per_buffer in self._record_rows(id(module), layout, record) for p in per_buffer]
+            saved.append(([(x, rows, x.index_select(0, rows)) for x, rows in pairs], None))
+        else:
+            records.append(record)
+        entry = self._counters.get((id(module), b))
+        if entry is None:  # per counter: it, the batch's advance so far, its value before this lookup
+            entry = [[c, torch.zeros_like(c), None] for c in self._counters_of(module)]
+            self._counters[(id(module), b)] = entry
+        for item in entry:
+            item[2] = item[0].detach().clone()  # (before this lookup)
 
     def _advanced(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """After a recorded lookup: the counters' values now (the batch's advance is after - before)."""
+        """After a recorded lookup: its advance of the counters added to its batch's (the lookups of
+        other batches between two of this batch's are not: PEC looks up the next batch ahead)."""
         b = running_batch()
         entry = self._counters.get((id(module), b)) if b is not None else None
         for item in entry or ():
-            item[2] = item[0].detach().clone()
+            if item[2] is not None:
+                item[1] += item[0].detach() - item[2]
+                item[2] = None
 
     def _layout(self, key: int) -> _Layout:
         module = self._modules[key]
@@ -226,29 +241,11 @@ class FusedRows:
         per_buffer: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.tables]
         kept = []
         for record in self._records.get(key, ()):
-            batch, values, lengths, strides = record
-            if batch > b:
+            if record[0] > b:
                 kept.append(record)
-                continue
-            if batch < b or not values.numel():
-                continue
-            ids, n = values.long(), values.numel()
-            firsts = layout.bag_first.get(strides)
-            if firsts is None:
-                bags = torch.repeat_interleave(torch.arange(len(strides)), torch.tensor(strides)).to(values.device)
-                firsts = layout.bag_first[strides] = [None if f is None else f[bags] for f in layout.first]
-            for k, full in enumerate(layout.full):
-                if full is not None:
-                    per_buffer[k].append((full, ids + torch.repeat_interleave(firsts[k], lengths, output_size=n)))
-                else:  # table by table (tables of different widths; a boolean mask: a host sync on a GPU)
-                    table_of = torch.repeat_interleave(
-                        torch.tensor(self._modules[key]._feature_table_map, device=ids.device)[
-                            torch.repeat_interleave(torch.arange(len(strides)), torch.tensor(strides)).to(ids.device)
-                        ],
-                        lengths,
-                        output_size=n,
-                    )
-                    per_buffer[k].extend((view, ids[table_of == t]) for t, view in enumerate(layout.tables[k]))
+            elif record[0] == b:
+                for k, pairs in enumerate(self._record_rows(key, layout, record)):
+                    per_buffer[k].extend(pairs)
         self._records[key] = kept
         out = []
         for pairs in per_buffer:
@@ -258,30 +255,65 @@ class FusedRows:
                 out.append((pairs[0][0], torch.cat([rows for _, rows in pairs])))
         return out
 
+    def _record_rows(
+        self, key: int, layout: _Layout, record: tuple[int, torch.Tensor, torch.Tensor, tuple[int, ...]]
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One lookup's rows on module ``key``, per buffer: ``[(buffer, rows)]`` (one pair where the
+        buffer is tiled by rows, else one per table)."""
+        _, values, lengths, strides = record
+        if not values.numel():
+            return [[] for _ in layout.tables]
+        ids, n = values.long(), values.numel()
+        firsts = layout.bag_first.get(strides)
+        if firsts is None:
+            bags = torch.repeat_interleave(torch.arange(len(strides)), torch.tensor(strides)).to(values.device)
+            firsts = layout.bag_first[strides] = [None if f is None else f[bags] for f in layout.first]
+        out: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for k, full in enumerate(layout.full):
+            if full is not None:
+                out.append([(full, ids + torch.repeat_interleave(firsts[k], lengths, output_size=n))])
+            else:  # table by table (tables of different widths; a boolean mask: a host sync on a GPU)
+                table_of = torch.repeat_interleave(
+                    torch.tensor(self._modules[key]._feature_table_map, device=ids.device)[
+                        torch.repeat_interleave(torch.arange(len(strides)), torch.tensor(strides)).to(ids.device)
+                    ],
+                    lengths,
+                    output_size=n,
+                )
+                out.append([(view, ids[table_of == t]) for t, view in enumerate(layout.tables[k])])
+        return out
+
     def capture(self, b: int) -> list[tuple[Any, ...]]:
-        saved = []
+        saved: list[tuple[Any, ...]] = []
+        self._open = {b: saved}  # (one batch's step open at a time: an older one never decided is gone)
         for key in self._modules:
             layout = self._layout(key)
             buffers = [(x, rows, x.index_select(0, rows)) for x, rows in self._rows(key, b, layout)]
-            counters = self._counters.pop((key, b), [])
             if len(self._counters) > len(self._modules):  # (a batch whose step never captured)
                 for stale in [k for k in self._counters if k[0] == key and k[1] < b]:
                     del self._counters[stale]
-            saved.append((buffers, [(c, after - before) for c, before, after in counters]))
+            # the batch's advance so far, and that of its lookups until the verdict (PEC's gradient
+            # applications look its rows up again after the capture): read when restored
+            saved.append((buffers, (key, b)))
         return saved
 
     def changed(self, saved: list[tuple[Any, ...]]) -> tuple[list[torch.Tensor], str]:
         return [x.index_select(0, rows) for buffers, _ in saved for x, rows, _ in buffers], "the fused embedding rows"
 
     def restore(self, saved: list[tuple[Any, ...]], keep: torch.Tensor | bool) -> None:
+        self._open = {}
         if keep is True:
+            for _, counted in saved:
+                self._counters.pop(counted, None)
             return
         # Through ``.data``, as the TBE's own update in the backward, which autograd does not see:
         # a lookup made before it (SemiSync's next batch) still backpropagates through these weights.
-        for buffers, counters in saved:
+        # Latest first: a row captured again after a lookup of the batch had changed it gets its
+        # first capture's value last.
+        for buffers, counted in reversed(saved):
             for x, rows, old in buffers:
                 x.data.index_copy_(0, rows, old if keep is False else _keep(x.index_select(0, rows), old, keep))
-            for counter, advance in counters:
+            for counter, advance, _ in self._counters.pop(counted, ()) if counted is not None else ():
                 counter.data.copy_(counter - advance if keep is False else _keep(counter, counter - advance, keep))
 
 

@@ -183,6 +183,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
                 culprit=unknown[0],
             )
         if self._swp_nonfinite is not None:
+            edit = self._swp_undoable_plan
+            plan = plan.each(edit) if isinstance(plan, PhasedPlan) else edit(plan)
             plan = undoable(plan, self._swp_nonfinite, owner, self._swp_default)
         return Engine(plan, {t: functions[t] for t in tasks}, **self._swp_engine_options)
 
@@ -289,6 +291,16 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         then agree inside the draw, on the thread that draws (``torchrec_swp.engine.exhaustion``)."""
         return None
 
+    def _swp_undoable_plan(self, plan: PipelinePlan) -> PipelinePlan:
+        """``plan`` (a phase) as this class runs it under ``on_nonfinite``, before ``undoable``'s
+        checks: the plan itself, unless a class must reorder what its steps change (PEC)."""
+        return plan
+
+    def _swp_extra_effects(self) -> dict[str, Any]:
+        """Effects of this class's own state, besides the model's and the optimizer's
+        (``nonfinite.effects_for``): none unless a class stashes what a later step applies (PEC)."""
+        return {}
+
     def _swp_transaction(self, mode: str) -> Transaction:
         """The transaction of ``on_nonfinite=mode``: the effects of upstream's ``_model`` and
         ``_optimizer`` (``nonfinite.effects_for``), the verdict reduced over the default group's
@@ -302,6 +314,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         effects, fused = nonfinite.effects_for(model, optimizer, host=host)
         if self._swp_counters:
             effects["counters"] = nonfinite.Counters(self, self._swp_counters)
+        effects.update(self._swp_extra_effects())
         self._swp_teardown().threads(fused.close)  # (a stop like the threads': the lookups' hooks go)
         return Transaction(
             effects, mode=mode, reduce=_reduce_max(), host=host,  # type: ignore[arg-type]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -15,11 +17,12 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.engine.labels import record_function
+from torchrec_swp.engine.transaction import running_as
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import stream_of_a_streamed_device, streamless_on_cpu
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import TrainingTasks
-from torchrec_swp.plan import PipelinePlan
+from torchrec_swp.plan import Dep, PipelinePlan
 
 __all__ = ["TrainPipelinePEC"]
 
@@ -78,6 +81,36 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
 
     def _swp_default_plan(self) -> PipelinePlan:
         return catalog.pec_plan(execute_all_batches=self._execute_all_batches)
+
+    # ------------------------------------------------- on_nonfinite: a step undone
+    def _swp_undoable_plan(self, plan: PipelinePlan) -> PipelinePlan:
+        return last_nol_before_ol(plan)
+
+    def _swp_extra_effects(self) -> dict[str, Any]:
+        self._swp_pec_open: dict[int, PECTrainPipelineContext] = {}
+        return {"stashed_grads": DeferredNolGrad(self)}
+
+    def _swp_nol_appliers(self, b: int) -> list[Any]:
+        """Batch ``b``'s NOL gradient appliers (made by its backward, applied in the next step),
+        where OlGradStart recorded ``b``'s context (``on_nonfinite``, training)."""
+        context = self._swp_pec_open.get(b)
+        if context is None:
+            return []
+        return [
+            a.nol_grad_apply
+            for name in self._pec_modules
+            for a in (self._pec_module_ctx(context, name).autograd_ctx_per_sharding or ())
+            if a.nol_grad_apply is not None
+        ]
+
+    def _swp_drop_nol_grad(self, b: int, drop: bool) -> None:
+        """Batch ``b``'s step decided: where it rolled back (``drop``), its NOL gradient is not
+        deferred to the next step (DeferNolGrad hands on nothing: its backward partitions go)."""
+        context = self._swp_pec_open.pop(b, None)
+        for older in [k for k in self._swp_pec_open if k < b]:
+            del self._swp_pec_open[older]
+        if drop and context is not None:
+            context.pec_backward_ctxs.clear()
 
     @property
     def _swp_has_streams(self) -> bool:
@@ -179,7 +212,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
 
     @task("NolGradApply")
     def _task_nol_grad_apply(self, b: int, nol_grad: Any) -> None:
-        with record_function("## pec_nol_grad_apply ##"):
+        # batch b-1's gradient, whose step is decided: its lookups again are no batch's to undo
+        with record_function("## pec_nol_grad_apply ##"), running_as(None):
             self._wait_pec_grad(nol_grad)
 
     @task("NolCompute")
@@ -203,6 +237,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
     def _task_ol_grad_start(self, b: int, context: Any) -> Any:
         if not self._model.training:
             return {}
+        if self._swp_nonfinite is not None:  # (its NOL gradient: checked, dropped if it rolls back)
+            self._swp_pec_open[b] = context
         with record_function("## pec_ol_grad_a2a ##"):
             return self._start_pec_ol_grad(context)
 
@@ -224,3 +260,65 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         if self._model.training:
             self._defer_nol_grad(context, context)
             self._wait_pec_grad(self._start_deferred_nol_grad(context))
+
+
+class DeferredNolGrad:
+    """``stashed_grads`` of TrainPipelinePEC (``on_nonfinite``): the NOL gradient a batch's
+    backward made, which the next step applies (its ids are not in the next batch). Nothing to
+    copy: at the verdict it is checked (a finite loss can leave it non-finite) and, where the
+    step rolls back, not handed on (the pipeline's ``_swp_drop_nol_grad``). What is dropped or
+    not is decided on the host (a device verdict is read there). Holds the pipeline weakly."""
+
+    empty = False
+
+    def __init__(self, pipeline: TrainPipelinePEC) -> None:
+        self._pipeline = weakref.ref(pipeline)
+
+    def capture(self, b: int) -> int:
+        return b
+
+    def changed(self, b: int) -> tuple[list[torch.Tensor], str]:
+        pipeline = self._pipeline()
+        appliers = [] if pipeline is None else pipeline._swp_nol_appliers(b)
+        pending = [a._grad for a in appliers if isinstance(getattr(a, "_grad", None), torch.Tensor)]
+        return pending, "the deferred NOL gradient"
+
+    def restore(self, b: int, keep: torch.Tensor | bool) -> None:
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            pipeline._swp_drop_nol_grad(b, not bool(keep))
+
+
+def last_nol_before_ol(plan: PipelinePlan) -> PipelinePlan:
+    """``plan`` with the last batch's NOL gradient applied before its OL gradient (DeferNolGradLast
+    before OlGradApply, after OptimizerStep), so that every change of a batch's rows comes before
+    the task that decides its step (``on_nonfinite``: OlGradApply). The two touch disjoint rows
+    (a batch's ids split into those of the next batch and the others), so for a row-wise
+    optimizer the order changes no value; OlGradStart declares the NOL gradient it stashes
+    (``stashed_grads``); and NolGradApply(b) declares nothing: what it changes is batch b-1's
+    (its deferred NOL gradient, rows not in b), whose step was decided, so it is neither
+    captured nor undone with b's, and nothing waits for b's verdict because of it (b+1's NOL
+    lookups read those rows ahead, before b's OL gradient, as upstream). A plan without these
+    tasks is returned as it is."""
+    names = set(plan.fire_order)
+    if {"DeferNolGradLast", "OlGradApply", "OptimizerStep"} <= names and plan.fire_index(
+        "DeferNolGradLast"
+    ) > plan.fire_index("OlGradApply"):
+        deps = [d for d in plan.explicit_deps if d != Dep("DeferNolGradLast", "OlGradApply")]
+        deps += [Dep("OlGradApply", "DeferNolGradLast"), Dep("DeferNolGradLast", "OptimizerStep")]
+        fire = [t for t in plan.fire_order if t != "DeferNolGradLast"]
+        fire.insert(fire.index("OlGradApply"), "DeferNolGradLast")
+        plan = plan.replace(
+            fire_order=fire,
+            intra_iter_deps=[d for d in deps if d.distance == 0],
+            inter_iter_deps=[d for d in deps if d.distance],
+        )
+    tasks = dict(plan.tasks)
+    if "OlGradStart" in tasks and "stashed_grads" not in tasks["OlGradStart"].effects:
+        io = tasks["OlGradStart"]
+        tasks["OlGradStart"] = dataclasses.replace(io, effects=(*io.effects, "stashed_grads"))
+    if "NolGradApply" in tasks and tasks["NolGradApply"].effects:
+        tasks["NolGradApply"] = dataclasses.replace(tasks["NolGradApply"], effects=())
+    if tasks != dict(plan.tasks):
+        plan = plan.replace(tasks=list(tasks.values()))
+    return plan
