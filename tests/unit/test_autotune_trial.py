@@ -6,6 +6,7 @@ drift that tunes again, at most ``retunes`` times. Every run trains bit for bit 
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import threading
@@ -445,3 +446,14 @@ def test_on_several_ranks_every_agreement_waits_for_a_call_where_no_thread_runs_
     assert d is not None and d.decided and d.tried, d.why
     assert len(seen) >= 3 and all(ahead == 0 and not pending for ahead, pending, _ in seen), seen
     assert any(quieted for _, _, quieted in seen), seen
+
+
+def test_a_race_of_wildly_swinging_cycles_stays_racing_instead_of_overflowing() -> None:
+    """Two cycles whose ratios differ 10x (a loaded machine) at confidence 0.999: the interval's
+    bounds are 0 and infinite, the candidate still racing (math.exp overflowed before)."""
+    from torchrec_swp.autotune.trial import race
+
+    best, standings = race([[1.0, 1.0], [1.0, 10.0]], [True, True], noise=0.02, confidence=0.999)
+    assert best == 0
+    other = standings[1]
+    assert other is not None and other.state == "racing" and other.high == math.inf and other.low < 1
