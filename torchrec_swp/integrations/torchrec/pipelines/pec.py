@@ -78,6 +78,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         self._input_dist_event = device_module.Event()
         self._overlap_dist_event = device_module.Event()
         self._pipelined_forward_type = streamless_on_cpu(PECPipelinedForward)
+        # on_nonfinite: each batch's context from its OlGradStart to its verdict (DeferredNolGrad)
+        self._swp_pec_open: dict[int, PECTrainPipelineContext] = {}
 
     def _swp_default_plan(self) -> PipelinePlan:
         return catalog.pec_plan(execute_all_batches=self._execute_all_batches)
@@ -87,7 +89,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         return last_nol_before_ol(plan)
 
     def _swp_extra_effects(self) -> dict[str, Any]:
-        self._swp_pec_open: dict[int, PECTrainPipelineContext] = {}
         return {"stashed_grads": DeferredNolGrad(self)}
 
     def _swp_nol_appliers(self, b: int) -> list[Any]:
