@@ -95,6 +95,9 @@ def build_wheel(python: Path) -> Path:
     # isolated build (which fetches pyproject.toml's build requirements).
     has_setuptools = subprocess.run([str(python), "-c", "import setuptools"], capture_output=True).returncode == 0
     isolation = ["--no-build-isolation"] if has_setuptools else []
+    # setuptools copies the package through ROOT/build/lib and never empties it: a module removed
+    # from the checkout since an earlier build would ship in the wheel (seen: engine/unrolled.py)
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     run(python, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", out, ROOT)
     (wheel,) = out.glob("torchrec_swp-*.whl")
     log(f"built {wheel.name} in {time.monotonic() - started:.0f} s")
