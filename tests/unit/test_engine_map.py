@@ -151,8 +151,8 @@ def test_a_failing_tasks_traceback_goes_from_step_to_the_task_in_few_engine_fram
 
 
 #: The engine functions a call runs once per instruction of the calling thread's program (or
-#: per draw): the op, its batch's existence, the guard, the task's call and its slot.
-PER_INSTRUCTION = {"run", "exists_at", "_admits", "many", "_store", "end_at", "draws_for"}
+#: per draw): the op (a stage op for several), its batch's existence, the guard, the task's call and its slot.
+PER_INSTRUCTION = {"run", "run_stage", "exists_at", "_admits", "many", "_store", "end_at", "draws_for"}
 
 
 def test_one_step_calls_each_engine_function_of_its_path_once_or_per_instruction() -> None:

@@ -43,7 +43,8 @@ class Rule:
     scope: Path = ENGINE
 
 
-WALKER_ON_ITS_THREAD = frozenset({"current", "inst", "bases", "waited"})  # what the ops set as it walks
+# what the ops set as it walks (``i``: the stage op moves it through the instructions it executes)
+WALKER_ON_ITS_THREAD = frozenset({"current", "inst", "bases", "waited", "i"})
 
 RULES = [
     Rule("the board's latches", frozenset({"latches"}), frozenset({"board.py"}), scope=PACKAGE),

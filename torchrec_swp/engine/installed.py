@@ -182,10 +182,10 @@ class InstalledPlan:
                 pairs = tuple(zip(t.io.writes, t.io.reads))
                 self.aliases[task] = batches.alias(pairs, task_context(task, labels, None), timed)
 
-    def make_walks(self, op: Callable[[str, Instr], Op]) -> None:
-        """Every thread's program with its ops (``op(thread, instruction)``); made again
-        whenever the programs or the task calls change."""
-        self.walks = {t: (instrs, tuple(op(t, i) for i in instrs)) for t, instrs in self.programs.items()}
+    def make_walks(self, ops: Callable[[str, tuple[Instr, ...]], tuple[Op, ...]]) -> None:
+        """Every thread's program with its ops (``ops(thread, instructions)``, one per position);
+        made again whenever the programs or the task calls change."""
+        self.walks = {t: (instrs, ops(t, instrs)) for t, instrs in self.programs.items()}
 
     def text(self) -> str:
         """Its programs as text (``compile.format_program``: the steady iteration's, one block per

@@ -25,8 +25,10 @@ pipeline-parallel actions (``torchrec_swp.engine.programs``). A walker executes 
 instruction by its op, ``op(walker, P)``, made once per program (the ``program`` function given
 to ``_walk`` hands out both): by default a dispatch through ``_execute``; the plan engine
 compiles its instructions into ops that know their task, stage and call, so that the loop below
-costs a call per instruction and nothing per iteration. ``_walk`` is the one loop every thread
-of every engine runs.
+costs a call per instruction and nothing per iteration. An op may execute the instructions after
+its own as well (``PlanOps``' stage op: a stage's plain task calls in a row): it moves ``w.i``
+along as it goes and leaves it at the last one it executed, where the loop goes on. ``_walk`` is
+the one loop every thread of every engine runs.
 """
 
 from __future__ import annotations
@@ -134,11 +136,13 @@ class Interpreter(abc.ABC):
                     w.state = WalkState.FINISHED
                     break
                 w.prog, ops = walk
-                for i in range(w.i, len(ops)):
+                i, n = w.i, len(ops)
+                while i < n:
                     w.i = i  # parked here, it executes this instruction again when resumed
                     if board.interrupt is not None:
                         raise Interrupted(board.interrupt)
                     ops[i](w, P)
+                    i = w.i + 1  # (an op that executes several instructions leaves w.i at its last)
                 w.i, w.P, w.prog = 0, P + 1, ()
                 w.done_through = P
                 if done is not None:

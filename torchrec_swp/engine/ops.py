@@ -10,6 +10,9 @@ walker at internal iteration ``P``:
   source has looked for it) or its guard says no (its ticket, if any, is skipped); a training
   step (highest stage) on a worker only once ``step()`` asked for ``b``; then, holding its ticket
   if it has one, the call - inside its stream.
+* two or more plain ``run`` of one stage in a row on the calling thread (no ticket, no guard,
+  no agreement across ranks): one op, the stage op, that asks once whether ``b`` exists and
+  calls the tasks in order.
 * ``run! S`` (the source, ``torchrec_swp.engine.source.Source``): on its lane, once the credit
   allows, draws batch ``b`` into its slot, or finds the end of data (a stop parks every thread
   where single-thread order would have stopped).
@@ -33,7 +36,7 @@ import torch
 from torchrec_swp.compile import Alias, Instr, RecordEvent, Run, Signal, WaitStream, WaitTask
 from torchrec_swp.engine.batches import Batches
 from torchrec_swp.engine.board import ITERATION, LatchState
-from torchrec_swp.engine.errors import EngineError, Stopped, describe
+from torchrec_swp.engine.errors import EngineError, Interrupted, Stopped, describe
 from torchrec_swp.engine.exhaustion import ExhaustionSync
 from torchrec_swp.engine.installed import InstalledPlan, InstalledPlans
 from torchrec_swp.engine.source import Source
@@ -160,7 +163,34 @@ class PlanOps:
     def compile(self, inst: InstalledPlan, observer: Observer | None) -> None:
         """Every thread's program of ``inst`` with its ops (told of ``observer``)."""
         self._observer = observer
-        inst.make_walks(lambda thread, instr: self._op(inst, thread, instr, observer))
+        inst.make_walks(lambda thread, instrs: self._ops(inst, thread, instrs, observer))
+
+    def _ops(
+        self, inst: InstalledPlan, thread: str, instrs: tuple[Instr, ...], observer: Observer | None
+    ) -> tuple[Op, ...]:
+        """The op of each instruction of ``thread``'s program; on the calling thread, the first
+        of two or more plain runs of one stage in a row executes them all (``_stage_op``)."""
+        ops = [self._op(inst, thread, instr, observer) for instr in instrs]
+        if thread != MAIN_THREAD or self._checker is not None:
+            return tuple(ops)
+        rows: list[list[Run]] = [[]]  # plain runs in a row, of one stage each
+        for instr in instrs:
+            if not (isinstance(instr, Run) and self._plain(inst, instr)):
+                rows.append([])
+            elif rows[-1] and instr.stage == rows[-1][0].stage:
+                rows[-1].append(instr)
+            else:
+                rows.append([instr])
+        for row in rows:
+            if len(row) > 1:
+                first = instrs.index(row[0])
+                ops[first] = self._stage_op(tuple(row), first, inst.invokers)
+        return tuple(ops)
+
+    def _plain(self, inst: InstalledPlan, instr: Run) -> bool:
+        """``run T`` with nothing between the existence of its batch and its call: not the
+        source, no ticket, no guard, no agreement across ranks."""
+        return not instr.source and instr.ticket is None and instr.when is When.ALWAYS and not self._gated(inst, instr)
 
     def _op(self, inst: InstalledPlan, thread: str, instr: Instr, observer: Observer | None) -> Op:
         match instr:
@@ -229,6 +259,38 @@ class PlanOps:
                 raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
 
         return run
+
+    def _stage_op(self, runs: tuple[Run, ...], first: int, invokers: Mapping[str, Invoker]) -> Op:
+        """Plain runs of one stage in a row on the calling thread (``_plain``), at positions
+        ``first``, ``first + 1``, ...: what their ``run`` ops do, with their batch's existence
+        asked once and one op call. The walker is moved to each one's position before its call, so
+        that a task that fails parks the walk there and the walk resumes with that task's own op:
+        the tasks before it are not run again."""
+        stage = runs[0].stage
+        calls = tuple((first + k, r.task, invokers[r.task]) for k, r in enumerate(runs))
+        last = first + len(runs) - 1
+        board, exists_at = self._board, self._end.exists_at
+
+        def run_stage(w: Walker, P: int) -> None:
+            b = P - stage
+            w.current = (calls[0][1], b)
+            known = exists_at(b, P)
+            if known is None:
+                known = self.await_exists(b, P)
+            if not known:
+                w.i = last
+                return
+            for i, task, invoke in calls:
+                if i != first:
+                    w.i, w.current = i, (task, b)
+                    if board.interrupt is not None:
+                        raise Interrupted(board.interrupt)
+                try:
+                    invoke(b)
+                except StopIteration as e:  # would end a generator up the stack silently
+                    raise RuntimeError(f"{describe(task, b, w.name, w.P)} raised StopIteration") from e
+
+        return run_stage
 
     def in_task(self, w: Walker, task: str, b: int, invoke: Invoker) -> None:
         """``invoke(b)`` in checked mode: inside the checker's label of this task, so that every
