@@ -22,7 +22,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.train_pipeline.utils import _to_device
 
 from torchrec_swp.catalog import torchrec as catalog
-from torchrec_swp.engine import StreamPool, stream_pool_for
+from torchrec_swp.engine import Engine, StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, nothing_to_undo
 from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOptions
@@ -49,17 +49,41 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
     (``_iter == compile_on_iter``). At the end of data the dataloader's StopIteration ends the
     call; every later call asks the iterator again, as upstream does, so a new iterator starts a
     new epoch.
+
+    Under ``on_nonfinite``, a rolled-back step puts ``_iter`` back (its ``counters`` effect), so the
+    forward it counted never happened, and the phases go by the clock ``"trained"`` counted from
+    ``_iter`` (``"drawn"`` would count the rolled-back batch): the model compiles before the same
+    batch as in the run whose data lacks the rolled-back one. A rolled-back compile step is not
+    undone (the model stays compiled, its hooks ran once); the next batch, now the compile step's,
+    finds the model compiled and does not compile it again.
     """
+
+    _swp_counters = ("_iter",)  # Forward counts the forwards, which say when a plan without Compile compiles
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
+        self._swp_compiled = False  # whether this pipeline compiled its model (the Compile task did)
         self._swp_setup(self._swp_default_plan(), options, self._swp_streams())
         # a plan of the user's without the Compile step: compile where upstream does, in forward
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 
     def _swp_default_plan(self) -> PhasedPlan:
         return catalog.pt2_phases(compile_on_iter=self._compile_configs.compile_on_iter)
+
+    def _swp_new_engine(self, plan: PipelinePlan | PhasedPlan) -> Engine:
+        undoing = self._swp_nonfinite is not None
+        if undoing and isinstance(plan, PhasedPlan) and plan.clock == "drawn":
+            plan = PhasedPlan(plan.phases, name=plan.name, clock="trained", cycle=plan.cycle)
+        engine = super()._swp_new_engine(plan)
+        if undoing:
+            engine.count_trained_from(self._iter)  # upstream's _iter counts on across epochs and reset()
+        return engine
+
+    def reset(self) -> None:
+        super().reset()
+        if self._swp_nonfinite is not None:
+            self._swp_engine.count_trained_from(self._iter)
 
     def _swp_streams(self) -> StreamPool:
         return stream_pool_for(self._device)
@@ -94,13 +118,15 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
     def _task_compile(self, b: int) -> None:
         with record_function("## forward ##"):  # upstream compiles inside its forward's range
             self._state = PipelineState.CALL_FWD
-            self._compile_model()
+            if not self._swp_compiled:  # (compiled already: the compile step was rolled back)
+                self._compile_model()
 
     @task("Forward")
     def _task_forward(self, b: int, model_input: Any) -> tuple[Any, Any]:
         with record_function("## forward ##"):
             self._state = PipelineState.CALL_FWD
-            if self._swp_compile_in_forward and self._iter == self._compile_configs.compile_on_iter:
+            compile_now = self._iter == self._compile_configs.compile_on_iter and not self._swp_compiled
+            if self._swp_compile_in_forward and compile_now:
                 self._compile_model()
             losses, output = self._model(model_input)
             self._iter += 1
@@ -110,6 +136,7 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
         """Upstream's compile step: pre-compile hook, the dynamo settings TorchRec's PT2 tracing
         needs, ``model.compile(...)`` with ``compile_configs``, post-compile hook."""
         cc = self._compile_configs
+        self._swp_compiled = True
         logger.info("Compiling model...")
         if self._pre_compile_fn:
             self._pre_compile_fn(self._model)
