@@ -32,7 +32,7 @@ setup(
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",
     packages=find_packages(include=["torchrec_swp", "torchrec_swp.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=["torch>=2.13", "typing_extensions>=4.5"],
     extras_require={
         "torchrec": [TORCHREC],

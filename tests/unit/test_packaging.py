@@ -77,6 +77,18 @@ def test_setup_declares_no_pins() -> None:
     assert "==" not in text and "fbgemm-gpu-cpu" not in text.split('"""', 2)[2]
 
 
+def test_one_python_floor_everywhere() -> None:
+    """The package needs Python 3.11 (a failure's report is an exception note, ``add_note``): the
+    wheel's ``python_requires``, ruff's target, the install guide and the README say the same, and
+    this interpreter has it."""
+    assert 'python_requires=">=3.11"' in (ROOT / "setup.py").read_text()
+    assert 'target-version = "py311"' in (ROOT / "pyproject.toml").read_text()
+    assert "Python 3.11 or newer" in (ROOT / "docs" / "install.md").read_text()
+    assert "Python 3.11" in (ROOT / "README.md").read_text()
+    assert sys.version_info >= (3, 11)
+    assert hasattr(BaseException, "add_note")
+
+
 def test_dev_tools_do_not_pin_the_stack() -> None:
     pins = [line.split("==")[0] for line in (ROOT / "requirements/dev.txt").read_text().splitlines() if "==" in line]
     assert pins and not [p for p in pins if stack_venv.STACK.match(stack_venv.canonical(p))]

@@ -41,10 +41,9 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import Any, Self
 
 import torch
-from typing_extensions import Self
 
 from torchrec_swp.streamcheck.autograd import NodeStreams
 from torchrec_swp.streamcheck.dispatch import NONE, WRITE, AccessMode, OpPlan, Touch

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import torch
-from typing_extensions import Self
 
 from torchrec_swp.streamcheck.findings import StreamCheckUsageError
 

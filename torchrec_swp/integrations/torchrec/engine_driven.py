@@ -26,9 +26,7 @@ import functools
 import inspect
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any
-
-from typing_extensions import Self
+from typing import Any, Self
 
 from torchrec_swp.engine import Engine, ProgramEngine
 from torchrec_swp.integrations.torchrec.teardown import Teardown
