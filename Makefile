@@ -69,9 +69,10 @@ test: lint $(STAMP18)
 # serial (their result depends on measured times) run afterwards, one at a time.
 ON_BOTH_CORES := -n 2 --dist loadfile
 
-# ruff's rules and import order (pyproject.toml); a finding fails `make test`.
+# ruff's rules and import order, then mypy over the packages pyproject.toml lists; a finding fails `make test`.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy --python-executable $(VENV)/bin/python
 
 TEST18 := parity or every_release or (not multiprocess and not slow and not torchrec_free)
 

@@ -144,7 +144,7 @@ class Batches:
         book = self.book
         slots = book.slots
         slot = slots[d] if output is not None else slots.get(d)
-        value = slot.get(output) if output is not None else None
+        value = None if output is None or slot is None else slot.get(output)
         book.returned = d + 1
         book.in_flight.discard(d)
         book.numbers.pop(d, None)

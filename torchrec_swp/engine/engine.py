@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -324,7 +325,7 @@ class Engine(Interpreter):
         main = self.installed.shape.main
         for w in self._walkers.values():
             if w is not main and w.state in (WalkState.READY, WalkState.PARKED):
-                self._launch(w, lambda w=w: self._background(w))
+                self._launch(w, partial(self._background, w))
 
     def _background(self, w: Walker) -> None:
         torch.set_grad_enabled(self._plan_ops.grad)
@@ -341,11 +342,12 @@ class Engine(Interpreter):
 
     def _ordered(self, d: int) -> None:
         """In checked mode: each thread's part of batch ``d`` is ordered before the caller."""
-        shape, base = self.installed.shape, self.batches.book.first_iteration
+        shape, base, checker = self.installed.shape, self.batches.book.first_iteration, self._checker
+        assert checker is not None
         top = shape.top
         for w in shape.tasked:
             if w is not shape.main:
-                self._checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
+                checker.cpu_acquire(("iter", self._uid, w.name, base + d + (w.last_stage if w.ahead else top)))
 
     def _outcome(self, d: int) -> str | None:
         """``_await``'s answer for batch ``d`` now (None: not yet)."""

@@ -136,7 +136,9 @@ class ExhaustionSync:
             )
         if dist.get_world_size() == 1:
             return None
-        return cls(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        assert isinstance(group, dist.ProcessGroup)  # (every rank is in it)
+        return cls(group)
 
     def agree(self, have: bool, carried: Carried | None = None) -> bool:
         """Whether every rank has its batch (this rank: ``have``); a MIN all-reduce on the group

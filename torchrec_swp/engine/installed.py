@@ -170,11 +170,12 @@ class InstalledPlan:
             t = plan.task(task)
             extra = data_argument if task == plan.source else None
             stream = partial(streams.context, t.stream) if streams.has_streams and t.stream != DEFAULT_STREAM else None
-            timed = task_timer(task, t.thread_group, partial(iteration, s=t.stage), observer)
+            timed = task_timer(task, t.thread_group, partial(_iteration_of_stage, iteration, t.stage), observer)
             around = task_context(task, labels, stream)
             fn = bindings[task]
-            undoable = transaction is not None  # every task: its hooks tell which batch runs (running_batch)
-            if undoable:  # (inside its stream: what captures and restores is ordered with the task)
+            # under a transaction every task: its hooks tell which batch runs (running_batch), inside
+            # its stream, so that what captures and restores is ordered with the task
+            if transaction is not None:
                 serial = lambda b: batches.book.serial(b)  # noqa: E731 - (the book is replaced on reset)
                 fn = transaction.wrap(t.io.effects, task == deciding, fn, batches.slot, serial)
             self.invokers[task] = batches.invoker(t.io, fn, extra, around, timed)
@@ -207,6 +208,11 @@ class InstalledPlan:
 
     def instructions(self) -> list[Instr]:
         return [i for instrs in self.programs.values() for i in instrs]
+
+
+def _iteration_of_stage(iteration: Callable[[int, int], int], stage: int, b: int) -> int:
+    """The iteration observers see for batch ``b``'s task of ``stage`` (``Batches.observed_iteration``)."""
+    return iteration(b, stage)
 
 
 def check_bindings(phased: PhasedPlan, bindings: Mapping[str, Binding]) -> None:

@@ -22,8 +22,8 @@ import torch
 __all__ = ["record_function"]
 
 _AUTOGRAD = torch._C._autograd
-_enter = getattr(_AUTOGRAD, "_record_function_with_args_enter", None)
-_exit = getattr(_AUTOGRAD, "_record_function_with_args_exit", None)
+_enter: Any = getattr(_AUTOGRAD, "_record_function_with_args_enter", None)  # (None: torch's own is used)
+_exit: Any = getattr(_AUTOGRAD, "_record_function_with_args_exit", None)
 
 
 class _Label:

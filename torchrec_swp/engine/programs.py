@@ -44,6 +44,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -135,11 +136,11 @@ class ProgramEngine(Interpreter):
         start = time.perf_counter() if self._observer is not None else 0.0
         grad = torch.is_grad_enabled()
         for w in walkers[1:]:
-            self._launch(w, lambda w=w: self._background(w, step, grad))
+            self._launch(w, partial(self._background, w, step, grad))
         self._walk(walkers[0], step, self._program, threaded=len(self._threads) > 1)
         try:
             self.board.wait(
-                lambda: self.failures or all(w.state is not WalkState.RUNNING for w in walkers),
+                lambda: bool(self.failures) or all(w.state is not WalkState.RUNNING for w in walkers),
                 lambda: "every thread to finish the step",
                 self.timeout_s,
             )

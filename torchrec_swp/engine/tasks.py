@@ -42,7 +42,9 @@ class Observer(Protocol):
     not what it waited; about 1 us more per task call).
     """
 
-    def on_run(self, task: str, batch: int, thread: str, iteration: int, start: float, end: float) -> None: ...
+    def on_run(
+        self, task: str, batch: int, thread: str, iteration: int, start: float, end: float, *, cpu: float | None = None
+    ) -> None: ...
 
     def on_wait(self, producer: str, thread: str, iteration: int, start: float, end: float) -> None: ...
 
@@ -53,7 +55,7 @@ def named(invoke: Invoker, task: str) -> Invoker:
     """``invoke`` with its frame named ``<task T>``: a traceback through it says which task it is."""
     name = f"<task {task}>"
     code = invoke.__code__
-    invoke.__code__ = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
+    invoke.__code__ = code.replace(co_name=name, co_qualname=name)
     invoke.__name__ = invoke.__qualname__ = name
     return invoke
 

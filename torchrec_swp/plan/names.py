@@ -87,7 +87,7 @@ class Vocabulary:
         """The names of one kind: ``streams``, ``threads``, ``comm_groups``, ``tasks`` or ``data``."""
         if kind == "tasks":
             return self.tasks or frozenset()
-        return getattr(self, kind)  # type: ignore[no-any-return]
+        return getattr(self, kind)
 
 
 def distance(a: str, b: str) -> int:

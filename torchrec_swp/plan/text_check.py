@@ -7,6 +7,7 @@ lines disagree, the error names the likelier of them."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from torchrec_swp.plan.calls import check_call
@@ -137,7 +138,7 @@ def _check_tasks(book: PlanBook, vocabulary: Vocabulary) -> None:
                 others=_lines_of(words),
             )
         word, what = refs[0]
-        commented = book.commented(lambda words, name=name: len(words) >= 2 and words[1] == name)
+        commented = book.commented(partial(_names_task_row, name))
         if commented is not None:
             raise error_at(
                 f"task {name!r}, named at {_at(_lines_of(words))}, has no row: this comment looks like its row, "
@@ -171,7 +172,7 @@ def _check_data(book: PlanBook, vocabulary: Vocabulary) -> None:
     for data, ws in writers.items():
         if len(ws) > 1:
             (a, word_a), (b, word_b) = ws[:2]
-            tasks = [r for r, _, _ in readers.get(data, ()) if r is not None]
+            feeding = [r for r, _, _ in readers.get(data, ()) if r is not None]
             fit = [w for w in (a, b) if all(_feeds(book, w, r, k) for r, _, k in readers.get(data, ()) if r)]
             if len(fit) != 1:  # no reader tells: the writer that also reads what nobody writes (a swap)
                 fit = [w for w in (a, b) if w not in unwritten_readers]
@@ -179,7 +180,7 @@ def _check_data(book: PlanBook, vocabulary: Vocabulary) -> None:
                 order = list(book.rows)
                 fit = [min((a, b), key=lambda t: (book.schedule[t].stage, order.index(t)))]
             wrong, right = ((a, word_a), (b, word_b)) if fit == [b] else ((b, word_b), (a, word_a))
-            why = f" (only {right[0]} can feed {', '.join(tasks)})" if len(fit) == 1 and tasks else ""
+            why = f" (only {right[0]} can feed {', '.join(feeding)})" if len(fit) == 1 and feeding else ""
             raise error_at(f"data {data!r} is written by both {a} and {b}{why}", wrong[1], culprit=wrong[0],
                            others=[right[1].line])
     unread = [d for d in writers if d not in readers]
@@ -199,7 +200,8 @@ def _check_data(book: PlanBook, vocabulary: Vocabulary) -> None:
                 culprit=task,
                 others=_lines_of(words),
             )
-        tasks = [(r, w) for r, w, _ in rs if r is not None]
+        tasks: list[tuple[str, Word]] = [(r, w) for r, w, _ in rs if r is not None]
+        word: Word | None
         if len(_lines_of(words)) > 1 and tasks:
             first, word = min(tasks, key=lambda t: (book.schedule[t[0]].stage, list(book.rows).index(t[0])))
             rest = ", ".join(r for r, _ in tasks if r != first)
@@ -208,7 +210,7 @@ def _check_data(book: PlanBook, vocabulary: Vocabulary) -> None:
             first, word = tasks[0]
             message = f"task {first} reads {data!r}, which no task writes"
         else:
-            word, message = output, f"output {data!r} is not written by any task"  # type: ignore[assignment]
+            word, message = output, f"output {data!r} is not written by any task"
         assert word is not None
         raise error_at(message + did_you_mean(data, writers), word,
                        others=[*_lines_of(words), *([writers[near][0][1].line] if near is not None else [])])
@@ -287,3 +289,8 @@ def check_turns(phases: list[tuple[int, Any]], where: list[TextLines], vocabular
                 f"phases {phases[other][0]} and {phases[odd][0]} cannot take turns: source, output and highest "
                 f"stage must stay the same ({field_} {getattr(phases[odd][1], field_)} here, "
                 f"{getattr(phases[other][1], field_)} in phase {phases[other][0]})", culprit=field_))
+
+
+def _names_task_row(name: str, words: list[str]) -> bool:
+    """A line whose second word is ``name`` (a task row of it, commented out)."""
+    return len(words) >= 2 and words[1] == name

@@ -7,7 +7,7 @@ the plan is built. Every PlanError names its line (and column)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, TypeVar
 
 from torchrec_swp.plan.effects import KNOWN_EFFECTS
@@ -181,16 +181,16 @@ def _read_plan(
     # a text that declares its names (as plan_to_text writes it) gives every line, so that no line
     # can be left out, or commented out, unnoticed; an older one needs only 'plan' and 'depth'
     declares = any(k in book.decls for k in DECLARATIONS)
-    for key in ("plan", "depth", *(("source", "output", "exhausted", *DECLARATIONS) if declares else ())):
-        if key not in book.values and key not in book.decls:
-            why = f"plan text has no '{key}' line" + (
+    for needed in ("plan", "depth", *(("source", "output", "exhausted", *DECLARATIONS) if declares else ())):
+        if needed not in book.values and needed not in book.decls:
+            why = f"plan text has no '{needed}' line" + (
                 " (a text with 'streams', 'threads' and 'comm_groups' lines gives 'plan', 'depth', 'source', "
-                "'output' and 'exhausted' too)" if declares and key not in ("plan", "depth") else ""
+                "'output' and 'exhausted' too)" if declares and needed not in ("plan", "depth") else ""
             )
-            commented = book.commented(lambda words, key=key: words[0] == key or is_near(words[0], key))
+            commented = book.commented(partial(_names_line, needed))
             if commented is not None:
-                raise error_at(f"{why}: this comment looks like it, commented out", commented, culprit=key)
-            raise book.lines.error(PlanError(why, culprit=key))
+                raise error_at(f"{why}: this comment looks like it, commented out", commented, culprit=needed)
+            raise book.lines.error(PlanError(why, culprit=needed))
     check_names(book, vocabulary)
     values = {k: w.text for k, w in book.values.items()}
     deps = list(book.deps)
@@ -288,7 +288,8 @@ def _parse_cells(
         if w.text in effects:
             raise error_at(f"task {name} declares effect {w.text!r} twice", w, culprit=name)
         effects.append(w.text)
-    anchor, noop_on = False, ()
+    anchor = False
+    noop_on: tuple[str, ...] = ()
     for flag in _items(cells["flags"]):
         if flag.text == "anchor" and not anchor:
             anchor = True
@@ -395,3 +396,8 @@ def is_phased_text(text: str) -> bool:
 
 def _opt(value: str | None) -> str | None:
     return None if value in (None, "", NONE) else value
+
+
+def _names_line(key: str, words: list[str]) -> bool:
+    """A line whose first word is ``key``, or near it (a commented-out line of a plan text)."""
+    return words[0] == key or is_near(words[0], key)

@@ -236,19 +236,19 @@ def _check_all_satisfiable(plan: PlanView, deps: list[Dep]) -> None:
             failed.append((dep, e))
     if not failed:
         return
-    dep, e = failed[0]
+    dep, first = failed[0]
     if len(failed) == 1:  # a task whose stage alone, moved, would satisfy every dep is the slip
         fixable = [t for t in dict.fromkeys((dep.consumer, dep.producer)) if _movable(plan, t, deps)]
         if len(fixable) == 1:
             raise PlanError(
-                f"task {fixable[0]} is at stage {plan.schedule[fixable[0]].stage}, where {e}",
+                f"task {fixable[0]} is at stage {plan.schedule[fixable[0]].stage}, where {first}",
                 culprit=fixable[0],
                 also=(str(dep),),
             )
         if len(fixable) == 2:  # nothing tells which of the two stages (or the dep itself) is the slip
             raise PlanError(
-                f"{e} (a stage of either task, moved, would satisfy it: {fixable[0]}'s or {fixable[1]}'s)",
-                culprit=e.culprit,
+                f"{first} (a stage of either task, moved, would satisfy it: {fixable[0]}'s or {fixable[1]}'s)",
+                culprit=first.culprit,
                 also=(dep.consumer, dep.producer),
             )
     common = set.intersection(*({d.consumer, d.producer} for d, _ in failed))
@@ -256,11 +256,11 @@ def _check_all_satisfiable(plan: PlanView, deps: list[Dep]) -> None:
         (task,) = common
         raise PlanError(
             f"task {task} (stage {plan.schedule[task].stage}, fire position {plan.fire_index(task)}) breaks "
-            f"{len(failed)} dependencies, the first: {e}",
+            f"{len(failed)} dependencies, the first: {first}",
             culprit=task,
             also=tuple(str(d) for d, _ in failed),
         )
-    raise PlanError(str(e), culprit=e.culprit, also=(dep.consumer, dep.producer))
+    raise PlanError(str(first), culprit=first.culprit, also=(dep.consumer, dep.producer))
 
 
 def _movable(plan: PlanView, task: str, deps: list[Dep]) -> bool:

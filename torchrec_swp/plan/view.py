@@ -62,6 +62,8 @@ class PlanView(Protocol):
 
     def source_lanes(self) -> tuple[str, ...]: ...
 
+    def writer_of(self, data: str) -> str | None: ...
+
 
 class PhasedView(Protocol):
     """The read-only surface of a ``PhasedPlan`` its text form uses."""
