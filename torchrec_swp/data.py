@@ -117,12 +117,12 @@ class GlobalMapSource(MapSource):
         """Items after ``start`` in no rank's share: those of an incomplete last step."""
         return (len(self.order) - self.start) % self.world_size
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         with self._lock:
             consumed = self.start + self._next * self.world_size
         return {"consumed": consumed, "total": len(self.order), "order": self._digest}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not {"consumed", "total", "order"} <= set(state):
             raise ValueError(
                 f"GlobalMapSource.load_state_dict(): not a global position (a GlobalMapSource's state_dict()), got "

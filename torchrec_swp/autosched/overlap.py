@@ -372,7 +372,8 @@ class OverlapSearch:
                 if th == MAIN_THREAD:
                     label = "the calling thread"
                 else:
-                    suffix = f" ({c.loads} loads)" if th == plan.task(plan.source).thread_group and c.loads > 1 else ""
+                    loader = plan.source is not None and th == plan.task(plan.source).thread_group
+                    suffix = f" ({c.loads} loads)" if loader and c.loads > 1 else ""
                     label = f"thread {th}{suffix}"
                 found.append(Bound("thread", f"{label}, rank {k}", v))
             for g, v in groups.items():

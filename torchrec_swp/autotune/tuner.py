@@ -622,7 +622,7 @@ class Tuner:
             assert s is not None
             kept = (
                 f"runs {describe(t.plans[won])}: not told apart from the measured best (x{s.ratio:.2f} its step, "
-                f"interval x{s.low:.2f}-x{s.high:.2f}, within the margin {100 * o.thread_margin:.0f}%), on "
+                f"interval x{s.low:.2f}-x{s.high:.2f}, within the margin {100 * (o.thread_margin or 0):.0f}%), on "
                 f"{engine_threads(t.plans[won])} engine thread(s) against {engine_threads(t.plans[best])}"
             )
         elif any(x.verdict == "equal" and x.ratio is not None and x.ratio < 1 for x in tried):
@@ -630,6 +630,7 @@ class Tuner:
         else:
             kept = "it measured best of the plans tried"
         p = self._proposal
+        assert p is not None  # (a trial runs a proposal)
         self._trial = None
         decision = replace(
             p,

@@ -82,10 +82,18 @@ class RunLike(Protocol):
 
 
 class IterationLike(Protocol):
-    iteration: int
-    start: float
-    end: float
-    runs: Sequence[Any]
+    # read-only: a profiler's IterationRecord (a frozen dataclass) is one
+    @property
+    def iteration(self) -> int: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def end(self) -> float: ...
+
+    @property
+    def runs(self) -> Sequence[Any]: ...
 
 
 @dataclass(frozen=True)

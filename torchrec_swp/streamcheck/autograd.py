@@ -96,7 +96,7 @@ class NodeStreams(TorchFunctionMode):
         node = tensor.grad_fn
         if node is None:
             return
-        metadata = node.metadata
+        metadata: dict[Any, Any] = node.metadata  # type: ignore[assignment]  # a dict (torch's stub: a method)
         if _TAG in metadata:
             return
         metadata[_TAG] = stream

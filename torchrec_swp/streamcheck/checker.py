@@ -41,6 +41,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from types import FrameType
 from typing import Any, Self
 
 import torch
@@ -618,7 +619,7 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def call_site() -> str:
     """``file:line`` of the innermost frame outside this package (who asked for a sync)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
         frame = frame.f_back
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
