@@ -1096,7 +1096,7 @@ def eval_cpu_sparse_plan(
     if pipeline_depth not in (1, 2):
         raise ValueError(f"EvalPipelineCPUSparse: pipeline_depth must be 1 or 2, got {pipeline_depth}")
     plan = _table(EVAL_CPU_SPARSE)
-    moved = ("SparseForward",)
+    moved: tuple[str, ...] = ("SparseForward",)
     if pipeline_depth == 1:
         schedule = {t: s.replace(stage=max(s.stage - 1, 0)) for t, s in plan.schedule.items()}
         fire = [t for t in plan.fire_order if t != "CopyToDevice"] + ["CopyToDevice"]

@@ -17,8 +17,12 @@ constructor options make the same edits (``input_dist_group=``, ``loads=``, ``lo
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar, overload
 
 from torchrec_swp.plan import PhasedPlan, PipelinePlan, PipelineTask, TaskSchedule
+
+#: A transform gives back what it was given: a plan for a plan, a phased plan for a phased plan.
+PlanT = TypeVar("PlanT", PipelinePlan, PhasedPlan)
 
 __all__ = [
     "DRAW_TASKS",
@@ -40,7 +44,7 @@ INPUT_DIST = "input_dist"
 INPUT_DIST_TASKS = ("InitPipelinedModules", "InputDistStart", "InputDistWait")
 
 
-def with_input_dist_group(plan: PipelinePlan | PhasedPlan, group: str = INPUT_DIST) -> PipelinePlan | PhasedPlan:
+def with_input_dist_group(plan: PlanT, group: str = INPUT_DIST) -> PlanT:
     """``plan`` with its input dist tasks (those of ``INPUT_DIST_TASKS`` it has) in comm group
     ``group``: they take tickets among themselves, no longer in the turnstile of Forward and
     Backward, so on a thread of their own the next batch's input dist overlaps the current
@@ -86,6 +90,19 @@ def splits_draw(plan: PipelinePlan) -> bool:
     """Whether ``with_parallel_loads`` can give ``plan`` several loads: its source only draws
     (``DRAW_TASKS``) or is H2D, whose draw it splits off."""
     return plan.source in DRAW_TASKS or plan.source == "H2D"
+
+
+# (overloads rather than PlanT: mypy cannot type this body's loop under a constrained TypeVar)
+@overload
+def with_parallel_loads(
+    plan: PipelinePlan, loads: int = 2, *, lookahead: int | None = None, thread: str = "load"
+) -> PipelinePlan: ...
+
+
+@overload
+def with_parallel_loads(
+    plan: PhasedPlan, loads: int = 2, *, lookahead: int | None = None, thread: str = "load"
+) -> PhasedPlan: ...
 
 
 def with_parallel_loads(
@@ -137,7 +154,7 @@ def with_parallel_loads(
 
 
 # ------------------------------------------------------------- lookahead
-def with_lookahead(plan: PipelinePlan | PhasedPlan, lookahead: int) -> PipelinePlan | PhasedPlan:
+def with_lookahead(plan: PlanT, lookahead: int) -> PlanT:
     """``plan`` whose source may draw ``lookahead`` batches beyond ``pipeline_depth`` ahead of
     the oldest batch not yet trained (every phase of a PhasedPlan). The batches drawn ahead
     wait in their slots; the source's thread keeps drawing between ``progress()`` calls, so it
