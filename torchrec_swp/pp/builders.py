@@ -37,7 +37,7 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Program:
     check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     m = range(num_microbatches)
     ranks = [[Action(r, F, k) for k in m] + [Action(r, B, k) for k in m] for r in range(num_ranks)]
-    return Program("GPipe", num_microbatches, loop_placement(num_ranks), ranks)
+    return Program("GPipe", num_microbatches, loop_placement(num_ranks), tuple(map(tuple, ranks)))
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Program:
@@ -58,7 +58,7 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Program:
             order += [Action(r, F, w + k), Action(r, B, k)]
         order += [Action(r, B, k) for k in range(num_microbatches - w, num_microbatches)]
         ranks.append(order)
-    return Program("1F1B", num_microbatches, loop_placement(num_ranks), ranks)
+    return Program("1F1B", num_microbatches, loop_placement(num_ranks), tuple(map(tuple, ranks)))
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Program:
@@ -98,7 +98,7 @@ def _interleaved(name: str, num_ranks: int, num_microbatches: int, v: int, *, ze
         )
     per_round = num_microbatches // rounds
     ranks = [_interleaved_rank(r, num_ranks, num_microbatches, v, per_round, zero_bubble) for r in range(num_ranks)]
-    return Program(name, num_microbatches, loop_placement(num_ranks, v), ranks)
+    return Program(name, num_microbatches, loop_placement(num_ranks, v), tuple(map(tuple, ranks)))
 
 
 def _interleaved_rank(rank: int, R: int, M: int, v: int, per_round: int, zero_bubble: bool) -> list[Action]:
@@ -176,7 +176,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> Program:
         order += [Action(s1, W, k) for k in range(w1, b1)]
         order += [Action(s0, W, k) for k in range(w0, b0)]
         ranks.append([a for a in order if a.microbatch is not None and a.microbatch < M])
-    return Program("ZBV", M, v_placement(R), ranks)
+    return Program("ZBV", M, v_placement(R), tuple(map(tuple, ranks)))
 
 
 def dualpipev(num_ranks: int, num_microbatches: int) -> Program:
@@ -229,7 +229,7 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Program:
         for _ in range(r + 1):
             e.add_w()
         ranks.append(e.order)
-    return Program("DualPipeV", M, v_placement(R), ranks)
+    return Program("DualPipeV", M, v_placement(R), tuple(map(tuple, ranks)))
 
 
 class _Emitter:
@@ -280,7 +280,7 @@ def sparse_hoist_1f1b(num_ranks: int, num_microbatches: int) -> Program:
             order += [Action(r, F, w + k), Action(r, B, k)]
         order += [Action(r, B, k) for k in range(M - w, M)]
         ranks.append(order)
-    return Program("1F1B-split", M, loop_placement(R), ranks)
+    return Program("1F1B-split", M, loop_placement(R), tuple(map(tuple, ranks)))
 
 
 # ----------------------------------------------------------------------------- registry

@@ -97,9 +97,9 @@ def add_p2p(program: Program) -> Program:
         sends.append(new)
     posted: set[Action] = set()
     ranks = []
-    for r, actions in enumerate(sends):
+    for r, with_sends in enumerate(sends):
         new_rank: list[Action] = []
-        for a, out in actions:
+        for a, out in with_sends:
             for x in needs_p2p(program, a)[0] if a.kind in COMPUTE else []:
                 queue = channel[(program.rank_of(x.peer_stage), r, x.direction)]
                 for y in queue[: queue.index(x) + 1]:  # rule 3: never after a receive sent later

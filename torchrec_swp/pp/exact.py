@@ -140,7 +140,7 @@ def greedy(
 def _orders(schedule: DagSchedule, num_microbatches: int, placement: Sequence[int], name: str) -> Program:
     R = max(placement) + 1
     ranks = [[Action.from_text(n) for n in schedule.order(f"rank{r}")] for r in range(R)]
-    return Program(name, num_microbatches, tuple(placement), ranks)
+    return Program(name, num_microbatches, tuple(placement), tuple(map(tuple, ranks)))
 
 
 def _peaks(schedule: DagSchedule, placement: Sequence[int]) -> tuple[int, ...]:

@@ -82,8 +82,8 @@ def validate(program: Program) -> None:
         end = len(program.ranks[home])
         sparse = [m for m in range(M) if Action(s, E, m) in at]
         if sparse and len(sparse) != M:
-            missing = next(m for m in range(M) if Action(s, E, m) not in at)
-            raise fail(program, f"stage {s} has sparse forwards (E) but not {Action(s, E, missing)}", home, end)
+            absent = next(m for m in range(M) if Action(s, E, m) not in at)
+            raise fail(program, f"stage {s} has sparse forwards (E) but not {Action(s, E, absent)}", home, end)
         for m in range(M):
             if Action(s, F, m) not in at:
                 raise fail(program, f"{Action(s, F, m)} is missing", home, end)
