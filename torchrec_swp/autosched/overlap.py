@@ -326,7 +326,7 @@ class OverlapSearch:
         except PlanError:
             return None
         ranks = self.cal.simulation_ranks(
-            space.mode,  # type: ignore[arg-type]
+            space.mode,  # type: ignore[arg-type]  # a mode name the search space checked when built
             plans=[plan] * len(self.cal.ranks),
             machines=self.machine.machines,
             wake=self.machine.wake,

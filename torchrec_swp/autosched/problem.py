@@ -92,6 +92,7 @@ class Problem:
     @classmethod
     def from_profile(cls, profile: Profile, **options: object) -> Problem:
         """The profiled plan with the median durations (seconds) of the profile."""
+        # (the ignore below: the options by name, each checked by the constructor)
         return cls(profile.plan, profile.durations(), **options)  # type: ignore[arg-type]
 
     @classmethod
@@ -105,6 +106,7 @@ class Problem:
             )
         durations = [p.durations() for p in profiles]
         slowest = {t: max(d[t] for d in durations) for t in durations[0]}
+        # (the ignore below: the options by name, each checked by the constructor)
         return cls(profiles[0].plan, slowest, **options)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------- by index

@@ -491,6 +491,7 @@ class Tuner:
             self._report(line)
         # until the new plan runs steadily: the threads that ran ahead catch up (a switch from a
         # plan with lookahead waits for that), then the new plan fills its run-ahead
+        # (the ignore below: a decision that switches has a plan text)
         plan = PipelinePlan.from_text(decision.plan) if decision.switched else running  # type: ignore[arg-type]
         self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads + SETTLE
         if not self.decision.switched or (self._drift_round and not decision.switched):
@@ -740,7 +741,7 @@ class Tuner:
         else:
             head = f"{who}: {self._round_name()}: profiled the chosen plan as it runs{measured}"
         if d.switched:
-            found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]
+            found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]  # a decision that switches has a plan text
             head += f"; switches to {describe(found)}" + (
                 ", the input dist in its own comm group" if d.own_group else ""
             )

@@ -82,7 +82,7 @@ def _checked(num_steps: object, num_warmup_steps: object) -> tuple[int, int]:
     for name, value in (("num_steps", num_steps), ("num_warmup_steps", num_warmup_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"gradient accumulation: {name} must be an int >= 1, got {value!r}", culprit=name)
-    return num_steps, num_warmup_steps  # type: ignore[return-value]
+    return num_steps, num_warmup_steps  # type: ignore[return-value]  # both checked to be ints just above
 
 
 def accumulation_calls(plan: PipelinePlan, num_steps: int, num_warmup_steps: int, count: int) -> list[AccumulationCall]:

@@ -100,6 +100,7 @@ EFFECTS: dict[str, tuple[str, ...]] = {
 
 def _task(name: str, **fields: object) -> PipelineTask:
     """Task ``name`` declaring its effects (``EFFECTS``)."""
+    # (the ignore below: names and values checked by the constructor (a guard given by name))
     return PipelineTask(name, effects=EFFECTS.get(name, ()), **fields)  # type: ignore[arg-type]
 
 
@@ -888,6 +889,7 @@ def staged_plan(
         # a stage runs the user's code: what it changes is the user's to declare (a plan of their own)
         tasks.append(PipelineTask(name, reads=(f"out_{k - 1}",) if k else (), writes=(f"out_{k}",)))
         if fills[k]:
+            # (the ignore below: names and values checked by the constructor (a guard given by name))
             schedule[f"{name}.fill"] = TaskSchedule(k, streams[k], when="fill")  # type: ignore[arg-type]
             tasks.append(PipelineTask(f"{name}.fill", doc=f"fill_callback of stage {k}"))
             deps.append((f"{name}.fill", name))

@@ -295,7 +295,7 @@ def _instruction(line: str, plan: PipelinePlan | None, after: str | None) -> Ins
         parsed = tuple(tuple(p.split("=", 1)) for p in pairs.split())
         if not parsed or any(len(p) != 2 or not all(p) for p in parsed):
             raise PlanError("an alias reads 'alias TASK WRITE=READ ...'")
-        return Alias(task, stage(task), parsed)  # type: ignore[arg-type]
+        return Alias(task, stage(task), parsed)  # type: ignore[arg-type]  # pairs of two, checked just above
     raise PlanError(f"unknown instruction {word!r} (run, wait, signal, stream, record, alias)")
 
 

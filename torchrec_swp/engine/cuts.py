@@ -47,6 +47,7 @@ def take(batches: Batches, feed: Feed, plan: str) -> dict[str, Any]:
         )
     position = draws.positions.get(c)
     if position is None:  # c not drawn yet: the iterator is where c will be drawn from
+        # (the ignore below: the user's iterator: duck-typed, checked where used)
         position = draws.iterator.state_dict()  # type: ignore[attr-defined]
     ledger = batches.ledger
     return {

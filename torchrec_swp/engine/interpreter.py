@@ -393,6 +393,7 @@ class Interpreter(abc.ABC):
     def _annotate(self, exc: BaseException, f: Failure) -> None:
         if getattr(exc, "swp_task", None) is not None:
             return
+        # (the ignore below: the engine's own attributes, set on the user's exception)
         exc.swp_task, exc.swp_batch, exc.swp_thread, exc.swp_iteration = f.task, f.batch, f.thread, f.iteration  # type: ignore[attr-defined]
         exc.add_note(f"torchrec_swp: {self._describe(f)}")
 

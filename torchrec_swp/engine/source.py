@@ -73,6 +73,8 @@ class Draws:
         failed: Callable[[int, BaseException, bool], None] | None = None,
         retractor: Callable[[int], Callable[[], None] | None] | None = None,
     ) -> None:
+        # the user's iterator, duck-typed: its claim/fetch/state_dict are asked only where a feature checked
+        # it has them (the type: ignore[attr-defined] below)
         self.iterator = iterator
         self._retractor = retractor
         self._take_turn = take_turn

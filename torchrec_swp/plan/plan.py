@@ -249,7 +249,7 @@ class PipelinePlan:
             assert isinstance(new_schedule, Mapping)
             args["tasks"] = [io for t, io in self._tasks.items() if t in new_schedule]
         args.update(changes)
-        return PipelinePlan(**args)  # type: ignore[arg-type]
+        return PipelinePlan(**args)  # type: ignore[arg-type]  # the fields by name, each checked by the constructor
 
     def with_task(
         self,

@@ -166,7 +166,7 @@ class TaskSchedule:
         fields.update(changes)
         if "globally_ordered" in changes and not changes["globally_ordered"]:
             fields["comm_group"] = None
-        return TaskSchedule(**fields)  # type: ignore[arg-type]
+        return TaskSchedule(**fields)  # type: ignore[arg-type]  # the fields by name, each checked by the constructor
 
 
 @dataclass(frozen=True, slots=True)

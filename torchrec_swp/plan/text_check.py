@@ -271,6 +271,7 @@ def check_turns(phases: list[tuple[int, Any]], where: list[TextLines], vocabular
         having = [(k, p) for k, (_, p) in enumerate(phases) if task in p.schedule]
         io = vocabulary.io_of(task)
         values: list[tuple[int, object]] = [(k, (p.schedule[task].stage, p.tasks[task])) for k, p in having]
+        # (the ignore below: v is a (stage, task) pair: values holds such pairs)
         found = _odd_one(values, next((v for _, v in values if v[1] == io), None))  # type: ignore[index]
         if found is not None:
             odd, other = found

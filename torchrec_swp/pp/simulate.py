@@ -89,6 +89,7 @@ class ActionDurations:
             if not sep or key not in names or not re.match(r"[0-9.,e+-]+\Z", value):
                 raise PPError(f"bad duration {part!r}: expected NAME=NUMBER with NAME in {sorted(names)}")
             kv[key] = tuple(float(x) for x in value.split(",")) if key == "stage_scale" else float(value)
+        # (the ignore below: names checked against the fields and values parsed just above)
         return ActionDurations(**kv)  # type: ignore[arg-type]
 
 

@@ -93,6 +93,7 @@ class TorchPatch:
             def __new__(cls, stream: Any) -> Any:
                 return checker.stream_context(stream)
 
+        # (the ignore below: subclasses the class torch has at run time)
         class CudaStreamContext(original_cuda_context):  # type: ignore[misc, valid-type]
             def __new__(cls, stream: Any) -> Any:
                 if stream is not None and (checker.knows(stream) or not cuda_available):
