@@ -83,6 +83,6 @@ def test_the_engine_model_replays_real_runs_of_every_configuration() -> None:
         assert r["same_losses_as_default"]
         assert r["iterations_calibrated"] >= 20
         # the replay is the model of the measured run itself: loose here (a loaded CI machine,
-        # 24 timed steps), within 10% in docs/autosched.md on a quiet one
+        # 24 timed steps), within 10% in notebook/2026-11-sim-vs-real.md on a quiet one
         assert abs(r["replay_error"]) < 0.35, r
     assert all("from_default_ms" in r for r in rows[1:])

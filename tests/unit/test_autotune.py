@@ -120,8 +120,8 @@ def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
 
 def test_the_first_round_ranks_by_mean_costs_and_the_second_replays(monkeypatch: pytest.MonkeyPatch) -> None:
     # the first round ranks plans it has not run by their mean costs (the replay's favourites
-    # measured worse, docs/autosched.md section 7); the second predicts the plan it profiled and
-    # its neighbours from the measured iterations replayed in turn
+    # measured worse, notebook/2026-11-sim-vs-real.md, "The tuner ranking by the replay"); the second
+    # predicts the plan it profiled and its neighbours from the measured iterations replayed in turn
     from torchrec_swp.autotune import tuner
 
     modes: list[str] = []

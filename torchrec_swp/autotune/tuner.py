@@ -412,9 +412,9 @@ class Tuner:
                 # the first round ranks plans it has not seen by their mean costs: the replay of
                 # the profiled iterations predicts them closer on two ranks (benchmarks/
                 # sim_vs_real.py) but its favourites there measured worse in benchmarks/overlap.py
-                # (a thread of its own for H2D, 20% slower than predicted; docs/autosched.md
-                # section 7); a later round the plan it profiled and its neighbours: the measured
-                # iterations in turn (the closer there)
+                # (a thread of its own for H2D, 20% slower than predicted; notebook/2026-11-sim-vs-real.md,
+                # "The tuner ranking by the replay"); a later round the plan it profiled and its
+                # neighbours: the measured iterations in turn (the closer there)
                 mode="mean" if self.round == 1 else "replay",
             )
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)

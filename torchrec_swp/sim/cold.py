@@ -29,9 +29,9 @@ CPU before they compute, so the model follows that:
   the rank's collectives go on (the transport idles between collectives, not inside one). In a
   plan whose step sleeps (the default's, where the calling thread loads), gloo's threads spend
   more CPU per step for the same transfers and the collectives that stay on the training thread
-  wait 20-70% longer inside than in plans that do not sleep (``docs/autosched.md`` section 7,
-  measured on 2 ranks): with the rule, a plan that keeps the transport busy is predicted with
-  the warm transfers it will have.
+  wait 20-70% longer inside than in plans that do not sleep (``notebook/2026-11-sim-vs-real.md``,
+  "Two ranks: what the judge measures and what changes with the plan", measured on 2 ranks): with
+  the rule, a plan that keeps the transport busy is predicted with the warm transfers it will have.
 
 The calibration (``sim.calibrate(..., cold=)``) walks each thread's measured runs in time
 order with the same rule and takes each run's measured CPU back to its warm work
