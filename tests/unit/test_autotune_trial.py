@@ -22,6 +22,7 @@ from torchrec_swp import Autotune, plans
 from torchrec_swp.autotune.trial import (
     Trial,
     engine_threads,
+    mean_interval,
     measured_steps,
     needs_quiet,
     pick,
@@ -42,6 +43,27 @@ def test_t_quantiles_are_students() -> None:
     assert t_quantile(0.9, 1) == pytest.approx(6.3138, abs=1e-3)
     assert t_quantile(0.9, 4) == pytest.approx(2.1318, abs=1e-3)
     assert t_quantile(0.95, 10) == pytest.approx(2.2281, abs=1e-3)
+
+
+def test_a_step_times_interval_stays_positive_and_holds_its_centre() -> None:
+    # CI's cycles: three visits' means, one slow (reported as "90% interval -2.91-25.46" by the
+    # plain mean's t interval)
+    cycles = [0.0056, 0.0061, 0.0221]
+    m, low, high = mean_interval(cycles, 0.9)
+    assert 0 < low < m < high
+    assert m == pytest.approx(math.exp(statistics.fmean(math.log(c) for c in cycles)))
+    half = t_quantile(0.9, 2) * statistics.stdev(math.log(c) for c in cycles) / math.sqrt(3)
+    assert (math.log(low), math.log(high)) == pytest.approx((math.log(m) - half, math.log(m) + half))
+    assert mean_interval([0.004], 0.9) == (pytest.approx(0.004),) * 3
+    with pytest.raises(ValueError, match="positive"):
+        mean_interval([0.004, 0.0], 0.9)
+
+
+def test_the_best_is_the_lowest_geometric_mean_the_centre_its_ratios_are_judged_from() -> None:
+    # arithmetic means 7.0 and 6.67: one slow cycle in three makes the first the higher; its
+    # geometric mean (6.24 against 6.65) the lower, as two ratios of three say
+    best, standing = race([[4.5, 4.5, 12.0], [6.0, 7.0, 7.0]], [True, True], noise=0.05, confidence=0.9)
+    assert best == 0 and standing[1] is not None and standing[1].state == "racing"
 
 
 def test_a_clearly_slower_candidate_leaves_the_race_and_a_noisy_one_stays() -> None:

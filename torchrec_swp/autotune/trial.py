@@ -47,10 +47,11 @@ SETTLE = 3
 @dataclass(frozen=True)
 class Tried:
     """One candidate of a trial: its plan's text, what the model predicted, what it measured
-    (mean of its visits' means, with the t interval of that mean), its step against the measured
-    best's (``ratio``, paired by cycle, with its interval; None for the best), the steps measured
-    and visits made, and how it left the race (``verdict``: ``"best"``, ``"slower"``,
-    ``"equal"``: within the noise of the best, ``"bound"``: still racing at the last cycle)."""
+    (geometric mean of its cycles' means, with the t interval of that mean on the logs: positive),
+    its step against the measured best's (``ratio``, paired by cycle, with its interval; None for
+    the best), the steps measured and visits made, and how it left the race (``verdict``:
+    ``"best"``, ``"slower"``, ``"equal"``: within the noise of the best, ``"bound"``: still racing
+    at the last cycle)."""
 
     plan: str
     predicted_s: float | None
@@ -220,15 +221,16 @@ def race(
     confidence: float,
     prefer: int | None = 0,
 ) -> tuple[int, list[Standing | None]]:
-    """After a cycle: the measured best of the candidates still ``alive`` (lowest mean of its
-    visits' means; they all have the same cycles) and each alive candidate's standing against it
-    (module docstring); None for those already out. ``samples[i][c]``: candidate ``i``'s mean step
-    in cycle ``c`` (those out have fewer: the first ones are paired). ``prefer`` (the running
-    plan) wins in place of the best where it is *equal* to it: within the noise, no switch."""
+    """After a cycle: the measured best of the candidates still ``alive`` (lowest geometric mean of
+    its cycles' means, the centre its log ratios are judged from; they all have the same cycles) and
+    each alive candidate's standing against it (module docstring); None for those already out.
+    ``samples[i][c]``: candidate ``i``'s mean step in cycle ``c`` (those out have fewer: the first
+    ones are paired). ``prefer`` (the running plan) wins in place of the best where it is *equal* to
+    it: within the noise, no switch."""
     live = [i for i, a in enumerate(alive) if a]
     if not live:
         raise ValueError("race: no candidate is left")
-    best = min(live, key=lambda i: (statistics.fmean(samples[i]), i))
+    best = min(live, key=lambda i: (statistics.geometric_mean(samples[i]), i))
     out = _against(best, samples, live, noise, confidence)
     if prefer is not None and prefer != best and (s := out[prefer]) is not None and s.state == "equal":
         best = prefer
@@ -269,12 +271,18 @@ def _against(
 
 
 def mean_interval(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
-    """The mean of ``values`` and its t interval (the mean itself twice for one value)."""
-    m = statistics.fmean(values)
+    """The geometric mean of step times ``values`` and its t interval, taken on their logs (the
+    scale the race judges on): a step is positive and skewed, and a t interval of the plain mean of
+    3 cycles with one slow one reached below zero ("90% interval -2.91-25.46" in CI); the mean
+    itself twice for one value."""
+    if any(v <= 0 for v in values):
+        raise ValueError(f"mean_interval: step times must be positive, got {list(values)}")
+    logs = [math.log(v) for v in values]
+    m = statistics.fmean(logs)
     if len(values) < 2:
-        return m, m, m
-    half = t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return m, m - half, m + half
+        return math.exp(m), math.exp(m), math.exp(m)
+    half = t_quantile(confidence, len(values) - 1) * statistics.stdev(logs) / math.sqrt(len(values))
+    return math.exp(m), math.exp(m - half), _exp(m + half)
 
 
 @dataclass
