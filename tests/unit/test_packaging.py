@@ -10,6 +10,7 @@ them against the venv running the tests.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -92,6 +93,25 @@ def test_one_python_floor_everywhere() -> None:
 def test_dev_tools_do_not_pin_the_stack() -> None:
     pins = [line.split("==")[0] for line in (ROOT / "requirements/dev.txt").read_text().splitlines() if "==" in line]
     assert pins and not [p for p in pins if stack_venv.STACK.match(stack_venv.canonical(p))]
+
+
+def test_the_dev_extra_names_every_tool_the_project_pins() -> None:
+    """``pip install torchrec_swp[dev]`` gives a contributor the tools ``make`` installs from
+    requirements/dev.txt (mypy and pytest-xdist were once missing from it): the same names, ranges
+    in setup.py, pins in the requirements."""
+    text = (ROOT / "setup.py").read_text()
+    names = {
+        stack_venv.canonical(m) for m in re.findall(r'"([A-Za-z0-9_.-]+)[<>=]', text.split("extras_require", 1)[0])
+    }  # EXAMPLES and AUTOSCHED, which the extra unpacks
+    dev = re.search(r'"dev": \[(.*?)\]', text, re.S)
+    assert dev and "*EXAMPLES" in dev[1] and "*AUTOSCHED" in dev[1]
+    names |= {stack_venv.canonical(m) for m in re.findall(r'"([A-Za-z0-9_.-]+)[<>=]', dev[1])}
+    pinned = {
+        stack_venv.canonical(line.split("==")[0])
+        for line in (ROOT / "requirements/dev.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    assert pinned and pinned - names == set()
 
 
 # ------------------------------------------------------------------------ versions at import

@@ -173,18 +173,18 @@ class PlanOps:
         ops = [self._op(inst, thread, instr, observer) for instr in instrs]
         if thread != MAIN_THREAD or self._checker is not None:
             return tuple(ops)
-        rows: list[list[Run]] = [[]]  # plain runs in a row, of one stage each
-        for instr in instrs:
+        rows: list[list[tuple[int, Run]]] = [[]]  # plain runs in a row, of one stage each, at their positions
+        for i, instr in enumerate(instrs):
             if not (isinstance(instr, Run) and self._plain(inst, instr)):
                 rows.append([])
-            elif rows[-1] and instr.stage == rows[-1][0].stage:
-                rows[-1].append(instr)
+            elif rows[-1] and instr.stage == rows[-1][0][1].stage:
+                rows[-1].append((i, instr))
             else:
-                rows.append([instr])
+                rows.append([(i, instr)])
         for row in rows:
             if len(row) > 1:
-                first = instrs.index(row[0])
-                ops[first] = self._stage_op(tuple(row), first, inst.invokers)
+                first = row[0][0]
+                ops[first] = self._stage_op(tuple(r for _, r in row), first, inst.invokers)
         return tuple(ops)
 
     def _plain(self, inst: InstalledPlan, instr: Run) -> bool:

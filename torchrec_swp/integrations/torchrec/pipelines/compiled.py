@@ -63,7 +63,7 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = EngineOptions.take(kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
-        self._swp_compiled = False  # whether this pipeline compiled its model (the Compile task did)
+        self._swp_compiled = False  # whether this pipeline compiled its model (_compile_model, from Compile or Forward)
         self._swp_setup(self._swp_default_plan(), options, self._swp_streams())
         # a plan of the user's without the Compile step: compile where upstream does, in forward
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
