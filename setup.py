@@ -38,7 +38,9 @@ setup(
         "torchrec": [TORCHREC],
         "examples": EXAMPLES,
         "autosched": AUTOSCHED,
-        "dev": [*EXAMPLES, *AUTOSCHED, "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.15", "mypy>=2"],
+        "dev": [
+            *EXAMPLES, *AUTOSCHED, "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.15", "mypy>=2"
+        ],
     },
     classifiers=[
         "License :: OSI Approved :: BSD License",
