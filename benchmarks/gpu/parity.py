@@ -101,14 +101,11 @@ def default_case(name: str) -> Case:
 def cases() -> tuple[Case, ...]:
     """A case per drop-in of ``torchrec_swp.drop_ins`` (in its order) but those ``NOT_ON_GPU``."""
     own = {c.pipeline: c for c in _OWN_CASES}
-    return tuple(own.get(d.name) or default_case(d.name) for d in drop_ins.drop_ins() if d.name not in NOT_ON_GPU)
+    return tuple(own.get(d.name) or default_case(d.name) for d in drop_ins.drop_ins() if not d.not_on_gpu)
 
 
-#: Exported pipelines without a case here, and why.
-NOT_ON_GPU: Mapping[str, str] = {
-    "EvalPipelineCPUSparse": "needs a model with data-parallel tables on the CPU and the dense part on the GPU "
-    "(tests/dist/test_parity_cpu_sparse.py runs it on the CPU); not written yet",
-}
+#: Exported pipelines without a case here, and why (their rows' ``not_on_gpu``).
+NOT_ON_GPU: Mapping[str, str] = {d.name: d.not_on_gpu for d in drop_ins.drop_ins() if d.not_on_gpu}
 #: The memory-stashing pipelines (TorchRec's MemoryStashingManager is process-wide).
 _STASHING = ("TrainPipelineSparseDistOptStash", "TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS")
 

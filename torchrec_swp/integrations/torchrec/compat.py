@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from torchrec_swp import drop_ins
+
 #: Minor series supported: every x.y.z release of these.
 SUPPORTED_SERIES = ("1.8", "1.9")
 #: The releases CI tests against upstream (parity tests on 2 gloo ranks).
@@ -66,15 +68,9 @@ FBGEMM_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "f
 class UntestedStackWarning(UserWarning):
     """The installed TorchRec, torch and fbgemm are supported but not a pairing CI tests."""
 
-#: The upstream classes whose 1.9 constructor takes ``async_inplace_copy`` (ours take it on 1.8 too).
-ASYNC_INPLACE_COPY_PIPELINES = frozenset(
-    {
-        "TrainPipelineSparseDist",
-        "TrainPipelineSparseDistLite",
-        "PrefetchTrainPipelineSparseDist",
-        "TrainEvalHybridPipelineBase",  # TrainPipelineSparseDist's constructor, unchanged
-    }
-)
+#: The upstream classes whose 1.9 constructor takes ``async_inplace_copy`` (ours take it on 1.8
+#: too): the rows of ``torchrec_swp.drop_ins`` that say so.
+ASYNC_INPLACE_COPY_PIPELINES = frozenset(d.name for d in drop_ins.drop_ins() if d.async_inplace_copy)
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
