@@ -166,6 +166,19 @@ def test_calibrating_a_cold_simulated_run_and_replaying_it_gives_it_back(thread_
             assert off == pytest.approx(sleeps[(t, p - stage[t])])
 
 
+def test_the_calibration_reads_a_rank_s_records_once_so_an_iterator_gives_what_a_list_gives() -> None:
+    # ``records[r]`` is any iterable of iterations: the calibration walked it once per pass (the
+    # complete iterations, the once-only runs, each thread's warmth), so a generator's later passes
+    # saw nothing and its cold runs were never taken back to warm
+    default = load_then_train()
+    warm, off = {"Load": 0.5, "Train": 3.0}, {"Load": 4.0}
+    truth = simulate_ranks([Rank(default, warm, off_cpu=off, cold=COLD)], 16)
+    profile = profile_of(truth.ranks[0], lambda t, b: off.get(t, 0.0))
+    listed = calibrate(default, [profile], warmup=2, cold=COLD)
+    streamed = calibrate(default, [iter(profile)], warmup=2, cold=COLD)
+    assert streamed.ranks == listed.ranks
+
+
 # ------------------------------------------------------- a collective's waits are no sleep
 def load_then_collective(collective: bool) -> PipelinePlan:
     """``load_then_train`` with Train a collective (a comm group) or not."""

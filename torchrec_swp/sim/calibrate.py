@@ -240,7 +240,9 @@ def calibrate(
 
     Raises SimError when no iteration is complete on every rank after the warm-up.
     """
-    n_ranks = len(records)
+    # each rank's iterations are read in several passes: a one-shot iterable is read once here
+    rank_records = [tuple(recs) for recs in records]
+    n_ranks = len(rank_records)
     if n_ranks < 1:
         raise SimError("calibrate needs the records of at least one rank")
     plan_list = [plans] * n_ranks if isinstance(plans, PipelinePlan) else list(plans)
@@ -252,13 +254,13 @@ def calibrate(
     off_table = dict(off_cpu or {})
     complete: list[dict[int, dict[str, Any]]] = []
     once: list[dict[str, float]] = []
-    for plan, recs in zip(plan_list, records, strict=True):
+    for plan, recs in zip(plan_list, rank_records, strict=True):
         steady = frozenset(t for t in plan.fire_order if plan.task(t).when.in_steady_state)
-        full = [r for r in recs if {x.task for x in r.runs} == steady and len(r.runs) == len(steady)]
-        complete.append({r.iteration: {x.task: x for x in r.runs} for r in full[warmup:]})
+        full = [rec for rec in recs if {x.task for x in rec.runs} == steady and len(rec.runs) == len(steady)]
+        complete.append({rec.iteration: {x.task: x for x in rec.runs} for rec in full[warmup:]})
         seen: dict[str, list[float]] = {}
-        for r in recs:
-            for x in r.runs:
+        for rec in recs:
+            for x in rec.runs:
                 if x.task not in steady:
                     seen.setdefault(x.task, []).append(x.end - x.start)
         once.append({t: statistics.median(seen[t]) if t in seen else 0.0 for t in plan.fire_order if t not in steady})
@@ -290,7 +292,7 @@ def calibrate(
             parts[r].append(row)
     work = _deflated(parts, cores, background)
     if cold is not None:
-        for r, recs in enumerate(records):
+        for r, recs in enumerate(rank_records):
             index = {it: k for k, it in enumerate(common)}
             _warm(recs, index, parts[r], work[r], cold, off_table, comms[r])
             _warm_transport(recs, index, parts[r], cold, comms[r])
@@ -353,6 +355,11 @@ def _deflated(
     return out
 
 
+# a CPU part for ``_warm``: its begin, its end, its cost, the slot it calibrates (None: not
+# calibrated), when the run asks whether its thread is cold
+_Span = tuple[float, float, float, tuple[int, str] | None, float]
+
+
 def _warm(
     records: Iterable[IterationLike],
     index: Mapping[int, int],
@@ -368,16 +375,14 @@ def _warm(
     warm-up, incomplete ones) with their CPU part at their end. A collective's (``comm``: the tasks
     with a comm group) off-CPU part is no stretch off the CPU: whether it is cold is asked at its
     start, as the simulator does."""
-    # per thread: (CPU part's begin, its end, its cost, the slot it calibrates, when the run asks
-    # whether its thread is cold)
-    by_thread: dict[str, list[tuple[float, float, float, tuple[int, str] | None, float]]] = {}
+    by_thread: dict[str, list[_Span]] = {}  # per thread
     for rec in records:
         k = index.get(rec.iteration)
         for x in rec.runs:
             if k is not None and x.task in parts[k]:
                 start, d, off, _ = parts[k][x.task]
                 asked = start if x.task in comm else start + off
-                span = (start + off, start + d, work[k][x.task], (k, x.task), asked)
+                span: _Span = (start + off, start + d, work[k][x.task], (k, x.task), asked)
             else:
                 wall = max(0.0, x.end - x.start)
                 cpu = getattr(x, "cpu", None)
