@@ -50,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.dlrm import PIPELINES
+from torchrec_swp import drop_ins
 
 __all__ = [
     "MAGLEV_PIPELINES",
@@ -62,7 +63,8 @@ __all__ = [
 #: Upstream pipelines this module runs: every one ``harness.dlrm`` builds.
 UPSTREAM_PIPELINES: tuple[str, ...] = PIPELINES
 
-MAGLEV_PIPELINES: tuple[str, ...] = ("MaglevPipelineBase", "Maglev1F1B", "Maglev1F1BRecvAhead")
+#: Our Maglev drop-ins this module runs: the rows of ``torchrec_swp.drop_ins.EXTRAS`` that say so.
+MAGLEV_PIPELINES: tuple[str, ...] = tuple(e.name for e in drop_ins.extras() if e.stream_checked)
 
 #: Upstream's methods whose work is labelled with their name (those the class has).
 _LABELLED = (

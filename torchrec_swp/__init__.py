@@ -28,17 +28,15 @@ EXPERIMENTAL_PIPELINES = tuple(d.name for d in drop_ins.drop_ins() if d.experime
 # The upstream pipelines, one per row of ``torchrec_swp.drop_ins`` (TrainPipelinePEC from TorchRec 1.9).
 _PIPELINES = drop_ins.names()
 
-# TorchRec 1.9's pipeline-parallel (Maglev) schedules, and a rank holding several stages.
-_MAGLEV = ("MaglevPipelineBase", "Maglev1F1B", "Maglev1F1BRecvAhead", "PipelineRank")
-
-# Gradient accumulation around any pipeline (gradient_accumulation.py, in TorchRec 1.8 and 1.9).
-_ACCUMULATION = ("GradientAccumulationWrapper", "GradientAccumulationConfig")
-
 
 def _available() -> tuple[str, ...]:
     """The train pipelines the installed TorchRec has (TrainPipelinePEC from 1.9 on); all of
     them when none or an unsupported one is installed (using them raises an ImportError saying why)."""
-    return drop_ins.names("1.9" if _is_1_9() else "1.8")
+    return drop_ins.names(_series())
+
+
+def _series() -> str:
+    return "1.9" if _is_1_9() else "1.8"
 
 
 def _is_1_9() -> bool:
@@ -59,8 +57,9 @@ __all__ = [
     "NonFiniteStep",
     *_PLAN_NAMES,
     *_available(),
-    *(_MAGLEV if _is_1_9() else ()),
-    *_ACCUMULATION,
+    # the other classes, a row each in ``drop_ins.EXTRAS``: TorchRec 1.9's pipeline-parallel
+    # (Maglev) schedules and a rank holding several stages; gradient accumulation around any pipeline
+    *(e.name for e in drop_ins.extras(_series())),
 ]
 
 
@@ -96,12 +95,6 @@ def __getattr__(name: str) -> Any:
                 f"(pip install --no-deps torchrec=={TESTED_PAIRINGS[row.since].torchrec})"
             )
         return getattr(importlib.import_module(row.module_path), name)
-    if name in _MAGLEV:
-        from torchrec_swp.integrations.torchrec import maglev  # ImportError naming TorchRec 1.9 on 1.8
-
-        return getattr(maglev, name)
-    if name in _ACCUMULATION:
-        from torchrec_swp.integrations.torchrec.pipelines import gradient_accumulation
-
-        return getattr(gradient_accumulation, name)
+    if (extra := drop_ins.EXTRAS.get(name)) is not None:  # Maglev's: an ImportError naming TorchRec 1.9 on 1.8
+        return getattr(importlib.import_module(extra.module), name)
     raise AttributeError(f"module 'torchrec_swp' has no attribute {name!r}")

@@ -9,6 +9,9 @@ tests check README.md, docs/install.md and the parity tests against it. A pipeli
 here is checked when it is defined (``pipelines/protocol.py``): its task functions against the
 catalog's task names, its default plan's tasks against its task functions, its abstract hooks.
 
+Beside them, ``EXTRAS``: the other classes ``torchrec_swp`` exports (the Maglev schedules, the
+accumulation wrapper), a row each, from which ``torchrec_swp.__all__`` takes them.
+
 Adding a pipeline (``docs/adding_a_pipeline.md``): a row here, its plan in the catalog, its
 module; the golden plan and the docs' table are regenerated.
 """
@@ -127,6 +130,45 @@ def drop_ins() -> Iterator[DropIn]:
 def names(series: str | None = None) -> tuple[str, ...]:
     """The drop-ins' names; with ``series`` (``"1.8"``, ``"1.9"``) those that TorchRec series has."""
     return tuple(d.name for d in drop_ins() if series is None or _release(d.since) <= _release(series))
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A public class beside the drop-ins, exported by ``torchrec_swp`` as they are (loaded on first
+    use) but not the drop-in of one of upstream's train pipelines (no catalog plan, no row above):
+    ``name`` (upstream's, and ours), the module defining or exporting ours (``module``, a dotted
+    path), what it is (``kind``: ``"maglev"``, TorchRec 1.9's pipeline-parallel schedules, whose
+    schedules are programs; ``"accumulation"``, the wrapper around any pipeline), and the first
+    TorchRec series that has it (``since``). ``stream_checked``: ``tools/stream_check.py`` runs it
+    under the stream checker (``harness.upstream_streams``)."""
+
+    name: str
+    module: str
+    kind: str
+    since: str = "1.8"
+    stream_checked: bool = False
+
+
+_MAGLEV = "torchrec_swp.integrations.torchrec.maglev"  # an ImportError naming TorchRec 1.9 on 1.8
+_ACCUMULATION = f"{PACKAGE}.gradient_accumulation"
+
+#: The other exported classes, in the order ``torchrec_swp.__all__`` lists them.
+EXTRAS: dict[str, Extra] = {
+    e.name: e
+    for e in (
+        Extra("MaglevPipelineBase", _MAGLEV, "maglev", since="1.9", stream_checked=True),
+        Extra("Maglev1F1B", _MAGLEV, "maglev", since="1.9", stream_checked=True),
+        Extra("Maglev1F1BRecvAhead", _MAGLEV, "maglev", since="1.9", stream_checked=True),
+        Extra("PipelineRank", _MAGLEV, "maglev", since="1.9"),  # a rank holding several stages
+        Extra("GradientAccumulationWrapper", _ACCUMULATION, "accumulation"),
+        Extra("GradientAccumulationConfig", _ACCUMULATION, "accumulation"),  # upstream's, re-exported
+    )
+}
+
+
+def extras(series: str | None = None) -> Iterator[Extra]:
+    """The other exported classes, in order; with ``series`` those that TorchRec series has."""
+    return (e for e in EXTRAS.values() if series is None or _release(e.since) <= _release(series))
 
 
 def find(module: str, name: str) -> DropIn | None:

@@ -58,6 +58,29 @@ def test_every_plan_driven_class_of_the_package_is_a_row_and_every_row_a_class()
         assert getattr(pipelines, name).__module__ == row.module_path, name
 
 
+def test_the_extras_are_what_their_modules_export_and_torchrec_swp_exports_them() -> None:
+    """``drop_ins.EXTRAS`` (Maglev, the accumulation wrapper): each row's module exports it, every
+    name those modules export is a row, and ``torchrec_swp`` exports those its TorchRec has."""
+    from torchrec_swp.integrations.torchrec.compat import installed
+
+    series = installed().series
+    by_module: dict[str, set[str]] = {}
+    for extra in drop_ins.extras():
+        by_module.setdefault(extra.module, set()).add(extra.name)
+    for module, rows in by_module.items():
+        if all(e.since == "1.9" for e in drop_ins.extras() if e.module == module) and series == "1.8":
+            with pytest.raises(ImportError, match="TorchRec 1.9"):
+                importlib.import_module(module)
+            continue
+        assert set(importlib.import_module(module).__all__) == rows, module
+    available = {e.name for e in drop_ins.extras(series)}
+    assert available <= set(torchrec_swp.__all__)
+    assert not {e.name for e in drop_ins.extras()} - available & set(torchrec_swp.__all__)
+    for name in available:
+        assert getattr(torchrec_swp, name).__name__ == name
+    assert not set(drop_ins.EXTRAS) & set(drop_ins.names())  # a different kind of row
+
+
 def test_the_readme_and_install_tables_name_every_drop_in() -> None:
     readme = (ROOT / "README.md").read_text()
     row = r"^\| `from torchrec\.[\w.]+ import (\w+)`.*\| `from torchrec_swp import (\w+)`"
