@@ -33,12 +33,15 @@ How each kind trains:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from torchrec_swp import drop_ins
 
 Impl = Literal["upstream", "ours"]
 Kind = Literal["train", "eval", "staged"]
@@ -97,9 +100,6 @@ INFO: dict[str, PipelineInfo] = {
     )
 }
 
-#: Pipelines of upstream's ``experimental_pipelines.py`` (the others are in ``train_pipelines.py``).
-EXPERIMENTAL: frozenset[str] = frozenset({"TrainEvalHybridPipelineBase"})
-
 PIPELINES: tuple[str, ...] = tuple(INFO)
 
 
@@ -119,23 +119,21 @@ def _ours_exports() -> set[str]:
     return set(torchrec_swp.__all__)
 
 
+def upstream_class(name: str) -> type:
+    """Upstream's class ``name``, from the TorchRec module its row in ``torchrec_swp.drop_ins`` names."""
+    row = drop_ins.DROP_INS[name]
+    try:
+        module = importlib.import_module(row.upstream_path)
+    except ImportError:
+        raise PipelineUnavailable(f"{name} is new in TorchRec {row.since}") from None
+    return getattr(module, name)
+
+
 def _pipeline_class(name: str, impl: Impl) -> type:
     if impl == "upstream":
-        import torchrec.distributed.train_pipeline.train_pipelines as upstream
-
         if name == "PrefetchTrainPipelineSparseDist":
             return _upstream_prefetch_on_cpu()
-        if name == "TrainPipelinePEC":
-            try:
-                from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
-            except ImportError:
-                raise PipelineUnavailable("TrainPipelinePEC is new in TorchRec 1.9") from None
-            return TrainPipelinePEC
-        if name in EXPERIMENTAL:
-            from torchrec.distributed.train_pipeline import experimental_pipelines
-
-            return getattr(experimental_pipelines, name)
-        return getattr(upstream, name)
+        return upstream_class(name)
     if name not in _ours_exports():
         raise PipelineUnavailable(
             f"torchrec_swp does not export {name} (yet); it exports "

@@ -215,14 +215,12 @@ def _cuda_events_emulated() -> Iterator[None]:
 def _build_upstream(name: str, checker: Any) -> Any:
     """``harness.dlrm.Runner`` of upstream's ``name`` with emulated streams (no CPU patch)."""
     from examples.dlrm.model import build_dlrm
-    from harness.dlrm import EXPERIMENTAL, INFO, PipelineUnavailable, Runner
+    from harness.dlrm import INFO, PipelineUnavailable, Runner, upstream_class
     from harness.dlrm_data import SIZES
 
     if name not in UPSTREAM_PIPELINES:
         raise PipelineUnavailable(f"unknown pipeline {name!r}; choose one of {', '.join(UPSTREAM_PIPELINES)}")
     info = INFO[name]
-    import torchrec.distributed.train_pipeline.train_pipelines as up
-
     patch = contextlib.ExitStack()
     try:
         if name == "TrainPipelineSparseDistCompAutograd":
@@ -238,15 +236,11 @@ def _build_upstream(name: str, checker: Any) -> Any:
         if name == "StagedTrainPipeline":
             pipeline = _staged_checked(model, checker)
         else:
+            cls = upstream_class(name)
             if name == "TrainPipelinePEC":
-                from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC as cls
-
                 with _cuda_events_emulated():
                     pipeline = cls(model, optimizer, cpu, **info.options)
             else:
-                if name in EXPERIMENTAL:
-                    from torchrec.distributed.train_pipeline import experimental_pipelines as up
-                cls = getattr(up, name)
                 pipeline = cls(model, optimizer, cpu, **info.options)
             for attribute, stream in _cuda_like_streams(pipeline, checker).items():
                 setattr(pipeline, attribute, stream)

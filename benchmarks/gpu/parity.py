@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrec_swp import EXPERIMENTAL_PIPELINES, drop_ins
+from torchrec_swp import drop_ins
 
 STEPS = 20
 SEED = 1234
@@ -112,17 +112,9 @@ _STASHING = ("TrainPipelineSparseDistOptStash", "TrainPipelineSparseDistEmbStash
 
 def _pipeline_class(name: str, impl: str) -> type:
     if impl == "upstream":
-        import torchrec.distributed.train_pipeline.train_pipelines as upstream
+        from harness.dlrm import upstream_class
 
-        if name == "TrainPipelinePEC":  # not in train_pipelines (TorchRec 1.9)
-            from torchrec.distributed.train_pipeline.pec_train_pipeline import TrainPipelinePEC
-
-            return TrainPipelinePEC
-        if name in EXPERIMENTAL_PIPELINES:
-            from torchrec.distributed.train_pipeline import experimental_pipelines
-
-            return getattr(experimental_pipelines, name)
-        return getattr(upstream, name)
+        return upstream_class(name)
     import torchrec_swp
 
     return getattr(torchrec_swp, name)
