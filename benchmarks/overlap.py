@@ -4,8 +4,15 @@ the ways a user of upstream TorchRec would hide that wait.
     python benchmarks/overlap.py                    # 2 ranks then 1 rank; latencies 5, 10, 20 ms (21 min on 2026-11-29)
     python benchmarks/overlap.py --quick            # latencies 5 and 20 ms, fewer steps (3 min before the memory pass)
     python benchmarks/overlap.py --ranks 1 --latencies-ms 10 --steps 300
+    python benchmarks/overlap.py --loaders sleep,gil,torch,tail --latencies-ms 5,20   # the loader matrix
 
-Each batch arrives ``latency`` ms after it is asked for (a sleep, like a read from storage). The
+Each batch arrives ``latency`` ms after it is asked for (a sleep, like a read from storage), or,
+with ``--loaders``, after ``latency`` ms of another kind of loader work
+(``examples/dlrm/loader_work.py``): ``gil``, Python parsing Criteo TSV rows (holds the GIL: two
+threads do not run it in parallel, worker processes do); ``torch``, torch ops on the ids (release
+the GIL inside each op); ``tail``, a heavy-tailed wait (lognormal, p99 5.7x the median, seeded by
+item: every contender waits the same for item ``k``). The work is calibrated once per rank before
+the contenders exist (rows or op rounds per batch), then the same for every contender. The
 contenders train their own copy of the same DLRM on the same batches, interleaved so that they
 share the machine's load: after ``--warmup`` steps interleaved call by call, in rounds where each
 runs ``--block`` consecutive steps (the order rotating every round), the first ``--skip`` of
@@ -45,7 +52,7 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
   DataLoader as ``upstream+dataloader``.
 
 (``--contenders`` picks some; the async-copy rows need TrainPipelineSparseDist.) Every contender
-must give the same loss at every step. Reported per latency: mean step (the throughput: with a
+must give the same loss at every step. Reported per loader and latency: mean step (the throughput: with a
 background loader steps alternate between short and long, and the median can fall anywhere
 between) and median step, QPS at the mean, ratios to upstream, each peer against the best of
 ours with the same kind of loader (ahead / equal / behind), and, for ours, the efficiency
@@ -88,6 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Contender, StepAccounting, interleave, rank_setup, release, size_arg, step_stats
 from benchmarks.report import add_train_pipeline_arg, run_meta, write_report
+from examples.dlrm.loader_work import KINDS, LoaderWork, calibrate
 from harness.dlrm_data import SIZES, batches
 
 CONTENDERS = (
@@ -111,6 +119,8 @@ CONTENDERS = (
 PEERS = tuple(c for c in CONTENDERS if c.startswith("upstream"))
 OURS = tuple(c for c in CONTENDERS if c.startswith("ours"))
 ASYNC_COPY = ("upstream+async_copy", "upstream+async_copy(forced)")
+#: the seed of the heavy-tailed loader's draws (``--loaders tail``): the same waits in every run
+LOADER_SEED = 49
 #: the held-out ratio's interval (``held_out``)
 HELD_OUT_CONFIDENCE = 0.9
 
@@ -153,11 +163,12 @@ class _Closing:
 
 
 def _contender(
-    label: str, rank: int, world_size: int, size_name: str, n: int, latency: float, args: argparse.Namespace
+    label: str, rank: int, world_size: int, size_name: str, n: int, latency: LoaderWork, args: argparse.Namespace
 ) -> Contender:
     """Build contender ``label``: ``upstream`` or ``ours``, then ``+`` options: ``async_copy``,
     ``async_copy(forced)`` (upstream), ``io``, ``dist`` (ours' thread map), ``thread`` or
-    ``dataloader`` (the loader)."""
+    ``dataloader`` (the loader). ``latency``: the loader's work before each batch, the same for
+    every contender (item ``k`` waits or works the same whoever loads it)."""
     from benchmarks.peers import ThreadPrefetcher, async_copy_runner, dataloader
     from examples.dlrm.model import build_dlrm
     from harness.dlrm import make_runner
@@ -312,13 +323,16 @@ def _same_prefix(a: list[float], b: list[float]) -> bool:
 
 
 def _stats(times: list[float], examples_per_step: int, per_round: int) -> dict[str, Any]:
-    """Mean and median step (ms), QPS at the mean step (the throughput), P90, and each round's
-    mean step (``rounds_ms``: ``per_round`` timed steps a round)."""
+    """Mean and median step (ms), QPS at the mean step (the throughput), P90 and P99, and each
+    round's mean step (``rounds_ms``: ``per_round`` timed steps a round)."""
+    from benchmarks.common import percentile
+
     mean = statistics.fmean(times)
     rounds = [1e3 * statistics.fmean(times[k : k + per_round]) for k in range(0, len(times), per_round)]
     return {
         **step_stats(times, examples_per_step),
         "mean_ms": 1e3 * mean,
+        "p99_ms": 1e3 * percentile(times, 0.99),
         "qps": examples_per_step / mean,
         "rounds_ms": rounds,
     }
@@ -380,12 +394,12 @@ def halves_noise(r: dict[str, Any], labels: list[str]) -> dict[str, Any] | None:
 
 
 def _case(
-    rank: int, world_size: int, size_name: str, latency_ms: float, args: argparse.Namespace, tick: Any
+    rank: int, world_size: int, size_name: str, latency: LoaderWork, args: argparse.Namespace, tick: Any
 ) -> dict[str, Any]:
     size = SIZES[size_name]
     rounds = -(-args.steps // (args.block - args.skip))  # enough rounds to time at least --steps steps
     total = args.warmup + rounds * args.block
-    latency = latency_ms / 1000
+    latency_ms = latency.ms
     contenders: list[Contender] = []
     accounts: dict[str, StepAccounting] = {}
     try:
@@ -422,6 +436,8 @@ def _case(
         "size": size_name,
         "ranks": world_size,
         "latency_ms": latency_ms,
+        "loader": latency.kind,
+        "loader_work": latency.describe(),
         **stats,
         # every step's loss, over the steps all trained (the tuning ran ahead of the others)
         "same_losses": all(_same_prefix(c.losses, contenders[0].losses) for c in contenders),
@@ -446,9 +462,8 @@ def _memory_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[s
     rank_setup()
     import resource
 
-    c = _contender(
-        args.memory_label, rank, world_size, args.sizes[0], args.memory_steps + 4, args.latencies_ms[0] / 1000, args
-    )
+    work = calibrate(args.loaders[0], args.latencies_ms[0], seed=LOADER_SEED, rank=rank)
+    c = _contender(args.memory_label, rank, world_size, args.sizes[0], args.memory_steps + 4, work, args)
     try:
         for _ in range(args.memory_steps):
             c.runner.step(c.batches)
@@ -466,14 +481,16 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str
     rank_setup()
     from tqdm import tqdm
 
-    cases = [(s, lat) for s in args.sizes for lat in args.latencies_ms]
+    # the work of each loader kind, calibrated once on this rank before any contender exists
+    works = {(k, ms): calibrate(k, ms, seed=LOADER_SEED, rank=rank) for k in args.loaders for ms in args.latencies_ms}
+    cases = [(s, works[k, ms]) for s in args.sizes for k in args.loaders for ms in args.latencies_ms]
     rounds = -(-args.steps // (args.block - args.skip))
     per_case = args.warmup + len(args.contenders) * rounds * args.block
     bar = tqdm(total=per_case * len(cases), disable=rank != 0, unit="step", mininterval=1.0, file=sys.stdout)
     out = []
     try:
         for size_name, latency in cases:
-            bar.set_description(f"{world_size} rank(s), {size_name}, loader {latency:g} ms")
+            bar.set_description(f"{world_size} rank(s), {size_name}, loader {latency.kind} {latency.ms:g} ms")
             out.append(_case(rank, world_size, size_name, latency, args, bar.update))
     finally:
         bar.close()
@@ -570,10 +587,15 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
     return out
 
 
+def _sleep(r: dict[str, Any]) -> str:
+    """A result's loader, written before ``--loaders``: a sleep."""
+    return f"sleep {r['latency_ms']:g} ms"
+
+
 def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     labels = [c for c in CONTENDERS if c in meta["contenders"]]
     lines = [
-        f"# Overlap: {meta['pipeline']} with a loader that waits, against upstream's ways to hide it",
+        f"# Overlap: {meta['pipeline']} with a loader that waits or works, against upstream's ways to hide it",
         "",
         f"{meta['date']}; `{meta['command']}`",
         (
@@ -590,12 +612,12 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         share = r.get("latency_share_of_upstream_step")
         lines += [
             "",
-            f"## {r['ranks']} rank(s), {r['size']} DLRM, loader {r['latency_ms']:g} ms"
+            f"## {r['ranks']} rank(s), {r['size']} DLRM, loader {r.get('loader_work') or _sleep(r)}"
             + (f" ({100 * share:.0f}% of upstream's step)" if share else ""),
             "",
-            "| contender | mean ms | median ms | QPS | vs upstream | bound ms (busiest thread) | eff "
+            "| contender | mean ms | median ms | p99 ms | QPS | vs upstream | bound ms (busiest thread) | eff "
             "| peak RSS MiB/rank |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         up = r.get("upstream")
         for label in labels:
@@ -613,7 +635,8 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 worker = f" (+ worker {m['worker_rss_mib']:,.0f})" if "dataloader" in label else ""
                 rss = f"{m['rss_mib']:,.0f}{worker}"
             lines.append(
-                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s['qps']:,.0f} "
+                f"| {label} | {s['mean_ms']:.2f} | {s['median_ms']:.2f} | {s.get('p99_ms', math.nan):.2f} "
+                f"| {s['qps']:,.0f} "
                 f"| {vs} | {bound} | {eff} | {rss} |"
             )
         lines.append("")
@@ -644,6 +667,14 @@ def main(argv: list[str] | None = None) -> None:
         "--latencies-ms", type=lambda s: [float(x) for x in s.split(",")], default=None, help="(default: 5,10,20)"
     )
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 1], help="(default: 2,1)")
+    parser.add_argument(
+        "--loaders",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=["sleep"],
+        help="comma-separated kinds of the loader's per-batch work, each as long as a latency: "
+        + ", ".join(KINDS)
+        + " (examples/dlrm/loader_work.py; default: sleep)",
+    )
     parser.add_argument(
         "--contenders",
         type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
@@ -681,6 +712,8 @@ def main(argv: list[str] | None = None) -> None:
     args.warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
     args.block = args.block or 40
     args.skip = args.skip if args.skip is not None else args.block // 2
+    if [k for k in args.loaders if k not in KINDS] or not args.loaders:
+        parser.error(f"--loaders: choose among {', '.join(KINDS)}, got {args.loaders}")
     unknown = [c for c in args.contenders if c not in CONTENDERS]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose among {', '.join(CONTENDERS)}")
@@ -730,6 +763,7 @@ def main(argv: list[str] | None = None) -> None:
         args,
         "pipeline",
         "contenders",
+        "loaders",
         "steps",
         "warmup",
         "block",

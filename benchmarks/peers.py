@@ -21,12 +21,12 @@ import contextlib
 import itertools
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from examples.dlrm.loader_work import LoaderWork, as_work
 from examples.dlrm.model import DlrmSize
 
 _END = object()
@@ -80,25 +80,26 @@ class ThreadPrefetcher:
 
 
 class LatencyDataset(torch.utils.data.Dataset):
-    """Map-style: item ``k`` is ``cycle[k % len(cycle)]``, returned ``latency_s`` late."""
+    """Map-style: item ``k`` is ``cycle[k % len(cycle)]``, returned ``latency_s`` late (or after the
+    loader's work ``latency_s`` is: ``examples.dlrm.loader_work.LoaderWork``, for item ``k``)."""
 
-    def __init__(self, cycle: list[Any], num_batches: int, latency_s: float) -> None:
+    def __init__(self, cycle: list[Any], num_batches: int, latency_s: float | LoaderWork) -> None:
         self.cycle = cycle
         self.num_batches = num_batches
-        self.latency_s = latency_s
+        self.work = as_work(latency_s)
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __getitem__(self, k: int) -> Any:
-        if self.latency_s:
-            time.sleep(self.latency_s)
+        if self.work:
+            self.work(k)
         return self.cycle[k % len(self.cycle)]
 
 
-def latency_dataset(size: DlrmSize, rank: int, num_batches: int, latency_s: float) -> LatencyDataset:
+def latency_dataset(size: DlrmSize, rank: int, num_batches: int, latency_s: float | LoaderWork) -> LatencyDataset:
     """The map-style dataset behind ``dataloader``: the batches of ``harness.dlrm_data.batches`` (the same
-    ``DISTINCT_BATCHES``, repeated), each ``latency_s`` late."""
+    ``DISTINCT_BATCHES``, repeated), each ``latency_s`` late (or after that work)."""
     from harness.dlrm_data import DISTINCT_BATCHES, batches
 
     cycle = list(itertools.islice(batches(size, rank, DISTINCT_BATCHES), DISTINCT_BATCHES))
@@ -106,7 +107,13 @@ def latency_dataset(size: DlrmSize, rank: int, num_batches: int, latency_s: floa
 
 
 def dataloader(
-    size: DlrmSize, rank: int, num_batches: int, latency_s: float, *, num_workers: int, prefetch_factor: int
+    size: DlrmSize,
+    rank: int,
+    num_batches: int,
+    latency_s: float | LoaderWork,
+    *,
+    num_workers: int,
+    prefetch_factor: int,
 ) -> Iterator[Any]:
     """An iterator over a DataLoader yielding the batches of ``harness.dlrm_data.batches``: the same
     ``DISTINCT_BATCHES`` batches, repeated, each ``latency_s`` late."""

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from examples.dlrm.data import SyntheticCriteo, with_latency
+from examples.dlrm.loader_work import LoaderWork
 from examples.dlrm.model import DlrmSize
 
 SIZES: dict[str, DlrmSize] = {
@@ -24,7 +25,9 @@ DISTINCT_BATCHES = 16
 """Synthetic batches generated per rank; later steps repeat them, so data generation stays out of the timings."""
 
 
-def batches(size: DlrmSize, rank: int, num_batches: int, latency_s: float = 0.0, seed: int = 1000) -> Iterator[Any]:
+def batches(
+    size: DlrmSize, rank: int, num_batches: int, latency_s: float | LoaderWork = 0.0, seed: int = 1000
+) -> Iterator[Any]:
     """This rank's synthetic batches for a benchmark (``DISTINCT_BATCHES`` distinct ones, repeated)."""
     data = SyntheticCriteo(
         batch_size=size.batch_size,

@@ -44,6 +44,7 @@ def dlrm(
     input_dist_group: bool = False,
     autotune: bool = False,
     loader_latency_ms: float = 0.0,
+    loader_kind: str = "sleep",
     eval_every: int = 0,
     eval_batches: Optional[int] = None,  # noqa: UP045 - see the import
     eval_mode: str = "",
@@ -73,7 +74,9 @@ def dlrm(
         input_dist_group: ours, the SparseDist family: a process group of its own for the sparse input dist
         autotune: ours: the pipeline tunes itself while it trains (threads, lookahead, loads, input dist group);
             torchx takes a bool as a value: --autotune True
-        loader_latency_ms: the loader waits this long per batch (storage latency)
+        loader_latency_ms: the loader waits this long per batch (storage latency), or works this long (loader_kind)
+        loader_kind: sleep (storage), gil (Python parsing holding the GIL), torch (torch ops), tail (a lognormal
+            wait, loader_latency_ms its median)
         eval_every: evaluate after every N-th step and the last: validation AUC and NE on held-out batches (0: never)
         eval_batches: held-out batches per rank of each evaluation (default: train.py's, 10); with eval_every only
         eval_mode: pipeline (an EvalPipelineSparseDist beside the training pipeline) or hybrid (the training
@@ -93,6 +96,8 @@ def dlrm(
         "--loader-latency-ms",
         str(loader_latency_ms),
     ]
+    if loader_kind != "sleep":
+        args += ["--loader-kind", loader_kind]
     if data_source:
         args += ["--data-source", data_source]
     if thread_map:

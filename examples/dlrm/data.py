@@ -24,7 +24,8 @@ what TorchRec's DLRM and every train pipeline take. The feature counts and names
 * ``write_sample_tsv``: a small file in Criteo's format with random values, to try
   ``--criteo-tsv`` without the download (the tests write theirs with it).
 * ``with_latency``: wraps an iterable so that each batch arrives ``latency_s`` late, like a
-  loader waiting on storage (the wait sleeps, releasing the GIL).
+  loader waiting on storage (the wait sleeps, releasing the GIL), or after a loader's work of
+  another kind (``loader_work``: Python parsing that holds the GIL, torch ops, a heavy tail).
 * ``EditedBatches``: one rank's batches as it draws them with ``--drop-batch K`` (without its
   ``K``-th batch) or ``--poison-batch K`` (its ``K``-th batch with NaN dense features), edited by
   index, so that a batch is the same whoever draws it when (a loader's workers, the map source's
@@ -41,7 +42,6 @@ from __future__ import annotations
 import math
 import random
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -52,6 +52,8 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_F
 from torchrec.datasets.random import RandomRecDataset
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from examples.dlrm.loader_work import LoaderWork, as_work
 
 NUM_DENSE = INT_FEATURE_COUNT  # 13
 NUM_SPARSE = CAT_FEATURE_COUNT  # 26
@@ -377,13 +379,14 @@ def write_sample_tsv(path: str | Path, lines: int, seed: int = 0) -> None:
     Path(path).write_text("\n".join(rows) + "\n")
 
 
-def with_latency(batches: Iterable[T], latency_s: float) -> Iterator[T]:
-    """Yield ``batches``, each ``latency_s`` seconds late (storage latency; sleeping frees the GIL)."""
-    if latency_s < 0:
-        raise ValueError(f"latency must be >= 0, got {latency_s}")
-    for batch in batches:
-        if latency_s:
-            time.sleep(latency_s)
+def with_latency(batches: Iterable[T], latency_s: float | LoaderWork) -> Iterator[T]:
+    """Yield ``batches``, each ``latency_s`` seconds late (storage latency; sleeping frees the GIL),
+    or after the per-batch work ``latency_s`` is (``loader_work.LoaderWork``: the k-th batch after
+    ``work(k)``)."""
+    work = as_work(latency_s)
+    for k, batch in enumerate(batches):
+        if work:
+            work(k)
         yield batch
 
 

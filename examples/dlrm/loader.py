@@ -31,7 +31,6 @@ DataLoader's position.
 from __future__ import annotations
 
 import multiprocessing
-import time
 from collections.abc import Iterator
 from multiprocessing.context import BaseContext
 
@@ -41,24 +40,24 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec.datasets.utils import Batch
 
 from examples.dlrm.data import CriteoTsv, EditedBatches, SyntheticCriteo
+from examples.dlrm.loader_work import LoaderWork, as_work
 
 
 class MapBatches(Dataset[Batch]):
     """Map-style: item ``k`` is ``batches.batch(k)``, ``latency_s`` late (the wait sleeps, releasing
-    the GIL, so that loads on several threads wait at once); pinned when ``pin_memory`` (for a
+    the GIL, so that loads on several threads wait at once), or after a loader's work of another
+    kind (``latency_s`` a ``LoaderWork``: ``--loader-kind``); pinned when ``pin_memory`` (for a
     CUDA device: the pipelines copy batches there)."""
 
     def __init__(
         self,
         batches: SyntheticCriteo | CriteoTsv | EditedBatches,
-        latency_s: float = 0.0,
+        latency_s: float | LoaderWork = 0.0,
         *,
         pin_memory: bool = False,
     ) -> None:
-        if latency_s < 0:
-            raise ValueError(f"latency must be >= 0, got {latency_s}")
         self.batches = batches
-        self.latency_s = latency_s
+        self.work = as_work(latency_s)
         self.pin_memory = pin_memory
 
     def __len__(self) -> int:
@@ -67,8 +66,8 @@ class MapBatches(Dataset[Batch]):
     def __getitem__(self, k: int) -> Batch:
         if not 0 <= k < len(self.batches):
             raise IndexError(f"batch {k} of {len(self.batches)}")
-        if self.latency_s:
-            time.sleep(self.latency_s)
+        if self.work:
+            self.work(k)
         batch = self.batches.batch(k)
         return batch.pin_memory() if self.pin_memory else batch
 
@@ -86,23 +85,22 @@ class SyntheticBatches(MapBatches):
     this dataset the loader's state is its sampler's position: the same batches at any resume,
     with or without workers."""
 
-    def __init__(self, synthetic: SyntheticCriteo | EditedBatches, latency_s: float = 0.0) -> None:
+    def __init__(self, synthetic: SyntheticCriteo | EditedBatches, latency_s: float | LoaderWork = 0.0) -> None:
         super().__init__(synthetic, latency_s)
 
 
 class TsvBatches(IterableDataset[Batch]):
-    """Iterable: the batches of ``tsv`` (or of an ``EditedBatches`` over one), each ``latency_s`` late."""
+    """Iterable: the batches of ``tsv`` (or of an ``EditedBatches`` over one), each ``latency_s`` late
+    (or after that work: a ``LoaderWork``)."""
 
-    def __init__(self, tsv: CriteoTsv | EditedBatches, latency_s: float = 0.0) -> None:
-        if latency_s < 0:
-            raise ValueError(f"latency must be >= 0, got {latency_s}")
+    def __init__(self, tsv: CriteoTsv | EditedBatches, latency_s: float | LoaderWork = 0.0) -> None:
         self.tsv = tsv
-        self.latency_s = latency_s
+        self.work = as_work(latency_s)
 
     def __iter__(self) -> Iterator[Batch]:
-        for batch in self.tsv:
-            if self.latency_s:
-                time.sleep(self.latency_s)
+        for k, batch in enumerate(self.tsv):
+            if self.work:
+                self.work(k)
             yield batch
 
 

@@ -18,7 +18,9 @@ or real Criteo TSV files with ``--criteo-tsv FILE ...``, handed out (``--data-so
 worker processes, 0: in the training process) or by ``torchrec_swp.data.MapSource`` over a
 map-style dataset (``map``: the same batches in the same order, loaded on the pipeline's own
 threads, ``--loads N`` at once); ``--loader-latency-ms`` makes each batch wait that long, like
-storage would (with ``map``, inside each load, so parallel loads wait at once).
+storage would (with ``map``, inside each load, so parallel loads wait at once), or, with
+``--loader-kind gil|torch|tail``, work that long in Python holding the GIL, in torch ops, or wait
+a heavy-tailed time (``loader_work.py``).
 Pipeline: ``--pipeline NAME`` (any of the 12, TrainPipelinePEC needs TorchRec 1.9; and the
 experimental TrainEvalHybridPipelineBase), ``--impl ours|upstream``,
 ``--plan FILE`` (a plan text file replacing the default plan) and
@@ -85,6 +87,7 @@ from __future__ import annotations
 import argparse
 import ast
 import faulthandler
+import functools
 import gc
 import hashlib
 import json
@@ -113,6 +116,7 @@ from examples.dlrm.checkpoint import CheckpointError, TrainState
 from examples.dlrm.data import CriteoTsv, EditedBatches, SyntheticCriteo
 from examples.dlrm.evaluate import EVAL_MODES, Evaluation, Evaluator, ValidationMetrics
 from examples.dlrm.loader import MapBatches, SyntheticBatches, TsvBatches, make_loader, shutdown_workers
+from examples.dlrm.loader_work import KINDS, LoaderWork, calibrate
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
 from harness.dlrm import (
     INFO,
@@ -264,7 +268,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loader-latency-ms",
         type=float,
         default=0.0,
-        help="each batch waits this long, like storage (with map: inside each load) (default: %(default)s)",
+        help="each batch waits this long, like storage (with map: inside each load), or works this long "
+        "(--loader-kind) (default: %(default)s)",
+    )
+    model.add_argument(
+        "--loader-kind",
+        choices=KINDS,
+        default="sleep",
+        help="what the loader does for --loader-latency-ms before each batch: sleep (storage; frees the GIL), gil "
+        "(parses Criteo TSV rows in Python, holding the GIL: worker processes run it in parallel, threads do not), "
+        "torch (torch ops on the ids), tail (a heavy-tailed wait: lognormal, the latency its median, p99 5.7x) "
+        "(default: %(default)s)",
     )
     model.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     model.add_argument(
@@ -923,10 +937,8 @@ def evaluator_for(args: argparse.Namespace, runner: Any, rank: int, world_size: 
             f"--eval-tsv {files}: no held-out batch for rank {rank} (a batch needs {args.size.batch_size} x "
             f"{world_size} lines)"
         )
-    latency_s = args.loader_latency_ms / 1000
-    dataset = (
-        TsvBatches(held_out, latency_s) if isinstance(held_out, CriteoTsv) else SyntheticBatches(held_out, latency_s)
-    )
+    work = loader_work_for(args, rank)
+    dataset = TsvBatches(held_out, work) if isinstance(held_out, CriteoTsv) else SyntheticBatches(held_out, work)
     loader = make_loader(dataset, device=device)
     cache = {} if args.input_dist_cache_mb is None else {"input_dist_cache_mb": args.input_dist_cache_mb}
     mode = EVAL_MODES[args.eval_mode](args.impl, runner.pipeline, runner.model, runner.optimizer, device, **cache)
@@ -944,11 +956,22 @@ def evaluator_for(args: argparse.Namespace, runner: Any, rank: int, world_size: 
 
 
 def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticBatches | TsvBatches:
-    """This rank's batches, for the StatefulDataLoader, with the loader latency."""
-    batches, latency_s = batches_for(args, rank, world_size), args.loader_latency_ms / 1000
+    """This rank's batches, for the StatefulDataLoader, with the loader's work (``--loader-kind``)."""
+    batches, work = batches_for(args, rank, world_size), loader_work_for(args, rank)
     if isinstance(batches.source if isinstance(batches, EditedBatches) else batches, CriteoTsv):
-        return TsvBatches(batches, latency_s)
-    return SyntheticBatches(batches, latency_s)
+        return TsvBatches(batches, work)
+    return SyntheticBatches(batches, work)
+
+
+@functools.cache
+def _loader_work(kind: str, ms: float, seed: int, rank: int) -> LoaderWork:
+    return calibrate(kind, ms, seed=seed, rank=rank)
+
+
+def loader_work_for(args: argparse.Namespace, rank: int) -> LoaderWork:
+    """What this rank's loader does before each batch (``--loader-kind``, ``--loader-latency-ms``):
+    calibrated once per process, the same for every loader of the run (training and held-out)."""
+    return _loader_work(args.loader_kind, args.loader_latency_ms, args.seed, rank)
 
 
 def data_source_for(
@@ -958,8 +981,8 @@ def data_source_for(
     the iterator for ``progress()``) or a MapSource (its own iterator). Both have
     ``load_state_dict()`` for the position a checkpoint recorded."""
     if args.data_source in ("map", "global"):
-        latency_s = args.loader_latency_ms / 1000
-        dataset = MapBatches(batches_for(args, rank, world_size), latency_s, pin_memory=device.type == "cuda")
+        work = loader_work_for(args, rank)
+        dataset = MapBatches(batches_for(args, rank, world_size), work, pin_memory=device.type == "cuda")
         if args.data_source == "global":
             return GlobalMapSource(dataset, rank=rank, world_size=world_size)
         return MapSource(dataset)
@@ -1319,6 +1342,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "autotune": _decision(runner) if args.autotune else None,
         "autotune_requested": args.autotune,
         "loader_latency_ms": args.loader_latency_ms,
+        "loader_kind": args.loader_kind,
         "start_step": start_step,
         "steps": len(step_s),
         "total_steps": args.steps,
