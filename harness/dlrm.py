@@ -66,38 +66,16 @@ class PipelineInfo:
     compiles: bool = False
 
 
-_RECORD_STREAM = "record_stream on CPU tensors, and a CUDA fallback device in runtime_forwards"
+#: Constructor options the example passes to both implementations, by pipeline: SemiSync's
+#: semi-sync phase (stale embeddings) starts at batch 10, not 900, so that a short run measures it.
+OPTIONS: Mapping[str, Mapping[str, Any]] = {"TrainPipelineSemiSync": {"start_batch": 10}}
 
+#: Every drop-in the example runs (its row's ``example``, ``torchrec_swp.drop_ins``), the compiled
+#: ones last (they change global dynamo settings).
 INFO: dict[str, PipelineInfo] = {
-    i.name: i
-    for i in (
-        PipelineInfo("TrainPipelineBase"),
-        PipelineInfo("TrainPipelineSparseDist"),
-        PipelineInfo("TrainPipelineSparseDistLite"),
-        PipelineInfo("TrainPipelineFusedSparseDist", upstream_fails=_RECORD_STREAM),
-        # start_batch: the semi-sync phase (stale embeddings) starts at batch 10, not 900, so
-        # that a short run measures it.
-        PipelineInfo("TrainPipelineSemiSync", upstream_fails=_RECORD_STREAM, options={"start_batch": 10}),
-        PipelineInfo(
-            "PrefetchTrainPipelineSparseDist",
-            upstream_fails="prefetch returns early without a data_dist stream (always so on CPU)",
-        ),
-        PipelineInfo("EvalPipelineSparseDist", kind="eval"),
-        PipelineInfo("EvalPipelineFusedSparseDist", kind="eval", upstream_fails=_RECORD_STREAM),
-        PipelineInfo("StagedTrainPipeline", kind="staged", upstream_fails="the CPU's default stream has no .device"),
-        PipelineInfo("TrainPipelinePT2", compiles=True),
-        PipelineInfo(
-            "TrainPipelineSparseDistCompAutograd",
-            upstream_fails="compiled autograd rejects the C++ DDP reducer",
-            compiles=True,
-        ),
-        # TorchRec 1.9. The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every
-        # module takes PEC's non-PEC path, looked up at the start of the step like Fused's.
-        PipelineInfo("TrainPipelinePEC", upstream_fails="its constructor creates torch.cuda.Event()"),
-        # experimental_pipelines.py: trains in train mode and evaluates in eval mode (the example's
-        # --eval-mode hybrid); upstream's runs on CPU as shipped.
-        PipelineInfo("TrainEvalHybridPipelineBase"),
-    )
+    d.name: PipelineInfo(d.name, d.example.kind, d.example.upstream_fails, OPTIONS.get(d.name, {}), d.example.compiles)
+    for d in sorted(drop_ins.drop_ins(), key=lambda d: d.example is not None and d.example.compiles)
+    if d.example is not None
 }
 
 PIPELINES: tuple[str, ...] = tuple(INFO)

@@ -1,8 +1,9 @@
 """``make stream-check``: the pipelines' real tasks under the CPU stream checker, then mutants.
 
 1. Every pipeline (ours, on 1 gloo rank in this process, the DLRM example's small model, 12
-   batches; default plans, ``by_stream`` where the plan has several streams, H2D on an ``io``
-   thread, Staged with its stages' own streams; and TrainPipelinePEC on TorchRec's PEC test
+   batches; the runs its row in ``torchrec_swp.drop_ins`` names, ``example.stream_checks``:
+   default plans, ``by_stream`` where the plan has several streams, H2D on an ``io`` thread,
+   Staged with its stages' own streams; and TrainPipelinePEC on TorchRec's PEC test
    model, ``PEC_MODEL_RUNS``; and SparseDist, Fused, Prefetch and SemiSync with
    ``on_nonfinite="skip"`` over data with a poisoned batch, which they must roll back) runs in
    checked mode (``SWP_STREAM_CHECK=1``):
@@ -51,35 +52,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["SWP_STREAM_CHECK"] = "1"
 
 from harness.pec_model import PEC_THREAD_MAPS, build_pec_model  # noqa: E402 - needs the path above
+from torchrec_swp import drop_ins  # noqa: E402 - needs the path above
 
-PIPELINES = (
-    ("TrainPipelineBase", None),
-    ("TrainPipelinePT2", None),
-    ("TrainPipelineSparseDist", None),
-    ("TrainPipelineSparseDist", "by_stream"),
-    ("TrainPipelineSparseDist", "io"),
-    ("TrainPipelineSparseDistLite", None),
-    ("TrainPipelineSparseDistLite", "by_stream"),
-    ("TrainPipelineSparseDistCompAutograd", None),
-    ("TrainPipelineFusedSparseDist", None),
-    ("TrainPipelineFusedSparseDist", "by_stream"),
-    ("TrainPipelineSemiSync", None),
-    ("TrainPipelineSemiSync", "by_stream"),
-    ("PrefetchTrainPipelineSparseDist", None),
-    ("PrefetchTrainPipelineSparseDist", "by_stream"),
-    ("EvalPipelineSparseDist", None),
-    ("EvalPipelineFusedSparseDist", None),
-    ("EvalPipelineFusedSparseDist", "by_stream"),
-    ("StagedTrainPipeline", None),
-    ("TrainPipelinePEC", None),
-    ("TrainPipelinePEC", "by_stream"),
-    # on_nonfinite="skip" with batch NONFINITE_BATCH poisoned: the captures, the verdict and the
-    # rollback run in the tasks' streams like their own work
-    ("TrainPipelineSparseDist", "nonfinite"),
-    ("TrainPipelineSparseDist", "nonfinite by_stream"),
-    ("TrainPipelineFusedSparseDist", "nonfinite by_stream"),
-    ("PrefetchTrainPipelineSparseDist", "nonfinite by_stream"),
-    ("TrainPipelineSemiSync", "nonfinite by_stream"),
+#: Our pipelines' runs: each row's ``example.stream_checks`` (``torchrec_swp.drop_ins``), those with
+#: on_nonfinite="skip" (batch NONFINITE_BATCH poisoned: the captures, the verdict and the rollback
+#: run in the tasks' streams like their own work) last.
+PIPELINES = tuple(
+    sorted(
+        ((d.name, run) for d in drop_ins.drop_ins() if d.example is not None for run in d.example.stream_checks),
+        key=lambda p: p[1] is not None and p[1].startswith("nonfinite"),
+    )
 )
 STEPS = 12
 #: The batch the ``nonfinite`` runs poison (a NaN dense feature), rolled back by on_nonfinite="skip".

@@ -4,8 +4,10 @@ Pure data (no torch, no plan layer): ``import torchrec_swp`` reads it to export 
 load each on first use. From it come ``torchrec_swp.__all__`` and ``pipelines.__all__``, the
 catalog's ``default_plans()``, the table of ``docs/pipelines.md`` (``markdown_table()``), the GPU
 parity cases (``benchmarks/gpu/parity.py``, less the rows' ``not_on_gpu``), the golden plans' list
-and the pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``);
-tests check README.md, docs/install.md and the parity tests against it. A pipeline class whose module and name are a row
+the pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``), and
+those the DLRM example's harness runs (a row's ``example``: ``harness.dlrm.INFO``, the stream
+checker's runs in ``tools/stream_check.py``); tests check README.md, docs/install.md and the parity
+tests against it. A pipeline class whose module and name are a row
 here is checked when it is defined (``pipelines/protocol.py``): its task functions against the
 catalog's task names, its default plan's tasks against its task functions, its abstract hooks.
 
@@ -20,12 +22,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 #: Where the drop-ins live (a row's ``module`` is relative to it unless it has a dot in it).
 PACKAGE = "torchrec_swp.integrations.torchrec.pipelines"
 #: TorchRec's package of pipelines (a row's ``upstream`` is a module in it).
 UPSTREAM_PACKAGE = "torchrec.distributed.train_pipeline"
+
+
+@dataclass(frozen=True)
+class Example:
+    """How the DLRM example's harness (``harness.dlrm``: the CPU comparisons and benchmarks,
+    ``tools/stream_check.py``) runs a drop-in: ``kind`` (``"train"``; ``"eval"``: forward only,
+    the model in eval mode; ``"staged"``: the caller trains on what ``progress()`` returns), why
+    upstream's class fails on the CPU as shipped (``upstream_fails``; empty: it runs), whether it
+    compiles the model (``compiles``: its first steps take tens of seconds), and the runs of ours
+    under the stream checker (``stream_checks``: None for the default plan, a thread map's name,
+    ``"nonfinite"`` and ``"nonfinite <thread map>"`` for ``on_nonfinite="skip"`` over a poisoned
+    batch; empty: not checked)."""
+
+    kind: Literal["train", "eval", "staged"] = "train"
+    upstream_fails: str = ""
+    compiles: bool = False
+    stream_checks: tuple[str | None, ...] = (None,)
+
+
+_RECORD_STREAM = "record_stream on CPU tensors, and a CUDA fallback device in runtime_forwards"
 
 
 @dataclass(frozen=True)
@@ -37,7 +59,8 @@ class DropIn:
     and the first TorchRec series that has it (``since``). ``async_inplace_copy``: upstream's
     constructor takes ``async_inplace_copy`` from TorchRec 1.9 on (ours takes it on 1.8 too and
     schedules the copy itself). ``not_on_gpu``: why the GPU parity check has no case for it
-    (``benchmarks/gpu/parity.py``; empty: it has one)."""
+    (``benchmarks/gpu/parity.py``; empty: it has one). ``example``: how the DLRM example runs it
+    (None: it does not)."""
 
     name: str
     module: str
@@ -47,6 +70,7 @@ class DropIn:
     since: str = "1.8"
     async_inplace_copy: bool = False
     not_on_gpu: str = ""
+    example: Example | None = None
 
     @property
     def module_path(self) -> str:
@@ -71,18 +95,59 @@ _EXPERIMENTAL = "experimental_pipelines"
 DROP_INS: dict[str, DropIn] = {
     d.name: d
     for d in (
-        DropIn("TrainPipelineBase", "base", _TRAIN, "train_pipeline_base_plan"),
-        DropIn("TrainPipelinePT2", "compiled", _TRAIN, "pt2_phases"),
-        DropIn("TrainPipelineSparseDist", "sparse_dist", _TRAIN, "sparse_dist_plan", async_inplace_copy=True),
-        DropIn("TrainPipelineSparseDistLite", "lite", _TRAIN, "sparse_dist_lite_plan", async_inplace_copy=True),
-        DropIn("TrainPipelineFusedSparseDist", "fused", _TRAIN, "fused_sparse_dist_plan"),
-        # start_batch 900: upstream's default
-        DropIn("TrainPipelineSemiSync", "semi_sync", _TRAIN, "semi_sync_phases", {"start_batch": 900}),
+        DropIn("TrainPipelineBase", "base", _TRAIN, "train_pipeline_base_plan", example=Example()),
+        DropIn("TrainPipelinePT2", "compiled", _TRAIN, "pt2_phases", example=Example(compiles=True)),
         DropIn(
-            "PrefetchTrainPipelineSparseDist", "prefetch", _TRAIN, "prefetch_sparse_dist_plan", async_inplace_copy=True
+            "TrainPipelineSparseDist",
+            "sparse_dist",
+            _TRAIN,
+            "sparse_dist_plan",
+            async_inplace_copy=True,
+            example=Example(stream_checks=(None, "by_stream", "io", "nonfinite", "nonfinite by_stream")),
         ),
-        DropIn("EvalPipelineSparseDist", "eval", _TRAIN, "eval_sparse_dist_plan"),
-        DropIn("EvalPipelineFusedSparseDist", "fused", _TRAIN, "eval_fused_sparse_dist_plan"),
+        DropIn(
+            "TrainPipelineSparseDistLite",
+            "lite",
+            _TRAIN,
+            "sparse_dist_lite_plan",
+            async_inplace_copy=True,
+            example=Example(stream_checks=(None, "by_stream")),
+        ),
+        DropIn(
+            "TrainPipelineFusedSparseDist",
+            "fused",
+            _TRAIN,
+            "fused_sparse_dist_plan",
+            example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream", "nonfinite by_stream")),
+        ),
+        # start_batch 900: upstream's default
+        DropIn(
+            "TrainPipelineSemiSync",
+            "semi_sync",
+            _TRAIN,
+            "semi_sync_phases",
+            {"start_batch": 900},
+            example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream", "nonfinite by_stream")),
+        ),
+        DropIn(
+            "PrefetchTrainPipelineSparseDist",
+            "prefetch",
+            _TRAIN,
+            "prefetch_sparse_dist_plan",
+            async_inplace_copy=True,
+            example=Example(
+                upstream_fails="prefetch returns early without a data_dist stream (always so on CPU)",
+                stream_checks=(None, "by_stream", "nonfinite by_stream"),
+            ),
+        ),
+        DropIn("EvalPipelineSparseDist", "eval", _TRAIN, "eval_sparse_dist_plan", example=Example(kind="eval")),
+        DropIn(
+            "EvalPipelineFusedSparseDist",
+            "fused",
+            _TRAIN,
+            "eval_fused_sparse_dist_plan",
+            example=Example(kind="eval", upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream")),
+        ),
         # two stages of the user's, as upstream's tests build it (the tasks are named after the stages)
         DropIn(
             "StagedTrainPipeline",
@@ -94,9 +159,27 @@ DROP_INS: dict[str, DropIn] = {
                 "stage_streams": ["memcpy", "postproc"],
                 "fill_callbacks": [False, True],
             },
+            example=Example(kind="staged", upstream_fails="the CPU's default stream has no .device"),
         ),
-        DropIn("TrainPipelineSparseDistCompAutograd", "compiled", _TRAIN, "comp_autograd_plan"),
-        DropIn("TrainPipelinePEC", "pec", "pec_train_pipeline", "pec_plan", since="1.9"),
+        DropIn(
+            "TrainPipelineSparseDistCompAutograd",
+            "compiled",
+            _TRAIN,
+            "comp_autograd_plan",
+            example=Example(upstream_fails="compiled autograd rejects the C++ DDP reducer", compiles=True),
+        ),
+        # The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every module takes PEC's
+        # non-PEC path, looked up at the start of the step like Fused's.
+        DropIn(
+            "TrainPipelinePEC",
+            "pec",
+            "pec_train_pipeline",
+            "pec_plan",
+            since="1.9",
+            example=Example(
+                upstream_fails="its constructor creates torch.cuda.Event()", stream_checks=(None, "by_stream")
+            ),
+        ),
         # TrainPipelineSparseDist's constructor, unchanged
         DropIn(
             "TrainEvalHybridPipelineBase",
@@ -104,6 +187,9 @@ DROP_INS: dict[str, DropIn] = {
             _EXPERIMENTAL,
             "train_eval_hybrid_plan",
             async_inplace_copy=True,
+            # trains in train mode and evaluates in eval mode (the example's --eval-mode hybrid);
+            # upstream's runs on the CPU as shipped
+            example=Example(stream_checks=()),
         ),
         DropIn("TrainPipelineSparseDistT", "threaded_copy", _EXPERIMENTAL, "sparse_dist_t_plan"),
         DropIn("TrainPipelineSparseDistBwdOpt", "backward_optimizer", _EXPERIMENTAL, "sparse_dist_bwd_opt_plan"),

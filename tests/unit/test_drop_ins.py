@@ -81,6 +81,18 @@ def test_the_extras_are_what_their_modules_export_and_torchrec_swp_exports_them(
     assert not set(drop_ins.EXTRAS) & set(drop_ins.names())  # a different kind of row
 
 
+def test_the_dlrm_harness_runs_the_rows_that_have_an_example() -> None:
+    from harness.dlrm import INFO
+
+    rows = [d for d in drop_ins.drop_ins() if d.example is not None]
+    assert set(INFO) == {d.name for d in rows}
+    for d in rows:
+        assert d.example is not None
+        assert (INFO[d.name].kind, INFO[d.name].compiles) == (d.example.kind, d.example.compiles), d.name
+        for run in d.example.stream_checks:  # what tools/stream_check.py's train() understands
+            assert run is None or run.removeprefix("nonfinite").strip() in ("", "by_stream", "io", "main"), run
+
+
 def test_the_readme_and_install_tables_name_every_drop_in() -> None:
     readme = (ROOT / "README.md").read_text()
     row = r"^\| `from torchrec\.[\w.]+ import (\w+)`.*\| `from torchrec_swp import (\w+)`"
