@@ -107,7 +107,7 @@ def cases() -> tuple[Case, ...]:
 #: Exported pipelines without a case here, and why (their rows' ``not_on_gpu``).
 NOT_ON_GPU: Mapping[str, str] = {d.name: d.not_on_gpu for d in drop_ins.drop_ins() if d.not_on_gpu}
 #: The memory-stashing pipelines (TorchRec's MemoryStashingManager is process-wide).
-_STASHING = ("TrainPipelineSparseDistOptStash", "TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS")
+_STASHING = tuple(d.name for d in drop_ins.drop_ins() if d.module == "stashing")
 
 
 def _pipeline_class(name: str, impl: str) -> type:
