@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,31 @@ def test_the_readme_has_the_two_set_up_commands_and_runs_the_rest() -> None:
     assert "\nmake test" in readme
     for page in pages():
         assert all(reason for _, reason in bash_blocks(page.read_text()) if reason is not None), page.name
+
+
+def make_run_args(script: str) -> list[list[str]]:
+    """The arguments of each ``make run ARGS="..."`` line of a block."""
+    return [shlex.split(m[1]) for m in re.finditer(r'^\s*make run ARGS="([^"]*)"', script, re.M)]
+
+
+def test_the_make_runs_of_the_blocks_not_run_take_their_arguments() -> None:
+    """A block left out of the run below (a dedicated test runs its command, or it needs a cluster) still names options
+    that exist, in a combination the example accepts: each of its ``make run ARGS="..."`` lines
+    through launch.py's parser and train.py's own checks (``parse_args``: what ``make run`` checks
+    before torchx starts, but the checkpoint directory, which the block's earlier lines make)."""
+    from examples.dlrm.launch import launch_parser
+    from examples.dlrm.train import parse_args
+
+    checked = []
+    for page in pages():
+        for script, skip in bash_blocks(page.read_text()):
+            for argv in make_run_args(script) if skip is not None else ():
+                launch, train_args = launch_parser().parse_known_args(argv)
+                parse_args([*train_args, "--world-size", str(launch.nnodes * launch.nproc_per_node)])
+                checked.append((page.name, argv))
+    assert len(checked) >= 5, checked
+    with pytest.raises(SystemExit):  # the check can fail: an option the example does not have
+        parse_args([*make_run_args('make run ARGS="--steps 3 --no-such-option"')[0]])
 
 
 def copy_of_checkout(dest: Path) -> Path:
