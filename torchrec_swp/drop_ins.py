@@ -263,6 +263,12 @@ def find(module: str, name: str) -> DropIn | None:
     return row if row is not None and row.module_path == module else None
 
 
+def row_of(cls: type) -> DropIn | None:
+    """The row of ``cls`` or of the nearest of its bases that has one (a user's subclass of a drop-in:
+    the drop-in's); None for a class that is no drop-in."""
+    return next((row for c in cls.__mro__ if (row := find(c.__module__, c.__name__)) is not None), None)
+
+
 def markdown_table() -> str:
     """The table of ``docs/pipelines.md``: a row per drop-in (``tests/unit/test_drop_ins.py`` keeps
     the file equal to it)."""

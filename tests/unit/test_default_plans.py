@@ -1,10 +1,11 @@
-"""A drop-in's default plan is named in two places, its row in ``torchrec_swp.drop_ins`` (the
-catalog function and its arguments, from which the docs' table, the golden plans and
-``default_plans()`` come) and its class (``_swp_default_plan``, what a built pipeline runs): every
-class built with its defaults runs its row's plan."""
+"""A drop-in's default plan: its row in ``torchrec_swp.drop_ins`` names the catalog function and
+the arguments of the docs' table, the golden plans and ``default_plans()``; its class
+(``_swp_default_plan``) calls the row's function (``_swp_row_plan``) with the options it was built
+with. Every class built with its defaults runs its row's plan."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -56,3 +57,32 @@ def test_a_row_whose_arguments_differ_from_the_class_is_caught() -> None:
         assert pipeline.plan != other
     finally:
         pipeline.close()
+
+
+def test_the_class_takes_its_catalog_function_from_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row alone names the catalog function (``PlanDriven._swp_row_plan``): a row naming another
+    function changes what a built pipeline runs; the class gives the options it was built with."""
+    calls: list[dict[str, Any]] = []
+
+    def mine(**arguments: Any) -> Any:
+        calls.append(arguments)
+        return catalog.eval_sparse_dist_plan(**arguments)
+
+    monkeypatch.setattr(catalog, "my_eval_plan", mine, raising=False)
+    row = ROWS["EvalPipelineSparseDist"]
+    monkeypatch.setitem(drop_ins.DROP_INS, row.name, replace(row, plan="my_eval_plan"))
+    pipeline = build("EvalPipelineSparseDist")
+    try:
+        assert calls == [{"clear_data_dist_inputs": False}]
+        assert pipeline.plan == catalog.eval_sparse_dist_plan()
+    finally:
+        pipeline.close()
+
+
+def test_a_users_subclass_takes_its_drop_ins_row() -> None:
+    class Mine(torchrec_swp.TrainPipelineSparseDist):
+        pass
+
+    assert drop_ins.row_of(Mine) is ROWS["TrainPipelineSparseDist"]
+    assert drop_ins.row_of(torchrec_swp.TrainPipelinePrefetchEMS) is ROWS["TrainPipelinePrefetchEMS"]
+    assert drop_ins.row_of(int) is None

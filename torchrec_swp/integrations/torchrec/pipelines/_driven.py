@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch.distributed as dist
 from torch.nn import Module
 
+from torchrec_swp import drop_ins
 from torchrec_swp.autotune import Decision, Hooks, Tuner
 from torchrec_swp.ddp_layout import layout_state, restore_layout_state
 from torchrec_swp.engine import BatchLedger, Engine, StreamPool
@@ -110,7 +112,19 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     @abstractmethod
     def _swp_default_plan(self) -> PipelinePlan | PhasedPlan:
         """The plan ``progress()`` runs unless ``plan=`` says otherwise, for the options this
-        pipeline was built with (its catalog function, ``torchrec_swp.drop_ins``)."""
+        pipeline was built with: ``self._swp_row_plan(**those options)``."""
+
+    def _swp_row_plan(self, **arguments: Any) -> Any:
+        """The plan the catalog function of this class's row (``torchrec_swp.drop_ins``; a user's
+        subclass: its drop-in's) makes with ``arguments``: the row alone names the function, the
+        class says which of its options are the function's arguments. (Any: a row's function
+        makes a PipelinePlan or a PhasedPlan, and each class declares which.)"""
+        from torchrec_swp.catalog import torchrec as catalog
+
+        row = drop_ins.row_of(type(self))
+        if row is None:
+            raise TypeError(f"{type(self).__name__} is no drop-in of torchrec_swp.drop_ins and has no catalog plan")
+        return catalog.default_plan(replace(row, plan_arguments=arguments))
 
     @abstractmethod
     def _swp_streams(self) -> StreamPool:

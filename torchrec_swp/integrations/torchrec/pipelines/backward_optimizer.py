@@ -9,7 +9,6 @@ import torch
 from torchrec.distributed.train_pipeline import experimental_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
@@ -30,7 +29,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out], upstream.T
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.sparse_dist_bwd_opt_plan(
+        return self._swp_row_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,

@@ -8,7 +8,6 @@ from typing import Any
 from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, nothing_to_undo
@@ -36,7 +35,7 @@ class TrainPipelineBase(PlanDriven, TrainingTasks, upstream.TrainPipelineBase[In
         self._swp_setup(self._swp_default_plan(), options, self._swp_streams())
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.train_pipeline_base_plan()
+        return self._swp_row_plan()
 
     def _swp_streams(self) -> StreamPool:
         pool = stream_pool_for(self._device, {"memcpy": self._memcpy_stream})

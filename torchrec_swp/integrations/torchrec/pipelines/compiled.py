@@ -21,7 +21,6 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.train_pipeline.utils import _to_device
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import Engine, StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines._driven import PlanDriven, nothing_to_undo
@@ -69,7 +68,7 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
         self._swp_compile_in_forward = all("Compile" not in p.schedule for p in self._swp_engine.phased.plans)
 
     def _swp_default_plan(self) -> PhasedPlan:
-        return catalog.pt2_phases(compile_on_iter=self._compile_configs.compile_on_iter)
+        return self._swp_row_plan(compile_on_iter=self._compile_configs.compile_on_iter)
 
     def _swp_new_engine(self, plan: PipelinePlan | PhasedPlan) -> Engine:
         undoing = self._swp_nonfinite is not None
@@ -186,7 +185,7 @@ class TrainPipelineSparseDistCompAutograd(
             self.compiled_autograd_options = {**self.compiled_autograd_options, "fullgraph": False}
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.comp_autograd_plan(
+        return self._swp_row_plan(
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
         )

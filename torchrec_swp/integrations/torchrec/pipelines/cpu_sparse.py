@@ -11,7 +11,6 @@ from torchrec.distributed.train_pipeline import experimental_pipelines as upstre
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _start_data_dist, use_context_for_postprocs
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.catalog.transforms import FETCH
 from torchrec_swp.engine import STREAM_DEVICE_TYPES
 from torchrec_swp.engine.labels import record_function
@@ -70,7 +69,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
         self._swp_pinned_reads: dict[str, Any] = {}  # module name -> event after the copy that read its buffer
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.eval_cpu_sparse_plan(
+        return self._swp_row_plan(
             pipeline_depth=self._pipeline_depth,
             multi_thread=self._multi_thread,
             execute_all_batches=self._execute_all_batches,

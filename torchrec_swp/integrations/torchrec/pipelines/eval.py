@@ -10,7 +10,6 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.utils import _is_data_loading_retriable
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.input_dist_cache import InputDistCache
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -59,7 +58,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
                 sync.carry = cache.carry  # the ranks agree on reuse in the draw's agreement
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.eval_sparse_dist_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
+        return self._swp_row_plan(clear_data_dist_inputs=self._clear_data_dist_inputs)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         # the loader binds the first iterator given (until reset()), as upstream's loading thread:

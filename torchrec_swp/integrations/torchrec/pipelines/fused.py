@@ -11,7 +11,6 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext, In, Out
 from torchrec.distributed.types import Awaitable
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.cpu_safe import InSyncEmbeddingForward
@@ -99,7 +98,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
         self._pipelined_forward_type = InSyncEmbeddingForward.on(self._device)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.fused_sparse_dist_plan(
+        return self._swp_row_plan(
             emb_lookup_stream=self._swp_emb_lookup_stream,
             embedding_lookup_after_data_dist=self._embedding_lookup_after_data_dist,
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
@@ -175,7 +174,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstrea
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.eval_fused_sparse_dist_plan(
+        return self._swp_row_plan(
             enable_embedding_lookup_prefetch=self._enable_embedding_lookup_prefetch,
             emb_lookup_stream=self._swp_emb_lookup_stream,
             embedding_lookup_after_data_dist=self._embedding_lookup_after_data_dist,

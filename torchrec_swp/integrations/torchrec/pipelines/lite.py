@@ -9,7 +9,6 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.integrations.torchrec.pipelines.training_tasks import indexed_optimizer_step
@@ -34,7 +33,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.sparse_dist_lite_plan(h2d_thread=self._swp_h2d_thread())
+        return self._swp_row_plan(h2d_thread=self._swp_h2d_thread())
 
     # ------------------------------------------------------------ task functions
     # Upstream's Lite runs the backward without SparseDist's sync of 2D-sharded embeddings and

@@ -14,7 +14,6 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PECTra
 from torchrec.distributed.train_pipeline.runtime_forwards import PECPipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.engine.transaction import running_as
@@ -82,7 +81,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         self._swp_pec_open: dict[int, PECTrainPipelineContext] = {}
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.pec_plan(execute_all_batches=self._execute_all_batches)
+        return self._swp_row_plan(execute_all_batches=self._execute_all_batches)
 
     # ------------------------------------------------- on_nonfinite: a step undone
     def _swp_undoable_plan(self, plan: PipelinePlan) -> PipelinePlan:

@@ -9,7 +9,6 @@ from torchrec.distributed.train_pipeline import train_pipelines as upstream
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
@@ -44,7 +43,7 @@ class PrefetchTrainPipelineSparseDist(
     """
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.prefetch_sparse_dist_plan(
+        return self._swp_row_plan(
             execute_all_batches=self._execute_all_batches, h2d_thread=self._swp_h2d_thread()
         )
 

@@ -13,7 +13,6 @@ from torchrec.distributed.train_pipeline.utils import _wait_for_events
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import device_has_streams
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.lookup_sync import start_embedding_lookup as _start_embedding_lookup
@@ -108,7 +107,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
     _pipelined_forward_type = _EmbeddingPipelinedForward
 
     def _swp_default_plan(self) -> PhasedPlan:
-        return catalog.semi_sync_phases(
+        return self._swp_row_plan(
             start_batch=self._start_batch,
             # SemiSync's own copy never raises at the end of data; the in-place copy does
             execute_all_batches=self._execute_all_batches or not self._enable_inplace_copy_batch,

@@ -13,7 +13,6 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 from torchrec_swp.autotune import Hooks
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.catalog import transforms
 from torchrec_swp.engine import StreamPool, stream_pool_for
 from torchrec_swp.engine.labels import record_function
@@ -107,7 +106,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         return INPLACE_COPY_THREAD if self._swp_async_inplace_copy and self._enable_inplace_copy_batch else MAIN_THREAD
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.sparse_dist_plan(
+        return self._swp_row_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,

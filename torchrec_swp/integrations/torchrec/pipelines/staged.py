@@ -14,7 +14,6 @@ from torchrec.distributed.train_pipeline.pipeline_context import In
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
 from typing_extensions import Unpack
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine import STREAM_DEVICE_TYPES, StreamPool, device_has_streams, stream_pool_for
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines import cpu_safe
@@ -128,7 +127,7 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
     def _swp_default_plan(self) -> PipelinePlan:
         stream_names, _ = self._swp_stream_names()
         fills = [s.fill_callback is not None for s in self._pipeline_stages]
-        return catalog.staged_plan(self._swp_stage_tasks, stream_names, fills)
+        return self._swp_row_plan(stage_names=self._swp_stage_tasks, stage_streams=stream_names, fill_callbacks=fills)
 
     def _swp_streams(self) -> StreamPool:
         _, streams = self._swp_stream_names()

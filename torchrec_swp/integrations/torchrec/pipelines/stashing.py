@@ -118,7 +118,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
         self._swp_step_done: Any = None  # the event after the last optimizer step (CUDA)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.opt_stash_plan(
+        return self._swp_row_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
@@ -200,7 +200,7 @@ class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipeline
         self._log_ems_config()
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.emb_stash_plan(
+        return self._swp_row_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             clear_data_dist_inputs=self._clear_data_dist_inputs,
@@ -221,7 +221,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out], upstrea
     _swp_upstream = upstream.TrainPipelinePrefetchEMS
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.prefetch_ems_plan(
+        return self._swp_row_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
             h2d_thread=self._swp_h2d_thread(),

@@ -10,7 +10,6 @@ from torchrec.distributed.train_pipeline import experimental_pipelines as upstre
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, TrainPipelineContext
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist as UpstreamSparseDist
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
 from torchrec_swp.plan import PipelinePlan
 
@@ -40,7 +39,7 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out], upstream.TrainP
         self._copy_executor.shutdown(wait=False)  # the plan's copy thread copies
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.sparse_dist_t_plan(
+        return self._swp_row_plan(
             execute_all_batches=self._execute_all_batches, clear_data_dist_inputs=self._clear_data_dist_inputs
         )
 

@@ -11,7 +11,6 @@ from torchrec.distributed.train_pipeline import experimental_pipelines as upstre
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from torchrec_swp.catalog import torchrec as catalog
 from torchrec_swp.engine.labels import record_function
 from torchrec_swp.integrations.torchrec.pipelines.protocol import task
 from torchrec_swp.integrations.torchrec.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -59,7 +58,7 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.Tra
         super().__init__(*args, **kwargs)
 
     def _swp_default_plan(self) -> PipelinePlan:
-        return catalog.train_eval_hybrid_plan(
+        return self._swp_row_plan(
             clear_data_dist_inputs=self._clear_data_dist_inputs, h2d_thread=self._swp_h2d_thread()
         )
 
