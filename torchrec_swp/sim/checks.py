@@ -148,7 +148,7 @@ class _Checker:
         if (
             self.device
             and producer_stream != consumer_stream
-            and not self._stream_synced(p, c, producer_stream, consumer_stream)
+            and not self._stream_synced(d.producer, p, c, producer_stream, consumer_stream)
         ):
             out.append(
                 race(
@@ -167,13 +167,14 @@ class _Checker:
             )
         return out
 
-    def _stream_synced(self, p: Step, c: Step, producer_stream: str, consumer_stream: str) -> bool:
+    def _stream_synced(self, producer: str, p: Step, c: Step, producer_stream: str, consumer_stream: str) -> bool:
+        """Whether ``p``, the run of ``producer`` that ``c`` depends on, is synced to ``c``'s stream."""
         records = [
             r
-            for r in self.records.get((p.instr.task, p.batch), ())
+            for r in self.records.get((producer, p.batch), ())
             if isinstance(r.instr, RecordEvent) and r.instr.stream == producer_stream and self._before(p, r)
         ]
         return any(
             self._before(w, c) and any(self._before(r, w) for r in records)
-            for w in self.waits.get((consumer_stream, p.instr.task, p.batch), ())
+            for w in self.waits.get((consumer_stream, producer, p.batch), ())
         )

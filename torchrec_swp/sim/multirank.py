@@ -233,7 +233,7 @@ def simulate_rank_programs(
     for m, b in load_table.items():
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
             raise SimError(f"background of machine {m} must be a finite number >= 0, got {b!r}")
-    states = []
+    states: list[_RankState] = []
     for k, (rank, phases) in enumerate(ranks):
         if not isinstance(rank, Rank):
             raise TypeError(f"rank {k} must be a Rank, got {type(rank).__name__}")
@@ -286,7 +286,7 @@ def _computes(job: _Job) -> bool:
 
 # ---------------------------------------------------------------------- state
 @dataclass(slots=True)
-class _Lane(ReplayLane):
+class _Lane(ReplayLane[Instr | Move | None]):
     """A thread of a rank (see ``simulator.ReplayLane``) and the job it is running, if any. Its
     ``todo`` entries may hold ``None``: the per-iteration overhead (and, with the engine model,
     the engine's moves). ``stalled``: its next instruction had to wait for another lane (it
@@ -331,9 +331,9 @@ class _Job:
         return math.inf
 
 
-class _RankState(Replay):
-    """One rank's replay state: the single-rank replay's lanes, signals and tickets (whose
-    bookkeeping it reuses), plus its collectives, jobs and what it waited for."""
+class _RankState(Replay[_Lane]):
+    """One rank's replay state: the replay's signals and tickets (``simulator.Replay``, whose
+    bookkeeping it reuses) over its own lanes, plus its collectives, jobs and what it waited for."""
 
     def __init__(
         self,
@@ -343,8 +343,7 @@ class _RankState(Replay):
         phases: tuple[tuple[int, IterationProgram], ...],
         barrier: bool,
     ) -> None:
-        super().__init__(plan, phases, spec.durations, spec.device_durations)
-        self.lanes = {t: _Lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
+        super().__init__(plan, phases, spec.durations, spec.device_durations, _Lane)
         self.number = number
         self.spec = spec
         self.wake = Wake.of(0.0)  # the barrier model does not wake threads up late
@@ -388,11 +387,14 @@ class _RankState(Replay):
         return all(lane.at >= len(lane.todo) and lane.job is None for lane in self.lanes.values())
 
     # what the engine model adds (nothing here)
-    def execute_at(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Any, where: str, now: float) -> None:
+    def execute_at(
+        self, thread: str, lane: _Lane, p: int, index: int, instr: Instr | Move, where: str, now: float
+    ) -> None:
         """Execute an instruction that is not a run at ``now``."""
+        assert not isinstance(instr, MOVES)  # only the engine model's lanes hold its moves
         self.execute_sync(thread, lane, p, index, instr, where)
 
-    def lane_blocker(self, thread: str, p: int, instr: Any) -> str | None:
+    def lane_blocker(self, thread: str, p: int, instr: Instr | Move | None) -> str | None:
         """Why ``thread``'s next instruction (of iteration ``p``) cannot execute now, or None."""
         return self.blocker(p, instr)
 
@@ -431,17 +433,19 @@ class _EngineRankState(_RankState):
             lane = self.lanes[name]
             lane.todo, lane.at = todo, 0
 
-    def lane_blocker(self, thread: str, p: int, instr: Any) -> str | None:
+    def lane_blocker(self, thread: str, p: int, instr: Instr | Move | None) -> str | None:
         why = self.walkers.blocker(thread, p, instr, self.num_batches)
         if why is not None or isinstance(instr, MOVES):
             return why
         return self.blocker(p, instr)
 
-    def blocked(self, thread: str, lane: ReplayLane, rank: int | None = None) -> Blocked:
+    def blocked(self, thread: str, lane: ReplayLane[Any], rank: int | None = None) -> Blocked:
         p, index, instr = lane.todo[lane.at]
         return Blocked(thread, p, index, str(instr), self.lane_blocker(thread, p, instr) or "", rank)
 
-    def execute_at(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Any, where: str, now: float) -> None:
+    def execute_at(
+        self, thread: str, lane: _Lane, p: int, index: int, instr: Instr | Move, where: str, now: float
+    ) -> None:
         lane.time = max(lane.time, now)
         if not isinstance(instr, MOVES):
             self.execute_sync(thread, lane, p, index, instr, where)
@@ -452,9 +456,9 @@ class _EngineRankState(_RankState):
             self.call_clock[instr.d] = list(lane.clock)
         elif isinstance(instr, Done):
             self.done_clock[thread] = list(lane.clock)
-            lane.walk_ended = now  # type: ignore[attr-defined]
+            lane.walk_ended = now
 
-    def _merge(self, thread: str, lane: ReplayLane, move: Move) -> None:
+    def _merge(self, thread: str, lane: _Lane, move: Move) -> None:
         """A move that waited for another lane is ordered after what it waited for (vector clocks:
         a gate after the call that opened it, the caller's wait after every walker's last iteration)."""
         sources: list[list[int]] = []
@@ -560,7 +564,7 @@ class _Multi:
                 again = True
         return again
 
-    def _execute(self, s: _RankState, thread: str, lane: _Lane, p: int, index: int, instr: Instr | None) -> None:
+    def _execute(self, s: _RankState, thread: str, lane: _Lane, p: int, index: int, instr: Instr | Move | None) -> None:
         where = f"rank {s.number}, thread {thread!r}, internal iteration {p}"
         now = self.now
         match instr:

@@ -31,9 +31,9 @@ every stuck thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from torchrec_swp.compile import CompiledPlan, Instr, IterationProgram, RecordEvent, Run, Signal, WaitStream, WaitTask
 from torchrec_swp.plan import MAIN_THREAD, PipelinePlan
@@ -96,7 +96,7 @@ def simulate_programs(
     """
     phases = tuple(phases)
     validate_programs(plan, phases)
-    replay = Replay(plan, phases, durations, device_durations)
+    replay = OneRank(plan, phases, durations, device_durations, ReplayLane)
     if iteration_barrier:
         for phase in phases:
             replay.run((phase,))
@@ -159,31 +159,39 @@ def _validate_program(plan: PipelinePlan, p: int, prog: IterationProgram) -> Non
 
 
 # ---------------------------------------------------------------------- replay
+E = TypeVar("E")
+
+
 @dataclass(slots=True)
-class ReplayLane:
+class ReplayLane(Generic[E]):
     """A CPU thread: the time it is free, its vector clock, how many steps it executed, and
-    the instructions ``(iteration, index, instr)`` of the segment being replayed."""
+    the entries ``(iteration, index, what)`` of the segment being replayed: ``E`` is ``Instr``
+    for one rank; the multi-rank replay's lanes hold more (its overheads, the engine's moves)."""
 
     index: int
     time: float
     clock: list[int]
     seq: int = 0
-    todo: list[tuple[int, int, Instr]] = field(default_factory=list)
+    todo: list[tuple[int, int, E]] = field(default_factory=list)
     at: int = 0
 
 
-def ticket_of(instr: Instr | None) -> tuple[str, int] | None:
+L = TypeVar("L", bound="ReplayLane[Any]")
+
+
+def ticket_of(instr: object) -> tuple[str, int] | None:
     """``(comm group, ticket)`` held by a ticketed run (validated: the group is declared)."""
     if isinstance(instr, Run) and instr.ticket is not None and instr.comm_group is not None:
         return instr.comm_group, instr.ticket
     return None
 
 
-class Replay:
-    """Mutable state of one replay. ``run`` executes segments; ``barrier`` joins the lanes;
-    ``result`` is the SimResult of what was executed. The multi-rank replay
-    (``torchrec_swp.sim.multirank``) drives the same state with its own clock, through ``blocker``,
-    ``admits``, ``ticket_sources``, ``execute_sync``, ``finish_run``, ``blocked`` and ``result``."""
+class Replay(Generic[L]):
+    """Mutable state of one replay over lanes of type ``L``: ``barrier`` joins the lanes;
+    ``result`` is the SimResult of what was executed. ``OneRank`` executes one rank's segments;
+    the multi-rank replay (``torchrec_swp.sim.multirank``) drives the same state with its own
+    clock and lanes, through ``blocker``, ``admits``, ``ticket_sources``, ``execute_sync``,
+    ``finish_run``, ``blocked`` and ``result``. ``new_lane(index, time, clock)`` makes a lane."""
 
     def __init__(
         self,
@@ -191,6 +199,7 @@ class Replay:
         phases: tuple[tuple[int, IterationProgram], ...],
         durations: Durations,
         device_durations: Durations | None,
+        new_lane: Callable[[int, float, list[int]], L],
     ) -> None:
         self.plan = plan
         self.num_batches = 1 + max((p - r.stage for p, prog in phases for r in prog.runs()), default=-1)
@@ -200,7 +209,7 @@ class Replay:
         self.durations = durations
         self.device_durations = device_durations
         self.threads = tuple(dict.fromkeys([MAIN_THREAD, *(t for _, prog in phases for t, _ in prog.threads)]))
-        self.lanes = {t: ReplayLane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
+        self.lanes = {t: new_lane(k, 0.0, [0] * len(self.threads)) for k, t in enumerate(self.threads)}
         self.signals: dict[tuple[int, str], Step] = {}
         self.will_signal = {
             (p, i.task) for p, prog in phases for _, instrs in prog.threads for i in instrs if isinstance(i, Signal)
@@ -243,33 +252,10 @@ class Replay:
         for lane in self.lanes.values():
             lane.time, lane.clock = time, list(clock)
 
-    def run(self, segment: tuple[tuple[int, IterationProgram], ...]) -> None:
-        """Execute every instruction of ``segment`` (one iteration, or all of them without the
-        barrier); raise SimDeadlock when nothing can execute while some remain."""
-        for lane in self.lanes.values():
-            lane.todo, lane.at = [], 0
-        for p, prog in segment:
-            for thread, instrs in prog.threads:
-                self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
-        sweep(tuple(self.lanes), self._advance)
-        if any(lane.at < len(lane.todo) for lane in self.lanes.values()):
-            raise self._deadlock()
-
-    def _advance(self, thread: str) -> bool:
-        """Execute the next instruction of ``thread`` if it has one that can execute now."""
-        lane = self.lanes[thread]
-        if lane.at >= len(lane.todo):
-            return False
-        p, index, instr = lane.todo[lane.at]
-        if self.blocker(p, instr) is not None:
-            return False
-        self._execute(thread, lane, p, index, instr)
-        lane.at += 1
-        return True
-
     # -------------------------------------------------------------- one step
-    def blocker(self, p: int, instr: Instr | None) -> str | None:
-        """Why ``instr`` of iteration ``p`` cannot execute now, or None if it can."""
+    def blocker(self, p: int, instr: object) -> str | None:
+        """Why ``instr`` of iteration ``p`` cannot execute now, or None if it can (only a wait and
+        a ticketed run can wait)."""
         if isinstance(instr, WaitTask):
             key = (p - instr.lag, instr.task)
             if key not in self.signals and (instr.lag == 0 or key in self.will_signal):
@@ -294,21 +280,10 @@ class Replay:
         held = ticket_of(run)
         return [self.last_ticket[held[0]]] if held is not None and held[0] in self.last_ticket else []
 
-    def _execute(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr) -> None:
-        where = f"thread {thread!r}, internal iteration {p}"
-        match instr:
-            case Run(task=task, stage=stage):
-                sources = self.ticket_sources(instr)
-                start = max([lane.time, *(s.end for s in sources)])
-                cpu = cpu_time(self.durations, task, p - stage, where) if self.admits(instr, p) else 0.0
-                self.finish_run(thread, lane, p, index, instr, start, start + cpu, sources, where)
-            case _:
-                self.execute_sync(thread, lane, p, index, instr, where)
-
     def finish_run(
         self,
         thread: str,
-        lane: ReplayLane,
+        lane: ReplayLane[Any],
         p: int,
         index: int,
         run: Run,
@@ -328,7 +303,7 @@ class Replay:
         if d > 0:
             self._submit(step, "work", self.stream[run.task], run.task, b, d)
 
-    def execute_sync(self, thread: str, lane: ReplayLane, p: int, index: int, instr: Instr, where: str) -> None:
+    def execute_sync(self, thread: str, lane: ReplayLane[Any], p: int, index: int, instr: Instr, where: str) -> None:
         """Execute an instruction that is not a run (it takes no CPU time) when the lane is at it."""
         match instr:
             case WaitTask(task=task, lag=lag):
@@ -359,7 +334,7 @@ class Replay:
     def _record(
         self,
         thread: str,
-        lane: ReplayLane,
+        lane: ReplayLane[Any],
         p: int,
         index: int,
         instr: Instr,
@@ -392,10 +367,49 @@ class Replay:
         )
 
     # -------------------------------------------------------------- deadlock
-    def blocked(self, thread: str, lane: ReplayLane, rank: int | None = None) -> Blocked:
+    def blocked(self, thread: str, lane: ReplayLane[Any], rank: int | None = None) -> Blocked:
         """Why ``lane`` (of ``thread``, which has instructions left) is stuck at its next one."""
         p, index, instr = lane.todo[lane.at]
         return Blocked(thread, p, index, str(instr), self.blocker(p, instr) or "", rank)
+
+
+class OneRank(Replay[ReplayLane[Instr]]):
+    """One rank's replay (``simulate_programs``): ``run`` executes segments in max-plus order."""
+
+    def run(self, segment: tuple[tuple[int, IterationProgram], ...]) -> None:
+        """Execute every instruction of ``segment`` (one iteration, or all of them without the
+        barrier); raise SimDeadlock when nothing can execute while some remain."""
+        for lane in self.lanes.values():
+            lane.todo, lane.at = [], 0
+        for p, prog in segment:
+            for thread, instrs in prog.threads:
+                self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
+        sweep(tuple(self.lanes), self._advance)
+        if any(lane.at < len(lane.todo) for lane in self.lanes.values()):
+            raise self._deadlock()
+
+    def _advance(self, thread: str) -> bool:
+        """Execute the next instruction of ``thread`` if it has one that can execute now."""
+        lane = self.lanes[thread]
+        if lane.at >= len(lane.todo):
+            return False
+        p, index, instr = lane.todo[lane.at]
+        if self.blocker(p, instr) is not None:
+            return False
+        self._execute(thread, lane, p, index, instr)
+        lane.at += 1
+        return True
+
+    def _execute(self, thread: str, lane: ReplayLane[Instr], p: int, index: int, instr: Instr) -> None:
+        where = f"thread {thread!r}, internal iteration {p}"
+        match instr:
+            case Run(task=task, stage=stage):
+                sources = self.ticket_sources(instr)
+                start = max([lane.time, *(s.end for s in sources)])
+                cpu = cpu_time(self.durations, task, p - stage, where) if self.admits(instr, p) else 0.0
+                self.finish_run(thread, lane, p, index, instr, start, start + cpu, sources, where)
+            case _:
+                self.execute_sync(thread, lane, p, index, instr, where)
 
     def _deadlock(self) -> SimDeadlock:
         blocked = []
@@ -418,7 +432,7 @@ class Replay:
         return SimDeadlock(message, tuple(blocked))
 
 
-def _blocked_task(lane: ReplayLane) -> str:
+def _blocked_task(lane: ReplayLane[Instr]) -> str:
     """The task a blocked lane is trying to run: its next run in the blocked iteration, else
     the task the blocked instruction names."""
     p, _, head = lane.todo[lane.at]
@@ -427,6 +441,7 @@ def _blocked_task(lane: ReplayLane) -> str:
             break
         if isinstance(instr, Run):
             return instr.task
+    assert isinstance(head, (WaitTask, Signal, WaitStream, RecordEvent))  # not a run: what validate_programs admits
     return head.task
 
 
