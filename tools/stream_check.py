@@ -30,7 +30,7 @@
 
 What the installed TorchRec lacks is not run, with a line saying so (``not run here``): on
 TorchRec 1.8, TrainPipelinePEC (ours, the PEC model's runs, upstream's, the PEC mutants) and the
-Maglev drop-ins (``compat.TorchRecVersion.has_pec`` / ``has_maglev``).
+Maglev drop-ins (their rows' ``since``, ``torchrec_swp.drop_ins``).
 
 Exit status: 1 if a pipeline of part 1 is not clean or a part raised, 0 otherwise (escaped
 mutants are reported, with what they removed, but do not fail: a sync can be redundant).
@@ -139,10 +139,11 @@ def unavailable(name: str) -> str | None:
     from torchrec_swp.integrations.torchrec.compat import installed
 
     torchrec = installed()
-    if name.startswith("TrainPipelinePEC") and not torchrec.has_pec:
-        return f"TorchRec {torchrec.text} has no TrainPipelinePEC (new in 1.9)"
-    if name.startswith("Maglev") and not torchrec.has_maglev:
-        return f"TorchRec {torchrec.text} has no torchrec.distributed.maglev (new in 1.9)"
+    pipeline = name.split("[")[0]  # PEC_MODEL: TrainPipelinePEC
+    row = drop_ins.DROP_INS.get(pipeline) or drop_ins.EXTRAS.get(pipeline)
+    available = {*drop_ins.names(torchrec.series), *(e.name for e in drop_ins.extras(torchrec.series))}
+    if row is not None and pipeline not in available:
+        return f"TorchRec {torchrec.text} has no {pipeline} (new in {row.since})"
     return None
 
 
