@@ -73,7 +73,7 @@ OPTIONS: Mapping[str, Mapping[str, Any]] = {"TrainPipelineSemiSync": {"start_bat
 #: Every drop-in the example runs (its row's ``example``, ``torchrec_swp.drop_ins``), the compiled
 #: ones last (they change global dynamo settings).
 INFO: dict[str, PipelineInfo] = {
-    d.name: PipelineInfo(d.name, d.example.kind, d.example.upstream_fails, OPTIONS.get(d.name, {}), d.example.compiles)
+    d.name: PipelineInfo(d.name, d.kind, d.example.upstream_fails, OPTIONS.get(d.name, {}), d.example.compiles)
     for d in sorted(drop_ins.drop_ins(), key=lambda d: d.example is not None and d.example.compiles)
     if d.example is not None
 }

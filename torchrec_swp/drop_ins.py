@@ -33,15 +33,12 @@ UPSTREAM_PACKAGE = "torchrec.distributed.train_pipeline"
 @dataclass(frozen=True)
 class Example:
     """How the DLRM example's harness (``harness.dlrm``: the CPU comparisons and benchmarks,
-    ``tools/stream_check.py``) runs a drop-in: ``kind`` (``"train"``; ``"eval"``: forward only,
-    the model in eval mode; ``"staged"``: the caller trains on what ``progress()`` returns), why
-    upstream's class fails on the CPU as shipped (``upstream_fails``; empty: it runs), whether it
-    compiles the model (``compiles``: its first steps take tens of seconds), and the runs of ours
-    under the stream checker (``stream_checks``: None for the default plan, a thread map's name,
-    ``"nonfinite"`` and ``"nonfinite <thread map>"`` for ``on_nonfinite="skip"`` over a poisoned
-    batch; empty: not checked)."""
+    ``tools/stream_check.py``) runs a drop-in: why upstream's class fails on the CPU as shipped
+    (``upstream_fails``; empty: it runs), whether it compiles the model (``compiles``: its first
+    steps take tens of seconds), and the runs of ours under the stream checker (``stream_checks``:
+    None for the default plan, a thread map's name, ``"nonfinite"`` and ``"nonfinite <thread
+    map>"`` for ``on_nonfinite="skip"`` over a poisoned batch; empty: not checked)."""
 
-    kind: Literal["train", "eval", "staged"] = "train"
     upstream_fails: str = ""
     compiles: bool = False
     stream_checks: tuple[str | None, ...] = (None,)
@@ -56,7 +53,9 @@ class DropIn:
     (``module``: under ``PACKAGE``, or a dotted path), the TorchRec module defining upstream's
     (``upstream``, under ``UPSTREAM_PACKAGE``), the catalog function making its default plan
     (``plan``, in ``torchrec_swp.catalog.torchrec``) and its arguments there (``plan_arguments``),
-    and the first TorchRec series that has it (``since``). ``async_inplace_copy``: upstream's
+    and the first TorchRec series that has it (``since``). ``kind``: ``"train"``; ``"eval"``,
+    forward only, the model in eval mode; ``"staged"``, the caller trains on what ``progress()``
+    returns. ``async_inplace_copy``: upstream's
     constructor takes ``async_inplace_copy`` from TorchRec 1.9 on (ours takes it on 1.8 too and
     schedules the copy itself). ``not_on_gpu``: why the GPU parity check has no case for it
     (``benchmarks/gpu/parity.py``; empty: it has one). ``example``: how the DLRM example runs it
@@ -68,6 +67,7 @@ class DropIn:
     plan: str
     plan_arguments: Mapping[str, Any] = field(default_factory=dict)
     since: str = "1.8"
+    kind: Literal["train", "eval", "staged"] = "train"
     async_inplace_copy: bool = False
     not_on_gpu: str = ""
     example: Example | None = None
@@ -140,13 +140,14 @@ DROP_INS: dict[str, DropIn] = {
                 stream_checks=(None, "by_stream", "nonfinite by_stream"),
             ),
         ),
-        DropIn("EvalPipelineSparseDist", "eval", _TRAIN, "eval_sparse_dist_plan", example=Example(kind="eval")),
+        DropIn("EvalPipelineSparseDist", "eval", _TRAIN, "eval_sparse_dist_plan", kind="eval", example=Example()),
         DropIn(
             "EvalPipelineFusedSparseDist",
             "fused",
             _TRAIN,
             "eval_fused_sparse_dist_plan",
-            example=Example(kind="eval", upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream")),
+            kind="eval",
+            example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream")),
         ),
         # two stages of the user's, as upstream's tests build it (the tasks are named after the stages)
         DropIn(
@@ -159,7 +160,8 @@ DROP_INS: dict[str, DropIn] = {
                 "stage_streams": ["memcpy", "postproc"],
                 "fill_callbacks": [False, True],
             },
-            example=Example(kind="staged", upstream_fails="the CPU's default stream has no .device"),
+            kind="staged",
+            example=Example(upstream_fails="the CPU's default stream has no .device"),
         ),
         DropIn(
             "TrainPipelineSparseDistCompAutograd",
@@ -201,6 +203,7 @@ DROP_INS: dict[str, DropIn] = {
             "cpu_sparse",
             _EXPERIMENTAL,
             "eval_cpu_sparse_plan",
+            kind="eval",
             not_on_gpu="needs a model with data-parallel tables on the CPU and the dense part on the GPU "
             "(tests/dist/test_parity_cpu_sparse.py runs it on the CPU); not written yet",
         ),

@@ -88,7 +88,7 @@ def test_the_dlrm_harness_runs_the_rows_that_have_an_example() -> None:
     assert set(INFO) == {d.name for d in rows}
     for d in rows:
         assert d.example is not None
-        assert (INFO[d.name].kind, INFO[d.name].compiles) == (d.example.kind, d.example.compiles), d.name
+        assert (INFO[d.name].kind, INFO[d.name].compiles) == (d.kind, d.example.compiles), d.name
         for run in d.example.stream_checks:  # what tools/stream_check.py's train() understands
             assert run is None or run.removeprefix("nonfinite").strip() in ("", "by_stream", "io", "main"), run
 

@@ -193,7 +193,7 @@ TRAINING = {
     "Backward": ("fused_rows", "dense_grads"),
     "OptimizerStep": ("dense_params", "dense_optim"),
 }
-EVAL = ("EvalPipelineSparseDist", "EvalPipelineFusedSparseDist", "EvalPipelineCPUSparse")
+EVAL = tuple(d.name for d in drop_ins.drop_ins() if d.kind == "eval")
 
 
 @pytest.mark.parametrize("name", [r.name for r in drop_ins.drop_ins()])
