@@ -2,14 +2,16 @@
 
 Pure data (no torch, no plan layer): ``import torchrec_swp`` reads it to export the pipelines and
 load each on first use. From it come ``torchrec_swp.__all__`` and ``pipelines.__all__``, the
-catalog's ``default_plans()``, the table of ``docs/pipelines.md`` (``markdown_table()``), the GPU
-parity cases (``benchmarks/gpu/parity.py``, less the rows' ``not_on_gpu``), the golden plans' list
-the pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``), and
-those the DLRM example's harness runs (a row's ``example``: ``harness.dlrm.INFO``, the stream
-checker's runs in ``tools/stream_check.py``); tests check README.md, docs/install.md and the parity
-tests against it. A pipeline class whose module and name are a row
-here is checked when it is defined (``pipelines/protocol.py``): its task functions against the
-catalog's task names, its default plan's tasks against its task functions, its abstract hooks.
+catalog's ``default_plans()`` and the plan each class builds by default (``row_of``,
+``PlanDriven._swp_row_plan``), the table of ``docs/pipelines.md`` (``markdown_table()``), the GPU
+parity cases (``benchmarks/gpu/parity.py``, less the rows' ``not_on_gpu``), the golden plans'
+list, the pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``),
+upstream's class in the harnesses (``harness.dlrm.upstream_class``) and what the DLRM example's
+harness runs (a row's ``example``: ``harness.dlrm.INFO``, the stream checker's runs in
+``tools/stream_check.py``); tests check README.md, docs/install.md and the parity tests against
+it. A pipeline class whose module and name are a row here is checked when it is defined
+(``pipelines/protocol.py``): its task functions against the catalog's task names, its default
+plan's tasks against its task functions, its abstract hooks.
 
 Beside them, ``EXTRAS``: the other classes ``torchrec_swp`` exports (the Maglev schedules, the
 accumulation wrapper), a row each, from which ``torchrec_swp.__all__`` takes them.
@@ -55,11 +57,10 @@ class DropIn:
     (``plan``, in ``torchrec_swp.catalog.torchrec``) and its arguments there (``plan_arguments``),
     and the first TorchRec series that has it (``since``). ``kind``: ``"train"``; ``"eval"``,
     forward only, the model in eval mode; ``"staged"``, the caller trains on what ``progress()``
-    returns. ``async_inplace_copy``: upstream's
-    constructor takes ``async_inplace_copy`` from TorchRec 1.9 on (ours takes it on 1.8 too and
-    schedules the copy itself). ``not_on_gpu``: why the GPU parity check has no case for it
-    (``benchmarks/gpu/parity.py``; empty: it has one). ``example``: how the DLRM example runs it
-    (None: it does not)."""
+    returns. ``async_inplace_copy``: upstream's constructor takes ``async_inplace_copy`` from
+    TorchRec 1.9 on (ours takes it on 1.8 too and schedules the copy itself). ``not_on_gpu``: why
+    the GPU parity check has no case for it (``benchmarks/gpu/parity.py``; empty: it has one).
+    ``example``: how the DLRM example runs it (None: it does not)."""
 
     name: str
     module: str
