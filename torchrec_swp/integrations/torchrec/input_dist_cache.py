@@ -231,9 +231,11 @@ class InputDistCache:
             raise TypeError(f"{owner}: input_dist_cache_mb must be a number of MiB or None, got {megabytes!r}")
         if not megabytes >= 0 or megabytes == float("inf"):
             raise ValueError(f"{owner}: input_dist_cache_mb must be a finite number >= 0, got {megabytes!r}")
-        group = None
+        group: dist.ProcessGroup | None = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            group = dist.new_group(backend="gloo")
+            made = dist.new_group(backend="gloo")
+            assert isinstance(made, dist.ProcessGroup)  # (every rank is in it)
+            group = made
         return cls(int(megabytes * 2**20), group, owner)
 
     def __init__(self, max_bytes: int, group: dist.ProcessGroup | None, owner: str) -> None:
@@ -290,7 +292,7 @@ class InputDistCache:
         self._check(modules, list(postprocs))
         stamp = self._stamp(modules)
         entry = self._entries.get(key) if key is not None and self.disabled is None else None
-        if entry is not None and entry.stamp != stamp:  # the sharding changed: it no longer holds
+        if key is not None and entry is not None and entry.stamp != stamp:  # the sharding changed: it no longer holds
             self._drop(key)
             entry = None
         carried = getattr(context, _CARRIED, None)
