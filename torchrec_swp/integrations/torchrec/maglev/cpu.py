@@ -118,7 +118,7 @@ def _row_numel(t: torch.Tensor) -> int:
 
 def on_cpu(stage: StageWrapper) -> StageWrapper:
     """Give ``stage`` the gloo input driver and place it on the CPU (``stage.to(cpu)``)."""
-    stage._input_driver = CpuInputDriver(stage.cascade_pg, stage.stage_index)  # type: ignore[assignment]
+    stage._input_driver = CpuInputDriver(stage.cascade_pg, stage.stage_index)
     return stage.to(CPU)
 
 
