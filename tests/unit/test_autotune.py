@@ -229,7 +229,8 @@ def test_data_that_ends_while_profiling_says_so_and_records_no_decision(capsys: 
     why = "not decided: the data ended after 8 steps, having profiled 5 of the 12 steps it needs after 3 warm-up steps"
     d = pipeline.autotune_decision
     assert d is not None and not d.decided and not d.switched and d.why == (why,)
-    assert capsys.readouterr().out.splitlines() == [f"autotune TrainPipelineBase: {why}; the starting plan stays"]
+    said = f"autotune TrainPipelineBase: {why}; the starting plan stays"
+    assert capsys.readouterr().out.splitlines() == [opening(), said]
     with pytest.raises(StopIteration):
         pipeline.progress(source)  # still ended: not said again
     assert capsys.readouterr().out == ""
@@ -246,10 +247,41 @@ def test_data_that_ends_while_profiling_says_so_and_records_no_decision(capsys: 
 def test_data_that_ends_in_the_warmup_says_nothing_was_profiled(capsys: pytest.CaptureFixture[str]) -> None:
     outputs, pipeline, _ = train(2, 0.0, autotune=Autotune(**FAST))
     assert len(outputs) == 2 and not pipeline.autotune_decision.decided
-    assert capsys.readouterr().out == (
+    assert capsys.readouterr().out == opening() + "\n" + (
         "autotune TrainPipelineBase: not decided: the data ended after 2 steps, having profiled 0 of the 12 steps it "
         "needs after 3 warm-up steps; the starting plan stays\n"
     )
+
+
+def test_each_tuner_state_has_one_handler() -> None:
+    from torchrec_swp.autotune.tuner import HANDLERS, TunerState
+
+    assert set(HANDLERS) == set(TunerState)
+    assert {state: h.__name__ for state, h in HANDLERS.items()} == {s: f"_on_{s.value}" for s in TunerState}
+
+
+def opening(**options: Any) -> str:
+    """The tuner's first line for ``Autotune(**FAST, **options)`` on TrainPipelineBase (depth 1)."""
+    o = Autotune(**{**FAST, **options})
+    return (
+        f"autotune TrainPipelineBase: tunes within {o.tuning_bound(1)} steps at most (a warm-up of {o.warmup}, a "
+        f"profile of {o.steps}, {o.rounds} round{'s' if o.rounds != 1 else ''} of search"
+        + (f", each measuring up to {o.candidates} plans against the running one" if o.candidates else "")
+        + f", a verification of {o.verify}); it trains on its starting plan meanwhile, with the same results"
+    )
+
+
+def test_the_first_line_says_how_many_steps_tuning_takes_before_the_first_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = Summing()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    torchrec_swp.TrainPipelineBase(model, optimizer, CPU, autotune=Autotune(**FAST)).close()
+    assert capsys.readouterr().out.splitlines() == [opening()]
+    bound = Autotune(**FAST).tuning_bound(1)
+    assert f"tunes within {bound} steps at most" in opening() and bound > FAST["warmup"] + FAST["steps"]
+    assert "2 rounds of search, each measuring up to 3 plans against the running one" in opening()
+    assert "1 round of search, a verification" in opening(rounds=1, candidates=0)
 
 
 class Found:
@@ -289,6 +321,8 @@ def test_by_default_each_event_is_one_line_on_stdout_and_the_reasons_are_logged(
     _, pipeline, _ = train(40, 0.0, autotune=Autotune(**FAST, rounds=1, candidates=0))
     assert pipeline.autotune_decision.measured_s is not None
     out = capsys.readouterr().out.splitlines()
+    assert out[0] == opening(rounds=1, candidates=0), out
+    out = out[1:]
     assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
     measured = (
         r"autotune TrainPipelineBase: measured \d+\.\d\d ms per step over 6 steps with the chosen plan "
@@ -296,7 +330,12 @@ def test_by_default_each_event_is_one_line_on_stdout_and_the_reasons_are_logged(
     )
     assert re.fullmatch(measured, out[1]), out
     logged = [r.getMessage() for r in caplog.records if r.name == "torchrec_swp.autotune"]
-    assert logged == [out[0], "autotune TrainPipelineBase: the change: scripted to ('io', 'default')", out[1]]
+    assert logged == [
+        opening(rounds=1, candidates=0),
+        out[0],
+        "autotune TrainPipelineBase: the change: scripted to ('io', 'default')",
+        out[1],
+    ]
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "torchrec_swp.autotune")
 
 
@@ -321,6 +360,8 @@ def test_data_that_ends_after_the_decision_says_what_was_left_undone(
     scripted(monkeypatch, io_plan())
     _, pipeline, _ = train(18, 0.0, autotune=Autotune(**FAST, rounds=rounds, candidates=0))  # decides at the 16th call
     out = capsys.readouterr().out.splitlines()
+    assert out[0] == opening(rounds=rounds, candidates=0), out
+    out = out[1:]
     assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
     match = re.fullmatch(f"autotune TrainPipelineBase: {said}", out[1])
     assert match, out
@@ -360,3 +401,88 @@ def test_a_second_switch_from_a_plan_that_runs_ahead_waits_for_the_caller(monkey
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     assert pipeline.plan.lookahead == 1 and pipeline.plan.task("H2D").thread_group == "io", lines
     assert pipeline.autotune_decision is not None and pipeline.autotune_decision.measured_s is not None
+
+
+class NothingFound:
+    """What ``search_overlap`` returns where no change is predicted to win, scripted."""
+
+    speedup, predicted, baseline, ranking = 1.0, 2e-3, 2e-3, ()
+
+    def why(self, **_: Any) -> list[str]:
+        return ["no change is predicted to do better"]
+
+
+class Transforming(Slow):
+    """Items made by torch ops for about ``ms`` (a loader's feature transforms: the draw computes,
+    the GIL released inside each op)."""
+
+    def __init__(self, n: int, rounds: int) -> None:
+        super().__init__(n, 0.0)
+        self.rounds = rounds
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from examples.dlrm.loader_work import torch_rounds
+
+        torch_rounds(self.rounds, i)
+        return self.items[i]
+
+
+class Computing(Summing):
+    """A forward that computes too (torch ops), so that the calling thread is busy on the CPU."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.ones(96, 96)
+        for _ in range(12):
+            a = torch.tanh(a @ a / 96)
+        return super().forward(x + 0 * a.sum())
+
+
+def test_a_draw_that_computes_is_tried_where_the_gil_model_predicts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the model holds the GIL for every CPU part: a computing draw beside a computing forward
+    # gains nothing on another thread there. Torch ops release it, Python parsing does not: the
+    # profile cannot tell which, so the plans that win without the GIL are tried and measured.
+    # (The search with the GIL is scripted to find nothing, as it does for such a draw, so that
+    # what is tested does not hang on this machine's timings; the search without it is real.)
+    import torchrec_swp.autotune.tuner as tuner
+    from torchrec_swp.autotune.tuner import CPU_BOUND_DRAW, draw_cpu_share
+
+    real, searched = tuner.search_overlap, []
+
+    def search(profiled: Any, calibration: Any, machine: Any, space: Any) -> Any:
+        searched.append(machine.gil)
+        return NothingFound() if machine.gil is not None else real(profiled, calibration, machine, space)
+
+    monkeypatch.setattr(tuner, "search_overlap", search)
+    lines: list[str] = []
+    n = Autotune(**FAST, rounds=1).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    tuned, pipeline, _ = train(
+        n, 0.0, model=Computing(), dataset=Transforming(n, 6), autotune=Autotune(**FAST, rounds=1, report=lines.append)
+    )
+    plain, _, _ = train(n, 0.0, model=Computing(), dataset=Transforming(n, 6))
+    assert same(tuned, plain)  # whatever it chose
+    assert searched == [1.0, None], lines  # with the GIL held, then released
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided, lines
+    said = [w for w in d.why if "computes" in w and "the trial measures those plans" in w]
+    assert said, lines
+    share = re.search(r"the draw LoadBatch computes (\d+)% of its time", said[0])
+    assert share and int(share[1]) >= 100 * CPU_BOUND_DRAW, said
+    assert len(d.tried) >= 2 and d.trial_steps > 0, lines  # measured, not assumed
+    assert draw_cpu_share([], None) is None
+
+
+def test_a_draw_that_waits_is_not_tried_again_without_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a loader that sleeps is off the CPU (its share far below CPU_BOUND_DRAW): where the model
+    # with the GIL finds nothing (scripted here), the GIL is not what hid a gain; no second search
+    import torchrec_swp.autotune.tuner as tuner
+
+    searched = []
+
+    def search(profiled: Any, calibration: Any, machine: Any, space: Any) -> Any:
+        searched.append(machine.gil)
+        return NothingFound()
+
+    monkeypatch.setattr(tuner, "search_overlap", search)
+    _, pipeline, _ = train(40, 0.004, autotune=Autotune(**FAST, rounds=1))
+    assert searched == [1.0]
+    assert pipeline.autotune_decision.decided and not pipeline.autotune_decision.tried

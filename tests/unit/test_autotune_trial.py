@@ -346,7 +346,8 @@ def test_data_that_ends_in_the_trial_keeps_the_plan_running_and_the_trial_goes_o
     assert trained == FAST["warmup"] + FAST["steps"] + 12 and pipeline.batch_ledger.trained == trained
     d = pipeline.autotune_decision
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("autotune TrainPipelineBase: profiled 12 steps"), out
+    assert out[0].startswith("autotune TrainPipelineBase: tunes within "), out
+    assert out[1].startswith("autotune TrainPipelineBase: profiled 12 steps"), out
     said = re.fullmatch(
         rf"autotune TrainPipelineBase: not decided: the data ended after {trained} steps, in the trial's cycle 1 of "
         r"at most 3; (the running plan|threads .*) stays \(with more data the trial goes on\)",

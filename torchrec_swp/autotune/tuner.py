@@ -43,6 +43,10 @@ trial the plan running stays (every candidate trains alike), the visit's measure
 and, with more data, the visit starts again. In the second round or the verification, the
 decision stands and the line says what was not done.
 
+Each state (``TunerState``) has one handler (``HANDLERS``: ``Tuner._on_<state>``), which
+``before_step`` calls after giving the step that ended to what the state measures; what the tuner
+says, and where it goes, is ``report.py``; its record, ``decision.py``.
+
 The starting plan does not run ahead (lookahead 0): between two calls every thread stands at the
 same batch boundary and the first switch happens at once. A switch from a plan that runs ahead
 waits until the calling thread has caught up with the threads ahead (``Engine.switch_plan``), at
@@ -56,20 +60,21 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
 from torchrec_swp.autosched.inputs import from_profiles
 from torchrec_swp.autosched.overlap import Space, apply_candidate, search_overlap
+from torchrec_swp.autotune import report
 from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, world
-from torchrec_swp.autotune.options import Autotune, PrintedReport
+from torchrec_swp.autotune.decision import Decision
+from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
 from torchrec_swp.autotune.trial import (
     SETTLE,
     Trial,
-    Tried,
     describe,
     engine_threads,
     needs_quiet,
@@ -91,6 +96,24 @@ def step_of(periods: Sequence[float]) -> float:
     the next ``loads - 1`` find their batches ready), and the median of such calls is the short
     one's, however slow the loads."""
     return statistics.fmean(periods)
+
+
+#: a draw whose thread computes at least this share of its time (thread CPU / wall) is CPU-bound:
+#: where the model (which holds the GIL for all CPU work) predicts no gain, the plans that would win
+#: if it released the GIL are tried and measured (``Tuner._search``)
+CPU_BOUND_DRAW = 0.5
+
+
+def draw_cpu_share(profiles: Sequence[Profile], source: str | None) -> float | None:
+    """The share of the time every rank's ``source`` task spent on its thread's CPU (None: no
+    source, or a profile without CPU times)."""
+    if source is None:
+        return None
+    stats = [p.stats(source) for p in profiles]
+    wall = sum(s.mean_s for s in stats)
+    if wall <= 0 or any(s.cpu_mean_s is None for s in stats):
+        return None
+    return sum(s.cpu_mean_s or 0.0 for s in stats) / wall
 
 
 class TunedEngine(Protocol):
@@ -115,61 +138,6 @@ class TunedEngine(Protocol):
 
     @property
     def switch_pending(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the ranks decided: ``plan`` the found plan's text (of the profiled phase; None: keep
-    the starting plan), whether it gives the input dist its own comm group, the predicted step of
-    it (from its own profile after a second round; ``first_predicted_s``: from the starting plan's)
-    and of the starting plan, the starting plan's measured step, the lines saying why, and (once
-    verified) the measured step with the chosen plan.
-
-    ``tried``: the plans of the last trial, each with its predicted and measured step
-    (``trial.Tried``), the running plan first; ``visits``: the order they ran in (indices into
-    ``tried``). ``trial_steps``: the calls every trial took (switches, settling, measuring);
-    ``switches``: the plan switches the tuner made; ``tuning_steps``: the calls before the last
-    decision (what tuning cost before the final plan ran alone); ``retunes``: re-tunes after a
-    drift.
-
-    ``decided`` False: no decision was taken, the data ended first (``why``: ``not decided: the
-    data ended after N steps, having profiled P of the S steps it needs ...``; ``plan``: the plan
-    running then, None for the starting plan). Such a record is not checkpointed: a resume tunes
-    again."""
-
-    plan: str | None
-    own_group: bool = False
-    predicted_s: float | None = None
-    baseline_s: float | None = None
-    measured_start_s: float | None = None
-    why: tuple[str, ...] = ()
-    measured_s: float | None = None
-    first_predicted_s: float | None = None
-    decided: bool = True
-    tried: tuple[Tried, ...] = ()
-    visits: tuple[int, ...] = ()
-    trial_steps: int = 0
-    switches: int = 0
-    tuning_steps: int | None = None
-    retunes: int = 0
-
-    @property
-    def switched(self) -> bool:
-        return self.plan is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Decision:
-        return cls(
-            **{
-                **data,
-                "why": tuple(data.get("why", ())),
-                "tried": tuple(Tried.from_dict(t) for t in data.get("tried", ())),
-                "visits": tuple(data.get("visits", ())),
-            }
-        )
 
 
 @dataclass(frozen=True)
@@ -231,47 +199,66 @@ class Tuner:
         self._window: deque[float] = deque(maxlen=options.verify)
         self._watch_from = 0
         self._drifting = 0  # consecutive checks past the drift
+        self._report(report.opening(owner, options, engine.plan.pipeline_depth), headline=True)
 
-    # ------------------------------------------------------------------ the calls
     def before_step(self) -> None:
-        """A ``progress()`` call begins (before the engine steps)."""
+        """A ``progress()`` call begins (before the engine steps): the step that just ended goes
+        to what the state measures (``_measure``), then the state's handler (``HANDLERS``) acts."""
         now = time.perf_counter()
-        period = None if self._last_start is None else now - self._last_start
-        if period is not None:
-            if self.state in (TunerState.PROFILING, TunerState.VERIFYING):
-                self._periods.append(period)
-            elif self.state == TunerState.WATCHING:
-                self._window.append(period)
-            elif self.state == TunerState.TRYING and self._trial is not None:
-                self._trial.measure(self.calls, period)  # self.calls: the call before this one
+        if self._last_start is not None:
+            self._measure(now - self._last_start)
         self._last_start = now
         self.calls += 1
-        o = self.options
-        if self.state == TunerState.WARMUP and self.calls > o.warmup:
-            self._profile_for(o.steps)
-        elif self.state == TunerState.SETTLING and self.calls > self._until and not self.engine.switch_pending:
-            self._profile_for(o.steps)
-        elif self.state == TunerState.PROFILING and self.calls > self._until:
+        HANDLERS[self.state](self)
+        self._last_start = time.perf_counter()  # the tuner's own time (a search, a switch) is not a step
+
+    def _measure(self, period: float) -> None:
+        """Where the step that just ended (``period``, from one call's start to the next's) goes:
+        the profile's or the verification's periods, the drift watch's window, the trial's visit."""
+        if self.state in (TunerState.PROFILING, TunerState.VERIFYING):
+            self._periods.append(period)
+        elif self.state == TunerState.WATCHING:
+            self._window.append(period)
+        elif self.state == TunerState.TRYING and self._trial is not None:
+            self._trial.measure(self.calls, period)  # self.calls: the call before this one
+
+    # ------------------------------------------------------------------ one handler per state
+    def _on_warmup(self) -> None:
+        if self.calls > self.options.warmup:
+            self._profile_for(self.options.steps)
+
+    def _on_settling(self) -> None:
+        if self.calls > self._until and not self.engine.switch_pending:
+            self._profile_for(self.options.steps)
+
+    def _on_profiling(self) -> None:
+        if self.calls > self._until:
             self._detach()
             self._when_quiet(self._decide)
-        elif self.state == TunerState.QUIETING:
-            assert self._quiet is not None
-            at, action, after = self._quiet
-            if self.calls >= at:
-                self._quiet, self.state = None, after
-                action()
-                if self._quiet_back is not None:  # the action switched nowhere: back to the plan
-                    back, self._quiet_back = self._quiet_back, None
-                    self._switch(back)
-        elif self.state == TunerState.TRYING:
-            self._trying()
-        elif self.state == TunerState.VERIFYING and len(self._periods) >= self._settle + o.verify:
+
+    def _on_quieting(self) -> None:
+        assert self._quiet is not None
+        at, action, after = self._quiet
+        if self.calls >= at:
+            self._quiet, self.state = None, after
+            action()
+            if self._quiet_back is not None:  # the action switched nowhere: back to the plan
+                back, self._quiet_back = self._quiet_back, None
+                self._switch(back)
+
+    def _on_verifying(self) -> None:
+        if len(self._periods) >= self._settle + self.options.verify:
             self._verified()
-        elif self.state == TunerState.WATCHING and o.drift is not None:
+
+    def _on_watching(self) -> None:
+        o = self.options
+        if o.drift is not None:
             since = self.calls - self._watch_from
             if since > 0 and since % o.drift_every == 0 and len(self._window) == self._window.maxlen:
                 self._when_quiet(self._check_drift)
-        self._last_start = time.perf_counter()  # the tuner's own time (a search, a switch) is not a step
+
+    def _on_done(self) -> None:
+        pass
 
     def _profile_for(self, steps: int) -> None:
         self._attach()
@@ -418,20 +405,45 @@ class Tuner:
                 mode="mean" if self.round == 1 else "replay",
             )
             result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
+            freed, share = None, draw_cpu_share(profiles, profiled.source)
+            if (
+                result.speedup < 1 + o.noise
+                and o.candidates > 0
+                and o.gil is not None
+                and self.round == 1
+                and share is not None
+                and share >= CPU_BOUND_DRAW
+            ):  # the draw computes: whether its work holds the GIL only a measurement can tell
+                released = from_profiles(profiles, wake=o.wake_s, gil=None, cold=o.cold)
+                freed = search_overlap(profiled, released.calibration, released.machine, space)
+                freed = freed if freed.speedup >= 1 + o.noise else None
         except (PlanError, ProfileError, ValueError) as e:
             return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",)), []
         why = tuple(result.why(start="the starting plan" if self.round == 1 else "the chosen plan"))
         margin = o.noise
-        ranking = getattr(result, "ranking", ())
-        tryable = o.candidates > 0 and (result.speedup >= 1 + margin or (self._drift_round and len(ranking) > 1))
+        if freed is not None:
+            assert share is not None
+            why = (
+                *why,
+                f"the draw {profiled.source} computes {100 * share:.0f}% of its time: if that work holds the GIL "
+                f"(Python parsing) no thread layout wins (x{result.speedup:.2f}), if it releases it (torch ops) "
+                f"x{freed.speedup:.2f}; the profile cannot tell which, so the trial measures those plans (where none "
+                "wins, only worker processes, e.g. a DataLoader with num_workers under the pipeline, would load in "
+                "parallel)",
+            )
+        searched = freed if freed is not None else result
+        ranking = getattr(searched, "ranking", ())
+        tryable = o.candidates > 0 and (
+            searched.speedup >= 1 + margin or (self._drift_round and len(ranking) > 1)
+        )
         candidates: list[Any] = []
         if tryable:
-            start = result.start if hasattr(result, "start") else None
+            start = searched.start if hasattr(searched, "start") else None
             running = start.plan if start is not None else profiled
-            ranked = [result.best, *ranking]
+            ranked = [searched.best, *ranking]
             plans = pick([s.plan for s in ranked], running, o.candidates)
             by_plan = {s.plan: s for s in reversed(ranked)}
-            candidates = [[running.to_text(), result.baseline, bool(start and start.candidate.own_group)]]
+            candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group)]]
             candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group] for p in plans]
             if len(candidates) < 2:
                 candidates = []
@@ -485,7 +497,7 @@ class Tuner:
             tuning_steps=self.calls - 1,
             retunes=self._retunes,
         )
-        head, reasons = self._lines(decision, self.round)
+        head, reasons = report.decision_lines(self.owner, decision, self.round, self._round_name(), self.options.steps)
         self._report(head, headline=True)
         for line in reasons:
             self._report(line)
@@ -521,13 +533,7 @@ class Tuner:
         self.decision = replace(self.decision, measured_s=step_of(periods))
         d = self.decision
         assert d.measured_s is not None and d.predicted_s is not None
-        off = 100 * (d.predicted_s / d.measured_s - 1)
-        side = "under" if off < 0 else "over"
-        self._report(
-            f"autotune {self.owner}: measured {1e3 * d.measured_s:.2f} ms per step over {len(periods)} steps "
-            f"with the chosen plan (predicted {1e3 * d.predicted_s:.2f} ms, {abs(off):.0f}% {side})",
-            headline=True,
-        )
+        self._report(report.verified_line(self.owner, d, len(periods)), headline=True)
         self._watch(step_of(periods))
 
     # ------------------------------------------------------------------ the trial
@@ -570,7 +576,9 @@ class Tuner:
             self._on = index
         t.begin(index, self.calls + catch + settle)
 
-    def _trying(self) -> None:
+    def _on_trying(self) -> None:
+        """The trial's state: at the end of a visit the next candidate of the cycle, or after the
+        cycle the judgement."""
         t = self._trial
         assert t is not None
         if not t.close(self.calls):
@@ -724,52 +732,8 @@ class Tuner:
     def _round_name(self) -> str:
         return f"re-tune {self._retunes}" if self._drift_round else "second round"
 
-    def _lines(self, d: Decision, round_: int) -> tuple[str, list[str]]:
-        """What one round's decision ``d`` says: the headline (what it does, and for a plan kept
-        in the first round, why), then the reasons."""
-        who = f"autotune {self.owner}"
-        reasons = list(d.why)
-        measured = f" ({1e3 * d.measured_start_s:.2f} ms per step measured)" if d.measured_start_s is not None else ""
-        trial = next((line for line in reasons if line.startswith("tried ") and " plans over " in line), None)
-        if trial is not None:
-            head = f"{who}: {trial}"
-            if round_ > 1:
-                head = f"{who}: {self._round_name()}: {trial}"
-            reasons.remove(trial)
-        elif round_ == 1:
-            head = f"{who}: profiled {self.options.steps} steps{measured}"
-        else:
-            head = f"{who}: {self._round_name()}: profiled the chosen plan as it runs{measured}"
-        if d.switched:
-            found = PipelinePlan.from_text(d.plan)  # type: ignore[arg-type]  # a decision that switches has a plan text
-            head += f"; switches to {describe(found)}" + (
-                ", the input dist in its own comm group" if d.own_group else ""
-            )
-            if d.predicted_s is not None and d.baseline_s is not None and d.predicted_s > 0:
-                head += f": predicted {1e3 * d.predicted_s:.2f} ms per step (x{d.baseline_s / d.predicted_s:.2f})"
-            if d.tried:
-                won = next(x for x in d.tried if x.verdict == "best")
-                if won.measured_s is not None:
-                    head += f", measured {1e3 * won.measured_s:.2f} ms"
-        elif round_ > 1 and d.baseline_s is not None and trial is None:
-            head += f"; keeps it: predicted {1e3 * d.baseline_s:.2f} ms per step from its own profile"
-        elif reasons and reasons[-1].startswith("keeps the plan"):
-            head += f"; {reasons.pop()}"
-        prefix = "" if round_ == 1 else f"{self._round_name()}: "
-        if trial is not None:  # the search's reasons were said when the trial began
-            reasons = [line for line in reasons if line.startswith("tried ")]
-        return head, [f"{who}: {prefix}{line}" for line in reasons]
-
     def _report(self, line: str, headline: bool = False) -> None:
-        """One line to ``Autotune.report``, on rank 0 only; a headline to the default report's
-        ``headline`` (stdout too)."""
-        report = self.options.report
-        if report is None or world()[0] != 0:
-            return
-        if headline and isinstance(report, PrintedReport):
-            report.headline(line)
-        else:
-            report(line)
+        report.send(self.options, line, headline)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -787,3 +751,16 @@ class Tuner:
         if self.decision.switched:
             self._apply(self.decision)
         self._watch()
+
+
+#: What each state does at the start of a call (``Tuner.before_step``): one handler per state.
+HANDLERS: dict[TunerState, Callable[[Tuner], None]] = {
+    TunerState.WARMUP: Tuner._on_warmup,
+    TunerState.SETTLING: Tuner._on_settling,
+    TunerState.PROFILING: Tuner._on_profiling,
+    TunerState.QUIETING: Tuner._on_quieting,
+    TunerState.TRYING: Tuner._on_trying,
+    TunerState.VERIFYING: Tuner._on_verifying,
+    TunerState.WATCHING: Tuner._on_watching,
+    TunerState.DONE: Tuner._on_done,
+}
