@@ -122,7 +122,7 @@ def _phase(rank: int, world_size: int, root: str, phase: str) -> dict[str, Any]:
     for name, pipeline in PIPELINES.items():
         base = [*SMALL, *pipeline]
 
-        def run(label: str, ckpt: str, log: str, *extra: str) -> None:
+        def run(label: str, ckpt: str, log: str, *extra: str, base: list[str] = base, name: str = name) -> None:
             argv = [*base, "--checkpoint-dir", str(r / name / ckpt), "--sample-log", str(r / name / log), *extra]
             try:
                 results[f"{name}/{label}"] = _train(argv)
@@ -252,7 +252,8 @@ def test_what_every_rank_saved_is_the_same_where_a_resize_reads_rank_0s(
     _, merged = runs
     for name in PIPELINES:
         rank0, rank1 = (o["pipeline"] for o in _ok(merged, f"{name}/objects-b")[0])
-        assert rank0["loader"] == rank1["loader"] == {"consumed": 2 * K2, "total": EPOCH, "order": rank0["loader"]["order"]}
+        position = {"consumed": 2 * K2, "total": EPOCH, "order": rank0["loader"]["order"]}
+        assert rank0["loader"] == rank1["loader"] == position
         assert rank0["engine"]["batch_number"] == rank1["engine"]["batch_number"]
         if name == "SemiSync":
             stashed = [r["pipeline"]["stashed_gradients"] for r in (rank0, rank1)]

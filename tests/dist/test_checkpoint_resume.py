@@ -2,9 +2,9 @@
 
 For each pipeline (SparseDist, SparseDist with H2D on an io thread, SemiSync in its semi-sync
 phase with and without stash_gradients, Prefetch, Fused, Staged) and the StatefulDataLoader with 0
-and 2 worker processes, and for the map source (``--data-source map``: ``torchrec_swp.data.MapSource``) alone and with 2 loads at
-once (SparseDist, SemiSync; synthetic data and a Criteo TSV file), on 2 gloo ranks, with stateful
-optimizers (row-wise Adagrad on the tables, fused; Adagrad on the MLPs):
+and 2 worker processes, and for the map source (``--data-source map``: ``torchrec_swp.data.MapSource``)
+alone and with 2 loads at once (SparseDist, SemiSync; synthetic data and a Criteo TSV file), on 2
+gloo ranks, with stateful optimizers (row-wise Adagrad on the tables, fused; Adagrad on the MLPs):
 
 * run A trains N steps without checkpoints;
 * run B trains k steps, checkpoints (``--checkpoint-every k --stop-after k``) and ends, with

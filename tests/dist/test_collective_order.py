@@ -47,7 +47,7 @@ def _unordered(rank: int, world_size: int) -> list[dict[str, list[float]]]:
     for step in range(2):
         values = _values(rank, step)
 
-        def reduce(name: str) -> None:
+        def reduce(name: str, values: dict[str, torch.Tensor] = values) -> None:
             time.sleep(_delay(rank, name))
             dist.all_reduce(values[name])
 

@@ -442,7 +442,9 @@ def _stepwise_differences(run: dict[str, Any], reference: dict[str, Any], k: int
 
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize(("k", "where"), [(K, "middle"), (WINDOW_START, "first"), (WINDOW_END, "last")])
-def test_the_accumulation_window_closes_as_if_the_micro_batch_was_never_seen(world_size: int, k: int, where: str) -> None:
+def test_the_accumulation_window_closes_as_if_the_micro_batch_was_never_seen(
+    world_size: int, k: int, where: str
+) -> None:
     """GradientAccumulationWrapper (windows of 3) over TrainPipelineSparseDist, a window's
     ``where`` micro-batch rolled back: bit for bit the run whose data lacks it, after every step
     (weights, fused and dense optimizer state, the window's accumulated gradients) and in every

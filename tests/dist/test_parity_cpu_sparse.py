@@ -26,8 +26,15 @@ import pytest
 import torch
 
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
-from harness.parity import NUM_FLOAT_FEATURES, TABLES, WEIGHTED_TABLES, RunResult, assert_runs_equal, make_batches
-from harness.parity import train_pipeline_run
+from harness.parity import (
+    NUM_FLOAT_FEATURES,
+    TABLES,
+    WEIGHTED_TABLES,
+    RunResult,
+    assert_runs_equal,
+    make_batches,
+    train_pipeline_run,
+)
 from harness.ranks import run_on_ranks
 
 pytestmark = [pytest.mark.parity, pytest.mark.multiprocess]

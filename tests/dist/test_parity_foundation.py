@@ -35,7 +35,9 @@ CASES: list[tuple[str, Factory, dict[str, Factory]]] = [
         lambda m, o: upstream.TrainPipelineBase(m, o, CPU),
         {
             "default": lambda m, o: torchrec_swp.TrainPipelineBase(m, o, CPU),
-            "io_thread": lambda m, o: torchrec_swp.TrainPipelineBase(m, o, CPU, thread_map={"LoadBatch": "io", "H2D": "io"}),
+            "io_thread": lambda m, o: torchrec_swp.TrainPipelineBase(
+                m, o, CPU, thread_map={"LoadBatch": "io", "H2D": "io"}
+            ),
             "per_task": lambda m, o: torchrec_swp.TrainPipelineBase(m, o, CPU, thread_map="per_task"),
             # LoadBatch only draws: on 2 load threads as it is, drawing up to 2 batches ahead
             "io_loads_lookahead": lambda m, o: torchrec_swp.TrainPipelineBase(
@@ -123,7 +125,10 @@ def _train(factory: Factory, rank: int, world_size: int, seed: int) -> RunResult
 
 def _all_cases(rank: int, world_size: int, seed: int) -> dict[str, tuple[RunResult, dict[str, RunResult]]]:
     return {
-        name: (_train(up, rank, world_size, seed), {label: _train(f, rank, world_size, seed) for label, f in ours.items()})
+        name: (
+            _train(up, rank, world_size, seed),
+            {label: _train(f, rank, world_size, seed) for label, f in ours.items()},
+        )
         for name, up, ours in CASES
     }
 

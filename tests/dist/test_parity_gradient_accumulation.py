@@ -6,7 +6,8 @@ iterator), so that the first ends inside a window (upstream flushes it at StopIt
 the counter goes on across the epochs. Outputs, losses, final weights and the StopIteration
 calls must be equal bit for bit, with the default plan and with thread maps, loads and
 lookahead; upstream's Fused and SemiSync run under the test-only CPU patch, as in their own
-parity tests, and so does TrainPipelinePEC (1.9), one epoch on its own model. On our side the window is in the plan (``plans.accumulation_phases``); a pipeline
+parity tests, and so does TrainPipelinePEC (1.9), one epoch on its own model. On our side the
+window is in the plan (``plans.accumulation_phases``); a pipeline
 whose plan has phases of its own (SemiSync) keeps upstream's optimizer interception.
 
 Checkpoints: a run cut in the middle of a window (after 5 batches of windows of 3: batches 3 and
@@ -27,6 +28,8 @@ import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 from torchrec.distributed.train_pipeline.gradient_accumulation import (
     GradientAccumulationConfig,
+)
+from torchrec.distributed.train_pipeline.gradient_accumulation import (
     GradientAccumulationWrapper as UpstreamWrapper,
 )
 

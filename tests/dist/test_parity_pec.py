@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from examples.dlrm.upstream_cpu_patch import upstream_cpu_patch
-from harness.pec_model import PEC_THREAD_MAPS, build_pec_model
 from harness.parity import RunResult, assert_runs_equal, local_state, record_losses, train_pipeline_run
+from harness.pec_model import PEC_THREAD_MAPS, build_pec_model
 from harness.ranks import run_on_ranks
 from torchrec_swp.integrations.torchrec.compat import installed
 
@@ -83,7 +83,8 @@ def _all(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     pipeline = TrainPipelinePEC(model, optimizer, CPU)
     pipeline.progress(iter(batches))
     # as upstream's test: the model rewrite found every sharded PEC module
-    out["pec modules"] = (len(pipeline._pec_modules), sum(isinstance(m, ShardedPECEmbeddingCollection) for m in model.modules()))
+    sharded = sum(isinstance(m, ShardedPECEmbeddingCollection) for m in model.modules())
+    out["pec modules"] = (len(pipeline._pec_modules), sharded)
     pipeline.close()
     return out
 
@@ -99,4 +100,4 @@ def test_pec_equals_upstream_bit_for_bit_and_the_plain_loop_within_tolerance() -
         # the model trained: weights moved away from the initial ones
         assert any(not torch.equal(w, runs["initial weights"][k]) for k, w in reference.weights.items())
         for step, (ours, plain) in enumerate(zip(runs["ours"]["default"].outputs, runs["plain"], strict=True)):
-            torch.testing.assert_close(ours, plain, msg=lambda m, s=step: f"rank {rank} step {s}: {m}")
+            torch.testing.assert_close(ours, plain, msg=lambda m, s=step, r=rank: f"rank {r} step {s}: {m}")

@@ -102,7 +102,13 @@ STAGE_STREAMS: dict[str, Callable[[], Any]] = {
 
 
 def _staged_run(
-    rank: int, world_size: int, seed: int, *, ours: bool, thread_map: Any = None, stage_stream: str = "torch.Stream(cpu)"
+    rank: int,
+    world_size: int,
+    seed: int,
+    *,
+    ours: bool,
+    thread_map: Any = None,
+    stage_stream: str = "torch.Stream(cpu)",
 ) -> RunResult:
     """The caller's loop: ``while (batch := progress(it)) is not None``, train on ``batch``.
 
@@ -141,14 +147,14 @@ def _all_runs(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     for stash in (False, True):
         kw = {"start_batch": START_BATCH, "stash_gradients": stash}
         out[f"SemiSync stash_gradients={stash}"] = (
-            run(lambda m, o: upstream.TrainPipelineSemiSync(m, o, CPU, **kw), patched=True),
+            run(lambda m, o, kw=kw: upstream.TrainPipelineSemiSync(m, o, CPU, **kw), patched=True),
             {
-                "default": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw)),
-                "io_thread": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map={"H2D": "io"})),
-                "by_stream": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map="by_stream")),
+                "default": run(lambda m, o, kw=kw: TrainPipelineSemiSync(m, o, CPU, **kw)),
+                "io_thread": run(lambda m, o, kw=kw: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map={"H2D": "io"})),
+                "by_stream": run(lambda m, o, kw=kw: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map="by_stream")),
                 # EmbLookup(i+1) and EmbBackward(i) on threads of their own: the plan orders them
                 # (checked mode caught them unordered on the default stream before it did)
-                "per_task": run(lambda m, o: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map="per_task")),
+                "per_task": run(lambda m, o, kw=kw: TrainPipelineSemiSync(m, o, CPU, **kw, thread_map="per_task")),
             },
         )
     out["SemiSync start_batch=900"] = run(lambda m, o: TrainPipelineSemiSync(m, o, CPU))

@@ -113,7 +113,8 @@ def copy_of_checkout(dest: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(1500)  # every page's blocks, several make runs: 397 s alone on 2 cores, 642 s beside make test's other worker
+# every page's blocks, several make runs: 397 s alone on 2 cores, 642 s beside make test's other worker
+@pytest.mark.timeout(1500)
 def test_the_bash_blocks_of_the_readme_and_the_docs_run_as_written(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     checkout = copy_of_checkout(tmp_path / "checkout")

@@ -5,8 +5,8 @@
   collectives pair up wrongly and a rank dies or raises - never a silent pass. Each runs in
   ranks of its own (``run_on_ranks``), so the suite survives the abort.
 * With default options (``sync_dataloader_exhaustion`` is on by default), for every pipeline
-  family, with the default plan, an io thread, 2 parallel loads and lookahead: two epochs on one pipeline, rank 0 short in the
-  first (10 against 13), rank 1 in the second. Every rank stops after batch 10 with
+  family, with the default plan, an io thread, 2 parallel loads and lookahead: two epochs on one
+  pipeline, rank 0 short in the first (10 against 13), rank 1 in the second. Every rank stops after batch 10 with
   StopIteration (the staged pipeline: returns None) in both epochs, and outputs, losses and final
   weights equal bit for bit those of the run in which every rank had 10 batches (sync off); the
   longer rank's draw for batch 10 is counted in ``batch_ledger.dropped_past_end``. One rank process runs
@@ -199,7 +199,8 @@ def test_uneven_data_stops_every_rank_after_the_same_batch(family: str) -> None:
                 assert_runs_equal(ref, got, what=f"rank {rank} {family} [{label}] epoch {e + 1}")
             # each rank was the longer one once and drew an item for batch 10 then (not trained)
             drawn_past = 1 if family != "Staged" else int(rank == 1)
-            assert dropped_past_end == drawn_past, f"rank {rank} {family} [{label}]: {dropped_past_end} items drawn past the end"
+            said = f"rank {rank} {family} [{label}]: {dropped_past_end} items drawn past the end"
+            assert dropped_past_end == drawn_past, said
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,3 +155,17 @@ def test_this_stack_is_a_tested_pairing() -> None:
     """The venvs make builds hold tested pairings: the suite runs with no version warning."""
     found = compat.found_stack()
     assert compat.untested_stack(found["torchrec"] or "", found["torch"], found["fbgemm"]) is None, found
+
+
+def test_lint_reads_every_tracked_python_file() -> None:
+    """``make lint``'s ``ruff check .`` reads every Python file git tracks: ruff's default exclude
+    once held "dist", a directory name anywhere, and hid all of tests/dist."""
+    tracked = set(
+        subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    )
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / "ruff"), "check", ".", "--show-files"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    read = {str(Path(line.strip()).resolve().relative_to(ROOT)) for line in shown.splitlines() if line.strip()}
+    assert tracked and tracked - read == set()
