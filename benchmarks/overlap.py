@@ -93,7 +93,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Contender, StepAccounting, interleave, rank_setup, release, size_arg, step_stats
+from benchmarks.common import (
+    Contender,
+    StepAccounting,
+    interleave,
+    percentile,
+    rank_setup,
+    release,
+    size_arg,
+    step_stats,
+)
 from benchmarks.report import add_train_pipeline_arg, run_meta, write_report
 from examples.dlrm.loader_work import KINDS, LoaderWork, calibrate
 from harness.dlrm_data import SIZES, batches
@@ -325,8 +334,6 @@ def _same_prefix(a: list[float], b: list[float]) -> bool:
 def _stats(times: list[float], examples_per_step: int, per_round: int) -> dict[str, Any]:
     """Mean and median step (ms), QPS at the mean step (the throughput), P90 and P99, and each
     round's mean step (``rounds_ms``: ``per_round`` timed steps a round)."""
-    from benchmarks.common import percentile
-
     mean = statistics.fmean(times)
     rounds = [1e3 * statistics.fmean(times[k : k + per_round]) for k in range(0, len(times), per_round)]
     return {
