@@ -217,7 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps",
         type=int,
         help=f"batches per rank, those each rank draws (a step --on-nonfinite skip rolls back counts) "
-        f"(default: {STEPS}; with --autotune, {STEPS} more than its tuning takes at most; with "
+        f"(default: {STEPS}; with --autotune, {STEPS} more than its tuning takes at most, the "
+        f"{SEARCH_STEPS} steps its searches may take in the background included; with "
         "--data-source global, what the epoch leaves for each rank)",
     )
     model.add_argument(
@@ -665,15 +666,22 @@ def _check_global(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     args.steps = args.epoch_batches  # at most: one rank; train() sets what this world's share leaves
 
 
+#: the steps that train while ``--autotune``'s two searches run in the background, allowed for:
+#: 243 and 552 on 2 ranks with a loader of 8 ms (``benchmarks/tuning_cost.py --steps 1000``,
+#: 2026-12-04; 6.4 s and 8.9 s of search), rounded up
+SEARCH_STEPS = 1000
+
+
 def tuning_steps(pipeline: str) -> int:
     """The most steps ``--autotune``'s tuning takes on ``pipeline`` with the defaults (both rounds,
-    each trial at its bound, the verification): without ``--steps``, a run with ``--autotune`` trains
-    that many besides ``STEPS``, so that the tuning ends and the chosen plan trains after it."""
+    each trial at its bound, the verification), and ``SEARCH_STEPS`` for its searches: without
+    ``--steps``, a run with ``--autotune`` trains that many besides ``STEPS``, so that the tuning
+    ends and the chosen plan trains after it."""
     from torchrec_swp import Autotune
 
     plans = default_plans()
     depth = plans[pipeline].pipeline_depth if pipeline in plans else max(p.pipeline_depth for p in plans.values())
-    return Autotune().tuning_bound(depth)
+    return Autotune().tuning_bound(depth) + SEARCH_STEPS
 
 
 def _check_thread_map(args: argparse.Namespace) -> None:

@@ -24,6 +24,10 @@ from torchrec_swp.data import MapSource
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STEPS = 260  # warm-up, profile, a trial (at most 220 steps with these options), verification
+#: the search in the background: at most this long (it keeps the plan past it), and the steps of a
+#: run that takes its result whatever it found (at least 12 ms each: the 5 s fit in 420 of them)
+BACKGROUND_SEARCH_S = 5.0
+BACKGROUND_STEPS = 700
 CPU = torch.device("cpu")
 
 
@@ -41,16 +45,20 @@ class Waiting:
         return self.batches[i]
 
 
-def _run(rank: int, world_size: int, tuned: bool) -> tuple[Any, Any]:
+def _run(rank: int, world_size: int, tuned: bool, background: bool = False, steps: int = STEPS) -> tuple[Any, Any]:
     model, optimizer = build_model(rank, world_size, seed=3)
     lines: list[str] = []
-    options = {"autotune": torchrec_swp.Autotune(warmup=3, steps=12, verify=6, report=lines.append)} if tuned else {}
+    # the search on the training thread (``background`` False): the steps above bound the tuning
+    tuning = torchrec_swp.Autotune(
+        warmup=3, steps=12, verify=6, report=lines.append, background=background, search_s=BACKGROUND_SEARCH_S
+    )
+    options = {"autotune": tuning} if tuned else {}
     pipeline = torchrec_swp.TrainPipelineSparseDist(model, optimizer, CPU, **options)
-    batches = make_batches(rank, world_size, STEPS, seed=4)
+    batches = make_batches(rank, world_size, steps, seed=4)
     source = MapSource(Waiting(batches, 0.012))
     result = train_pipeline_run(pipeline, batches, iterator=source)
     d = pipeline.autotune_decision
-    decided = None if d is None else (d.plan, d.own_group, d.predicted_s, d.tried, d.visits, d.decided)
+    decided = None if d is None else (d.plan, d.own_group, d.predicted_s, d.tried, d.visits, d.decided, d.tuning_steps)
     plan = pipeline.plan.to_text()
     pipeline.close()
     return result, (decided, plan, lines)
@@ -68,7 +76,7 @@ def test_both_ranks_decide_alike_and_train_bit_for_bit_as_untuned() -> None:
         assert_runs_equal(r["tuned"], r["plain"])
         assert r["tuned"].num_calls == STEPS
     assert results[0]["decided"] == results[1]["decided"]
-    plan, own_group, predicted, tried, visits, decided = results[0]["decided"]
+    plan, own_group, predicted, tried, visits, decided, _ = results[0]["decided"]
     assert decided and plan is not None, results[0]["lines"]  # a loader of 12 ms binds: some plan wins
     assert len(tried) >= 2 and visits[: len(tried)] == tuple(range(len(tried)))  # tried alike, in turn
     assert results[0]["plan"] == results[1]["plan"]
@@ -80,12 +88,37 @@ def test_both_ranks_decide_alike_and_train_bit_for_bit_as_untuned() -> None:
     )
 
 
+def _in_the_background(rank: int, world_size: int) -> dict[str, Any]:
+    tuned, (decided, plan, lines) = _run(rank, world_size, tuned=True, background=True, steps=BACKGROUND_STEPS)
+    plain, _ = _run(rank, world_size, tuned=False, steps=BACKGROUND_STEPS)
+    return {"plain": plain, "tuned": tuned, "decided": decided, "plan": plan, "lines": lines}
+
+
+def test_a_background_search_lets_both_ranks_train_on_and_take_its_result_at_the_same_call() -> None:
+    """Rank 0 searches in a process of its own while both ranks train on; both take what it
+    found at the same call (rank 0's flag on the tuner's own group), decide alike and train bit
+    for bit as the untuned pipeline."""
+    results = run_on_ranks(_in_the_background, timeout_s=900)
+    for r in results:
+        assert_runs_equal(r["tuned"], r["plain"])
+    assert results[0]["decided"] == results[1]["decided"]  # the call it took the result at included
+    *_, decided, tuning_steps = results[0]["decided"]
+    assert decided and tuning_steps is not None, results[0]["lines"]
+    took = [re.search(r"the search took [\d.]+ s in a process of its own while (\d+) steps trained", line)
+            for line in results[0]["lines"]]
+    trained = [int(m.group(1)) for m in took if m]
+    assert trained and trained[0] >= 1, results[0]["lines"]  # the ranks trained while it searched
+    assert results[0]["plan"] == results[1]["plan"]
+
+
 def _printed(rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``rank``'s stdout lines of the tuner in two short runs: the default report on every rank,
     then ``report=None`` on the ranks other than 0 (the way to quiet them a user reached for)."""
     out: dict[str, Any] = {}
     for case in ("default", "rank 0 only"):
-        options: dict[str, Any] = {"warmup": 2, "steps": 6, "verify": 2, "rounds": 1, "candidates": 0}
+        options: dict[str, Any] = {
+            "warmup": 2, "steps": 6, "verify": 2, "rounds": 1, "candidates": 0, "background": False
+        }
         if case == "rank 0 only" and rank != 0:
             options["report"] = None
         model, optimizer = build_model(rank, world_size, seed=3)

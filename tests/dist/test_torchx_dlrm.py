@@ -82,9 +82,11 @@ def test_dist_ddp_runs_ours_and_upstream_with_equal_losses(tmp_path: Path) -> No
 def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
     # the component with autotune: a loader of 8 ms binds the small model's default plan, so the
     # tuner switches; the run has the steps of the longest tuning (two rounds, each trial at its
-    # bound), so that the verification always ends inside it; it trains the very batches of the
-    # untuned one, bit for bit
-    steps = Autotune().tuning_bound(plans.default_plans()["TrainPipelineSparseDist"].pipeline_depth)
+    # bound) and those its searches take in the background, so that the verification ends inside
+    # it; it trains the very batches of the untuned one, bit for bit
+    from examples.dlrm.train import tuning_steps
+
+    steps = tuning_steps("TrainPipelineSparseDist")
     component = [
         "examples/dlrm/component.py:dlrm", "--steps", str(steps), "--loader_latency_ms", "8", "--data_source", "map",
     ]  # fmt: skip
@@ -326,10 +328,11 @@ def test_good_data_source_arguments_pass_the_check(argv: list[str]) -> None:
 
 def test_autotune_without_steps_trains_past_the_longest_tuning() -> None:
     # a run with --autotune and no --steps has room for the tuning to end (two rounds, each trial
-    # at its bound, the verification) and for the chosen plan to train the usual steps after it
+    # at its bound, the verification, the steps its searches take in the background) and for the
+    # chosen plan to train the usual steps after it
     from examples.dlrm import train
 
     bound = Autotune().tuning_bound(plans.default_plans()["TrainPipelineSparseDist"].pipeline_depth)
-    assert train.parse_args(["--autotune"]).steps == bound + train.STEPS
+    assert train.parse_args(["--autotune"]).steps == bound + train.SEARCH_STEPS + train.STEPS
     assert train.parse_args(["--autotune", "--steps", "40"]).steps == 40  # as given
     assert train.parse_args([]).steps == train.STEPS

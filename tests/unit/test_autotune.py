@@ -92,7 +92,9 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles": 3}
+# the search on the training thread: every count of calls below is the tuning's own (a search in the
+# background lets as many calls train as its seconds take: test_a_background_search_*)
+FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles": 3, "background": False}
 
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:
@@ -122,7 +124,7 @@ def test_the_first_round_ranks_by_mean_costs_and_the_second_replays(monkeypatch:
     # the first round ranks plans it has not run by their mean costs (the replay's favourites
     # measured worse, notebook/2026-11-sim-vs-real.md, "The tuner ranking by the replay"); the second
     # predicts the plan it profiled and its neighbours from the measured iterations replayed in turn
-    from torchrec_swp.autotune import tuner
+    import torchrec_swp.autotune.search as tuner
 
     modes: list[str] = []
     real = tuner.search_overlap
@@ -297,7 +299,7 @@ class Found:
 
 def scripted(monkeypatch: pytest.MonkeyPatch, *found: Any) -> None:
     """Every search of the tuner finds the next of ``found`` (plans)."""
-    import torchrec_swp.autotune.tuner as tuner
+    import torchrec_swp.autotune.search as tuner
 
     chosen = iter(found)
     monkeypatch.setattr(tuner, "search_overlap", lambda *a, **k: Found(next(chosen)))
@@ -330,7 +332,9 @@ def test_by_default_each_event_is_one_line_on_stdout_and_the_reasons_are_logged(
     )
     assert re.fullmatch(measured, out[1]), out
     logged = [r.getMessage() for r in caplog.records if r.name == "torchrec_swp.autotune"]
-    assert logged == [
+    took = r"autotune TrainPipelineBase: the search took \d+\.\d s on the training thread \(every rank waited\)"
+    assert len(logged) == 5 and re.fullmatch(took, logged[3]), logged
+    assert logged[:3] + logged[4:] == [
         opening(rounds=1, candidates=0),
         out[0],
         "autotune TrainPipelineBase: the change: scripted to ('io', 'default')",
@@ -443,8 +447,8 @@ def test_a_draw_that_computes_is_tried_where_the_gil_model_predicts_nothing(monk
     # profile cannot tell which, so the plans that win without the GIL are tried and measured.
     # (The search with the GIL is scripted to find nothing, as it does for such a draw, so that
     # what is tested does not hang on this machine's timings; the search without it is real.)
-    import torchrec_swp.autotune.tuner as tuner
-    from torchrec_swp.autotune.tuner import CPU_BOUND_DRAW, draw_cpu_share
+    import torchrec_swp.autotune.search as tuner
+    from torchrec_swp.autotune.search import CPU_BOUND_DRAW, draw_cpu_share
 
     real, searched = tuner.search_overlap, []
 
@@ -474,7 +478,7 @@ def test_a_draw_that_computes_is_tried_where_the_gil_model_predicts_nothing(monk
 def test_a_draw_that_waits_is_not_tried_again_without_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:
     # a loader that sleeps is off the CPU (its share far below CPU_BOUND_DRAW): where the model
     # with the GIL finds nothing (scripted here), the GIL is not what hid a gain; no second search
-    import torchrec_swp.autotune.tuner as tuner
+    import torchrec_swp.autotune.search as tuner
 
     searched = []
 

@@ -16,8 +16,34 @@ so that a resume applies it without tuning again. Where the data ends first, a l
 ``autotune_decision`` is a Decision with ``decided`` False ("not decided: the data ended ...").
 """
 
-from torchrec_swp.autotune.options import PRINTED, Autotune, PrintedReport, log_info
-from torchrec_swp.autotune.trial import Tried
-from torchrec_swp.autotune.tuner import Decision, Hooks, Tuner
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what __getattr__ gives, for the type checker
+    from torchrec_swp.autotune.decision import Decision
+    from torchrec_swp.autotune.options import PRINTED, Autotune, PrintedReport, log_info
+    from torchrec_swp.autotune.trial import Tried
+    from torchrec_swp.autotune.tuner import Hooks, Tuner
+
+#: where each public name lives (loaded on first use: the search's process imports
+#: ``torchrec_swp.autotune.search`` without the tuner, and so without torch)
+_NAMES = {
+    "PRINTED": "options",
+    "Autotune": "options",
+    "PrintedReport": "options",
+    "log_info": "options",
+    "Tried": "trial",
+    "Decision": "decision",
+    "Hooks": "tuner",
+    "Tuner": "tuner",
+}
 
 __all__ = ["PRINTED", "Autotune", "Decision", "Hooks", "PrintedReport", "Tried", "Tuner", "log_info"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"torchrec_swp.autotune.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'torchrec_swp.autotune' has no attribute {name!r}")

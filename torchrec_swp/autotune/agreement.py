@@ -4,7 +4,10 @@ Both are collectives of ``torch.distributed`` on the default process group (obje
 pickled dicts), issued by the calling thread inside a ``progress()`` call, at the same call on
 every rank, while no thread of the engine issues a collective (the tuner switches plans only
 where every thread stands at the same batch boundary, with no lookahead). Without an initialised
-world, or in a world of one, they return the rank's own values.
+world, or in a world of one, they return the rank's own values. While the search runs in the
+background, rank 0 says each call whether it has ended (``flag_from_rank0``) on a gloo group of
+the tuner's own: the engine's threads never issue a collective there, so the running plan need
+not stand still for it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import socket
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -42,11 +46,20 @@ def gather_to_all(value: Any) -> list[Any]:
     return out
 
 
-def from_rank0(value: Any) -> Any:
-    """Rank 0's ``value``, on every rank."""
+def from_rank0(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value``, on every rank (over ``group``: the default one where None)."""
     rank, size = world()
     if size == 1:
         return value
     box = [value if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def flag_from_rank0(flag: bool, group: Any) -> bool:
+    """Rank 0's ``flag``, on every rank, over ``group`` (a gloo group: one byte on the CPU)."""
+    if world()[1] == 1:
+        return flag
+    box = torch.tensor([1 if flag else 0], dtype=torch.uint8)
+    dist.broadcast(box, src=0, group=group)
+    return bool(box.item())

@@ -50,7 +50,12 @@ class Autotune:
     * then, in the next call, every rank's profile goes to rank 0, which searches
       (``torchrec_swp.autosched.overlap``: threads, lookahead, parallel loads, the input dist's
       comm group; nothing that changes a batch's numerics) and tells every rank the plan;
-      each switches to it at that batch boundary, nothing lost or repeated;
+      each switches to it at that batch boundary, nothing lost or repeated. With ``background``
+      (the default) the search runs in a process of its own at a low CPU priority
+      (``autotune.search``) while the pipeline trains on its running plan, and the ranks take its
+      result at the first call after it ended; past ``search_s`` seconds (None: no limit) it is
+      stopped and the plan kept. ``background`` False: rank 0 searches on the training thread, every
+      rank waiting (seconds, inside one step);
     * with ``rounds`` 2 (the default), once the switch has settled the running plan is profiled
       again (``steps`` steps) and searched from, its costs now measured as it runs
       them (a plan that overlaps the loader also changes what the other tasks cost: the
@@ -112,6 +117,8 @@ class Autotune:
     drift: float | None = 0.25
     drift_every: int = 200
     retunes: int = 2
+    background: bool = True
+    search_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -148,6 +155,11 @@ class Autotune:
         d = self.drift
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < 1):
             raise ValueError(f"Autotune: drift must be a share in (0, 1) or None (never re-tune), got {d!r}")
+        if not isinstance(self.background, bool):
+            raise ValueError(f"Autotune: background must be a bool, got {self.background!r}")
+        t = self.search_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"Autotune: search_s must be a number of seconds > 0 or None (no limit), got {t!r}")
         cap = self.memory_cap_bytes
         if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
             raise ValueError(f"Autotune: memory_cap_bytes must be a number > 0 or None, got {self.memory_cap_bytes!r}")
@@ -173,7 +185,9 @@ class Autotune:
         (``autotune.tuner``): the warm-up and the profile; each round's trial (``trial_bound``);
         before a later round, the settling (a switch waits at most the largest lookahead), its
         profile and a quiet call; then the verification's settling and its steps. ``settle``
-        bounds the tuner's settling over every plan the search may choose."""
+        bounds the tuner's settling over every plan the search may choose. A search in the
+        background (``background``) adds the calls that train while it runs: as many as the
+        job's steps take in its time (at most ``search_s`` a round)."""
         from torchrec_swp.autotune.trial import SETTLE
 
         lookahead, loads = max(self.lookahead), max(self.loads)

@@ -30,10 +30,14 @@ def opening(owner: str, options: Autotune, depth: int) -> str:
     o = options
     rounds = f"{o.rounds} round{'s' if o.rounds != 1 else ''}"
     trial = f", each measuring up to {o.candidates} plans against the running one" if o.candidates else ""
+    limit = f"at most {o.search_s:g} s a round" if o.search_s is not None else "no time limit"
+    searching = ""
+    if o.background:
+        searching = f", and the steps that train while it searches in a process of its own ({limit})"
     return (
         f"autotune {owner}: tunes within {o.tuning_bound(depth)} steps at most (a warm-up of {o.warmup}, a profile "
-        f"of {o.steps}, {rounds} of search{trial}, a verification of {o.verify}); it trains on its starting plan "
-        "meanwhile, with the same results"
+        f"of {o.steps}, {rounds} of search{trial}, a verification of {o.verify}){searching}; it trains on its "
+        "starting plan meanwhile, with the same results"
     )
 
 

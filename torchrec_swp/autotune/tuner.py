@@ -64,12 +64,12 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
-from torchrec_swp.autosched.inputs import from_profiles
-from torchrec_swp.autosched.overlap import Space, apply_candidate, search_overlap
+from torchrec_swp.autosched.overlap import apply_candidate
 from torchrec_swp.autotune import report
-from torchrec_swp.autotune.agreement import from_rank0, gather_to_all, machine, world
+from torchrec_swp.autotune.agreement import flag_from_rank0, from_rank0, gather_to_all, machine, world
 from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.search import BackgroundSearch, Found, Request, search
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
 from torchrec_swp.autotune.trial import (
@@ -78,12 +78,10 @@ from torchrec_swp.autotune.trial import (
     describe,
     engine_threads,
     needs_quiet,
-    pick,
     settle_steps,
     tried_line,
 )
-from torchrec_swp.catalog.transforms import DRAW_TASKS
-from torchrec_swp.plan import PhasedPlan, PipelinePlan, PlanError
+from torchrec_swp.plan import PhasedPlan, PipelinePlan
 from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
 #: consecutive checks past ``Autotune.drift`` that make a drift (a tuning costs a search of seconds)
@@ -96,24 +94,6 @@ def step_of(periods: Sequence[float]) -> float:
     the next ``loads - 1`` find their batches ready), and the median of such calls is the short
     one's, however slow the loads."""
     return statistics.fmean(periods)
-
-
-#: a draw whose thread computes at least this share of its time (thread CPU / wall) is CPU-bound:
-#: where the model (which holds the GIL for all CPU work) predicts no gain, the plans that would win
-#: if it released the GIL are tried and measured (``Tuner._search``)
-CPU_BOUND_DRAW = 0.5
-
-
-def draw_cpu_share(profiles: Sequence[Profile], source: str | None) -> float | None:
-    """The share of the time every rank's ``source`` task spent on its thread's CPU (None: no
-    source, or a profile without CPU times)."""
-    if source is None:
-        return None
-    stats = [p.stats(source) for p in profiles]
-    wall = sum(s.mean_s for s in stats)
-    if wall <= 0 or any(s.cpu_mean_s is None for s in stats):
-        return None
-    return sum(s.cpu_mean_s or 0.0 for s in stats) / wall
 
 
 class TunedEngine(Protocol):
@@ -147,17 +127,23 @@ class Hooks:
 
     own_group: tuple[str, ...] = ()
     enable: Callable[[], None] | None = None
+    #: a process group of the tuner's own (gloo), made on first use and torn down by the pipeline:
+    #: its polls while the search runs in the background (None: in a world of several ranks, the
+    #: search runs on the training thread)
+    group: Callable[[], Any] | None = None
 
 
 class TunerState(Enum):
     """Where a tuner stands (``Tuner.state``; not a plan's phase, ``PhasedPlan``): warm-up calls,
     settling after a switch, profiling, quieting the threads before a collective, trying the
-    candidates, verifying the decision, watching for drift, done."""
+    candidates, verifying the decision, watching for drift, done; searching: the search runs in a
+    process of its own while the pipeline trains on."""
 
     WARMUP = "warmup"
     SETTLING = "settling"
     PROFILING = "profiling"
     QUIETING = "quieting"
+    SEARCHING = "searching"
     TRYING = "trying"
     VERIFYING = "verifying"
     WATCHING = "watching"
@@ -199,6 +185,9 @@ class Tuner:
         self._window: deque[float] = deque(maxlen=options.verify)
         self._watch_from = 0
         self._drifting = 0  # consecutive checks past the drift
+        self._search: BackgroundSearch | None = None  # rank 0's search in the background
+        self._searched_from = 0  # the call the search began at
+        self._group: Any = None  # the tuner's own process group (Hooks.group), made on first use
         self._report(report.opening(owner, options, engine.plan.pipeline_depth), headline=True)
 
     def before_step(self) -> None:
@@ -299,6 +288,17 @@ class Tuner:
         o, who = self.options, f"autotune {self.owner}"
         steps = self.calls - 1  # the calls before this one trained their batches
         profiled = self.calls - self._state_call if self.state == TunerState.PROFILING else 0
+        if self.state == TunerState.SEARCHING:
+            running = self._search.elapsed_s if self._search is not None else None
+            took = f" ({running:.1f} s so far)" if running is not None else ""
+            into = f"the data ended after {steps} steps, {self.calls - self._searched_from} steps into the search"
+            stays = "; the running plan stays (with more data the search's result is taken)"
+            if self.round == 1:  # (the same record on every rank: the search's time is rank 0's)
+                self.decision = Decision(None, why=(f"not decided: {into}{stays}",), decided=False)
+                self._report(f"{who}: not decided: {into}{took}{stays}", headline=True)
+            else:
+                self._report(f"{who}: {self._round_name()} not done: {into}{took}{stays}", headline=True)
+            return
         if self.round == 1 and self.state in (TunerState.WARMUP, TunerState.PROFILING):
             warmup = f" after {o.warmup} warm-up steps" if o.warmup else ""
             why = (
@@ -352,6 +352,8 @@ class Tuner:
 
     # ------------------------------------------------------------------ the decision
     def _decide(self) -> None:
+        """Every rank: the profiles to rank 0, which searches (in the background: the pipeline
+        trains on until it has ended, ``_on_searching``; else here, every rank waiting)."""
         measured = step_of(self._periods) if self._periods else None
         self._periods = []
         try:
@@ -360,113 +362,69 @@ class Tuner:
         except ProfileError as e:
             mine, trouble = None, f"rank {world()[0]}: {e}"
         profiles = gather_to_all({"profile": mine, "trouble": trouble})
-        found = None
+        request = None
         if world()[0] == 0:
-            decision, candidates = self._search(profiles, measured)
-            found = {"decision": decision.to_dict(), "candidates": candidates}
-        found = from_rank0(found)
-        decision = Decision.from_dict(found["decision"])
-        candidates = found["candidates"]
-        if candidates:  # (plan text, predicted step, own group): the running plan first
-            self._start_trial(decision, candidates)
+            request = Request(
+                options=self.options,
+                round=self.round,
+                gathered=profiles,
+                measured=measured,
+                own_group=self.hooks.own_group if self.hooks.enable is not None and self.round == 1 else (),
+                drift_round=self._drift_round,
+            )
+        self._searched_from = self.calls
+        if self._in_background():
+            if world()[1] > 1 and self._group is None:
+                assert self.hooks.group is not None
+                self._group = self.hooks.group()  # a collective: here, where every rank stands alike
+            if request is not None:
+                self._search = BackgroundSearch(request, self.options.search_s)
+            self.state = TunerState.SEARCHING
+            return
+        found = search(request).to_dict() if request is not None else None
+        self._found(from_rank0(found), background=False)
+
+    def _in_background(self) -> bool:
+        return self.options.background and (world()[1] == 1 or self.hooks.group is not None)
+
+    def _on_searching(self) -> None:
+        """Each call while the search runs: rank 0 says whether it has ended (one small broadcast
+        on the tuner's group); once it has, every rank takes what it found."""
+        ended = self._search is not None and self._search.ended
+        if world()[1] > 1:
+            ended = flag_from_rank0(ended, self._group)
+        if not ended:
+            return
+        found = None
+        if self._search is not None:
+            found, self._search = self._search.result().to_dict(), None
+        if world()[1] > 1:
+            found = from_rank0(found, self._group)
+        assert found is not None  # (rank 0's, on every rank)
+        result: dict[str, Any] = found
+        self._when_quiet(lambda: self._found(result))
+
+    def _found(self, found: dict[str, Any], background: bool = True) -> None:
+        """Every rank: the search's result (``search.Found`` as a dict): try its candidates, or
+        take its decision."""
+        f = Found.from_dict(found)
+        steps = self.calls - self._searched_from
+        where = (
+            f"in a process of its own while {steps} steps trained"
+            if background
+            else "on the training thread (every rank waited)"
+        )
+        decision = replace(f.decision, why=(*f.decision.why, f"the search took {f.seconds:.1f} s {where}"))
+        if f.candidates:  # (plan text, predicted step, own group): the running plan first
+            self._start_trial(decision, f.candidates)
         else:
             self._conclude(decision)
 
-    def _search(self, gathered: list[dict[str, Any]], measured: float | None) -> tuple[Decision, list[Any]]:
-        """Rank 0: every rank's profile -> the decision (the profiled plan kept, with the reason,
-        when anything is amiss or nothing wins by more than the noise) and the plans to try
-        (none: the decision stands without a trial)."""
-        o = self.options
-        trouble = [g["trouble"] for g in gathered if g["trouble"]]
-        if trouble:
-            return Decision(
-                None, measured_start_s=measured, why=(f"keeps the plan: cannot profile ({trouble[0]})",)
-            ), []
-        try:
-            profiles = [Profile.from_json(g["profile"]) for g in gathered]
-            inputs = from_profiles(profiles, wake=o.wake_s, gil=o.gil, cold=o.cold)
-            profiled = profiles[0].plan
-            loads = o.loads if profiled.source in DRAW_TASKS and inputs.split_draws else (1,)
-            space = Space(
-                lookahead=o.lookahead,
-                loads=loads,
-                own_group=self.hooks.own_group if self.hooks.enable is not None and self.round == 1 else (),
-                max_threads=o.max_threads,
-                max_in_flight=o.max_in_flight,
-                batch_bytes=inputs.batch_bytes,
-                memory_cap_bytes=o.memory_cap_bytes,
-                split_draws=inputs.split_draws,
-                # the first round ranks plans it has not seen by their mean costs: the replay of
-                # the profiled iterations predicts them closer on two ranks (benchmarks/
-                # sim_vs_real.py) but its favourites there measured worse in benchmarks/overlap.py
-                # (a thread of its own for H2D, 20% slower than predicted; notebook/2026-11-sim-vs-real.md,
-                # "The tuner ranking by the replay"); a later round the plan it profiled and its
-                # neighbours: the measured iterations in turn (the closer there)
-                mode="mean" if self.round == 1 else "replay",
-            )
-            result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
-            freed, share = None, draw_cpu_share(profiles, profiled.source)
-            if (
-                result.speedup < 1 + o.noise
-                and o.candidates > 0
-                and o.gil is not None
-                and self.round == 1
-                and share is not None
-                and share >= CPU_BOUND_DRAW
-            ):  # the draw computes: whether its work holds the GIL only a measurement can tell
-                released = from_profiles(profiles, wake=o.wake_s, gil=None, cold=o.cold)
-                freed = search_overlap(profiled, released.calibration, released.machine, space)
-                freed = freed if freed.speedup >= 1 + o.noise else None
-        except (PlanError, ProfileError, ValueError) as e:
-            return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",)), []
-        why = tuple(result.why(start="the starting plan" if self.round == 1 else "the chosen plan"))
-        margin = o.noise
-        if freed is not None:
-            assert share is not None
-            why = (
-                *why,
-                f"the draw {profiled.source} computes {100 * share:.0f}% of its time: if that work holds the GIL "
-                f"(Python parsing) no thread layout wins (x{result.speedup:.2f}), if it releases it (torch ops) "
-                f"x{freed.speedup:.2f}; the profile cannot tell which, so the trial measures those plans (where none "
-                "wins, only worker processes, e.g. a DataLoader with num_workers under the pipeline, would load in "
-                "parallel)",
-            )
-        searched = freed if freed is not None else result
-        ranking = getattr(searched, "ranking", ())
-        tryable = o.candidates > 0 and (
-            searched.speedup >= 1 + margin or (self._drift_round and len(ranking) > 1)
-        )
-        candidates: list[Any] = []
-        if tryable:
-            start = searched.start if hasattr(searched, "start") else None
-            running = start.plan if start is not None else profiled
-            ranked = [searched.best, *ranking]
-            plans = pick([s.plan for s in ranked], running, o.candidates)
-            by_plan = {s.plan: s for s in reversed(ranked)}
-            candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group)]]
-            candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group] for p in plans]
-            if len(candidates) < 2:
-                candidates = []
-        if result.speedup < 1 + margin:
-            return Decision(
-                None,
-                predicted_s=result.predicted,
-                baseline_s=result.baseline,
-                measured_start_s=measured,
-                why=(
-                    *why,
-                    f"keeps the plan: the best change is predicted x{result.speedup:.2f}, "
-                    f"within the noise ({100 * margin:.0f}%)",
-                ),
-            ), candidates
-        return Decision(
-            result.plan.to_text(),
-            own_group=result.best.candidate.own_group,
-            predicted_s=result.predicted,
-            baseline_s=result.baseline,
-            measured_start_s=measured,
-            why=why,
-        ), candidates
+    def close(self) -> None:
+        """Stop a search running in the background (the pipeline's teardown calls it)."""
+        if self._search is not None:
+            self._search.cancel()
+            self._search = None
 
     def _conclude(self, decision: Decision, applied: bool = False, before: PipelinePlan | None = None) -> None:
         """Take ``decision`` (this round's; ``applied``: the trial already runs its plan, switched
@@ -758,6 +716,7 @@ HANDLERS: dict[TunerState, Callable[[Tuner], None]] = {
     TunerState.WARMUP: Tuner._on_warmup,
     TunerState.SETTLING: Tuner._on_settling,
     TunerState.PROFILING: Tuner._on_profiling,
+    TunerState.SEARCHING: Tuner._on_searching,
     TunerState.QUIETING: Tuner._on_quieting,
     TunerState.TRYING: Tuner._on_trying,
     TunerState.VERIFYING: Tuner._on_verifying,

@@ -184,7 +184,11 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         if (sync := self._swp_engine_options["exhaustion"]) is not None:
             self._swp_teardown().group(sync.group, sync.finish)  # its last agreement waited for first
         self._swp_drive(self._swp_new_engine(chosen))
-        self._swp_tuner = None if tuning is None else Tuner(tuning, self._swp_engine, self._swp_autotune_hooks(), owner)
+        self._swp_tuner = None
+        if tuning is not None:
+            hooks = replace(self._swp_autotune_hooks(), group=self._swp_tuner_group)
+            self._swp_tuner = Tuner(tuning, self._swp_engine, hooks, owner)
+            self._swp_teardown().threads(self._swp_tuner.close)  # a search running in the background
 
     def _swp_new_engine(self, plan: PipelinePlan | PhasedPlan) -> Engine:
         owner = type(self).__name__
@@ -232,6 +236,13 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         """What the tuner may change beyond the plan (overridden where the input dist can get a
         process group of its own)."""
         return Hooks()
+
+    def _swp_tuner_group(self) -> dist.ProcessGroup:
+        """The tuner's own process group (``Hooks.group``: gloo, for its polls while it searches
+        in the background), destroyed by the pipeline's teardown."""
+        group = dist.new_group(backend="gloo")
+        self._swp_teardown().group(group)
+        return group
 
     @property
     def autotune_decision(self) -> Decision | None:

@@ -1,0 +1,105 @@
+"""The tuner's search in a process of its own (``autotune.search``): the pipeline trains on while
+it runs and takes its result at a later call, bit for bit as untuned; a search that fails or runs
+past ``search_s`` keeps the plan and says why; a stopped search leaves no process and no files;
+the search's process imports no torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.test_autotune import FAST, same, train
+from torchrec_swp import Autotune, plans
+from torchrec_swp.autotune.search import BackgroundSearch, Request
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_search_process_imports_no_torch() -> None:
+    code = "import sys, torchrec_swp.autotune.search; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_background_search_lets_the_pipeline_train_on_bit_for_bit() -> None:
+    """The decision comes at a later call than the profile's end (the steps between trained on
+    the starting plan), and the run trains as the untuned one."""
+    lines: list[str] = []
+    # the search ends, or is stopped, within 3 s: at most 1,500 steps of >= 2 ms after the profile
+    # no drift watch: a re-tune's search (a load on the machine moving the step) would add a line
+    options = {**FAST, "background": True, "search_s": 3.0, "rounds": 1, "drift": None}
+    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth) + 1600
+    tuned, pipeline, weights = train(n, 0.002, autotune=Autotune(**options, report=lines.append))
+    plain, _, plain_weights = train(n, 0.002)
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided, lines
+    said = r"the search took [\d.]+ s in a process of its own while (\d+) steps trained"
+    took = [re.fullmatch(said, w) for w in d.why]
+    trained = [int(m.group(1)) for m in took if m]
+    assert len(trained) == 1 and trained[0] >= 1, d.why
+    assert lines[0].endswith(
+        "and the steps that train while it searches in a process of its own (at most 3 s a round); "
+        "it trains on its starting plan meanwhile, with the same results"
+    ), lines[0]
+
+
+def _request(gathered: list[dict[str, object]]) -> Request:
+    return Request(Autotune(report=None), 1, gathered, 0.01, (), False)
+
+
+def test_a_search_whose_process_fails_keeps_the_plan_and_says_why() -> None:
+    search = BackgroundSearch(_request([{"trouble": ""}]), limit_s=60.0)  # no profile: a KeyError there
+    found = search.result()
+    assert not found.decision.switched and found.candidates == []
+    (why,) = found.decision.why
+    assert why.startswith("keeps the plan: the search's process failed (exit code 1: KeyError: 'profile'"), why
+    assert found.decision.measured_start_s == 0.01
+
+
+def test_a_search_past_its_time_is_stopped_and_keeps_the_plan() -> None:
+    search = BackgroundSearch(_request([{"trouble": ""}]), limit_s=0.02)
+    process, folder = search._process, search._dir
+    time.sleep(0.03)
+    assert search.ended  # past its time: the process is still importing (its imports alone take longer)
+    found = search.result()
+    assert found.decision.why == ("keeps the plan: the search did not end within 0.02 s (Autotune.search_s)",)
+    assert process.poll() is not None and not folder.exists()
+
+
+def test_a_cancelled_search_leaves_no_process_and_no_files() -> None:
+    search = BackgroundSearch(_request([{"trouble": ""}]), limit_s=None)
+    process, folder = search._process, search._dir
+    search.cancel()
+    assert process.poll() is not None and not folder.exists()
+    search.cancel()  # again: nothing to do
+
+
+def test_a_search_that_ends_says_what_it_found() -> None:
+    # every rank in trouble: the search keeps the plan with the first rank's reason, and ends
+    search = BackgroundSearch(_request([{"profile": None, "trouble": "rank 0: no steps"}]), limit_s=60.0)
+    deadline = time.monotonic() + 60
+    while not search.ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    found = search.result()
+    assert found.decision.why == ("keeps the plan: cannot profile (rank 0: no steps)",)
+    assert found.seconds >= 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"background": 1}, "background must be a bool"),
+        ({"search_s": 0}, "search_s must be a number of seconds > 0 or None"),
+        ({"search_s": True}, "search_s must be a number of seconds > 0 or None"),
+    ],
+)
+def test_bad_search_options_are_refused(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Autotune(**options)  # type: ignore[arg-type]

@@ -1,0 +1,309 @@
+"""The tuner's search: every rank's profile -> the decision and the plans to try (``search``),
+run on the training thread or in a process of its own while the pipeline trains on
+(``BackgroundSearch``; ``python -m torchrec_swp.autotune.search IN OUT`` is that process).
+
+The search calibrates the multi-rank simulator from the profiles and scores tens of plans in it
+(``autosched.overlap``): seconds of pure Python. On the training thread every rank waits for it
+(rank 0 searches, the others wait in the broadcast of its result): a stall of seconds inside one
+step, more than a short job gains. In a process of its own it holds neither the training
+process's GIL nor its thread: the pipeline trains on its running plan, and the ranks take the
+result at the first call after it ended (``Tuner``: one small broadcast a call on a process group
+of the tuner's own until then). The process runs at the lowest CPU priority (``lower_priority``): it takes
+the cores the job leaves idle (a loader's wait, the other ranks' collectives), not those training
+wants; ``Autotune.search_s`` bounds its time, past which it is stopped and the plan kept.
+It imports no torch: the plan, profile and simulator layers are pure Python.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torchrec_swp.autosched.inputs import from_profiles
+from torchrec_swp.autosched.overlap import Space, search_overlap
+from torchrec_swp.autotune.decision import Decision
+from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.trial import pick
+from torchrec_swp.catalog.transforms import DRAW_TASKS
+from torchrec_swp.plan import PlanError
+from torchrec_swp.profiler import Profile, ProfileError
+
+#: a draw whose thread computes at least this share of its time (thread CPU / wall) is CPU-bound:
+#: where the model (which holds the GIL for all CPU work) predicts no gain, the plans that would win
+#: if it released the GIL are tried and measured (``search``)
+CPU_BOUND_DRAW = 0.5
+#: the search process's niceness (``os.nice``) where ``SCHED_IDLE`` cannot be set
+NICE = 19
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one search needs (picklable: it goes to the search's process): the tuner's options
+    (without its report), the round, every rank's gathered profile (``{"profile", "trouble"}``),
+    the starting plan's measured step, the tasks that may get a comm group of their own, and
+    whether a drift started the round."""
+
+    options: Autotune
+    round: int
+    gathered: list[dict[str, Any]]
+    measured: float | None
+    own_group: tuple[str, ...]
+    drift_round: bool
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a search found: the decision, the plans to try (``[plan text, predicted step, own
+    group]``, the running plan first; none: the decision stands without a trial) and how long the
+    search took (seconds, in the process that ran it)."""
+
+    decision: Decision
+    candidates: list[Any]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision.to_dict(), "candidates": self.candidates, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Found:
+        return cls(Decision.from_dict(data["decision"]), data["candidates"], data["seconds"])
+
+
+def draw_cpu_share(profiles: Sequence[Profile], source: str | None) -> float | None:
+    """The share of the time every rank's ``source`` task spent on its thread's CPU (None: no
+    source, or a profile without CPU times)."""
+    if source is None:
+        return None
+    stats = [p.stats(source) for p in profiles]
+    wall = sum(s.mean_s for s in stats)
+    if wall <= 0 or any(s.cpu_mean_s is None for s in stats):
+        return None
+    return sum(s.cpu_mean_s or 0.0 for s in stats) / wall
+
+
+def search(request: Request) -> Found:
+    """Every rank's profile -> the decision (the profiled plan kept, with the reason, when
+    anything is amiss or nothing wins by more than the noise) and the plans to try."""
+    began = time.perf_counter()
+    decision, candidates = _search(request)
+    return Found(decision, candidates, time.perf_counter() - began)
+
+
+def _search(request: Request) -> tuple[Decision, list[Any]]:
+    o, measured, gathered = request.options, request.measured, request.gathered
+    trouble = [g["trouble"] for g in gathered if g["trouble"]]
+    if trouble:
+        return Decision(None, measured_start_s=measured, why=(f"keeps the plan: cannot profile ({trouble[0]})",)), []
+    try:
+        profiles = [Profile.from_json(g["profile"]) for g in gathered]
+        inputs = from_profiles(profiles, wake=o.wake_s, gil=o.gil, cold=o.cold)
+        profiled = profiles[0].plan
+        loads = o.loads if profiled.source in DRAW_TASKS and inputs.split_draws else (1,)
+        space = Space(
+            lookahead=o.lookahead,
+            loads=loads,
+            own_group=request.own_group,
+            max_threads=o.max_threads,
+            max_in_flight=o.max_in_flight,
+            batch_bytes=inputs.batch_bytes,
+            memory_cap_bytes=o.memory_cap_bytes,
+            split_draws=inputs.split_draws,
+            # the first round ranks plans it has not seen by their mean costs: the replay of
+            # the profiled iterations predicts them closer on two ranks (benchmarks/
+            # sim_vs_real.py) but its favourites there measured worse in benchmarks/overlap.py
+            # (a thread of its own for H2D, 20% slower than predicted; notebook/2026-11-sim-vs-real.md,
+            # "The tuner ranking by the replay"); a later round the plan it profiled and its
+            # neighbours: the measured iterations in turn (the closer there)
+            mode="mean" if request.round == 1 else "replay",
+        )
+        result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
+        freed, share = None, draw_cpu_share(profiles, profiled.source)
+        if (
+            result.speedup < 1 + o.noise
+            and o.candidates > 0
+            and o.gil is not None
+            and request.round == 1
+            and share is not None
+            and share >= CPU_BOUND_DRAW
+        ):  # the draw computes: whether its work holds the GIL only a measurement can tell
+            released = from_profiles(profiles, wake=o.wake_s, gil=None, cold=o.cold)
+            freed = search_overlap(profiled, released.calibration, released.machine, space)
+            freed = freed if freed.speedup >= 1 + o.noise else None
+    except (PlanError, ProfileError, ValueError) as e:
+        return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",)), []
+    why = tuple(result.why(start="the starting plan" if request.round == 1 else "the chosen plan"))
+    margin = o.noise
+    if freed is not None:
+        assert share is not None
+        why = (
+            *why,
+            f"the draw {profiled.source} computes {100 * share:.0f}% of its time: if that work holds the GIL "
+            f"(Python parsing) no thread layout wins (x{result.speedup:.2f}), if it releases it (torch ops) "
+            f"x{freed.speedup:.2f}; the profile cannot tell which, so the trial measures those plans (where none "
+            "wins, only worker processes, e.g. a DataLoader with num_workers under the pipeline, would load in "
+            "parallel)",
+        )
+    searched = freed if freed is not None else result
+    ranking = getattr(searched, "ranking", ())
+    tryable = o.candidates > 0 and (searched.speedup >= 1 + margin or (request.drift_round and len(ranking) > 1))
+    candidates: list[Any] = []
+    if tryable:
+        start = searched.start if hasattr(searched, "start") else None
+        running = start.plan if start is not None else profiled
+        ranked = [searched.best, *ranking]
+        plans = pick([s.plan for s in ranked], running, o.candidates)
+        by_plan = {s.plan: s for s in reversed(ranked)}
+        candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group)]]
+        candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group] for p in plans]
+        if len(candidates) < 2:
+            candidates = []
+    if result.speedup < 1 + margin:
+        return Decision(
+            None,
+            predicted_s=result.predicted,
+            baseline_s=result.baseline,
+            measured_start_s=measured,
+            why=(
+                *why,
+                f"keeps the plan: the best change is predicted x{result.speedup:.2f}, "
+                f"within the noise ({100 * margin:.0f}%)",
+            ),
+        ), candidates
+    return Decision(
+        result.plan.to_text(),
+        own_group=result.best.candidate.own_group,
+        predicted_s=result.predicted,
+        baseline_s=result.baseline,
+        measured_start_s=measured,
+        why=why,
+    ), candidates
+
+
+class BackgroundSearch:
+    """One search in a process of its own (module docstring), started at once: ``ended`` says
+    whether it has, ``result()`` waits for it (or, past ``limit_s`` seconds, stops it) and gives
+    what it found, or a decision that keeps the plan and says why (the process failed, or ran out
+    of time). ``cancel()`` stops it; so do the garbage collector and the interpreter's exit."""
+
+    def __init__(self, request: Request, limit_s: float | None) -> None:
+        self.limit_s = limit_s
+        self.request = request
+        self._dir = Path(tempfile.mkdtemp(prefix="swp-search-"))
+        self._out = self._dir / "found.pickle"
+        source = self._dir / "request.pickle"
+        source.write_bytes(pickle.dumps(replace(request, options=replace(request.options, report=None))))
+        here = str(Path(__file__).resolve().parents[2])  # the directory holding torchrec_swp
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+        self.started = time.perf_counter()
+        with open(self._dir / "stderr.txt", "wb") as err:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "torchrec_swp.autotune.search", str(source), str(self._out)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                close_fds=True,
+            )
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._dir)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the process has ended, or run past its time (``result()`` then stops it)."""
+        if self._process.poll() is not None:
+            return True
+        return self.limit_s is not None and time.perf_counter() - self.started > self.limit_s
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def result(self) -> Found:
+        """What the search found (waiting for the process until it ends or its time is up)."""
+        timeout = None if self.limit_s is None else max(0.0, self.limit_s - self.elapsed_s)
+        try:
+            code = self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            return self._kept(f"keeps the plan: the search did not end within {self.limit_s:g} s (Autotune.search_s)")
+        try:
+            if code == 0 and self._out.is_file():
+                return Found.from_dict(pickle.loads(self._out.read_bytes()))
+            err = (self._dir / "stderr.txt").read_text(errors="replace").strip().splitlines()
+            last = err[-1] if err else "no output"
+            return self._kept(f"keeps the plan: the search's process failed (exit code {code}: {last})")
+        finally:
+            self._finalizer()
+
+    def cancel(self) -> None:
+        """Stop the process (if it runs) and remove its files."""
+        self._finalizer()
+
+    def _kept(self, why: str) -> Found:
+        return Found(Decision(None, measured_start_s=self.request.measured, why=(why,)), [], self.elapsed_s)
+
+
+def _stop(process: subprocess.Popen[bytes], folder: Path) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for f in folder.glob("*"):
+        f.unlink(missing_ok=True)
+    folder.rmdir()
+
+
+def lower_priority() -> None:
+    """This process on the CPU only where nothing else wants it: Linux's ``SCHED_IDLE`` (where
+    it can be set), else the lowest niceness (``NICE``)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The search's process ends when the process that started it has (killed, or crashed): no
+    search outlives its job."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torchrec_swp.autotune.search REQUEST FOUND``: read the pickled ``Request``,
+    search, write the pickled ``Found`` (as a dict) to FOUND; a failure's traceback on stderr."""
+    source, out = argv if argv is not None else sys.argv[1:]
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    lower_priority()
+    try:
+        request = pickle.loads(Path(source).read_bytes())
+        found = search(request)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    part = Path(out + ".part")
+    part.write_bytes(pickle.dumps(found.to_dict()))
+    part.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
