@@ -42,6 +42,9 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
   data is ``torchrec_swp.data.MapSource`` over the very dataset the DataLoader's two workers read
   (the same loader concurrency as ``upstream+dataloader``);
 * ``ours+2loads+dist``: besides, the input dist of the batches ahead on thread ``dist``;
+* ``ours+2procs``: ``ours+2loads`` whose ``MapSource`` fetches each item in one of 2 worker
+  processes (``MapSource(processes=2)``): for a loader whose work holds the GIL, the same
+  worker processes as ``upstream+dataloader``'s, the engine's two loads waiting on them;
 * ``ours+autotune``: our pipeline with ``autotune=True`` over a ``MapSource`` of the same dataset
   (our own loading, nothing hand-picked): after the interleaved warm-up it runs its tuning alone
   in one block (profile, decision on both ranks' profiles, the switch, a second round, the
@@ -106,6 +109,7 @@ from benchmarks.common import (
 from benchmarks.report import add_train_pipeline_arg, run_meta, write_report
 from examples.dlrm.loader_work import KINDS, LoaderWork, calibrate
 from harness.dlrm_data import SIZES, batches
+from torchrec_swp.data import MapSource
 
 CONTENDERS = (
     "upstream",
@@ -120,6 +124,7 @@ CONTENDERS = (
     "ours+2loads",
     "ours+2loads+dist",
     "ours+autotune",
+    "ours+2procs",
     "ours+thread",
     "ours+io+thread",
     "ours+dataloader",
@@ -185,11 +190,11 @@ def _contender(
     impl, *options = label.split("+")
     size = SIZES[size_name]
     build = lambda: build_dlrm(rank, world_size, size)
-    if "2loads" in options or "autotune" in options:
+    if "2loads" in options or "autotune" in options or "2procs" in options:
         from benchmarks.peers import latency_dataset
-        from torchrec_swp.data import MapSource
 
-        data = MapSource(latency_dataset(size, rank, n + tuning_steps(args.pipeline), latency))
+        processes = 2 if "2procs" in options else 0
+        data = MapSource(latency_dataset(size, rank, n + tuning_steps(args.pipeline), latency), processes=processes)
     elif "dataloader" in options:
         it = dataloader(size, rank, n, latency, num_workers=args.loader_workers, prefetch_factor=args.prefetch_factor)
         data: Iterator[Any] = _Closing(it, getattr(it, "_shutdown_workers", lambda: None))
@@ -218,8 +223,11 @@ def _contender(
 
 
 #: ``ours+autotune``'s tuning (``Autotune``'s counts), run alone before the rounds: warm-up,
-#: profile, decision, then enough steps for the verification to end.
-TUNING = {"steps": 25, "verify": 20}
+#: profile, decision, then enough steps for the verification to end. The search on the training
+#: thread: the block then has a bound in steps (``tuning_steps``), and what is timed afterwards, the
+#: plan chosen, is the same wherever it was searched (``benchmarks/tuning_cost.py`` times the search
+#: in the background, as a job lives it).
+TUNING = {"steps": 25, "verify": 20, "background": False}
 #: its own warm-up steps after the interleaved warm-up, before it profiles
 TUNING_WARMUP = 5
 
@@ -288,7 +296,7 @@ def _plan(pipeline: str, options: list[str]) -> Any:
     from torchrec_swp.catalog.torchrec import default_plans
     from torchrec_swp.catalog.transforms import with_parallel_loads
 
-    if "2loads" in options:
+    if "2loads" in options or "2procs" in options:
         return with_parallel_loads(default_plans()[pipeline], 2)
     if "ahead" in options:
         plan = default_plans()[pipeline]
@@ -427,7 +435,7 @@ def _case(
         for c in contenders:
             if c.label in accounts:
                 c.runner.pipeline.engine.instrument()
-            if isinstance(c.batches, _Closing):
+            if isinstance(c.batches, (_Closing, MapSource)):
                 c.batches.close()
         release(*contenders)
     examples = size.batch_size * world_size
@@ -475,7 +483,7 @@ def _memory_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[s
         for _ in range(args.memory_steps):
             c.runner.step(c.batches)
     finally:
-        if isinstance(c.batches, _Closing):
+        if isinstance(c.batches, (_Closing, MapSource)):
             c.batches.close()  # the workers are joined: their peak counts in RUSAGE_CHILDREN
         release(c)
     return {
@@ -518,7 +526,7 @@ def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[
         # two parallel loads draw as many items at once as the DataLoader's two workers
         return (
             "dataloader"
-            if "dataloader" in label or "2loads" in label or "autotune" in label
+            if "dataloader" in label or "2loads" in label or "2procs" in label or "autotune" in label
             else "thread"
             if "thread" in label
             else "plain"

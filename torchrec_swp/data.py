@@ -8,6 +8,15 @@ while batches keep their order and numbers (``torchrec_swp.engine.source``). It 
 DataLoader's worker processes do for a map-style dataset, on the engine's threads instead:
 no pickling between processes, and the GIL is released while an item waits on storage.
 
+``MapSource(dataset, processes=N)`` fetches each item in one of ``N`` worker processes instead
+(``dataset[i]`` runs there; the item comes back pickled, its tensors through shared memory as
+DataLoader workers send them): for a dataset whose work holds the GIL (parsing rows in Python,
+building KJTs from lists), which threads cannot run in parallel. The engine's parallel loads
+(``loads N``) then wait on N processes at once, and the training thread keeps the GIL. The
+workers start at the first fetch (``context``: a ``multiprocessing`` start method, by default the
+platform's: ``fork`` on Linux, where the dataset is inherited; with ``spawn`` or ``forkserver``
+it is pickled) and end with ``close()``, when the source is collected, or at exit.
+
 ``state_dict()``/``load_state_dict()`` save and restore the position (the next index), so a
 pipeline checkpoint can resume it exactly.
 
@@ -20,8 +29,12 @@ share of what is left.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
 
@@ -31,12 +44,45 @@ class MapDataset(Protocol):
     def __len__(self) -> int: ...
 
 
+#: a worker process's dataset (``MapSource(processes=N)``: set once as the worker starts)
+_WORKER_DATASET: Any = None
+
+
+def _start_worker(dataset: MapDataset) -> None:
+    global _WORKER_DATASET
+    _WORKER_DATASET = dataset
+
+
+def _item(index: int) -> Any:
+    return _WORKER_DATASET[index]
+
+
 class MapSource:
-    def __init__(self, dataset: MapDataset, indices: Iterable[int] | None = None) -> None:
+    """A map-style dataset as an iterator whose draws can overlap (module docstring): on the
+    engine's threads, or with ``processes`` > 0 in that many worker processes."""
+
+    def __init__(
+        self,
+        dataset: MapDataset,
+        indices: Iterable[int] | None = None,
+        *,
+        processes: int = 0,
+        context: str | None = None,
+    ) -> None:
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise ValueError(f"MapSource: processes must be an int >= 0 (0: no worker processes), got {processes!r}")
+        if context is not None and context not in multiprocessing.get_all_start_methods():
+            methods = ", ".join(multiprocessing.get_all_start_methods())
+            raise ValueError(f"MapSource: context must be a start method of this platform ({methods}), got {context!r}")
         self.dataset = dataset
         self.indices: Sequence[int] = list(range(len(dataset)) if indices is None else indices)
+        self.processes = processes
+        self.context = context
         self._next = 0
         self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
+        self._finalizer: weakref.finalize[Any, MapSource] | None = None
 
     def claim(self) -> int:
         """The next index to load; StopIteration when there is none."""
@@ -48,7 +94,39 @@ class MapSource:
             return index
 
     def fetch(self, index: int) -> Any:
-        return self.dataset[index]
+        """Item ``index``: ``dataset[index]``, here or in a worker process (``processes``); an
+        error there is raised here, the worker's traceback as its cause."""
+        if not self.processes:
+            return self.dataset[index]
+        try:
+            return self._workers().submit(_item, index).result()
+        except BrokenProcessPool as e:
+            raise RuntimeError(
+                f"MapSource: a worker process ended while fetching item {index} ({e}); the source cannot fetch more"
+            ) from e
+
+    def _workers(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("MapSource: closed (close()): its worker processes have ended")
+            if self._pool is None:
+                context = multiprocessing.get_context(self.context)
+                if context.get_start_method() != "fork":
+                    _picklable(self.dataset, context.get_start_method())
+                self._pool = ProcessPoolExecutor(
+                    self.processes, mp_context=context, initializer=_start_worker, initargs=(self.dataset,)
+                )
+                self._finalizer = weakref.finalize(self, _shut_down, self._pool)
+            return self._pool
+
+    def close(self) -> None:
+        """End the worker processes (``processes``); a later fetch raises. Closing again, or a
+        source without processes, does nothing more."""
+        with self._lock:
+            self._closed = self._closed or self.processes > 0
+            finalizer, self._pool = self._finalizer, None
+        if finalizer is not None:
+            finalizer()
 
     def __iter__(self) -> MapSource:
         return self
@@ -65,6 +143,23 @@ class MapSource:
     def load_state_dict(self, state: dict[str, int]) -> None:
         with self._lock:
             self._next = int(state["next"])
+
+
+def _picklable(dataset: MapDataset, method: str) -> None:
+    import pickle
+
+    try:
+        pickle.dumps(dataset)
+    except Exception as e:
+        raise TypeError(
+            f"MapSource: with the {method!r} start method the dataset goes to each worker process pickled, and "
+            f"{type(dataset).__name__} cannot be ({type(e).__name__}: {e}); use context='fork' (Linux) or a "
+            "picklable dataset"
+        ) from e
+
+
+def _shut_down(pool: ProcessPoolExecutor) -> None:
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 class GlobalMapSource(MapSource):
@@ -95,7 +190,14 @@ class GlobalMapSource(MapSource):
     """
 
     def __init__(
-        self, dataset: MapDataset, *, rank: int, world_size: int, order: Iterable[int] | None = None
+        self,
+        dataset: MapDataset,
+        *,
+        rank: int,
+        world_size: int,
+        order: Iterable[int] | None = None,
+        processes: int = 0,
+        context: str | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"GlobalMapSource: rank {rank} of world size {world_size} is not a rank")
@@ -104,7 +206,7 @@ class GlobalMapSource(MapSource):
         self.world_size = world_size
         self.start = 0
         self._digest = hashlib.sha256(repr(list(self.order)).encode()).hexdigest()[:16]
-        super().__init__(dataset, self._share())
+        super().__init__(dataset, self._share(), processes=processes, context=context)
 
     def _share(self) -> list[int]:
         """This rank's items of the complete steps left after ``start``."""
