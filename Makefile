@@ -42,11 +42,11 @@ quickstart: $(STAMP)
 # Side-by-side benchmarks with upstream (out/bench/, out/timeline/, out/pp/); about an hour (the
 # scripts' times in docs/benchmarks.md added up):
 # pipelines vs upstream, ours' step split at its task functions, the engine's own cost, overlap with peers (a self-tuning pipeline
-# among them), timelines, pipeline parallelism vs Maglev, the simulator vs real runs, and
+# among them), what tuning costs a job, timelines, pipeline parallelism vs Maglev, the simulator vs real runs, and
 # profile -> search -> run on the DLRM example.
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py && $(PY) benchmarks/task_split.py && $(PY) benchmarks/engine_cost.py && \
-	$(PY) benchmarks/overlap.py && \
+	$(PY) benchmarks/overlap.py && $(PY) benchmarks/tuning_cost.py && \
 	$(PY) benchmarks/timeline.py && $(PY) benchmarks/pp.py && $(PY) benchmarks/sim_vs_real.py && \
 	$(PY) benchmarks/close_loop.py
 

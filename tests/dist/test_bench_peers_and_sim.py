@@ -56,6 +56,7 @@ def test_every_overlap_contender_trains_like_upstream_on_one_rank() -> None:
             "ours+io+dataloader",
             "ours+io+ahead",
             "ours+2loads+dist",
+            "ours+2procs",
         ],
         warmup=2,
         steps=6,
@@ -67,7 +68,8 @@ def test_every_overlap_contender_trains_like_upstream_on_one_rank() -> None:
     )
     (row,) = run_on_ranks(_overlap_rank, args, world_size=1, timeout_s=120)
     assert row["same_losses"], row["losses_differ"]
-    assert set(row["bounds"]) == {"ours+io+dist", "ours+io+dataloader", "ours+io+ahead", "ours+2loads+dist"}
+    ours = {"ours+io+dist", "ours+io+dataloader", "ours+io+ahead", "ours+2loads+dist", "ours+2procs"}
+    assert set(row["bounds"]) == ours
     assert all(0 < e < 1.5 for e in row["efficiency"].values())
 
 

@@ -5,7 +5,7 @@ pickled dicts), issued by the calling thread inside a ``progress()`` call, at th
 every rank, while no thread of the engine issues a collective (the tuner switches plans only
 where every thread stands at the same batch boundary, with no lookahead). Without an initialised
 world, or in a world of one, they return the rank's own values. While the search runs in the
-background, rank 0 says each call whether it has ended (``flag_from_rank0``) on a gloo group of
+background, rank 0 says every few calls whether it has ended (``flag_from_rank0``) on a gloo group of
 the tuner's own: the engine's threads never issue a collective there, so the running plan need
 not stand still for it.
 """

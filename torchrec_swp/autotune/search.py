@@ -7,10 +7,10 @@ The search calibrates the multi-rank simulator from the profiles and scores tens
 (rank 0 searches, the others wait in the broadcast of its result): a stall of seconds inside one
 step, more than a short job gains. In a process of its own it holds neither the training
 process's GIL nor its thread: the pipeline trains on its running plan, and the ranks take the
-result at the first call after it ended (``Tuner``: one small broadcast a call on a process group
-of the tuner's own until then). The process runs at the lowest CPU priority (``lower_priority``): it takes
-the cores the job leaves idle (a loader's wait, the other ranks' collectives), not those training
-wants; ``Autotune.search_s`` bounds its time, past which it is stopped and the plan kept.
+result at the first poll after it ended (``Tuner``: every ``POLL_EVERY`` calls one small broadcast
+on a process group of the tuner's own). The process runs at the lowest CPU priority
+(``lower_priority``): it takes the cores the job leaves idle (a loader's wait, the other ranks'
+collectives), not those training wants; ``Autotune.search_s`` bounds its time, past which it is stopped and the plan kept.
 It imports no torch: the plan, profile and simulator layers are pure Python.
 """
 

@@ -86,6 +86,9 @@ from torchrec_swp.profiler import Profile, ProfileError, TaskProfiler
 
 #: consecutive checks past ``Autotune.drift`` that make a drift (a tuning costs a search of seconds)
 DRIFT_CHECKS = 2
+#: the calls between two polls of a search in the background (each a broadcast that every rank
+#: waits for: the search takes seconds, its result can wait a few steps)
+POLL_EVERY = 4
 
 
 def step_of(periods: Sequence[float]) -> float:
@@ -388,8 +391,10 @@ class Tuner:
         return self.options.background and (world()[1] == 1 or self.hooks.group is not None)
 
     def _on_searching(self) -> None:
-        """Each call while the search runs: rank 0 says whether it has ended (one small broadcast
-        on the tuner's group); once it has, every rank takes what it found."""
+        """Every ``POLL_EVERY`` calls while the search runs: rank 0 says whether it has ended (one
+        small broadcast on the tuner's group); once it has, every rank takes what it found."""
+        if (self.calls - self._searched_from) % POLL_EVERY:
+            return
         ended = self._search is not None and self._search.ended
         if world()[1] > 1:
             ended = flag_from_rank0(ended, self._group)
