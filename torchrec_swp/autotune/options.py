@@ -53,9 +53,9 @@ class Autotune:
       each switches to it at that batch boundary, nothing lost or repeated. With ``background``
       (the default) the search runs in a process of its own at a low CPU priority
       (``autotune.search``) while the pipeline trains on its running plan, and the ranks take its
-      result at the first poll after it ended (every few calls); past ``search_s`` seconds (None: no limit) it is
-      stopped and the plan kept. ``background`` False: rank 0 searches on the training thread, every
-      rank waiting (seconds, inside one step);
+      result at the first poll after it ended (every few calls); past ``search_s`` seconds
+      (None: no limit) it is stopped and the plan kept. ``background`` False: rank 0 searches on
+      the training thread, every rank waiting (seconds, inside one step);
     * with ``rounds`` 2 (the default), once the switch has settled the running plan is profiled
       again (``steps`` steps) and searched from, its costs now measured as it runs
       them (a plan that overlaps the loader also changes what the other tasks cost: the

@@ -10,8 +10,8 @@ process's GIL nor its thread: the pipeline trains on its running plan, and the r
 result at the first poll after it ended (``Tuner``: every ``POLL_EVERY`` calls one small broadcast
 on a process group of the tuner's own). The process runs at the lowest CPU priority
 (``lower_priority``): it takes the cores the job leaves idle (a loader's wait, the other ranks'
-collectives), not those training wants; ``Autotune.search_s`` bounds its time, past which it is stopped and the plan kept.
-It imports no torch: the plan, profile and simulator layers are pure Python.
+collectives), not those training wants; ``Autotune.search_s`` bounds its time, past which it is
+stopped and the plan kept. It imports no torch: the plan, profile and simulator layers are pure Python.
 """
 
 from __future__ import annotations
