@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -49,8 +50,15 @@ _WORKER_DATASET: Any = None
 
 
 def _start_worker(dataset: MapDataset) -> None:
+    """A worker process starts: its dataset, and (as DataLoader's workers do) torch on one
+    thread: a process forked from one whose torch ran ops on its thread pool inherits that pool
+    in a state it cannot use, and its first parallel op waits forever (seen: a fork after the
+    parent's torch ops, the worker at 0% CPU inside the dataset's torch op)."""
     global _WORKER_DATASET
     _WORKER_DATASET = dataset
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _item(index: int) -> Any:
@@ -118,6 +126,22 @@ class MapSource:
                 )
                 self._finalizer = weakref.finalize(self, _shut_down, self._pool)
             return self._pool
+
+    def use_processes(self, processes: int) -> None:
+        """Fetch from now on in ``processes`` worker processes (0: on the fetching threads), the
+        same items in the same order: a self-tuning pipeline tries it where the draw computes
+        (``autotune``). Fetches already under way end where they began."""
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise ValueError(f"MapSource: processes must be an int >= 0 (0: no worker processes), got {processes!r}")
+        with self._lock:
+            if processes == self.processes:
+                return
+            self.processes = processes
+            finalizer, pool = self._finalizer, self._pool
+            self._finalizer, self._pool = None, None
+        if pool is not None and finalizer is not None:
+            finalizer.detach()
+            pool.shutdown(wait=False)  # what it fetches still arrives; its workers end after
 
     def close(self) -> None:
         """End the worker processes (``processes``); a later fetch raises. Closing again, or a

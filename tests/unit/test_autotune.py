@@ -18,6 +18,7 @@ import torch
 import torchrec_swp
 from torchrec_swp import Autotune, plans
 from torchrec_swp.data import MapSource
+from torchrec_swp.plan import PipelinePlan
 
 # the tuner decides from measured step times: run alone (make test), not beside another worker
 pytestmark = pytest.mark.serial
@@ -85,6 +86,7 @@ def train(
                 break
     finally:
         pipeline.close()
+        source.close()  # worker processes, where the tuner had it fetch in some
     return outputs, pipeline, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -473,6 +475,52 @@ def test_a_draw_that_computes_is_tried_where_the_gil_model_predicts_nothing(monk
     assert share and int(share[1]) >= 100 * CPU_BOUND_DRAW, said
     assert len(d.tried) >= 2 and d.trial_steps > 0, lines  # measured, not assumed
     assert draw_cpu_share([], None) is None
+
+
+class Parsing(Slow):
+    """Items made by Python for about ``ms`` (parsing rows: the draw computes, the GIL held)."""
+
+    def __init__(self, n: int, ms: float) -> None:
+        super().__init__(n, 0.0)
+        self.ms = ms
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        end = time.thread_time() + self.ms / 1e3
+        while time.thread_time() < end:
+            pass
+        return self.items[i]
+
+
+def test_a_draw_whose_python_computes_is_also_tried_in_worker_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Python that holds the GIL loads in parallel only in processes: where the plans that win
+    # without the GIL are tried, the first with several loads is also tried with its draws in as
+    # many worker processes (MapSource.use_processes), the same batches in the same order
+    import torchrec_swp.autotune.search as tuner
+
+    real = tuner.search_overlap
+
+    def search(profiled: Any, calibration: Any, machine: Any, space: Any) -> Any:
+        return NothingFound() if machine.gil is not None else real(profiled, calibration, machine, space)
+
+    monkeypatch.setattr(tuner, "search_overlap", search)
+    lines: list[str] = []
+    # two rounds: the second, from a plan fetching in processes, tries every plan so (one per load)
+    options = {**FAST, "rounds": 2, "drift": None}
+    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    tuned, pipeline, weights = train(
+        n, 0.0, model=Computing(), dataset=Parsing(n, 3.0), autotune=Autotune(**options, report=lines.append)
+    )
+    plain, _, plain_weights = train(n, 0.0, model=Computing(), dataset=Parsing(n, 3.0))
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided, lines
+    first = [w for w in d.why if re.fullmatch(r"tried threads .* loads (\d) in \1 worker processes: .*", w)]
+    assert len(first) == 1 and "also fetching in as many worker processes" in " ".join(d.why), lines
+    # whatever won, the data fetches as the decision says: in processes where it chose them
+    assert pipeline.engine.draws.iterator.processes == d.processes, (d.processes, lines)
+    if d.processes and any(w.startswith("second round: tried ") for w in d.why):
+        # the second round's trial (d.tried), from a plan fetching in processes: all of them so, one per load
+        assert all(t.processes == PipelinePlan.from_text(t.plan).loads for t in d.tried), d.tried
 
 
 def test_a_draw_that_waits_is_not_tried_again_without_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -145,3 +145,49 @@ def test_a_global_source_fetches_in_processes_too() -> None:
         source.close()
     assert [int(t[0]) for _, t in got] == [1, 3, 5, 7, 9, 11]
     assert source.state_dict()["consumed"] == 12
+
+
+class Sorting:
+    """Items made by ops on torch's intra-op thread pool (a loader's transforms: sort 200k ids)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        ids = torch.randint(0, 2**31 - 1, (200_000,), generator=torch.Generator().manual_seed(i))
+        return int(torch.sort(ids.remainder(1_000_003))[0][-1])
+
+
+def test_a_worker_forked_after_torch_used_its_thread_pool_still_computes() -> None:
+    # the parent's training thread runs ops on torch's thread pool while the worker is forked: the
+    # worker must not wait forever in its first parallel op (it runs torch on one thread, as
+    # DataLoader's workers do)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    stop = threading.Event()
+
+    def train() -> None:  # the training thread, in torch ops while the worker is forked
+        while not stop.is_set():
+            Sorting()[0]
+
+    training = threading.Thread(target=train)
+    training.start()
+    try:
+        source = MapSource(Sorting(), processes=1)
+        got: list[int] = []
+        fetching = threading.Thread(target=lambda: got.extend(source.fetch(source.claim()) for _ in range(4)))
+        fetching.start()
+        fetching.join(timeout=60)
+        alive = fetching.is_alive()
+        if alive:  # a hung worker: killed, so that the pool's exit does not wait for it too
+            pool = source._pool
+            for process in list(pool._processes.values()) if pool is not None else []:
+                process.kill()
+            fetching.join(timeout=60)
+        source.close()
+    finally:
+        stop.set()
+        training.join()
+        torch.set_num_threads(threads)
+    assert not alive, "the worker process hung in its first torch op"
+    assert got == [Sorting()[i] for i in range(4)]

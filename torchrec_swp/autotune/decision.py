@@ -16,7 +16,8 @@ class Decision:
     the starting plan), whether it gives the input dist its own comm group, the predicted step of
     it (from its own profile after a second round; ``first_predicted_s``: from the starting plan's)
     and of the starting plan, the starting plan's measured step, the lines saying why, and (once
-    verified) the measured step with the chosen plan.
+    verified) the measured step with the chosen plan. ``processes``: the worker processes the
+    chosen plan's draws are fetched in (``MapSource.use_processes``; 0: on its threads).
 
     ``tried``: the plans of the last trial, each with its predicted and measured step
     (``trial.Tried``), the running plan first; ``visits``: the order they ran in (indices into
@@ -45,6 +46,7 @@ class Decision:
     switches: int = 0
     tuning_steps: int | None = None
     retunes: int = 0
+    processes: int = 0
 
     @property
     def switched(self) -> bool:

@@ -36,7 +36,7 @@ from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.trial import pick
 from torchrec_swp.catalog.transforms import DRAW_TASKS
-from torchrec_swp.plan import PlanError
+from torchrec_swp.plan import PipelinePlan, PlanError
 from torchrec_swp.profiler import Profile, ProfileError
 
 #: a draw whose thread computes at least this share of its time (thread CPU / wall) is CPU-bound:
@@ -60,13 +60,14 @@ class Request:
     measured: float | None
     own_group: tuple[str, ...]
     drift_round: bool
+    processes: bool = False  # whether the data can fetch in worker processes (MapSource.use_processes)
 
 
 @dataclass(frozen=True)
 class Found:
     """What a search found: the decision, the plans to try (``[plan text, predicted step, own
-    group]``, the running plan first; none: the decision stands without a trial) and how long the
-    search took (seconds, in the process that ran it)."""
+    group, worker processes]``, the running plan first; none: the decision stands without a
+    trial) and how long the search took (seconds, in the process that ran it)."""
 
     decision: Decision
     candidates: list[Any]
@@ -150,9 +151,14 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
             *why,
             f"the draw {profiled.source} computes {100 * share:.0f}% of its time: if that work holds the GIL "
             f"(Python parsing) no thread layout wins (x{result.speedup:.2f}), if it releases it (torch ops) "
-            f"x{freed.speedup:.2f}; the profile cannot tell which, so the trial measures those plans (where none "
-            "wins, only worker processes, e.g. a DataLoader with num_workers under the pipeline, would load in "
-            "parallel)",
+            f"x{freed.speedup:.2f}; the profile cannot tell which, so the trial measures those plans"
+            + (
+                ", and the first with several loads also fetching in as many worker processes (which the GIL "
+                "does not bind)"
+                if request.processes
+                else " (where none wins, only worker processes would load in parallel: "
+                "torchrec_swp.data.MapSource(dataset, processes=k) with loads k, or a DataLoader with num_workers)"
+            ),
         )
     searched = freed if freed is not None else result
     ranking = getattr(searched, "ranking", ())
@@ -164,8 +170,10 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         ranked = [searched.best, *ranking]
         plans = pick([s.plan for s in ranked], running, o.candidates)
         by_plan = {s.plan: s for s in reversed(ranked)}
-        candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group)]]
-        candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group] for p in plans]
+        candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group), 0]]
+        candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group, 0] for p in plans]
+        if freed is not None and request.processes:
+            candidates = with_processes(candidates, o.candidates)
         if len(candidates) < 2:
             candidates = []
     if result.speedup < 1 + margin:
@@ -188,6 +196,18 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         measured_start_s=measured,
         why=why,
     ), candidates
+
+
+def with_processes(candidates: list[Any], count: int) -> list[Any]:
+    """``candidates`` (the running plan first) with, second, the first of several loads again,
+    its draws fetched in as many worker processes: where the draw's Python holds the GIL, only
+    processes load in parallel; at most ``count`` besides the running plan."""
+    several = next((c for c in candidates[1:] if PipelinePlan.from_text(c[0]).loads > 1), None)
+    if several is None:
+        return candidates
+    text, predicted, own, _ = several
+    twin = [text, predicted, own, PipelinePlan.from_text(text).loads]
+    return [candidates[0], twin, *candidates[1:]][: count + 1]
 
 
 class BackgroundSearch:

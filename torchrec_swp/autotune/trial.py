@@ -65,6 +65,7 @@ class Tried:
     visits: int = 0
     verdict: str = ""
     out_after: int | None = None  # the cycle after which it left the race
+    processes: int = 0  # its draws fetched in this many worker processes (0: on its threads)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -301,10 +302,18 @@ class Trial:
     each, which are still in the race, this rank's mean step of each visit, the visits so far."""
 
     def __init__(
-        self, plans: Sequence[PipelinePlan], predicted: Sequence[float | None], began: int, steps: int, cycles: int
+        self,
+        plans: Sequence[PipelinePlan],
+        predicted: Sequence[float | None],
+        began: int,
+        steps: int,
+        cycles: int,
+        processes: Sequence[int] | None = None,
     ) -> None:
         n = len(plans)
         self.plans, self.predicted, self.began = list(plans), list(predicted), began
+        #: by candidate: the worker processes its draws are fetched in (0: its threads)
+        self.processes = list(processes) if processes is not None else [0] * n
         self.steps_per_visit, self.cycles = steps, cycles
         self.alive = [True] * n
         self.samples: list[list[float]] = [[] for _ in range(n)]  # by candidate, one per visit
@@ -425,6 +434,7 @@ class Trial:
                     visits=self.order.count(i),
                     verdict=verdict,
                     out_after=self.out_after[i],
+                    processes=self.processes[i],
                 )
             )
         return out
@@ -446,20 +456,22 @@ def off_main(plan: PipelinePlan) -> dict[str, list[str]]:
     return moved
 
 
-def describe(plan: PipelinePlan) -> str:
+def describe(plan: PipelinePlan, processes: int = 0) -> str:
     """A plan's overlap choices in words: its threads with the tasks off the calling thread (two
-    plans may share threads and differ in what runs there), lookahead and loads."""
+    plans may share threads and differ in what runs there), lookahead and loads (and where the
+    draws are fetched in worker processes, how many)."""
     where = "; ".join(f"{', '.join(tasks)} on {thread}" for thread, tasks in off_main(plan).items())
     return (
         f"threads {list(plan.thread_groups)}"
         + (f" ({where})" if where else "")
         + f", lookahead {plan.lookahead}, loads {plan.loads}"
+        + (f" in {processes} worker processes" if processes else "")
     )
 
 
 def tried_line(i: int, x: Tried, confidence: float) -> str:
     """The report's line of candidate ``i`` (0: the running plan) of a trial."""
-    name = "the running plan" if i == 0 else describe(PipelinePlan.from_text(x.plan))
+    name = "the running plan" if i == 0 else describe(PipelinePlan.from_text(x.plan), x.processes)
     predicted = f"predicted {1e3 * x.predicted_s:.2f} ms" if x.predicted_s is not None else "no prediction"
     if x.measured_s is None or x.low_s is None or x.high_s is None:
         return f"tried {name}: {predicted}, not measured"

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -191,6 +192,8 @@ class Tuner:
         self._search: BackgroundSearch | None = None  # rank 0's search in the background
         self._searched_from = 0  # the call the search began at
         self._group: Any = None  # the tuner's own process group (Hooks.group), made on first use
+        self._processes = 0  # the worker processes the running candidate or decision fetches in
+        self._applied: tuple[weakref.ref[Any], int] | None = None  # the data they were last set on, and to
         self._report(report.opening(owner, options, engine.plan.pipeline_depth), headline=True)
 
     def before_step(self) -> None:
@@ -201,6 +204,7 @@ class Tuner:
             self._measure(now - self._last_start)
         self._last_start = now
         self.calls += 1
+        self._follow_data()
         HANDLERS[self.state](self)
         self._last_start = time.perf_counter()  # the tuner's own time (a search, a switch) is not a step
 
@@ -374,6 +378,7 @@ class Tuner:
                 measured=measured,
                 own_group=self.hooks.own_group if self.hooks.enable is not None and self.round == 1 else (),
                 drift_round=self._drift_round,
+                processes=self._data_processes() is not None,
             )
         self._searched_from = self.calls
         if self._in_background():
@@ -424,6 +429,32 @@ class Tuner:
             self._start_trial(decision, f.candidates)
         else:
             self._conclude(decision)
+
+    def _data_processes(self) -> Callable[[int], None] | None:
+        """The data's ``use_processes`` (``torchrec_swp.data.MapSource``), or None where it has none."""
+        draws = self.engine.draws
+        use = getattr(getattr(draws, "iterator", None), "use_processes", None)
+        return use if callable(use) and draws is not None and draws.splits else None
+
+    def _use_processes(self, processes: int) -> None:
+        """The draws fetched in ``processes`` worker processes from now on (0: on their threads),
+        by this data and by the data of later calls (``_follow_data``: a new epoch's source)."""
+        self._processes = processes
+        self._follow_data()
+
+    def _follow_data(self) -> None:
+        """The data of this call fetches in the processes chosen (a resumed decision, a new
+        epoch's source): set where it differs, never on data that has only ever used threads."""
+        use = self._data_processes()
+        if use is None or (self._processes == 0 and self._applied is None):
+            return
+        draws = self.engine.draws
+        assert draws is not None  # (use is not None: there are draws)
+        source = draws.iterator
+        if self._applied is not None and self._applied[0]() is source and self._applied[1] == self._processes:
+            return
+        use(self._processes)
+        self._applied = (weakref.ref(source), self._processes)
 
     def close(self) -> None:
         """Stop a search running in the background (the pipeline's teardown calls it)."""
@@ -503,14 +534,14 @@ class Tuner:
     def _start_trial(self, proposal: Decision, candidates: list[Any]) -> None:
         """Every rank: try ``candidates`` (module docstring, 4), the running plan first."""
         o = self.options
+        plans = [PipelinePlan.from_text(c[0]) for c in candidates]
+        processes = [int(c[3]) if len(c) > 3 else 0 for c in candidates]
+        if self._processes:  # the draws already fetch in processes: every plan tried does, one per load
+            processes = [k or plan.loads for k, plan in zip(processes, plans, strict=True)]
         self._trial = Trial(
-            [PipelinePlan.from_text(text) for text, _, _ in candidates],
-            [p for _, p, _ in candidates],
-            self.calls,
-            o.trial_steps,
-            o.trial_cycles,
+            plans, [c[1] for c in candidates], self.calls, o.trial_steps, o.trial_cycles, processes=processes
         )
-        self._proposal, self._own_groups = proposal, [bool(g) for _, _, g in candidates]
+        self._proposal, self._own_groups = proposal, [bool(c[2]) for c in candidates]
         if any(self._own_groups):
             self._enable_group()  # a collective: here, where every rank decided alike
         self._on = 0 if self._quiet_back is None else None
@@ -536,6 +567,7 @@ class Tuner:
         if self._on != index:
             catch, settle = self.engine.plan.lookahead, settle_steps(t.plans[index])
             self._switch(t.plans[index])
+            self._use_processes(t.processes[index])
             self._on = index
         t.begin(index, self.calls + catch + settle)
 
@@ -577,6 +609,7 @@ class Tuner:
         won = 0 if keep else t.winner(best, o.thread_margin)
         if self._on != won:
             self._switch(t.plans[won])
+            self._use_processes(t.processes[won])
             self._on = won
         self._trial_steps += self.calls - t.began
         tried = t.results(best, combined, o.confidence)
@@ -585,7 +618,7 @@ class Tuner:
         line = (
             f"tried {len(tried)} plans over {self.calls - t.began} steps ({t.cycle} cycles, "
             f"{len(t.order)} visits; {how}): the measured best is "
-            + ("the running plan" if best == 0 else describe(t.plans[best]))
+            + ("the running plan" if best == 0 else describe(t.plans[best], t.processes[best]))
         )
         if keep:
             kept = f"the measured best was not told apart from it in {t.cycle} cycles, nor faster by the noise"
@@ -593,7 +626,8 @@ class Tuner:
             s = t.standings[won]
             assert s is not None
             kept = (
-                f"runs {describe(t.plans[won])}: not told apart from the measured best (x{s.ratio:.2f} its step, "
+                f"runs {describe(t.plans[won], t.processes[won])}: not told apart from the measured best "
+                f"(x{s.ratio:.2f} its step, "
                 f"interval x{s.low:.2f}-x{s.high:.2f}, within the margin {100 * (o.thread_margin or 0):.0f}%), on "
                 f"{engine_threads(t.plans[won])} engine thread(s) against {engine_threads(t.plans[best])}"
             )
@@ -608,6 +642,7 @@ class Tuner:
             p,
             plan=None if won == 0 else tried[won].plan,
             own_group=self._own_groups[won] if won else False,
+            processes=t.processes[won],
             predicted_s=t.predicted[won] if won else p.predicted_s,
             why=(
                 *(w for w in p.why if not w.startswith("keeps the plan")),
@@ -628,7 +663,7 @@ class Tuner:
         t.restart(self.calls)
         if said:
             return
-        running = "the running plan" if self._on in (0, None) else describe(t.plans[self._on])
+        running = "the running plan" if self._on in (0, None) else describe(t.plans[self._on], t.processes[self._on])
         why = (
             f"the data ended after {self.calls - 1} steps, in the trial's cycle {t.cycle + 1} of at most "
             f"{self.options.trial_cycles}; {running} stays (with more data the trial goes on)"
@@ -713,6 +748,7 @@ class Tuner:
         self.decision = Decision.from_dict(saved)
         if self.decision.switched:
             self._apply(self.decision)
+            self._use_processes(self.decision.processes)
         self._watch()
 
 
