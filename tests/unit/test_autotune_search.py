@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +49,30 @@ def test_a_background_search_lets_the_pipeline_train_on_bit_for_bit() -> None:
         "and the steps that train while it searches in a process of its own (at most 3 s a round); "
         "it trains on its starting plan meanwhile, with the same results"
     ), lines[0]
+
+
+def test_where_the_search_process_cannot_start_it_searches_here_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torchrec_swp.autotune.search as search
+
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(search.subprocess, "Popen", no_process)
+    left = set(Path(tempfile.gettempdir()).glob("swp-search-*"))
+    options = {**FAST, "background": True, "rounds": 1, "candidates": 0, "drift": None}
+    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    _, pipeline, _ = train(n, 0.002, autotune=Autotune(**options, report=None))
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided, d
+    said = (
+        "the search's process could not start (OSError: [Errno 24] Too many open files): searched on the "
+        "training thread"
+    )
+    took = [w for w in d.why if w.startswith("the search took")]
+    assert said in d.why and len(took) == 1 and took[0].endswith("on the training thread (every rank waited)"), d.why
+    assert set(Path(tempfile.gettempdir()).glob("swp-search-*")) <= left  # no folder left behind
 
 
 def _request(gathered: list[dict[str, object]]) -> Request:

@@ -228,15 +228,23 @@ class BackgroundSearch:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
         self.started = time.perf_counter()
         with open(self._dir / "stderr.txt", "wb") as err:
-            self._process = subprocess.Popen(
+            self._process = self._popen(
                 [sys.executable, "-m", "torchrec_swp.autotune.search", str(source), str(self._out)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 env=env,
-                close_fds=True,
             )
         self._finalizer = weakref.finalize(self, _stop, self._process, self._dir)
+
+    def _popen(self, command: list[str], **options: Any) -> subprocess.Popen[bytes]:
+        try:
+            return subprocess.Popen(command, close_fds=True, **options)
+        except OSError:
+            for f in self._dir.glob("*"):
+                f.unlink(missing_ok=True)
+            self._dir.rmdir()
+            raise
 
     @property
     def ended(self) -> bool:
@@ -272,6 +280,34 @@ class BackgroundSearch:
 
     def _kept(self, why: str) -> Found:
         return Found(Decision(None, measured_start_s=self.request.measured, why=(why,)), [], self.elapsed_s)
+
+
+class SearchedHere:
+    """A search that could not start its process (``BackgroundSearch`` raised OSError: no
+    interpreter to start, no processes left), run on the calling thread instead; it has ended."""
+
+    ended = True
+
+    def __init__(self, request: Request, error: OSError) -> None:
+        found = search(request)
+        why = f"the search's process could not start ({type(error).__name__}: {error}): searched on the training thread"
+        self._found = Found(replace(found.decision, why=(*found.decision.why, why)), found.candidates, found.seconds)
+        self.elapsed_s = found.seconds
+
+    def result(self) -> Found:
+        return self._found
+
+    def cancel(self) -> None:
+        pass
+
+
+def start(request: Request, limit_s: float | None) -> BackgroundSearch | SearchedHere:
+    """The search of ``request`` in a process of its own, or, where that process cannot start,
+    done here."""
+    try:
+        return BackgroundSearch(request, limit_s)
+    except OSError as e:
+        return SearchedHere(request, e)
 
 
 def _stop(process: subprocess.Popen[bytes], folder: Path) -> None:

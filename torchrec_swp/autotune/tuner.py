@@ -70,7 +70,7 @@ from torchrec_swp.autotune import report
 from torchrec_swp.autotune.agreement import flag_from_rank0, from_rank0, gather_to_all, machine, world
 from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.options import Autotune
-from torchrec_swp.autotune.search import BackgroundSearch, Found, Request, search
+from torchrec_swp.autotune.search import BackgroundSearch, Found, Request, SearchedHere, search, start
 from torchrec_swp.autotune.sizes import batch_bytes
 from torchrec_swp.autotune.tee import Tee
 from torchrec_swp.autotune.trial import (
@@ -189,7 +189,7 @@ class Tuner:
         self._window: deque[float] = deque(maxlen=options.verify)
         self._watch_from = 0
         self._drifting = 0  # consecutive checks past the drift
-        self._search: BackgroundSearch | None = None  # rank 0's search in the background
+        self._search: BackgroundSearch | SearchedHere | None = None  # rank 0's search in the background
         self._searched_from = 0  # the call the search began at
         self._group: Any = None  # the tuner's own process group (Hooks.group), made on first use
         self._processes = 0  # the worker processes the running candidate or decision fetches in
@@ -386,7 +386,7 @@ class Tuner:
                 assert self.hooks.group is not None
                 self._group = self.hooks.group()  # a collective: here, where every rank stands alike
             if request is not None:
-                self._search = BackgroundSearch(request, self.options.search_s)
+                self._search = start(request, self.options.search_s)
             self.state = TunerState.SEARCHING
             return
         found = search(request).to_dict() if request is not None else None
@@ -407,12 +407,13 @@ class Tuner:
             return
         found = None
         if self._search is not None:
-            found, self._search = self._search.result().to_dict(), None
+            here = isinstance(self._search, SearchedHere)
+            found, self._search = {**self._search.result().to_dict(), "here": here}, None
         if world()[1] > 1:
             found = from_rank0(found, self._group)
         assert found is not None  # (rank 0's, on every rank)
         result: dict[str, Any] = found
-        self._when_quiet(lambda: self._found(result))
+        self._when_quiet(lambda: self._found(result, background=not result["here"]))
 
     def _found(self, found: dict[str, Any], background: bool = True) -> None:
         """Every rank: the search's result (``search.Found`` as a dict): try its candidates, or
