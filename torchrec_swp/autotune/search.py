@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -241,9 +242,7 @@ class BackgroundSearch:
         try:
             return subprocess.Popen(command, close_fds=True, **options)
         except OSError:
-            for f in self._dir.glob("*"):
-                f.unlink(missing_ok=True)
-            self._dir.rmdir()
+            shutil.rmtree(self._dir, ignore_errors=True)
             raise
 
     @property
@@ -314,9 +313,7 @@ def _stop(process: subprocess.Popen[bytes], folder: Path) -> None:
     if process.poll() is None:
         process.kill()
         process.wait()
-    for f in folder.glob("*"):
-        f.unlink(missing_ok=True)
-    folder.rmdir()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def lower_priority() -> None:
