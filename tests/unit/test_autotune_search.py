@@ -5,6 +5,7 @@ the search's process imports no torch."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 
 from tests.unit.test_autotune import FAST, same, train
 from torchrec_swp import Autotune, plans
-from torchrec_swp.autotune.search import BackgroundSearch, Request
+from torchrec_swp.autotune.search import BackgroundSearch, Request, cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,6 +116,52 @@ def test_a_search_that_ends_says_what_it_found() -> None:
     found = search.result()
     assert found.decision.why == ("keeps the plan: cannot profile (rank 0: no steps)",)
     assert found.seconds >= 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or cpu_seconds(os.getpid()) is None, reason="Linux only")
+def test_a_search_starved_of_cpu_starts_again_at_a_higher_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that keeps every core busy: the search at the lowest priority gets no CPU (here a
+    busy loop shares the search's one core); past ``STARVED_S`` it starts again where it gets a
+    share, ends, and says so."""
+    import torchrec_swp.autotune.search as search_module
+
+    monkeypatch.setattr(search_module, "STARVED_S", 1.0)
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # the children inherit one core
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        search = BackgroundSearch(_request([{"profile": None, "trouble": "rank 0: no steps"}]), limit_s=60.0)
+        first = search._process
+        deadline = time.monotonic() + 60
+        while not search.ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = search.result()
+    finally:
+        hog.kill()
+        hog.wait()
+        os.sched_setaffinity(0, mine)
+    assert first.poll() is not None and first is not search._process
+    reason, restarted = found.decision.why
+    assert reason == "keeps the plan: cannot profile (rank 0: no steps)"
+    said = (
+        r"the search got ([\d.]+) s of CPU in its first ([\d.]+) s at the lowest priority \(the job left no core "
+        r"idle\): it started again 10 nice levels below the job"
+    )
+    m = re.fullmatch(said, restarted)
+    assert m and float(m.group(1)) <= 0.1 * float(m.group(2)) + 0.01 and float(m.group(2)) >= 1.0, restarted
+
+
+def test_cpu_seconds_reads_a_process_s_cpu_time() -> None:
+    busy = time.process_time() + 0.05
+    while time.process_time() < busy:
+        pass
+    mine = cpu_seconds(os.getpid())
+    if mine is None:
+        pytest.skip("no /proc here")
+    assert mine >= 0.05
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    assert cpu_seconds(gone.pid) is None  # reaped: no such process
 
 
 @pytest.mark.parametrize(

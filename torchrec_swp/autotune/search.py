@@ -9,9 +9,13 @@ step, more than a short job gains. In a process of its own it holds neither the 
 process's GIL nor its thread: the pipeline trains on its running plan, and the ranks take the
 result at the first poll after it ended (``Tuner``: every ``POLL_EVERY`` calls one small broadcast
 on a process group of the tuner's own). The process runs at the lowest CPU priority
-(``lower_priority``): it takes the cores the job leaves idle (a loader's wait, the other ranks'
-collectives), not those training wants; ``Autotune.search_s`` bounds its time, past which it is
-stopped and the plan kept. It imports no torch: the plan, profile and simulator layers are pure Python.
+(``lower_priority``), so that the job's threads preempt it whenever they run; past
+``Autotune.search_s`` it is stopped and the plan kept. Where the job leaves no core idle the
+lowest priority never runs: a search starved so (``STARVED_S``) starts again at a niceness that
+takes a small, steady share. The lowest priority is not free: on the 2-core VMs we measure on, a
+busy loop at ``SCHED_IDLE`` made a 2-rank job's median step 35-50% longer
+(``notebook/2026-12-loaders.md``): a search costs the job time at any priority (at niceness 0 no
+more than at ``SCHED_IDLE``, in two 1,000-step runs). It imports no torch: the plan, profile and simulator layers are pure Python.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ from torchrec_swp.profiler import Profile, ProfileError
 CPU_BOUND_DRAW = 0.5
 #: the search process's niceness (``os.nice``) where ``SCHED_IDLE`` cannot be set
 NICE = 19
+#: a search at the lowest priority that got less than ``STARVED_SHARE`` of one core over its first
+#: ``STARVED_S`` seconds is starved (the job keeps every core busy: ``SCHED_IDLE`` would never run
+#: it): it is started again ``STARVED_NICE`` nice levels below the job, where it takes about a tenth
+#: of a core beside one busy thread of the job (Linux, where the process's CPU time can be read)
+STARVED_S = 5.0
+STARVED_SHARE = 0.1
+STARVED_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -220,37 +231,67 @@ class BackgroundSearch:
     def __init__(self, request: Request, limit_s: float | None) -> None:
         self.limit_s = limit_s
         self.request = request
+        self.restarted: str | None = None  # why the search started again at a higher priority
         self._dir = Path(tempfile.mkdtemp(prefix="swp-search-"))
         self._out = self._dir / "found.pickle"
-        source = self._dir / "request.pickle"
-        source.write_bytes(pickle.dumps(replace(request, options=replace(request.options, report=None))))
+        self._source = self._dir / "request.pickle"
+        self._source.write_bytes(pickle.dumps(replace(request, options=replace(request.options, report=None))))
+        self.started = time.perf_counter()
+        try:
+            self._running: list[subprocess.Popen[bytes]] = [self._launch(None)]
+        except OSError:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(self, _stop, self._running, self._dir)
+
+    @property
+    def _process(self) -> subprocess.Popen[bytes]:
+        return self._running[0]
+
+    def _launch(self, nice: int | None) -> subprocess.Popen[bytes]:
+        """The search's process: at the lowest priority (``nice`` None), else ``nice`` levels
+        below this process."""
         here = str(Path(__file__).resolve().parents[2])  # the directory holding torchrec_swp
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
-        self.started = time.perf_counter()
+        command = [sys.executable, "-m", "torchrec_swp.autotune.search", str(self._source), str(self._out)]
         with open(self._dir / "stderr.txt", "wb") as err:
-            self._process = self._popen(
-                [sys.executable, "-m", "torchrec_swp.autotune.search", str(source), str(self._out)],
+            return subprocess.Popen(
+                [*command, *([] if nice is None else ["--nice", str(nice)])],
+                close_fds=True,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 env=env,
             )
-        self._finalizer = weakref.finalize(self, _stop, self._process, self._dir)
-
-    def _popen(self, command: list[str], **options: Any) -> subprocess.Popen[bytes]:
-        try:
-            return subprocess.Popen(command, close_fds=True, **options)
-        except OSError:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
 
     @property
     def ended(self) -> bool:
-        """Whether the process has ended, or run past its time (``result()`` then stops it)."""
+        """Whether the process has ended, or run past its time (``result()`` then stops it); a
+        starved search (``STARVED_S``) starts again at a higher priority here."""
         if self._process.poll() is not None:
             return True
-        return self.limit_s is not None and time.perf_counter() - self.started > self.limit_s
+        if self.limit_s is not None and time.perf_counter() - self.started > self.limit_s:
+            return True
+        self._unless_starved()
+        return False
+
+    def _unless_starved(self) -> None:
+        if self.restarted is not None or self.elapsed_s < STARVED_S:
+            return
+        cpu = cpu_seconds(self._process.pid)
+        if cpu is None or cpu >= STARVED_SHARE * self.elapsed_s:
+            return
+        starved = f"the search got {cpu:.2f} s of CPU in its first {self.elapsed_s:.1f} s at the lowest priority"
+        try:
+            again = self._launch(STARVED_NICE)
+        except OSError as e:  # the starved one runs on
+            self.restarted = f"{starved}, and could not start again ({type(e).__name__}: {e})"
+            return
+        again_at = f"it started again {STARVED_NICE} nice levels below the job"
+        self.restarted = f"{starved} (the job left no core idle): {again_at}"
+        _kill(self._process)
+        self._running[0] = again
 
     @property
     def elapsed_s(self) -> float:
@@ -266,7 +307,11 @@ class BackgroundSearch:
             return self._kept(f"keeps the plan: the search did not end within {self.limit_s:g} s (Autotune.search_s)")
         try:
             if code == 0 and self._out.is_file():
-                return Found.from_dict(pickle.loads(self._out.read_bytes()))
+                found = Found.from_dict(pickle.loads(self._out.read_bytes()))
+                if self.restarted is None:
+                    return found
+                decision = replace(found.decision, why=(*found.decision.why, self.restarted))
+                return Found(decision, found.candidates, found.seconds)
             err = (self._dir / "stderr.txt").read_text(errors="replace").strip().splitlines()
             last = err[-1] if err else "no output"
             return self._kept(f"keeps the plan: the search's process failed (exit code {code}: {last})")
@@ -278,7 +323,8 @@ class BackgroundSearch:
         self._finalizer()
 
     def _kept(self, why: str) -> Found:
-        return Found(Decision(None, measured_start_s=self.request.measured, why=(why,)), [], self.elapsed_s)
+        whys = (why,) if self.restarted is None else (why, self.restarted)
+        return Found(Decision(None, measured_start_s=self.request.measured, why=whys), [], self.elapsed_s)
 
 
 class SearchedHere:
@@ -309,16 +355,33 @@ def start(request: Request, limit_s: float | None) -> BackgroundSearch | Searche
         return SearchedHere(request, e)
 
 
-def _stop(process: subprocess.Popen[bytes], folder: Path) -> None:
+def _kill(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.kill()
         process.wait()
+
+
+def _stop(running: list[subprocess.Popen[bytes]], folder: Path) -> None:
+    _kill(running[0])
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def lower_priority() -> None:
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user + system, seconds) process ``pid`` has used, from Linux's
+    ``/proc/PID/stat``; None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def lower_priority(nice: int | None = None) -> None:
     """This process on the CPU only where nothing else wants it: Linux's ``SCHED_IDLE`` (where
-    it can be set), else the lowest niceness (``NICE``)."""
+    it can be set), else the lowest niceness (``NICE``); ``nice``: that many levels below its parent."""
+    if nice is not None:
+        os.nice(nice)
+        return
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return
@@ -340,12 +403,14 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m torchrec_swp.autotune.search REQUEST FOUND``: read the pickled ``Request``,
-    search, write the pickled ``Found`` (as a dict) to FOUND; a failure's traceback on stderr."""
-    source, out = argv if argv is not None else sys.argv[1:]
+    """``python -m torchrec_swp.autotune.search REQUEST FOUND [--nice N]``: read the pickled
+    ``Request``, search (at the lowest priority, or N nice levels below the parent), write the
+    pickled ``Found`` (as a dict) to FOUND; a failure's traceback on stderr."""
+    args = argv if argv is not None else sys.argv[1:]
+    source, out, nice = args[0], args[1], int(args[3]) if args[2:3] == ["--nice"] else None
     parent = os.getppid()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    lower_priority()
+    lower_priority(nice)
     try:
         request = pickle.loads(Path(source).read_bytes())
         found = search(request)
