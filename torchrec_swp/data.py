@@ -65,6 +65,10 @@ def _item(index: int) -> Any:
     return _WORKER_DATASET[index]
 
 
+def _ready() -> None:
+    """A worker process has started (its initializer ran): ``MapSource.start_workers``."""
+
+
 class MapSource:
     """A map-style dataset as an iterator whose draws can overlap (module docstring): on the
     engine's threads, or with ``processes`` > 0 in that many worker processes."""
@@ -152,7 +156,22 @@ class MapSource:
         if finalizer is not None:
             finalizer()
 
+    def start_workers(self) -> None:
+        """Start the worker processes (``processes``) now, each with its dataset, rather than at
+        the first fetch (inside a step); a DataLoader starts its workers at ``iter()``, and so
+        does ``iter()`` of this source. Nothing to do without processes, or once they run."""
+        if not self.processes:
+            return
+        pool = self._workers()
+        try:
+            for started in [pool.submit(_ready) for _ in range(self.processes)]:
+                started.result()
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"MapSource: a worker process ended as it started ({e}); the source cannot fetch") from e
+
     def __iter__(self) -> MapSource:
+        if self.processes and self._pool is None and not self._closed:
+            self.start_workers()
         return self
 
     def __next__(self) -> Any:

@@ -89,6 +89,25 @@ def test_an_error_in_a_worker_is_raised_in_the_fetching_thread() -> None:
         source.close()
 
 
+def test_iterating_starts_the_workers_before_the_first_fetch() -> None:
+    """As a DataLoader does at ``iter()``: the workers' start-up (seconds where they import torch)
+    falls before the first step, not inside it."""
+    source = MapSource(Items(), processes=2)
+    try:
+        assert source._pool is None  # nothing started by the constructor
+        it = iter(source)
+        pool = source._pool
+        assert it is source and pool is not None
+        started = list(pool._processes.values())
+        assert len(started) == 2 and all(p.is_alive() for p in started)
+        assert iter(source) is source and source._pool is pool  # again: the same workers
+        got = list(source)
+        assert [int(t[0]) for _, t in got] == list(range(12)) and {pid for pid, _ in got} <= set(pool._processes)
+    finally:
+        source.close()
+    assert iter(MapSource(Items())) is not None  # without processes: nothing to start
+
+
 def test_close_ends_the_workers_and_a_later_fetch_is_refused() -> None:
     source = MapSource(Items(), processes=2)
     pids = {source.fetch(source.claim())[0] for _ in range(4)}
