@@ -263,6 +263,16 @@ class CriteoTsv:
         """This rank's batches: one per complete round, at most ``max_batches``."""
         return len(self._batch_starts())
 
+    def __getstate__(self) -> dict[str, object]:
+        """For a worker process (a loader's, a ``MapSource``'s): where the batches start goes with
+        it (noted before it was sent: no worker reads the files to find them again), the lock does not."""
+        self._batch_starts()
+        return {k: v for k, v in self.__dict__.items() if k != "_starts_lock"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._starts_lock = threading.Lock()
+
     def batch(self, k: int) -> Batch:
         """Batch ``k`` of this rank: the ``k``-th item of iterating (IndexError past the last)."""
         starts = self._batch_starts()

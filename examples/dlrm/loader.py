@@ -109,6 +109,11 @@ def _whole_batch(item: Batch) -> Batch:
     return item
 
 
+def workers_start_method() -> str:
+    """The start method of worker processes (``_workers_context``), for ``MapSource(context=)``."""
+    return _workers_context().get_start_method()
+
+
 def _workers_context() -> BaseContext:
     """Where worker processes come from: a fork server (one clean process per rank, the loader's
     modules imported once, workers forked from it), not a fork of the rank itself. A rank runs
@@ -123,7 +128,7 @@ def _workers_context() -> BaseContext:
 
 
 def make_loader(
-    dataset: SyntheticBatches | TsvBatches, *, num_workers: int = 0, device: torch.device | None = None
+    dataset: MapBatches | TsvBatches, *, num_workers: int = 0, device: torch.device | None = None
 ) -> StatefulDataLoader:
     """A StatefulDataLoader handing out the items of ``dataset`` in order, made by ``num_workers``
     worker processes (0: in the calling thread). Batches go to pinned memory when ``device`` is a
@@ -131,7 +136,10 @@ def make_loader(
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if num_workers and isinstance(dataset, TsvBatches):
-        raise ValueError("Criteo TSV files are read without workers (each worker would read every file): use 0 workers")
+        raise ValueError(
+            "Criteo TSV files in order are read without workers (each worker would read every file): use 0 workers, "
+            "or MapBatches (each worker reads its batches by index)"
+        )
     return StatefulDataLoader(
         dataset,
         batch_size=None,

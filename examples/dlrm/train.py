@@ -115,7 +115,14 @@ from examples.dlrm import checkpoint
 from examples.dlrm.checkpoint import CheckpointError, TrainState
 from examples.dlrm.data import CriteoTsv, EditedBatches, SyntheticCriteo
 from examples.dlrm.evaluate import EVAL_MODES, Evaluation, Evaluator, ValidationMetrics
-from examples.dlrm.loader import MapBatches, SyntheticBatches, TsvBatches, make_loader, shutdown_workers
+from examples.dlrm.loader import (
+    MapBatches,
+    SyntheticBatches,
+    TsvBatches,
+    make_loader,
+    shutdown_workers,
+    workers_start_method,
+)
 from examples.dlrm.loader_work import KINDS, LoaderWork, calibrate
 from examples.dlrm.model import OPTIMIZERS, SHARDINGS, DlrmSize, build_dlrm, describe_plan, sharding_plan
 from harness.dlrm import (
@@ -299,7 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-workers",
         type=int,
         default=0,
-        help="worker processes of the StatefulDataLoader; 0: load in the training process (default: %(default)s)",
+        help="worker processes that load the batches: the StatefulDataLoader's, or with --data-source map or global "
+        "the MapSource's (processes=N: each of the --loads at once in a process of its own); 0: load in the "
+        "training process (default: %(default)s)",
     )
     run = parser.add_argument_group("run")
     run.add_argument(
@@ -479,15 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--stop-after must be >= 1")
     if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be >= 1")
-    if args.num_workers and args.criteo_tsv:
-        parser.error("--num-workers: Criteo TSV files are read without workers (each would read every file)")
     if args.data_source is None:
         args.data_source = "map" if args.autotune and args.impl == "ours" else "dataloader"
-    if args.num_workers and args.data_source in ("map", "global"):
-        parser.error(
-            f"--num-workers: --data-source {args.data_source} loads on the pipeline's threads (--loads), "
-            "not in processes"
-        )
     missing = [str(f) for f in args.criteo_tsv or [] if not Path(f).is_file()]
     if missing:
         parser.error(f"--criteo-tsv: no such file: {', '.join(missing)}")
@@ -963,11 +965,13 @@ def evaluator_for(args: argparse.Namespace, runner: Any, rank: int, world_size: 
     )
 
 
-def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> SyntheticBatches | TsvBatches:
-    """This rank's batches, for the StatefulDataLoader, with the loader's work (``--loader-kind``)."""
+def dataset_for(args: argparse.Namespace, rank: int, world_size: int) -> MapBatches | TsvBatches:
+    """This rank's batches, for the StatefulDataLoader, with the loader's work (``--loader-kind``):
+    Criteo TSV files read in order in the training process, or, with ``--num-workers``, batch by
+    batch (``CriteoTsv.batch(k)``) in the workers, each reading its own."""
     batches, work = batches_for(args, rank, world_size), loader_work_for(args, rank)
     if isinstance(batches.source if isinstance(batches, EditedBatches) else batches, CriteoTsv):
-        return TsvBatches(batches, work)
+        return MapBatches(batches, work) if args.num_workers else TsvBatches(batches, work)
     return SyntheticBatches(batches, work)
 
 
@@ -991,9 +995,10 @@ def data_source_for(
     if args.data_source in ("map", "global"):
         work = loader_work_for(args, rank)
         dataset = MapBatches(batches_for(args, rank, world_size), work, pin_memory=device.type == "cuda")
+        processes = {"processes": args.num_workers, "context": workers_start_method()} if args.num_workers else {}
         if args.data_source == "global":
-            return GlobalMapSource(dataset, rank=rank, world_size=world_size)
-        return MapSource(dataset)
+            return GlobalMapSource(dataset, rank=rank, world_size=world_size, **processes)
+        return MapSource(dataset, **processes)
     return make_loader(dataset_for(args, rank, world_size), num_workers=args.num_workers, device=device)
 
 

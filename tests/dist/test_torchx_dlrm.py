@@ -102,7 +102,9 @@ def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_component_reads_criteo_tsv_through_the_dataloader_and_the_map_source(tmp_path: Path) -> None:
+def test_component_reads_criteo_tsv_through_the_dataloader_and_the_map_source_in_workers_or_not(
+    tmp_path: Path,
+) -> None:
     data = tmp_path / "day_0.tsv"
     write_sample_tsv(data, lines=2 * 32 * STEPS + 5)  # the 5 extra lines make an incomplete round
     component = [
@@ -120,6 +122,14 @@ def test_component_reads_criteo_tsv_through_the_dataloader_and_the_map_source(tm
     assert (mapped["data_source"], mapped["loads"], mapped["steps"]) == ("map", 2, STEPS), mapped
     assert mapped["losses"] == summary["losses"]
     assert mapped["weights_sha256"] == summary["weights_sha256"]
+    # in worker processes, each reading its batches by index: the loader's, and the map source's
+    workers = [*train_args, "--num-workers", "2"]
+    for source in ("dataloader", "map"):
+        loads = ["--loads", "2" if source == "map" else "1"]
+        processes = _torchx([*component, "--data_source", source, *loads, *workers], tmp_path)
+        assert (processes["data_source"], processes["num_workers"], processes["steps"]) == (source, 2, STEPS)
+        assert processes["losses"] == summary["losses"], source
+        assert processes["weights_sha256"] == summary["weights_sha256"], source
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -236,10 +246,6 @@ BAD_ARGUMENTS = {
     ),
     "no loads": (["--loads", "0"], "--loads must be >= 1"),
     "negative lookahead": (["--lookahead", "-1"], "--lookahead must be >= 0"),
-    "workers with the map source": (
-        ["--data-source", "map", "--num-workers", "2"],
-        "--num-workers: --data-source map loads on the pipeline's threads (--loads), not in processes",
-    ),
     "unknown data source": (["--data-source", "mmap"], "argument --data-source: invalid choice: 'mmap'"),
     "lookahead of Staged": (
         ["--lookahead", "2", "--pipeline", "StagedTrainPipeline"],
@@ -269,10 +275,6 @@ BAD_ARGUMENTS = {
     "evaluations with global": (
         ["--data-source", "global", "--epoch-batches", "8", "--eval-every", "2"],
         "--eval-every: not with --data-source global (yet): the evaluations follow --steps",
-    ),
-    "workers with global": (
-        ["--data-source", "global", "--epoch-batches", "8", "--num-workers", "2"],
-        "--num-workers: --data-source global loads on the pipeline's threads (--loads), not in processes",
     ),
     "a thread map naming no task of the plan with loads": (
         ["--data-source", "map", "--loads", "2", "--thread-map", "Fetch2=io"],
