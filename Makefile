@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compare.py && $(PY) benchmarks/task_split.py && $(PY) benchmarks/engine_cost.py && \
 	$(PY) benchmarks/overlap.py && $(PY) benchmarks/tuning_cost.py && \
 	$(PY) benchmarks/timeline.py && $(PY) benchmarks/pp.py && $(PY) benchmarks/sim_vs_real.py && \
+	$(PY) benchmarks/two_loads_blocks.py && \
 	$(PY) benchmarks/close_loop.py
 
 # Lint, then the whole suite on TorchRec 1.9.2's pairing, slow multi-process tests included (the
