@@ -15,7 +15,8 @@ lowest priority never runs: a search starved so (``STARVED_S``) starts again at 
 takes a small, steady share. The lowest priority is not free: on the 2-core VMs we measure on, a
 busy loop at ``SCHED_IDLE`` made a 2-rank job's median step 35-50% longer
 (``notebook/2026-12-loaders.md``): a search costs the job time at any priority (at niceness 0 no
-more than at ``SCHED_IDLE``, in two 1,000-step runs). It imports no torch: the plan, profile and simulator layers are pure Python.
+more than at ``SCHED_IDLE``, in two 1,000-step runs). It imports no torch: the plan, profile and
+simulator layers are pure Python.
 """
 
 from __future__ import annotations
