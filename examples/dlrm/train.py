@@ -135,6 +135,7 @@ from harness.dlrm import (
     upstream_unavailable,
 )
 from torchrec_swp import NonFiniteStep
+from torchrec_swp.autotune.report import missed
 from torchrec_swp.data import GlobalMapSource, MapSource
 from torchrec_swp.engine.transaction import MODES as NONFINITE_MODES
 from torchrec_swp.engine.transaction import check_plan, ordered
@@ -1631,7 +1632,7 @@ def print_summary(s: dict[str, Any]) -> None:
         print(
             f"  autotune: {tuned['start_measured_ms']:.2f} ms per step before the switch; the chosen plan predicted "
             f"{tuned['predicted_ms']:.2f} ms, measured {tuned['measured_ms']:.2f} ms "
-            f"({100 * (tuned['predicted_ms'] / tuned['measured_ms'] - 1):+.0f}%)"
+            f"({missed(tuned['predicted_ms'], tuned['measured_ms'])})"
         )
     if tuned and tuned.get("tuning_steps") is not None:
         print(

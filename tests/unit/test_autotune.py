@@ -330,7 +330,7 @@ def test_by_default_each_event_is_one_line_on_stdout_and_the_reasons_are_logged(
     assert len(out) == 2 and HEADLINE.fullmatch(out[0]), out
     measured = (
         r"autotune TrainPipelineBase: measured \d+\.\d\d ms per step over 6 steps with the chosen plan "
-        r"\(predicted 1\.00 ms, \d+% (under|over)\)"
+        r"\(predicted 1\.00 ms: (ran \d+% (slower|faster) than predicted|as predicted)\)"
     )
     assert re.fullmatch(measured, out[1]), out
     logged = [r.getMessage() for r in caplog.records if r.name == "torchrec_swp.autotune"]
@@ -538,3 +538,19 @@ def test_a_draw_that_waits_is_not_tried_again_without_the_gil(monkeypatch: pytes
     _, pipeline, _ = train(40, 0.004, autotune=Autotune(**FAST, rounds=1))
     assert searched == [1.0]
     assert pipeline.autotune_decision.decided and not pipeline.autotune_decision.tried
+
+
+@pytest.mark.parametrize(
+    "predicted, measured, said",
+    [
+        (11.12, 17.39, "ran 56% slower than predicted"),  # the "36% under", which read the other way
+        (33.54, 29.54, "ran 12% faster than predicted"),
+        (19.64, 19.66, "as predicted"),
+    ],
+)
+def test_a_missed_prediction_is_said_in_words_that_name_its_direction(
+    predicted: float, measured: float, said: str
+) -> None:
+    from torchrec_swp.autotune.report import missed
+
+    assert missed(predicted, measured) == said
