@@ -19,7 +19,9 @@ every call's time is kept. The contenders:
 * ``ours``: our pipeline, its default plan (upstream's schedule), over a ``MapSource`` of the same
   dataset (one draw at a time, in order: the same loader work as an iterator);
 * ``ours+2loads``: the hand-picked plan (``with_parallel_loads(plan, 2)``): two draws at once;
-* ``ours+autotune``: ``autotune=True`` (the defaults, quiet) over the same ``MapSource``.
+* ``ours+autotune``: ``autotune=True`` (the defaults, quiet) over the same ``MapSource``;
+* ``ours+autotune+len``: ``Autotune(job_steps=--steps)``: a user who says how long the job is
+  (a job shorter than a tuning runs its own plan untuned).
 
 Reported per contender: the median over rounds of the wall time, of the median step and of the
 longest step, and the longest step against the default plan's median step (the stall a user
@@ -43,7 +45,7 @@ from benchmarks.report import run_meta
 from examples.dlrm.loader_work import KINDS, LoaderWork, calibrate
 from harness.dlrm_data import SIZES, batches
 
-CONTENDERS = ("upstream", "ours", "ours+2loads", "ours+autotune")
+CONTENDERS = ("upstream", "ours", "ours+2loads", "ours+autotune", "ours+autotune+len")
 #: batches beyond ``--steps`` in each contender's data: a pipeline that runs ahead draws them
 SPARE = 16
 
@@ -69,11 +71,13 @@ def _contender(label: str, rank: int, world_size: int, args: argparse.Namespace,
 
         plan = with_parallel_loads(default_plans()[args.pipeline], 2)
         return make_runner(args.pipeline, "ours", build, plan=plan), data
-    if label == "ours+autotune":
+    if label in ("ours+autotune", "ours+autotune+len"):
         from torchrec_swp import Autotune
 
         lines: list[str] = []
-        runner = make_runner(args.pipeline, "ours", build, options={"autotune": Autotune(report=lines.append)})
+        length = {"job_steps": args.steps} if label == "ours+autotune+len" else {}
+        tuning = Autotune(report=lines.append, **length)
+        runner = make_runner(args.pipeline, "ours", build, options={"autotune": tuning})
         runner.tuner_lines = lines
         return runner, data
     raise ValueError(f"unknown contender {label!r}; choose from {', '.join(CONTENDERS)}")
@@ -171,10 +175,11 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, meta: dict[str, 
             f"| {label} | {r['wall_s']:.2f} | {walls} | {ratio} | {r['median_step_ms']:.2f} | {r['p99_step_ms']:.2f} | "
             f"{r['max_step_ms']:.1f} | {r['max_over_default_median']:.1f}x |"
         )
-    tuned = rows.get("ours+autotune")
-    if tuned is not None:
-        out += ["", "The tuner's lines (rank 0, the last round):", ""]
-        out += [f"    {line}" for line in tuned["lines"]] or ["    (none)"]
+    for label in ("ours+autotune", "ours+autotune+len"):
+        tuned = rows.get(label)
+        if tuned is not None:
+            out += ["", f"The tuner's lines, {label} (rank 0, the last round):", ""]
+            out += [f"    {line}" for line in tuned["lines"]] or ["    (none)"]
     return "\n".join(out) + "\n"
 
 

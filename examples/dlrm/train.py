@@ -735,7 +735,9 @@ def engine_keywords(args: argparse.Namespace) -> dict[str, Any]:
     if args.autotune:
         from torchrec_swp import Autotune
 
-        keywords["autotune"] = Autotune(report=lambda line: tqdm.write(line, file=sys.stdout))
+        # the run's length, which the user gave or tuning_steps() chose: a run shorter than a tuning is not tuned
+        report = lambda line: tqdm.write(line, file=sys.stdout)  # noqa: E731
+        keywords["autotune"] = Autotune(report=report, job_steps=args.steps)
     return keywords
 
 

@@ -1,6 +1,6 @@
 """benchmarks/tuning_cost.py runs (2 gloo ranks, a short run): every contender trains the same
 losses in every round, the table has a row per contender with its walls, and the tuner's first
-line says it searches in the background."""
+line says it searches in the background (or, told the job's length, that it does not tune)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def test_the_benchmark_runs_every_contender_fresh_with_the_same_losses(
         assert len(row["walls_s"]) == 2 and all(w > 0 for w in row["walls_s"])
     (first, *_) = found["rows"]["ours+autotune"]["lines"]
     assert "searches in a process of its own" in first, first
+    (said,) = found["rows"]["ours+autotune+len"]["lines"]  # 6 steps: fewer than a tuning takes
+    assert "keeps the plan, untuned: the job's 6 steps (Autotune.job_steps)" in said, said
     table = capsys.readouterr().out
     assert "Same losses at every step in every run: yes" in table and "| ours+autotune |" in table
 

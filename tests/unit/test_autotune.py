@@ -554,3 +554,38 @@ def test_a_missed_prediction_is_said_in_words_that_name_its_direction(
     from torchrec_swp.autotune.report import missed
 
     assert missed(predicted, measured) == said
+
+
+def test_a_job_shorter_than_a_tuning_runs_its_own_plan_untouched_and_says_why() -> None:
+    """``job_steps`` below ``tuning_bound``: no profile, no search, no switch, and not even the
+    starting plan's edits: the pipeline's plan is the one it runs without ``autotune``."""
+    lines: list[str] = []
+    options = Autotune(**FAST, job_steps=30, report=lines.append)
+    ahead = plans.with_lookahead(plans.default_plans()["TrainPipelineBase"], 1)  # tuning would start at 0
+    bound = options.tuning_bound(ahead.pipeline_depth)
+    assert 30 < bound
+    tuned, pipeline, weights = train(30, 0.0, autotune=options, plan=ahead)
+    plain, plain_pipeline, plain_weights = train(30, 0.0, plan=ahead)
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    assert pipeline._swp_engine.plan.to_text() == plain_pipeline._swp_engine.plan.to_text() == ahead.to_text()
+    said = (
+        f"keeps the plan, untuned: the job's 30 steps (Autotune.job_steps) are fewer than a tuning may take ({bound}), "
+        "which would end with the job, its cost paid and its gain not"
+    )
+    assert lines == [f"autotune TrainPipelineBase: {said}"]
+    d = pipeline.autotune_decision
+    assert d is not None and not d.switched and d.why == (said,)
+
+
+def test_a_job_as_long_as_a_tuning_is_tuned() -> None:
+    depth = plans.default_plans()["TrainPipelineBase"].pipeline_depth
+    bound = Autotune(**FAST).tuning_bound(depth)
+    assert Autotune(**FAST, job_steps=bound).too_short(depth) is None
+    assert Autotune(**FAST).too_short(depth) is None  # unknown length: tuned
+    assert Autotune(**FAST, job_steps=bound - 1).too_short(depth) is not None
+
+
+@pytest.mark.parametrize("value", [0, -5, True, 2.5, "100"])
+def test_a_bad_job_length_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="Autotune: job_steps must be an int >= 1 or None"):
+        Autotune(job_steps=value)  # type: ignore[arg-type]

@@ -88,6 +88,11 @@ class Autotune:
     more a thread computes after a stretch off the CPU (``sim.Cold``; default: this project's 2-core
     machines, ``autosched.inputs.DEFAULT_COLD``; None: not modelled).
 
+    ``job_steps``: the steps the job will train in all, where the user knows it (None, the
+    default: unknown). A job shorter than a tuning (``tuning_bound``) would end while it tunes,
+    its cost paid (the profile, the search's CPU, the trial's slower plans) and its gain not:
+    the pipeline then runs its own plan untouched, tunes nothing and says so (``too_short``).
+
     ``report``: where the tuner's lines go, on rank 0 only (the other ranks are quiet; every
     rank's ``autotune_decision`` holds the same decision). The default (``PRINTED``) prints each
     headline on stdout, one line per event, and logs every line at INFO on logger
@@ -119,6 +124,7 @@ class Autotune:
     retunes: int = 2
     background: bool = True
     search_s: float | None = 120.0
+    job_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -155,6 +161,9 @@ class Autotune:
         d = self.drift
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < 1):
             raise ValueError(f"Autotune: drift must be a share in (0, 1) or None (never re-tune), got {d!r}")
+        j = self.job_steps
+        if j is not None and (isinstance(j, bool) or not isinstance(j, int) or j < 1):
+            raise ValueError(f"Autotune: job_steps must be an int >= 1 or None (unknown), got {j!r}")
         if not isinstance(self.background, bool):
             raise ValueError(f"Autotune: background must be a bool, got {self.background!r}")
         t = self.search_s
@@ -196,6 +205,17 @@ class Autotune:
         later_round = settle + lookahead + self.steps + (lookahead + 1) + 1
         rounds = self.warmup + self.steps + 1 + self.rounds * trial + (self.rounds - 1) * later_round
         return rounds + settle + self.verify + 1
+
+    def too_short(self, pipeline_depth: int) -> str | None:
+        """Why a job of ``job_steps`` steps is not tuned (None: it is, or its length is unknown):
+        it ends before a tuning from a plan of ``pipeline_depth`` batches may have (``tuning_bound``)."""
+        bound = self.tuning_bound(pipeline_depth)
+        if self.job_steps is None or self.job_steps >= bound:
+            return None
+        return (
+            f"keeps the plan, untuned: the job's {self.job_steps} steps (Autotune.job_steps) are fewer than a tuning "
+            f"may take ({bound}), which would end with the job, its cost paid and its gain not"
+        )
 
     @classmethod
     def of(cls, value: bool | Autotune | None, owner: str) -> Autotune | None:

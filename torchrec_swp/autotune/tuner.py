@@ -194,6 +194,11 @@ class Tuner:
         self._group: Any = None  # the tuner's own process group (Hooks.group), made on first use
         self._processes = 0  # the worker processes the running candidate or decision fetches in
         self._applied: tuple[weakref.ref[Any], int] | None = None  # the data they were last set on, and to
+        short = options.too_short(engine.plan.pipeline_depth)
+        if short is not None:  # the pipeline runs its own plan (``start_for_tuning`` not applied)
+            self.decision, self.state = Decision(None, why=(short,)), TunerState.DONE
+            self._report(f"autotune {owner}: {short}", headline=True)
+            return
         self._report(report.opening(owner, options, engine.plan.pipeline_depth), headline=True)
 
     def before_step(self) -> None:

@@ -154,7 +154,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
                     culprit=str(p.source),
                 )
         tuning = options.tuning
-        if tuning is not None:
+        if tuning is not None and tuning.too_short(chosen.pipeline_depth) is None:
             chosen = start_for_tuning(chosen)
         transaction = None
         if options.on_nonfinite != "off":
