@@ -7,6 +7,7 @@ What a user sees: by default one line per event on stdout (the reasons in the lo
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -589,3 +590,43 @@ def test_a_job_as_long_as_a_tuning_is_tuned() -> None:
 def test_a_bad_job_length_is_refused(value: object) -> None:
     with pytest.raises(ValueError, match="Autotune: job_steps must be an int >= 1 or None"):
         Autotune(job_steps=value)  # type: ignore[arg-type]
+
+
+class TailSlow(Slow):
+    """``Slow`` whose every 7th item (from item 3) waits 8 times as long: a heavy tail."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.latency * (8 if i % 7 == 3 else 1))
+        return self.items[i]
+
+
+def test_a_draw_with_a_heavy_tail_runs_ahead_far_enough_to_cover_it() -> None:
+    """The search ranks plans by mean costs, which do not see a slow read among quick ones; where
+    the profile's longest draw is ``TAIL_RATIO`` times its median or more, the plan chosen draws
+    on a thread of its own and runs ahead by as many batches as the longest draw spans, and says
+    why. Bit for bit as untuned."""
+    from torchrec_swp.autotune.search import TAIL_RATIO
+
+    options = {**FAST, "rounds": 1, "candidates": 0, "drift": None}
+    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth) + 10
+    tuned, pipeline, weights = train(n, 0.004, dataset=TailSlow(n, 0.004), autotune=Autotune(**options, report=None))
+    plain, _, plain_weights = train(n, 0.004, dataset=TailSlow(n, 0.004))
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    d = pipeline.autotune_decision
+    assert d is not None and d.switched, d
+    tail = [w for w in d.why if "has a heavy tail" in w]
+    assert len(tail) == 1, d.why
+    m = re.search(r"its longest ([\d.]+) ms, ([\d.]+)x its median", tail[0])
+    assert m and float(m.group(2)) >= TAIL_RATIO, tail
+    chosen = PipelinePlan.from_text(d.plan)
+    assert chosen.task(chosen.source).thread_group != "default" and chosen.lookahead >= 1, d.plan
+    # the run-ahead covers the longest draw at the predicted step, or is the most allowed
+    assert chosen.lookahead >= min(3, math.ceil(float(m.group(1)) / (1e3 * d.predicted_s))), (d.plan, d.predicted_s)
+
+
+def test_a_draw_without_a_tail_keeps_the_run_ahead_the_mean_costs_chose() -> None:
+    options = {**FAST, "rounds": 1, "candidates": 0, "drift": None}
+    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth) + 10
+    _, pipeline, _ = train(n, 0.004, autotune=Autotune(**options, report=None))
+    d = pipeline.autotune_decision
+    assert d is not None and not any("heavy tail" in w for w in d.why), d.why

@@ -21,6 +21,7 @@ simulator layers are pure Python.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import shutil
@@ -31,7 +32,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,14 +42,19 @@ from torchrec_swp.autosched.overlap import Space, search_overlap
 from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.trial import pick
-from torchrec_swp.catalog.transforms import DRAW_TASKS
+from torchrec_swp.catalog.transforms import DRAW_TASKS, with_lookahead
 from torchrec_swp.plan import PipelinePlan, PlanError
+from torchrec_swp.plan.task import MAIN_THREAD
 from torchrec_swp.profiler import Profile, ProfileError
 
 #: a draw whose thread computes at least this share of its time (thread CPU / wall) is CPU-bound:
 #: where the model (which holds the GIL for all CPU work) predicts no gain, the plans that would win
 #: if it released the GIL are tried and measured (``search``)
 CPU_BOUND_DRAW = 0.5
+#: a draw whose longest run in the profile is at least this many times its median has a heavy tail
+#: (slow reads among quick ones): the mean costs the search ranks by do not see it, a run-ahead
+#: hides it (``run_ahead``)
+TAIL_RATIO = 3.0
 #: the search process's niceness (``os.nice``) where ``SCHED_IDLE`` cannot be set
 NICE = 19
 #: a search at the lowest priority that got less than ``STARVED_SHARE`` of one core over its first
@@ -157,6 +163,11 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
     except (PlanError, ProfileError, ValueError) as e:
         return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",)), []
     why = tuple(result.why(start="the starting plan" if request.round == 1 else "the chosen plan"))
+    tail = run_ahead(profiles, profiled, o, inputs.batch_bytes)
+    ahead: Callable[[PipelinePlan, float], PipelinePlan] = lambda p, step: p  # noqa: E731
+    if tail is not None:
+        ahead, said = tail
+        why = (*why, said)
     margin = o.noise
     if freed is not None:
         assert share is not None
@@ -184,7 +195,10 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         plans = pick([s.plan for s in ranked], running, o.candidates)
         by_plan = {s.plan: s for s in reversed(ranked)}
         candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group), 0]]
-        candidates += [[p.to_text(), by_plan[p].step, by_plan[p].candidate.own_group, 0] for p in plans]
+        for p in plans:  # (a run-ahead for a heavy tail may make two plans one: the first stays)
+            text = ahead(p, by_plan[p].step).to_text()
+            if all(text != c[0] for c in candidates):
+                candidates.append([text, by_plan[p].step, by_plan[p].candidate.own_group, 0])
         if freed is not None and request.processes:
             candidates = with_processes(candidates, o.candidates)
         if len(candidates) < 2:
@@ -202,13 +216,53 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
             ),
         ), candidates
     return Decision(
-        result.plan.to_text(),
+        ahead(result.plan, result.predicted).to_text(),
         own_group=result.best.candidate.own_group,
         predicted_s=result.predicted,
         baseline_s=result.baseline,
         measured_start_s=measured,
         why=why,
     ), candidates
+
+
+def run_ahead(
+    profiles: Sequence[Profile], profiled: PipelinePlan, options: Autotune, batch_bytes: float
+) -> tuple[Callable[[PipelinePlan, float], PipelinePlan], str] | None:
+    """Where the draw has a heavy tail on some rank (its longest run in the profile at least
+    ``TAIL_RATIO`` times its median): what gives a plan whose draw runs on a thread of its own the
+    run-ahead that covers the longest draw (``ceil(longest / the plan's predicted step)`` batches
+    beyond its depth, the least of ``options.lookahead`` that does, else the most its in-flight
+    and memory limits allow; never less than it had), and the reason; None: no heavy tail, or
+    no run-ahead allowed."""
+    source = profiled.source
+    if source is None:
+        return None
+    stats = [p.stats(source) for p in profiles]
+    worst = max(stats, key=lambda t: t.max_s / t.median_s if t.median_s > 0 else 0.0)
+    if worst.median_s <= 0 or worst.max_s < TAIL_RATIO * worst.median_s:
+        return None
+    depth, cap = profiled.pipeline_depth, options.memory_cap_bytes
+    allowed = sorted(
+        k
+        for k in options.lookahead
+        if depth + k <= options.max_in_flight and (cap is None or (depth + k) * batch_bytes <= cap)
+    )
+    if not allowed or allowed[-1] == 0:
+        return None
+
+    def ahead(plan: PipelinePlan, step_s: float) -> PipelinePlan:
+        if plan.source is None or plan.task(plan.source).thread_group == MAIN_THREAD or step_s <= 0:
+            return plan
+        need = math.ceil(worst.max_s / step_s)
+        k = next((k for k in allowed if k >= need), allowed[-1])
+        return with_lookahead(plan, k) if k > plan.lookahead else plan
+
+    said = (
+        f"the draw {source} has a heavy tail (its longest {1e3 * worst.max_s:.1f} ms, "
+        f"{worst.max_s / worst.median_s:.1f}x its median {1e3 * worst.median_s:.1f} ms): a plan drawing on a thread "
+        f"of its own runs as far ahead as covers the longest draw (at most {allowed[-1]})"
+    )
+    return ahead, said
 
 
 def with_processes(candidates: list[Any], count: int) -> list[Any]:
