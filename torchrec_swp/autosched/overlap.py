@@ -98,6 +98,13 @@ class Space:
         if self.mode not in ("mean", "replay"):
             raise ValueError(f"mode must be 'mean' or 'replay', got {self.mode!r}")
 
+    def holds(self, depth: int, lookahead: int) -> bool:
+        """Whether a plan of ``depth`` batches running ``lookahead`` ahead stays within the
+        batches in flight and the memory cap (each batch ``batch_bytes``)."""
+        in_flight = depth + lookahead
+        cap = self.memory_cap_bytes
+        return in_flight <= self.max_in_flight and (cap is None or in_flight * self.batch_bytes <= cap)
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
@@ -315,12 +322,10 @@ class OverlapSearch:
         space = self.space
         if len(set(c.threads)) + c.loads - 1 > space.max_threads:
             return None
+        if not space.holds(self.plan.pipeline_depth, c.lookahead):
+            return None
         in_flight = self.plan.pipeline_depth + c.lookahead
-        if in_flight > space.max_in_flight:
-            return None
         memory = in_flight * space.batch_bytes
-        if space.memory_cap_bytes is not None and memory > space.memory_cap_bytes:
-            return None
         try:
             plan = self.build(c)
         except PlanError:

@@ -163,11 +163,16 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
     except (PlanError, ProfileError, ValueError) as e:
         return Decision(None, measured_start_s=measured, why=(f"keeps the plan: {e}",)), []
     why = tuple(result.why(start="the starting plan" if request.round == 1 else "the chosen plan"))
-    tail = run_ahead(profiles, profiled, o, inputs.batch_bytes)
-    ahead: Callable[[PipelinePlan, float], PipelinePlan] = lambda p, step: p  # noqa: E731
-    if tail is not None:
-        ahead, said = tail
-        why = (*why, said)
+    tail = run_ahead(profiles, profiled, space)
+    moved: list[bool] = []  # whether the tail moved a plan: its reason is said then
+
+    def ahead(plan: PipelinePlan, step_s: float) -> PipelinePlan:
+        if tail is None:
+            return plan
+        further = tail[0](plan, step_s)
+        moved.append(further is not plan)
+        return further
+
     margin = o.noise
     if freed is not None:
         assert share is not None
@@ -204,6 +209,8 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         if len(candidates) < 2:
             candidates = []
     if result.speedup < 1 + margin:
+        if tail is not None and any(moved):  # (the candidates' run-ahead)
+            why = (*why, tail[1])
         return Decision(
             None,
             predicted_s=result.predicted,
@@ -215,8 +222,11 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
                 f"within the noise ({100 * margin:.0f}%)",
             ),
         ), candidates
+    chosen = ahead(result.plan, result.predicted)
+    if tail is not None and any(moved):
+        why = (*why, tail[1])
     return Decision(
-        ahead(result.plan, result.predicted).to_text(),
+        chosen.to_text(),
         own_group=result.best.candidate.own_group,
         predicted_s=result.predicted,
         baseline_s=result.baseline,
@@ -226,14 +236,14 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
 
 
 def run_ahead(
-    profiles: Sequence[Profile], profiled: PipelinePlan, options: Autotune, batch_bytes: float
+    profiles: Sequence[Profile], profiled: PipelinePlan, space: Space
 ) -> tuple[Callable[[PipelinePlan, float], PipelinePlan], str] | None:
     """Where the draw has a heavy tail on some rank (its longest run in the profile at least
     ``TAIL_RATIO`` times its median): what gives a plan whose draw runs on a thread of its own the
     run-ahead that covers the longest draw (``ceil(longest / the plan's predicted step)`` batches
-    beyond its depth, the least of ``options.lookahead`` that does, else the most its in-flight
-    and memory limits allow; never less than it had), and the reason; None: no heavy tail, or
-    no run-ahead allowed."""
+    beyond its depth, the least of the search's lookahead choices that does, else the most its
+    in-flight and memory limits allow, ``Space.holds``; never less than it had), and the reason;
+    None: no heavy tail, or no run-ahead allowed."""
     source = profiled.source
     if source is None:
         return None
@@ -241,17 +251,14 @@ def run_ahead(
     worst = max(stats, key=lambda t: t.max_s / t.median_s if t.median_s > 0 else 0.0)
     if worst.median_s <= 0 or worst.max_s < TAIL_RATIO * worst.median_s:
         return None
-    depth, cap = profiled.pipeline_depth, options.memory_cap_bytes
-    allowed = sorted(
-        k
-        for k in options.lookahead
-        if depth + k <= options.max_in_flight and (cap is None or (depth + k) * batch_bytes <= cap)
-    )
+    allowed = sorted(k for k in space.lookahead if space.holds(profiled.pipeline_depth, k))
     if not allowed or allowed[-1] == 0:
         return None
 
     def ahead(plan: PipelinePlan, step_s: float) -> PipelinePlan:
         if plan.source is None or plan.task(plan.source).thread_group == MAIN_THREAD or step_s <= 0:
+            return plan
+        if worst.max_s <= step_s:  # the longest draw fits in one step: its thread hides it already
             return plan
         need = math.ceil(worst.max_s / step_s)
         k = next((k for k in allowed if k >= need), allowed[-1])
