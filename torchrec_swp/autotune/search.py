@@ -57,10 +57,11 @@ CPU_BOUND_DRAW = 0.5
 TAIL_RATIO = 3.0
 #: the search process's niceness (``os.nice``) where ``SCHED_IDLE`` cannot be set
 NICE = 19
-#: a search at the lowest priority that got less than ``STARVED_SHARE`` of one core over its first
-#: ``STARVED_S`` seconds is starved (the job keeps every core busy: ``SCHED_IDLE`` would never run
-#: it): it is started again ``STARVED_NICE`` nice levels below the job, where it takes about a tenth
-#: of a core beside one busy thread of the job (Linux, where the process's CPU time can be read)
+#: a search at the lowest priority whose CPU time since it started is under ``STARVED_SHARE`` of one
+#: core's, at a poll ``STARVED_S`` seconds or more after its start, is starved (the job keeps every
+#: core busy: ``SCHED_IDLE`` would never run it): it is started again ``STARVED_NICE`` nice levels
+#: below the job, where it takes about a tenth of a core beside one busy thread of the job (once;
+#: Linux, where the process's CPU time can be read)
 STARVED_S = 5.0
 STARVED_SHARE = 0.1
 STARVED_NICE = 10
