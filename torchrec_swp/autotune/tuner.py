@@ -451,8 +451,10 @@ class Tuner:
     def _follow_data(self) -> None:
         """The data of this call fetches in the processes chosen (a resumed decision, a new
         epoch's source): set where it differs, never on data that has only ever used threads."""
+        if self._processes == 0 and self._applied is None:  # every call of a tuner that never chose processes
+            return
         use = self._data_processes()
-        if use is None or (self._processes == 0 and self._applied is None):
+        if use is None:
             return
         draws = self.engine.draws
         assert draws is not None  # (use is not None: there are draws)
