@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from tests.unit.engine_fixtures import Toy, drawing, toy_plan
 from torchrec_swp.engine import Engine
+from torchrec_swp.engine.board import Board
 from torchrec_swp.integrations.torchrec.teardown import Teardown, known
 from torchrec_swp.plans import with_lookahead
 
@@ -49,6 +50,26 @@ def test_an_engine_whose_data_ended_is_collected_and_stops_its_threads(name: str
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [t.name for t in threads if t.is_alive()] == []
+
+
+def test_an_engine_is_collected_at_the_end_of_data_even_where_a_worker_is_slow_to_drop_its_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's walk says it is at rest before its job returns (the job holds the engine): the
+    caller that saw the end of the data must not be left holding an engine that a worker holds too.
+    Each worker here sleeps after its last word to the board, as a thread the OS preempted there
+    would (once in 300 runs on 2 cores, without the sleep)."""
+    changed = Board.changed
+
+    def slow_changed(self: Board, topic: Any = None) -> None:
+        changed(self, topic)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)
+
+    monkeypatch.setattr(Board, "changed", slow_changed)
+    ref, threads = _trained_engine(PLANS["io + lookahead 2"]())
+    gc.collect()
+    assert ref() is None
 
 
 def test_close_stops_every_thread_even_one_waiting_mid_epoch_and_is_idempotent() -> None:
@@ -173,6 +194,7 @@ atexit.register(lambda: print(f"last hook: {time.monotonic() - T0:.2f}s, alive: 
                               f"{[t.name for t in threading.enumerate() if t.name.startswith('swp')]}"))
 from tests.unit.engine_fixtures import Toy, toy_plan
 from torchrec_swp.engine import Engine
+from torchrec_swp.engine.board import Board
 from torchrec_swp.plans import with_lookahead
 plan = with_lookahead(toy_plan().with_thread_map({"H2D": "io", "Dist": "dist"}), 2)
 engine = Engine(plan, Toy(8).bindings(), timeout_s=60)

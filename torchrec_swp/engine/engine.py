@@ -273,7 +273,7 @@ class Engine(Interpreter):
                         self._epochs.start(EndEvent.EPOCH)
                         ended = end.ended()
                         continue
-                    batches.report_end()
+                    self._report_end()
                     raise StopIteration
                 d = batches.book.returned
                 if batches.ask(d) and threaded:
@@ -305,10 +305,20 @@ class Engine(Interpreter):
         if outcome == "failed":
             self._raise_failure()
         if outcome == "stopped":
-            self.batches.report_end()
+            self._report_end()
             raise StopIteration
         self.wait_until_resting()  # drained: no batch d; every thread walks out of the epoch
         return _AGAIN
+
+    def _report_end(self) -> None:
+        """StopIteration for the end of data, once no thread holds the engine: drained, every
+        thread walks out of the epoch (waited for, as a new epoch would); stopped, a thread at
+        rest dropped its job (one still in flight is not waited for). A caller who drops the engine
+        then leaves it to the garbage collector, which then finds nothing else holding it."""
+        if not self.batches.end.stopped():
+            self.wait_until_resting()
+        self.drop_jobs()
+        self.batches.report_end()
 
     def run_to_end(self) -> list[Any]:
         """Step until the data ends; the outputs in order."""

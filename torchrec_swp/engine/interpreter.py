@@ -278,7 +278,7 @@ class Interpreter(abc.ABC):
         w.state = WalkState.RUNNING
         if self._checker is not None:  # what the launcher did is ordered before the job
             self._checker.cpu_release(("launch", self._uid, w.name))
-        self._worker(w.name).inbox.put(job)
+        self._worker(w.name).put(job)
 
     def wait_until_blocked(self) -> None:
         """Return once no thread can go on without a later call: every worker that walks is
@@ -334,6 +334,15 @@ class Interpreter(abc.ABC):
         if self._checker is not None:
             for w in walkers:
                 self._checker.cpu_acquire(("walk", self._uid, w.name))
+
+    def drop_jobs(self) -> None:
+        """Wait until every worker whose walk is at rest dropped its job (a job holds the engine:
+        a walk says it is at rest just before its job returns). Where the data ended: the caller
+        that sees the end may drop the engine, and no thread must hold it then."""
+        for w in self._walkers.values():
+            worker = self._workers.get(w.name)
+            if worker is not None and w.state is not WalkState.RUNNING:
+                worker.idle.wait(self.timeout_s)
 
     def _await_outcome(self, outcome: Callable[[], str | None], what: Callable[[], str], batch: int, topic: Any) -> str:
         """``outcome()`` once it is not None, waiting on the board (``topic``); a timeout is a

@@ -104,17 +104,29 @@ class Worker:
 
     def __init__(self, name: str, streams: StreamPool) -> None:
         self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, args=(self.inbox, streams), name=name, daemon=True)
+        # set while the thread holds no job: a walk says it is at rest before its job returns
+        self.idle = threading.Event()
+        self.idle.set()
+        args = (self.inbox, self.idle, streams)
+        self.thread = threading.Thread(target=self._loop, args=args, name=name, daemon=True)
         self.thread.start()
 
     @staticmethod
-    def _loop(inbox: queue.SimpleQueue[Callable[[], None] | None], streams: StreamPool) -> None:
+    def _loop(
+        inbox: queue.SimpleQueue[Callable[[], None] | None], idle: threading.Event, streams: StreamPool
+    ) -> None:
         streams.thread_init()
         while (job := inbox.get()) is not None:
             job()
             # a job holds its engine: kept in this frame while the thread waits for the next one,
             # it would keep the engine (and the pipeline that holds it) from ever being collected
             del job
+            idle.set()
+
+    def put(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the thread (``idle`` until it returned and was dropped)."""
+        self.idle.clear()
+        self.inbox.put(job)
 
     def stop(self) -> None:
         """Ask the thread to end once its current job, if any, returns (``stop_workers`` joins it)."""
