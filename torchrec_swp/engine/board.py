@@ -59,8 +59,8 @@ class Board:
         self._walking: dict[int, None] = {}  # worker threads walking a program (each adds and removes itself)
         self._caller: int | None = None  # the thread that walks the calling thread's part
         self._stirred = time.monotonic()  # the last sign of progress: a change, a walk ending, a wait beginning
-        # sleeping threads: the lock each blocks on (held while it sleeps), what it waits for, its topic
-        self._sleepers: list[tuple[threading.Lock, Callable[[], bool] | None, Hashable]] = []
+        # sleeping threads: the lock each blocks on (held while it sleeps), what it waits for, its topic, itself
+        self._sleepers: list[tuple[threading.Lock, Callable[[], bool] | None, Hashable, int]] = []
 
     def sleep(self, remaining: float, ready: Callable[[], bool] | None = None, topic: Hashable = None) -> None:
         """With the lock held: release it until a change for which ``ready()`` holds (any change
@@ -69,7 +69,7 @@ class Board:
         me = threading.get_ident()
         waiter = threading.Lock()
         waiter.acquire()
-        sleeper = (waiter, ready, topic)
+        sleeper = (waiter, ready, topic, me)
         self._sleepers.append(sleeper)
         self.blocked.add(me)
         self.lock.release()
@@ -90,9 +90,12 @@ class Board:
         everyone = self.interrupt is not None
         asleep = []
         for sleeper in self._sleepers:
-            waiter, ready, their = sleeper
+            waiter, ready, their, thread = sleeper
             if everyone or ((topic is None or their == topic) and (ready is None or _holds(ready))):
                 waiter.release()
+                # woken, it goes on once it gets the lock: no longer blocked (wait_until_blocked
+                # would otherwise count a thread just given credit as one that waits for a call)
+                self.blocked.discard(thread)
             else:
                 asleep.append(sleeper)
         self._sleepers = asleep

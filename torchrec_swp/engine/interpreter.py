@@ -93,9 +93,21 @@ class Interpreter(abc.ABC):
         self._observer: Observer | None = None
 
     def close(self) -> None:
-        """Stop the worker threads (idempotent): each parks where it is, one inside a task once the
-        task returns; returns once every one has ended (``walkers.stop_workers``)."""
-        self._finalizer()
+        """Stop the worker threads (idempotent). First each does what the calls so far entitle it
+        to (``wait_until_blocked``; not after a failure): a draw ahead under the exhaustion sync, an
+        input dist, is a collective the peers' threads make as well, and a rank that stopped its
+        threads short of one would leave a peer waiting in it for the collective's timeout. Then
+        each parks where it is, one inside a task once the task returns; returns once every one
+        has ended (``walkers.stop_workers``). Both within the engine's timeout, together."""
+        if not self._finalizer.alive:
+            return
+        start = time.monotonic()
+        try:
+            if not self.failures:
+                self.wait_until_blocked(deadline=start + self.timeout_s)
+        finally:
+            if self._finalizer.detach() is not None:
+                stop_workers(self._workers, self.board, self.timeout_s, since=start)
 
     @property
     def stop_threads(self) -> Callable[[], Any]:
@@ -280,11 +292,12 @@ class Interpreter(abc.ABC):
             self._checker.cpu_release(("launch", self._uid, w.name))
         self._worker(w.name).put(job)
 
-    def wait_until_blocked(self) -> None:
+    def wait_until_blocked(self, deadline: float | None = None) -> None:
         """Return once no thread can go on without a later call: every worker that walks is
         blocked (asleep on the board, ``Board.blocked``) on something only a later call provides
         (credit, the caller's request), or is at rest. Between calls the workers otherwise keep
-        running ahead within their credit."""
+        running ahead within their credit. An EngineTimeout once no thread made progress for the
+        timeout; with a ``deadline`` (``time.monotonic()``), return then instead."""
         workers = [w for w in self._walkers.values() if w.name in self._workers]
         board = self.board
 
@@ -298,7 +311,10 @@ class Interpreter(abc.ABC):
                 if all_blocked() or self.failures:
                     return
                 stalled = board.patience(began, self.timeout_s) <= 0  # no thread made progress
-            if stalled:
+            if deadline is not None:
+                if time.monotonic() >= deadline:
+                    return
+            elif stalled:
                 raise EngineTimeout(self._timeout_report())
             time.sleep(0.001)
 

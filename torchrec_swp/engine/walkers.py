@@ -133,13 +133,16 @@ class Worker:
         self.inbox.put(None)
 
 
-def stop_workers(workers: dict[str, Worker], board: Any = None, timeout_s: float = 600.0) -> None:
+def stop_workers(
+    workers: dict[str, Worker], board: Any = None, timeout_s: float = 600.0, since: float | None = None
+) -> None:
     """Stop and join ``workers``: an engine's ``close()``, also when the engine is collected or at
     exit (its ``weakref.finalize``, which must not hold the engine: ``board`` is the engine's
     ``Board``, interrupted first so that a worker waiting on it stops where it is).
 
     A worker inside a task - a draw from a slow loader, a long copy - parks only once that call
-    returns: it is waited for, up to ``timeout_s`` (the engine's) for all of them. Returning while
+    returns: it is waited for, up to ``timeout_s`` (the engine's) for all of them, counted from
+    ``since`` (a ``time.monotonic()``; default now: ``close()`` counts its wait before). Returning while
     it runs would leave it to the interpreter's finalization, where its next re-take of the GIL
     ends it by ``pthread_exit`` and a noexcept C++ frame on the way out aborts the process
     (docs/clean_exit.md). A thread still running after ``timeout_s`` is named in a RuntimeWarning."""
@@ -147,7 +150,7 @@ def stop_workers(workers: dict[str, Worker], board: Any = None, timeout_s: float
         board.interrupt_all("the engine was closed")
     for w in workers.values():
         w.stop()
-    deadline = time.monotonic() + timeout_s
+    deadline = (time.monotonic() if since is None else since) + timeout_s
     running = []
     for w in workers.values():
         if w.thread is not threading.current_thread():
