@@ -3,13 +3,14 @@
 Pure data (no torch, no plan layer): ``import torchrec_swp`` reads it to export the pipelines and
 load each on first use. From it come ``torchrec_swp.__all__`` and ``pipelines.__all__``, the
 catalog's ``default_plans()`` and the plan each class builds by default (``row_of``,
-``PlanDriven._swp_row_plan``), the table of ``docs/pipelines.md`` (``markdown_table()``), the GPU
-parity cases (``benchmarks/gpu/parity.py``, less the rows' ``not_on_gpu``), the golden plans'
-list, the pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``),
-upstream's class in the harnesses (``harness.dlrm.upstream_class``) and what the DLRM example's
-harness runs (a row's ``example``: ``harness.dlrm.INFO``, the stream checker's runs in
-``tools/stream_check.py``); tests check README.md, docs/install.md and the parity tests against
-it. A pipeline class whose module and name are a row here is checked when it is defined
+``PlanDriven._swp_row_plan``), the table of ``docs/pipelines.md`` (``markdown_table()``) and
+README.md's table of replacements (``readme_table()``), the GPU parity cases
+(``benchmarks/gpu/parity.py``, less the rows' ``not_on_gpu``), the golden plans' list, the
+pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``), upstream's
+class in the harnesses (``harness.dlrm.upstream_class``) and what the DLRM example's harness runs
+(a row's ``example``: ``harness.dlrm.INFO``, the stream checker's runs in
+``tools/stream_check.py``); tests check docs/install.md and the parity tests against it. A
+pipeline class whose module and name are a row here is checked when it is defined
 (``pipelines/protocol.py``): its task functions against the catalog's task names, its default
 plan's tasks against its task functions, its abstract hooks.
 
@@ -60,7 +61,9 @@ class DropIn:
     returns. ``async_inplace_copy``: upstream's constructor takes ``async_inplace_copy`` from
     TorchRec 1.9 on (ours takes it on 1.8 too and schedules the copy itself). ``not_on_gpu``: why
     the GPU parity check has no case for it (``benchmarks/gpu/parity.py``; empty: it has one).
-    ``example``: how the DLRM example runs it (None: it does not)."""
+    ``example``: how the DLRM example runs it (None: it does not). ``exported``: upstream's
+    package exports the class (a user imports it from there); ``notes``: what README.md's table of
+    replacements says of it (``readme_table()``)."""
 
     name: str
     module: str
@@ -72,6 +75,8 @@ class DropIn:
     async_inplace_copy: bool = False
     not_on_gpu: str = ""
     example: Example | None = None
+    exported: bool = False
+    notes: str = ""
 
     @property
     def module_path(self) -> str:
@@ -96,8 +101,24 @@ _EXPERIMENTAL = "experimental_pipelines"
 DROP_INS: dict[str, DropIn] = {
     d.name: d
     for d in (
-        DropIn("TrainPipelineBase", "base", _TRAIN, "train_pipeline_base_plan", example=Example()),
-        DropIn("TrainPipelinePT2", "compiled", _TRAIN, "pt2_phases", example=Example(compiles=True)),
+        DropIn(
+            "TrainPipelineBase",
+            "base",
+            _TRAIN,
+            "train_pipeline_base_plan",
+            example=Example(),
+            exported=True,
+            notes="bit-identical (1.9, 1.8). LoadBatch(i+1), fwd/bwd(i), H2D(i+1), opt(i)",
+        ),
+        DropIn(
+            "TrainPipelinePT2",
+            "compiled",
+            _TRAIN,
+            "pt2_phases",
+            example=Example(compiles=True),
+            exported=True,
+            notes="bit-identical (1.9, 1.8); compiles on the 4th call (a Compile task in a phase of its own)",
+        ),
         DropIn(
             "TrainPipelineSparseDist",
             "sparse_dist",
@@ -105,6 +126,13 @@ DROP_INS: dict[str, DropIn] = {
             "sparse_dist_plan",
             async_inplace_copy=True,
             example=Example(stream_checks=(None, "by_stream", "io", "nonfinite", "nonfinite by_stream")),
+            exported=True,
+            notes=(
+                "bit-identical (1.9, 1.8). `enqueue_batch_after_forward`, `execute_all_batches`, "
+                "`clear_data_dist_inputs` change the plan; 1.9's `async_inplace_copy` puts the in-place H2D on its "
+                "own thread (also on 1.8 and on CPU); batches put in `batches`/`contexts` by user code are trained, "
+                "as upstream"
+            ),
         ),
         DropIn(
             "TrainPipelineSparseDistLite",
@@ -113,6 +141,10 @@ DROP_INS: dict[str, DropIn] = {
             "sparse_dist_lite_plan",
             async_inplace_copy=True,
             example=Example(stream_checks=(None, "by_stream")),
+            notes=(
+                "bit-identical (1.9, 1.8); input dist in the critical path (upstream's design); "
+                "`async_inplace_copy` as SparseDist"
+            ),
         ),
         DropIn(
             "TrainPipelineFusedSparseDist",
@@ -120,6 +152,11 @@ DROP_INS: dict[str, DropIn] = {
             _TRAIN,
             "fused_sparse_dist_plan",
             example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream", "nonfinite by_stream")),
+            exported=True,
+            notes=(
+                "upstream fails on CPU; ours runs. Equal to patched upstream and to a plain loop, all "
+                "`emb_lookup_stream` choices"
+            ),
         ),
         # start_batch 900: upstream's default
         DropIn(
@@ -129,6 +166,10 @@ DROP_INS: dict[str, DropIn] = {
             "semi_sync_phases",
             {"start_batch": 900},
             example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream", "nonfinite by_stream")),
+            notes=(
+                "upstream fails on CPU; ours runs. A PhasedPlan: sync phase, then semi-sync at `start_batch`; "
+                "`stash_gradients` is a GradSwap task"
+            ),
         ),
         DropIn(
             "PrefetchTrainPipelineSparseDist",
@@ -140,8 +181,25 @@ DROP_INS: dict[str, DropIn] = {
                 upstream_fails="prefetch returns early without a data_dist stream (always so on CPU)",
                 stream_checks=(None, "by_stream", "nonfinite by_stream"),
             ),
+            exported=True,
+            notes=(
+                "upstream fails on CPU; ours runs. Ours orders the data-dist stream after the prefetch stream "
+                "before each later input dist (`dep InputDistStart <- EmbPrefetch @1`, in the plan), the fence of "
+                "TorchRec's open PR #4191 (a UVM-cache race its authors saw as device-side asserts and NaNs); same "
+                "calls and numbers as upstream. With `execute_all_batches=False` ours stops at the first missing "
+                "batch (upstream drops the last 4)"
+            ),
         ),
-        DropIn("EvalPipelineSparseDist", "eval", _TRAIN, "eval_sparse_dist_plan", kind="eval", example=Example()),
+        DropIn(
+            "EvalPipelineSparseDist",
+            "eval",
+            _TRAIN,
+            "eval_sparse_dist_plan",
+            kind="eval",
+            example=Example(),
+            exported=True,
+            notes="equal outputs; upstream's loading thread is the plan's `io` thread group",
+        ),
         DropIn(
             "EvalPipelineFusedSparseDist",
             "fused",
@@ -149,6 +207,7 @@ DROP_INS: dict[str, DropIn] = {
             "eval_fused_sparse_dist_plan",
             kind="eval",
             example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream")),
+            notes="upstream fails on CPU; ours runs; forward under `no_grad`",
         ),
         # two stages of the user's, as upstream's tests build it (the tasks are named after the stages)
         DropIn(
@@ -163,6 +222,11 @@ DROP_INS: dict[str, DropIn] = {
             },
             kind="staged",
             example=Example(upstream_fails="the CPU's default stream has no .device"),
+            exported=True,
+            notes=(
+                'upstream fails on CPU; ours runs with any stream objects (`torch.Stream(device="cpu")`, '
+                "`torch.cpu.Stream()`, None), SparseDataDistUtil stages included"
+            ),
         ),
         DropIn(
             "TrainPipelineSparseDistCompAutograd",
@@ -170,6 +234,11 @@ DROP_INS: dict[str, DropIn] = {
             _TRAIN,
             "comp_autograd_plan",
             example=Example(upstream_fails="compiled autograd rejects the C++ DDP reducer", compiles=True),
+            exported=True,
+            notes=(
+                "upstream fails on CPU (C++ DDP reducer); ours switches DDP to its Python reducer and uses "
+                "`fullgraph=False` on CPU"
+            ),
         ),
         # The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every module takes PEC's
         # non-PEC path, looked up at the start of the step like Fused's.
@@ -182,6 +251,10 @@ DROP_INS: dict[str, DropIn] = {
             example=Example(
                 upstream_fails="its constructor creates torch.cuda.Event()", stream_checks=(None, "by_stream")
             ),
+            notes=(
+                "upstream cannot be constructed on CPU (`torch.cuda.Event()`); ours runs, bit-identical to patched "
+                "upstream with any thread map (PEC tables, 2 ranks)"
+            ),
         ),
         # TrainPipelineSparseDist's constructor, unchanged
         DropIn(
@@ -193,12 +266,72 @@ DROP_INS: dict[str, DropIn] = {
             # trains in train mode and evaluates in eval mode (the example's --eval-mode hybrid);
             # upstream's runs on the CPU as shipped
             example=Example(stream_checks=()),
+            notes=(
+                "bit-identical (1.9, 1.8) across train → eval → train switches. ZeroGrad, Backward, OptimizerStep "
+                "guarded `when=train` (`model.training` at each call); eval batches forwarded under `no_grad`, "
+                "drained at the end of the eval data; Fetch draws i+2 first, as upstream's pre-fetch. "
+                "`execute_all_batches=False` refused (one line); lookahead draws ahead of upstream across an "
+                "iterator switch. Plan `torchrec_swp.catalog.torchrec.train_eval_hybrid_plan`"
+            ),
         ),
-        DropIn("TrainPipelineSparseDistT", "threaded_copy", _EXPERIMENTAL, "sparse_dist_t_plan"),
-        DropIn("TrainPipelineSparseDistBwdOpt", "backward_optimizer", _EXPERIMENTAL, "sparse_dist_bwd_opt_plan"),
-        DropIn("TrainPipelineSparseDistOptStash", "stashing", _EXPERIMENTAL, "opt_stash_plan"),
-        DropIn("TrainPipelineSparseDistEmbStash", "stashing", _EXPERIMENTAL, "emb_stash_plan"),
-        DropIn("TrainPipelinePrefetchEMS", "stashing", _EXPERIMENTAL, "prefetch_ems_plan"),
+        DropIn(
+            "TrainPipelineSparseDistT",
+            "threaded_copy",
+            _EXPERIMENTAL,
+            "sparse_dist_t_plan",
+            notes=(
+                "bit-identical (1.9, 1.8). Upstream's background copy thread is the plan's thread `io` running H2D "
+                "(the draw, Fetch, on the caller). Plan `torchrec_swp.catalog.torchrec.sparse_dist_t_plan`"
+            ),
+        ),
+        DropIn(
+            "TrainPipelineSparseDistBwdOpt",
+            "backward_optimizer",
+            _EXPERIMENTAL,
+            "sparse_dist_bwd_opt_plan",
+            notes=(
+                "bit-identical (1.9, 1.8) with DDP's all-reduce made synchronous in the test: upstream's hook steps "
+                "the optimizer mid-backward while the asynchronous all-reduce writes the dense gradients in place "
+                "(a race, upstream's too). No OptimizerStep task: BackwardOptimizerStep, the backward in which "
+                "`site_fqn`'s hook steps. Plan `torchrec_swp.catalog.torchrec.sparse_dist_bwd_opt_plan`"
+            ),
+        ),
+        DropIn(
+            "TrainPipelineSparseDistOptStash",
+            "stashing",
+            _EXPERIMENTAL,
+            "opt_stash_plan",
+            notes=(
+                "upstream cannot be constructed on CPU (`torch.cuda.Stream`); ours runs, bit-identical to patched "
+                "upstream (1.9, 1.8). Plan `torchrec_swp.catalog.torchrec.opt_stash_plan`: StashOptimizerState on "
+                "thread `stash`, stream `d2h`, after the step; RestoreWait before it (the restore starts in the "
+                "backward hook at `site_fqn`). TorchRec's MemoryStashingManager moves CUDA tensors only: on CPU "
+                "nothing is stashed"
+            ),
+        ),
+        DropIn(
+            "TrainPipelineSparseDistEmbStash",
+            "stashing",
+            _EXPERIMENTAL,
+            "emb_stash_plan",
+            notes=(
+                "as OptStash (CPU, 1.9, 1.8). Plan `torchrec_swp.catalog.torchrec.emb_stash_plan`: SparseDist's "
+                "tasks; the stash is inside TorchRec's lookups (Forward), the restore in the backward hook at "
+                "`site_fqn` (Backward)"
+            ),
+        ),
+        DropIn(
+            "TrainPipelinePrefetchEMS",
+            "stashing",
+            _EXPERIMENTAL,
+            "prefetch_ems_plan",
+            notes=(
+                "as OptStash (CPU, 1.9, 1.8). Plan `torchrec_swp.catalog.torchrec.prefetch_ems_plan`: "
+                "RestoreEmbeddings, then PrefetchNext of the next batch, before Backward; ours waits for the next "
+                "batch's input dist on the data_dist stream and records it on the compute stream (upstream's waits "
+                "on the compute stream with no `record_stream`)"
+            ),
+        ),
         DropIn(
             "EvalPipelineCPUSparse",
             "cpu_sparse",
@@ -207,6 +340,15 @@ DROP_INS: dict[str, DropIn] = {
             kind="eval",
             not_on_gpu="needs a model with data-parallel tables on the CPU and the dense part on the GPU "
             "(tests/dist/test_parity_cpu_sparse.py runs it on the CPU); not written yet",
+            notes=(
+                "upstream fails on CPU (`pin_memory=True`); ours runs, bit-identical to patched upstream (1.9, 1.8) "
+                "and equal to the non-pipelined model (data-parallel tables, 2 ranks). Plan "
+                "`torchrec_swp.catalog.torchrec.eval_cpu_sparse_plan`: Enqueue, SparseForward (CPU), CopyToDevice "
+                "(memcpy), DenseForward; `multi_thread` puts the sparse work on thread `sparse`. Ours waits for the "
+                "copy that read an embedding buffer before refilling it (upstream refills it while the copy may "
+                "run) and on CPU takes a new buffer per batch (upstream's, patched, feeds each dense forward the "
+                "next batch's embeddings)"
+            ),
         ),
     )
 }
@@ -230,13 +372,18 @@ class Extra:
     path), what it is (``kind``: ``"maglev"``, TorchRec 1.9's pipeline-parallel schedules, whose
     schedules are programs; ``"accumulation"``, the wrapper around any pipeline), and the first
     TorchRec series that has it (``since``). ``stream_checked``: ``tools/stream_check.py`` runs it
-    under the stream checker (``harness.upstream_streams``)."""
+    under the stream checker (``harness.upstream_streams``). Where README.md's table of
+    replacements has a row for it: ``notes``, upstream's module (``upstream``, under
+    ``UPSTREAM_PACKAGE``) and the classes imported in the same line (``imported_with``)."""
 
     name: str
     module: str
     kind: str
     since: str = "1.8"
     stream_checked: bool = False
+    upstream: str = ""
+    imported_with: tuple[str, ...] = ()
+    notes: str = ""
 
 
 _MAGLEV = "torchrec_swp.integrations.torchrec.maglev"  # an ImportError naming TorchRec 1.9 on 1.8
@@ -250,7 +397,19 @@ EXTRAS: dict[str, Extra] = {
         Extra("Maglev1F1B", _MAGLEV, "maglev", since="1.9", stream_checked=True),
         Extra("Maglev1F1BRecvAhead", _MAGLEV, "maglev", since="1.9", stream_checked=True),
         Extra("PipelineRank", _MAGLEV, "maglev", since="1.9"),  # a rank holding several stages
-        Extra("GradientAccumulationWrapper", _ACCUMULATION, "accumulation"),
+        Extra(
+            "GradientAccumulationWrapper",
+            _ACCUMULATION,
+            "accumulation",
+            upstream='gradient_accumulation',
+            imported_with=("GradientAccumulationConfig",),
+            notes=(
+                "wraps any pipeline, as upstream's; over ours the window is phases of the plan (ZeroGrad, "
+                "OptimizerStep every `num_steps` batches: `plans.accumulation_phases`); bit-identical (1.9, 1.8) "
+                "over Base, SparseDist, Lite, Fused, SemiSync, and PEC (1.9); checkpoints carry the accumulated "
+                "gradients (`docs/long_jobs.md`)"
+            ),
+        ),
         Extra("GradientAccumulationConfig", _ACCUMULATION, "accumulation"),  # upstream's, re-exported
     )
 }
@@ -286,6 +445,25 @@ def markdown_table() -> str:
             f"| `{d.name}` | `{d.upstream_path}.{d.name}` | `{d.module_path}` "
             f"| `torchrec_swp.catalog.torchrec.{d.plan}({arguments})` | {d.since} on |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def readme_table() -> str:
+    """README.md's table of replacements: a row per drop-in, then one per extra with ``notes``
+    (``tests/unit/test_drop_ins.py`` keeps the file equal to it)."""
+    lines = ["| upstream import | replacement | notes |", "|---|---|---|"]
+    for d in drop_ins():
+        module = UPSTREAM_PACKAGE if d.exported else d.upstream_path
+        since = f" ({d.since})" if d.since != "1.8" else ""
+        lines.append(f"| `from {module} import {d.name}`{since} | `from torchrec_swp import {d.name}` | {d.notes} |")
+    for e in extras():
+        if e.notes:
+            names = ", ".join((e.name, *e.imported_with))
+            since = f" ({e.since})" if e.since != "1.8" else ""
+            lines.append(
+                f"| `from {UPSTREAM_PACKAGE}.{e.upstream} import {names}`{since} "
+                f"| `from torchrec_swp import {names}` | {e.notes} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 (``pipelines/protocol.py``): every list of the pipelines comes from the registry or is checked
 against it, and a drop-in's task functions are checked when its class is defined.
 
-Regenerate ``docs/pipelines.md`` after a change to the registry with
+Regenerate ``docs/pipelines.md`` and README.md's table after a change to the registry with
 ``SWP_UPDATE_GOLDEN=1 pytest tests/unit/test_drop_ins.py``."""
 
 from __future__ import annotations
@@ -21,21 +21,26 @@ import torchrec_swp
 from torchrec_swp import drop_ins
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLE = ROOT / "docs" / "pipelines.md"
-BEGIN, END = "<!-- drop-ins: begin -->", "<!-- drop-ins: end -->"
+#: The tables made from the registry: the file, its markers, the function that writes the table.
+TABLES = {
+    "docs/pipelines.md": ("<!-- drop-ins: begin -->", "<!-- drop-ins: end -->", drop_ins.markdown_table),
+    "README.md": (
+        "<!-- replacements: begin (generated from torchrec_swp/drop_ins.py: readme_table()) -->",
+        "<!-- replacements: end -->",
+        drop_ins.readme_table,
+    ),
+}
 
 
-def _table_in(text: str) -> str:
-    return text.split(BEGIN)[1].split(END)[0].lstrip("\n")
-
-
-def test_the_docs_table_is_the_registrys() -> None:
-    text = TABLE.read_text()
+@pytest.mark.parametrize("path", TABLES)
+def test_the_docs_tables_are_the_registrys(path: str) -> None:
+    begin, end, table = TABLES[path]
+    text = (ROOT / path).read_text()
     if os.environ.get("SWP_UPDATE_GOLDEN"):
-        before, rest = text.split(BEGIN)
-        text = f"{before}{BEGIN}\n{drop_ins.markdown_table()}{END}{rest.split(END)[1]}"
-        TABLE.write_text(text)
-    assert _table_in(text) == drop_ins.markdown_table(), "run with SWP_UPDATE_GOLDEN=1 to regenerate"
+        before, rest = text.split(begin)
+        text = f"{before}{begin}\n{table()}{end}{rest.split(end)[1]}"
+        (ROOT / path).write_text(text)
+    assert text.split(begin)[1].split(end)[0].lstrip("\n") == table(), "run with SWP_UPDATE_GOLDEN=1 to regenerate"
 
 
 def test_every_plan_driven_class_of_the_package_is_a_row_and_every_row_a_class() -> None:
@@ -93,12 +98,26 @@ def test_the_dlrm_harness_runs_the_rows_that_have_an_example() -> None:
             assert run is None or run.removeprefix("nonfinite").strip() in ("", "by_stream", "io", "main"), run
 
 
-def test_the_readme_and_install_tables_name_every_drop_in() -> None:
-    readme = (ROOT / "README.md").read_text()
-    row = r"^\| `from torchrec\.[\w.]+ import (\w+)`.*\| `from torchrec_swp import (\w+)`"
-    replaced = re.findall(row, readme, re.M)
-    assert [ours for _, ours in replaced] == list(drop_ins.names())
-    assert all(upstream == ours for upstream, ours in replaced)
+def test_every_drop_in_has_notes_and_each_upstream_import_of_the_readme_works() -> None:
+    """Each row of README.md's table starts with the line a user has: upstream's module there
+    exports the class (on the TorchRec installed, for the classes it has)."""
+    from torchrec_swp.integrations.torchrec.compat import installed
+
+    assert [d.name for d in drop_ins.drop_ins() if not d.notes] == []
+    imports = re.findall(r"^\| `from ([\w.]+) import ([\w, ]+)`( \([\d.]+\))?", drop_ins.readme_table(), re.M)
+    assert [names for _, names, _ in imports][: len(drop_ins.names())] == list(drop_ins.names())
+    series = installed().series
+    checked = 0
+    for module, names, since in imports:
+        if since and _release(since.strip(" ()")) > _release(series):
+            continue
+        for name in names.split(", "):
+            assert hasattr(importlib.import_module(module), name), f"from {module} import {name}"
+            checked += 1
+    assert checked >= len(drop_ins.names("1.8"))
+
+
+def test_the_install_table_names_every_drop_in() -> None:
     install = (ROOT / "docs" / "install.md").read_text()
     cpu_table = install.split("## Upstream on CPU")[1].split("\n\n")[2]
     listed = set(re.findall(r"\b(\w*Pipeline\w*)\b", cpu_table)) - {"pipeline"}
@@ -206,3 +225,7 @@ def test_a_users_subclass_may_add_tasks_of_its_own() -> None:
         def _task_mine(self, b: int) -> None: ...
 
     assert "MyTask" in Mine._swp_tasks and "Forward" in Mine._swp_tasks
+
+
+def _release(series: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in series.split("."))
