@@ -70,7 +70,7 @@ test: lint $(STAMP18)
 # serial (their result depends on measured times) run afterwards, one at a time.
 ON_BOTH_CORES := -n 2 --dist loadfile
 
-# ruff's rules and import order, then mypy over the packages pyproject.toml lists; a finding fails `make test`.
+# ruff's rules and import order, then mypy over the package (pyproject.toml); a finding fails `make test`.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --python-executable $(VENV)/bin/python

@@ -56,6 +56,7 @@ Limits:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch.distributed as dist
 from torch import nn
@@ -84,7 +85,10 @@ def new_input_dist_group(
     """
     _require_world(where)
     base = group if group is not None else dist.group.WORLD
-    return dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base))
+    # (cast: new_group's NON_GROUP_MEMBER is for a rank outside ``ranks``; callers pass a group of this rank's)
+    return cast(
+        dist.ProcessGroup, dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base))
+    )
 
 
 def input_dist_all_to_alls(modules: Iterable[nn.Module]) -> list[tuple[str, KJTAllToAll]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -184,7 +184,7 @@ class FusedRows:
     @staticmethod
     def _counters_of(module: nn.Module) -> list[torch.Tensor]:
         """The TBE's step counters, where its optimizer advances them (EXACT_SGD's forward returns first)."""
-        tbe = module.emb_module
+        tbe: Any = module.emb_module  # fbgemm's TBE
         if getattr(tbe.optimizer, "name", "") == "EXACT_SGD":
             return []
         return [c for c in (getattr(tbe, "iter", None), getattr(tbe, "iter_cpu", None)) if isinstance(c, torch.Tensor)]
@@ -228,7 +228,7 @@ class FusedRows:
                 item[2] = None
 
     def _layout(self, key: int) -> _Layout:
-        module = self._modules[key]
+        module: Any = self._modules[key]  # a fused lookup: its TBE (emb_module) and _feature_table_map
         layout = self._layouts.get(key)
         if layout is None or layout.key != _buffers_key(module.emb_module):  # (a buffer replaced)
             layout = self._layouts[key] = _Layout(module.emb_module, module._feature_table_map)
@@ -271,7 +271,10 @@ class FusedRows:
         out: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         for k, full in enumerate(layout.full):
             if full is not None:
-                out.append([(full, ids + torch.repeat_interleave(firsts[k], lengths, output_size=n))])
+                # (cast: firsts[k] is None only where full is, both None where the buffer is not tiled)
+                out.append(
+                    [(full, ids + torch.repeat_interleave(cast(torch.Tensor, firsts[k]), lengths, output_size=n))]
+                )
             else:  # table by table (tables of different widths; a boolean mask: a host sync on a GPU)
                 table_of = torch.repeat_interleave(
                     torch.tensor(self._modules[key]._feature_table_map, device=ids.device)[

@@ -89,7 +89,7 @@ class PipelineRank:
         self.chunks: list[Chunk] = []
         self.modules: dict[int, StageChain] = {}
         for s in program.stages_of(self.rank):
-            layers = [model[i] for i in range(starts[s], starts[s] + layers_per_stage[s])]
+            layers: list[Any] = [model[i] for i in range(starts[s], starts[s] + layers_per_stage[s])]  # Maglev's layers
             chain = StageChain(layers, postproc if s == program.num_stages - 1 else None)
             self.modules[s] = chain
             self.chunks.append(

@@ -88,6 +88,8 @@ class ProgramDriven(EngineDriven):
     stage: StageWrapper
     optimizer: torch.optim.Optimizer
     _no_sync: Callable[[], contextlib.AbstractContextManager[None]]
+    _forward_context: Callable[[int, int], contextlib.AbstractContextManager[None]]  # upstream's
+    _swp_engine: ProgramEngine
 
     def _setup(self, num_microbatches: int, default: Program, default_recv_ahead: int, options: ProgramOptions) -> None:
         stage = self.stage

@@ -331,7 +331,7 @@ class RankRuntime:
             self._pooled.clear()
             self._grads.clear()
 
-    def bindings(self) -> dict[str, Callable[[int, int | None], None]]:
+    def bindings(self) -> dict[str, Callable[..., None]]:  # fn(stage, microbatch: int, or None for G and O)
         return {
             "E": self._sparse,
             "F": self._forward,
@@ -385,7 +385,7 @@ class RankRuntime:
         out = self._out[(s, m)]
         if s == self.num_stages - 1:
             return [out[0]], [None]  # type: ignore[list-item]
-        grads = self._grads.pop((s, m), None)
+        grads: list[Any] | None = self._grads.pop((s, m), None)  # (Any: t.grad's Nones until the filter below)
         if grads is None:
             if s + 1 in self.chunks:  # local boundary: the next stage's input gradient
                 grads = [

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch.distributed as dist
 from torch.nn import Module
@@ -35,6 +35,9 @@ from torchrec_swp.integrations.torchrec.pipelines.engine_options import EngineOp
 from torchrec_swp.integrations.torchrec.pipelines.protocol import check_class, task_methods
 from torchrec_swp.plan import DEFAULT_STREAM, PhasedPlan, PipelinePlan, PlanError
 from torchrec_swp.plans import DRAW_TASKS, with_lookahead, with_parallel_loads
+
+if TYPE_CHECKING:
+    from torchrec_swp.autotune.tuner import TunedEngine
 
 
 class PlanDriven(EngineDriven, metaclass=ABCMeta):
@@ -165,7 +168,7 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
                 )
             transaction = self._swp_transaction(options.on_nonfinite)
         self._swp_nonfinite = transaction
-        self._swp_engine_options = {
+        self._swp_engine_options: dict[str, Any] = {  # Engine's keyword arguments
             "streams": streams,
             "timeout_s": options.engine_timeout_s,
             "name": f"swp-{owner}",
@@ -187,7 +190,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
         self._swp_tuner = None
         if tuning is not None:
             hooks = replace(self._swp_autotune_hooks(), group=self._swp_tuner_group)
-            self._swp_tuner = Tuner(tuning, self._swp_engine, hooks, owner)
+            # (cast: Engine's plan and phased are read-only properties, which the tuner only reads)
+            self._swp_tuner = Tuner(tuning, cast("TunedEngine", self._swp_engine), hooks, owner)
             self._swp_teardown().threads(self._swp_tuner.close)  # a search running in the background
 
     def _swp_new_engine(self, plan: PipelinePlan | PhasedPlan) -> Engine:
@@ -240,7 +244,8 @@ class PlanDriven(EngineDriven, metaclass=ABCMeta):
     def _swp_tuner_group(self) -> dist.ProcessGroup:
         """The tuner's own process group (``Hooks.group``: gloo, for its polls while it searches
         in the background), destroyed by the pipeline's teardown."""
-        group = dist.new_group(backend="gloo")
+        # (cast: every rank is in a group over all ranks, never GroupMember.NON_GROUP_MEMBER)
+        group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
         self._swp_teardown().group(group)
         return group
 
@@ -557,7 +562,7 @@ def start_for_tuning(plan: PipelinePlan | PhasedPlan) -> PipelinePlan | PhasedPl
     first = _plans(plan)[0]
     if first.source == "H2D" and first.loads == 1:
         plan = with_parallel_loads(plan, 1, lookahead=0, thread=first.task("H2D").thread_group)
-    return with_lookahead(plan, 0)
+    return with_lookahead(cast(Any, plan), 0)  # (cast: PlanT is constrained to either plan type, not their union)
 
 
 def nothing_to_undo(b: int, slot: Mapping[str, Any]) -> None:

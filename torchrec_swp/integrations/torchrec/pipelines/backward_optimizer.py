@@ -16,7 +16,7 @@ from torchrec_swp.plan import PipelinePlan
 __all__ = ["TrainPipelineSparseDistBwdOpt"]
 
 
-class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistBwdOpt[In, Out]):
+class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistBwdOpt[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineSparseDistBwdOpt on the engine: SparseDist's stages, the optimizer stepping
     inside backward.
 

@@ -149,7 +149,7 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
             self._post_compile_fn(self._model)
 
     @task("Backward")
-    def _task_backward(self, b: int, losses: torch.Tensor) -> None:
+    def _task_backward(self, b: int, losses: torch.Tensor) -> None:  # type: ignore[override]  # called with its plans' reads, which here never include context
         if self._model.training:
             with record_function("## backward ##"):
                 self._state = PipelineState.CALL_BWD
@@ -157,7 +157,7 @@ class TrainPipelinePT2(PlanDriven, TrainingTasks, upstream.TrainPipelinePT2[In, 
 
 
 class TrainPipelineSparseDistCompAutograd(
-    TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistCompAutograd[In, Out]
+    TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistCompAutograd[In, Out]  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
 ):
     """TrainPipelineSparseDistCompAutograd on the engine: TrainPipelineSparseDist's schedule with
     Forward and Backward under compiled autograd and TorchRec's synchronous collectives.
@@ -178,6 +178,8 @@ class TrainPipelineSparseDistCompAutograd(
       graph there. Other devices keep upstream's ``fullgraph=True``.
     """
 
+    compiled_autograd_options: dict[str, str | bool]  # upstream's
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _use_ddp_python_reducer(self._model)
@@ -197,7 +199,7 @@ class TrainPipelineSparseDistCompAutograd(
             losses, output = self._model_fwd(batch)
         return losses, output
 
-    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             ctx = self.get_compiled_autograd_ctx()
             with ctx, torchrec_use_sync_collectives(), record_function("## backward ##"):

@@ -30,9 +30,9 @@ With CUDA (or MTIA) streams every path here issues exactly upstream's waits and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torchrec.distributed.model_parallel import ShardedModule
@@ -80,7 +80,8 @@ class InSyncEmbeddingForward(runtime_forwards.InSyncEmbeddingPipelinedForward):
     @classmethod
     def on(cls, device: torch.device) -> type[InSyncEmbeddingForward]:
         """This forward type bound to ``device`` (one class per device, reused)."""
-        return _bound_forward(cls, torch.device(device))
+        # (cast: a class is hashable; mypy checks type[cls] against Hashable with the instances' __hash__)
+        return _bound_forward(cast(Hashable, cls), torch.device(device))
 
 
 @functools.cache

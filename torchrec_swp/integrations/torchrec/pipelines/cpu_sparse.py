@@ -21,7 +21,7 @@ from torchrec_swp.plan import PipelinePlan
 __all__ = ["EvalPipelineCPUSparse"]
 
 
-class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineCPUSparse):
+class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineCPUSparse):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """EvalPipelineCPUSparse on the engine: the CPU's sparse work for batch i+2, the copy of batch
     i+1 to the device, the dense forward of batch i.
 
@@ -59,6 +59,8 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out], upstream.EvalPipel
         "Backward",
         "OptimizerStep",
     )
+
+    _sparse_executor: Any  # upstream's ThreadPoolExecutor (None without multi_thread)
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
         super()._swp_init_upstream(*args, **kwargs)

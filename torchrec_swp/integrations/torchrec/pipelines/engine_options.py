@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from torchrec_swp.autotune import Autotune
 from torchrec_swp.engine import DEFAULT_TIMEOUT_S
@@ -167,7 +167,8 @@ class EngineOptions:
             ("thread_map", self.thread_map, lambda p: p.with_thread_map(self.thread_map)),
             ("loads", self.loads if self.loads > 1 else None,
              lambda p: with_parallel_loads(p, self.loads, lookahead=self.lookahead)),
-            ("lookahead", self.lookahead, lambda p: with_lookahead(p, self.lookahead)),
+            # (cast: the loop below skips a step whose value is None)
+            ("lookahead", self.lookahead, lambda p: with_lookahead(p, cast(int, self.lookahead))),
         )
         for name, value, edit in steps:
             if value is None:

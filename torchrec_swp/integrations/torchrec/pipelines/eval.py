@@ -20,7 +20,7 @@ __all__ = ["EvalPipelineSparseDist"]
 logger = logging.getLogger(__name__)
 
 
-class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipelineSparseDist[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """EvalPipelineSparseDist on the engine: H2D(i+2) on the io thread || InputDist(i+1) || forward(i).
 
     Same constructor as upstream's, plus the engine's keyword-only options (``EngineOptions``). The
@@ -101,7 +101,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out], upstream.EvalPipe
     def _task_h2d(self, b: int, data: Iterator[In] | None = None, host: In | None = None) -> tuple[Any, Any]:
         # what upstream's DataLoadingThread does for one batch (the draw is Fetch's with loads=);
         # the engine has entered the memcpy stream.
-        batch = self._task_fetch(b, data) if data is not None else host
+        batch: Any = self._task_fetch(b, data) if data is not None else host
         context = self._create_context()
         if self.input_dist_cache is not None:
             self.input_dist_cache.mark(context, batch)  # the key of the batch as loaded, on the host

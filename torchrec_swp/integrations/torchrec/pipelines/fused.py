@@ -70,7 +70,7 @@ class LookupOutput(Awaitable[Any]):
         return out
 
 
-class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineFusedSparseDist[In, Out]):
+class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineFusedSparseDist[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineFusedSparseDist on the engine: EmbLookup(i) first, overlapping the end of the
     previous optimizer step; H2D(i+2) and InputDist(i+1) as in TrainPipelineSparseDist.
 
@@ -129,14 +129,14 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
             return
         with record_function(f"## start_embedding_lookup {context.index} ##"):
             compute_stream = self._swp_compute_stream()
-            with self._stream_context(self._emb_lookup_stream):  # type: ignore[arg-type]
+            with self._stream_context(self._emb_lookup_stream):
                 for module in self._pipelined_modules:
                     _start_embedding_lookup(
                         module,
                         context,
                         source_stream=self._data_dist_stream,
                         target_stream=compute_stream,
-                        stream_context=self._stream_context,  # type: ignore[arg-type]
+                        stream_context=self._stream_context,
                     )
             if self._swp_engine.streams.has_streams and self._emb_lookup_stream is not None:
                 requests = context.embedding_a2a_requests
@@ -161,7 +161,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out], upstream.Tr
     _task_optimizer_step = TrainingTasks._task_optimizer_step
 
 
-class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstream.EvalPipelineFusedSparseDist[In, Out]):
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out], upstream.EvalPipelineFusedSparseDist[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """EvalPipelineFusedSparseDist on the engine: TrainPipelineFusedSparseDist's schedule without
     backward or optimizer, forward under ``torch.no_grad()``.
 

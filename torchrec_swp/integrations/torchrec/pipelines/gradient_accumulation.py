@@ -203,6 +203,7 @@ class GradientAccumulationWrapper(PipelineLife, upstream.GradientAccumulationWra
         self._check_resumable(step, "load_state_dict()")
         params = dict(self._model.named_parameters())
         gradients: dict[str, torch.Tensor] = saved["gradients"]
+        grad: torch.Tensor | None  # (None below: a parameter without a saved gradient)
         for name, grad in gradients.items():
             if name not in params or params[name].shape != grad.shape:
                 raise PlanError(

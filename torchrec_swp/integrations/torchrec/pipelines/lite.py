@@ -17,7 +17,7 @@ from torchrec_swp.plan import PipelinePlan
 __all__ = ["TrainPipelineSparseDistLite"]
 
 
-class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistLite[In, Out]):
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistLite[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineSparseDistLite on the engine: H2D(i+1) || input dist, fwd/bwd/opt(i).
 
     Same constructor as upstream's Lite, plus the engine's keyword-only options
@@ -45,6 +45,6 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out], upstream.Tra
             self._backward(losses)
 
     @task("OptimizerStep")
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
+    def _task_optimizer_step(self, b: int, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             indexed_optimizer_step(self, context)

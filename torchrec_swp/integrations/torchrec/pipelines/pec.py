@@ -28,7 +28,7 @@ __all__ = ["TrainPipelinePEC"]
 _UPSTREAM_INIT = inspect.signature(upstream.TrainPipelinePEC.__init__)
 
 
-class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelinePEC):
+class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelinePEC):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelinePEC on the engine: OL lookups and non-PEC lookups of batch N, the overlap of
     N+1 with N and N+1's NOL lookups ahead, input dist of N+2, then forward/backward/optimizer
     of N with its OL gradient applied and its NOL gradient deferred to the next step.
@@ -72,7 +72,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             context_type=PECTrainPipelineContext,
             custom_model_fwd=a["custom_model_fwd"],
         )
-        self._pec_modules = {}
+        self._pec_modules: dict[str, Any] = {}  # upstream's: name -> ShardedPECEmbeddingCollection
         device_module = torch.get_device_module(self._device)
         self._input_dist_event = device_module.Event()
         self._overlap_dist_event = device_module.Event()
@@ -142,7 +142,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             super()._compute_and_output_dist(context)
             return
         modules = [m for m in self._pipelined_modules if not isinstance(m, ShardedPECEmbeddingCollection)]
-        with self._stream_context(self._data_dist_stream):  # type: ignore[arg-type]
+        with self._stream_context(self._data_dist_stream):
             waited = {m.forward.name: context.input_dist_tensors_requests[m.forward.name].wait() for m in modules}
         for m in modules:
             name = m.forward.name
@@ -205,7 +205,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             batch.record_stream(torch.get_device_module(self._device).current_stream())
 
     @task("Forward")
-    def _task_forward(self, b: int, batch: Any) -> tuple[Any, Any]:
+    def _task_forward(self, b: int, batch: Any) -> tuple[Any, Any]:  # type: ignore[override]  # called with its plans' reads, which here never include context
         with record_function("## forward ##"):
             losses, output = self._model_fwd(batch)
         return losses, output

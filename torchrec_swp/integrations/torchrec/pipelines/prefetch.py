@@ -21,7 +21,7 @@ __all__ = ["PrefetchTrainPipelineSparseDist"]
 
 
 class PrefetchTrainPipelineSparseDist(
-    TrainPipelineSparseDist[In, Out], upstream.PrefetchTrainPipelineSparseDist[In, Out]
+    TrainPipelineSparseDist[In, Out], upstream.PrefetchTrainPipelineSparseDist[In, Out]  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
 ):
     """PrefetchTrainPipelineSparseDist on the engine: H2D and InputDistStart(i+2),
     InputDistWait and EmbPrefetch(i+1), forward/backward/optimizer(i).
@@ -62,12 +62,12 @@ class PrefetchTrainPipelineSparseDist(
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         with record_function(f"## sharded_module_prefetch {context.index} ##"):
-            with self._stream_context(self._prefetch_stream):  # type: ignore[arg-type]
+            with self._stream_context(self._prefetch_stream):
                 cpu_safe.prefetch_embeddings(
                     context,
                     self._pipelined_modules,
                     self._device,
-                    self._stream_context,  # type: ignore[arg-type]
+                    self._stream_context,
                     self._data_dist_stream,
                     self._default_stream,
                 )
@@ -92,7 +92,7 @@ class PrefetchTrainPipelineSparseDist(
 
     # Upstream's Prefetch progress() runs backward and the optimizer inline: no ``_state``, no
     # ``_backward``/``_optimizer_step`` hooks, no 2D embedding sync.
-    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             with record_function("## backward ##"):
                 torch.sum(losses, dim=0).backward()

@@ -79,7 +79,7 @@ def _replayed(saved: torch.Tensor, what: str) -> Callable[[Any], Any]:
     return replay
 
 
-class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSemiSync[In, Out]):
+class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSemiSync[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineSemiSync on the engine: H2D(i+3), InputDist(i+2), EmbLookup(i+1), fwd/bwd/opt(i).
 
     Same constructor as upstream's SemiSync (``start_batch``, ``stash_gradients``, ...), plus
@@ -175,7 +175,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
         engine = self._swp_engine
         looked: dict[tuple[int, str], torch.Tensor] = {}
         for b in engine.in_flight():
-            context = engine.slot(b).get("context")
+            context: Any = engine.slot(b).get("context")
             requests = getattr(context, "embedding_a2a_requests", None) or {}
             for name, awaitable in list(requests.items()):
                 if not isinstance(awaitable, Awaitable):
@@ -235,7 +235,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
         # upstream frees the cached postproc results of the batch as soon as it is forwarded
         del context.postproc_fwd_results
 
-    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             with record_function(f"## backward {context.index or 0} ##"):
                 torch.sum(losses, dim=0).backward()
@@ -252,7 +252,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out], upstream.TrainPipe
         if self._model.training:
             self._grad_swap()
 
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
+    def _task_optimizer_step(self, b: int, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             iteration = context.index or 0
             with record_function(f"## optimizer {iteration - 1} ##"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,8 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         self._swp_init_upstream(*args, **kwargs)
         default_plan: PipelinePlan | PhasedPlan = self._swp_default_plan()
         if self._swp_input_dist_group is not None:
-            default_plan = transforms.with_input_dist_group(default_plan)
+            # (cast: PlanT is constrained to either plan type, not their union)
+            default_plan = transforms.with_input_dist_group(cast(Any, default_plan))
         self._swp_setup(default_plan, options, self._swp_streams())
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
@@ -105,7 +106,7 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         AsyncInplaceCopyMixin, the in-place copy (and only it) leaves the calling thread."""
         return INPLACE_COPY_THREAD if self._swp_async_inplace_copy and self._enable_inplace_copy_batch else MAIN_THREAD
 
-    def _swp_default_plan(self) -> PipelinePlan:
+    def _swp_default_plan(self) -> PipelinePlan | PhasedPlan:  # a PhasedPlan for SemiSync
         return self._swp_row_plan(
             enqueue_batch_after_forward=self._enqueue_batch_after_forward,
             execute_all_batches=self._execute_all_batches,
@@ -232,14 +233,14 @@ class TrainPipelineSparseDist(PlanDriven, TrainingTasks, upstream.TrainPipelineS
         return losses, output
 
     @task("Backward")
-    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:
+    def _task_backward(self, b: int, losses: torch.Tensor, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             self._state = PipelineState.CALL_BWD
             self._backward(losses)
             self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, context)
 
     @task("OptimizerStep")
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
+    def _task_optimizer_step(self, b: int, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         if self._model.training:
             self._optimizer_step()
 

@@ -195,7 +195,7 @@ class StagedTrainPipeline(PlanDriven, upstream.StagedTrainPipeline[In, StageOut]
         stage = self._pipeline_stages[k]
         with record_function(f"## Pipeline Stage {k} : {stage.name} for batch {b} ##"):
             if k == 0:
-                batch = self._next_batch(data)  # type: ignore[arg-type]
+                batch = self._next_batch(data)
             else:
                 (batch,) = inputs.values()
             if self._debug_mode:

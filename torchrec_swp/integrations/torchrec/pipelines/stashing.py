@@ -49,12 +49,12 @@ __all__ = ["TrainPipelinePrefetchEMS", "TrainPipelineSparseDistEmbStash", "Train
 _SPARSE_DIST_ARGS = tuple(inspect.signature(UpstreamSparseDist.__init__).parameters)[1:]
 
 
-class _Stashing(TrainPipelineSparseDist[In, Out]):
+class _Stashing(TrainPipelineSparseDist[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """What the three share: upstream's constructor with the device's streams, and the manager's
     streams set from the engine's pool."""
 
     #: the upstream class whose constructor arguments this one takes
-    _swp_upstream: type
+    _swp_upstream: type[Any]
 
     def _swp_init_upstream(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(self._swp_upstream.__init__).bind(self, *args, **kwargs)
@@ -85,7 +85,7 @@ class _Stashing(TrainPipelineSparseDist[In, Out]):
         return self._device.type == "cuda"
 
 
-class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipelineSparseDistOptStash):
+class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipelineSparseDistOptStash):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineSparseDistOptStash (experimental; TorchRec 1.8.0 and 1.9) on the engine: the
     optimizer state stashed off the device after each step, restored during the next backward.
 
@@ -152,7 +152,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
                 self._restore_future = None
             self._await_restore()
 
-    def _task_optimizer_step(self, b: int, context: Any) -> None:
+    def _task_optimizer_step(self, b: int, context: Any) -> None:  # type: ignore[override]  # called with its plans' reads, which here always include context
         super()._task_optimizer_step(b, context)
         if self._model.training and self._swp_moves_tensors:
             # as upstream, an event after the step on the compute stream for the stash: its copies
@@ -172,7 +172,7 @@ class TrainPipelineSparseDistOptStash(_Stashing[In, Out], upstream.TrainPipeline
             )
 
 
-class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipelineSparseDistEmbStash):
+class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipelineSparseDistEmbStash):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineSparseDistEmbStash (experimental; TorchRec 1.8.0 and 1.9) on the engine:
     embedding weights stashed off the device after their lookup, restored during backward.
 
@@ -208,7 +208,7 @@ class TrainPipelineSparseDistEmbStash(_Stashing[In, Out], upstream.TrainPipeline
         )
 
 
-class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out], upstream.TrainPipelinePrefetchEMS):
+class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out], upstream.TrainPipelinePrefetchEMS):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelinePrefetchEMS (experimental; TorchRec 1.8.0 and 1.9) on the engine: EmbStash, and
     before backward the stashed weights and EMO caches restored and the next batch prefetched into
     the caches.
@@ -257,7 +257,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out], upstrea
                 sharded_module.prefetch(ctx=context.module_contexts.get(name), dist_input=data)
 
     def _swp_materialise(self, request: Any) -> Any:
-        with self._stream_context(self._data_dist_stream):  # type: ignore[arg-type]
+        with self._stream_context(self._data_dist_stream):
             data = request.wait()
         if self._data_dist_stream is not None:
             compute = torch.get_device_module(self._device).current_stream()

@@ -16,7 +16,7 @@ from torchrec_swp.plan import PipelinePlan
 __all__ = ["TrainPipelineSparseDistT"]
 
 
-class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistT[In, Out]):
+class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineSparseDistT[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainPipelineSparseDistT on the engine: upstream's background copy thread is the plan's thread
     group ``io`` (``catalog.COPY_THREAD``), which runs H2D while the calling thread draws the next
     batch (Fetch) and goes on with forward, backward and the optimizer.

@@ -20,7 +20,7 @@ from torchrec_swp.plan import PipelinePlan
 __all__ = ["TrainEvalHybridPipelineBase"]
 
 
-class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.TrainEvalHybridPipelineBase[In, Out]):
+class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.TrainEvalHybridPipelineBase[In, Out]):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
     """TrainEvalHybridPipelineBase on the engine: SparseDist's three stages, and at each
     ``progress()`` call the model's mode (``model.train()`` / ``model.eval()``) decides whether the
     batch it steps is trained or only evaluated.
@@ -79,7 +79,7 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out], upstream.Tra
         return super()._task_h2d(b, host=host)
 
     @task("OptimizerStep")
-    def _task_optimizer_step(self, b: int, context: Any) -> None:  # upstream steps it itself, as Lite's
+    def _task_optimizer_step(self, b: int, context: Any) -> None:  # type: ignore[override]  # upstream steps it itself, as Lite's; its plans always give context
         if self._model.training:
             indexed_optimizer_step(self, context)
 
