@@ -71,8 +71,9 @@ STARVED_NICE = 10
 class Request:
     """What one search needs (picklable: it goes to the search's process): the tuner's options
     (without its report), the round, every rank's gathered profile (``{"profile", "trouble"}``),
-    the starting plan's measured step, the tasks that may get a comm group of their own, and
-    whether a drift started the round."""
+    the starting plan's measured step, the tasks that may get a comm group of their own,
+    whether a drift started the round, and, in a later round, the text of the plan round 1
+    profiled (``starting``: a contender again where another plan runs now)."""
 
     options: Autotune
     round: int
@@ -81,6 +82,7 @@ class Request:
     own_group: tuple[str, ...]
     drift_round: bool
     processes: bool = False  # whether the data can fetch in worker processes (MapSource.use_processes)
+    starting: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,19 +194,28 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         )
     searched = freed if freed is not None else result
     ranking = getattr(searched, "ranking", ())
-    tryable = o.candidates > 0 and (searched.speedup >= 1 + margin or (request.drift_round and len(ranking) > 1))
+    start = searched.start if hasattr(searched, "start") else None
+    running = start.plan if start is not None else profiled
+    # a later round: the plan the tuning started from is a contender again (round 1's measured
+    # best may have been a moment's; a drift may favour it now), and a drift alone tries it
+    starting = request.starting if request.starting not in (None, running.to_text()) else None
+    tryable = o.candidates > 0 and (
+        searched.speedup >= 1 + margin or (request.drift_round and (len(ranking) > 1 or starting is not None))
+    )
     candidates: list[Any] = []
     if tryable:
-        start = searched.start if hasattr(searched, "start") else None
-        running = start.plan if start is not None else profiled
         ranked = [searched.best, *ranking]
         plans = pick([s.plan for s in ranked], running, o.candidates)
         by_plan = {s.plan: s for s in reversed(ranked)}
         candidates = [[running.to_text(), searched.baseline, bool(start and start.candidate.own_group), 0]]
+        if starting is not None:  # (second: the trim below keeps it; predicted where the search ranked it)
+            known = next((sp for sp in ranked if sp.plan.to_text() == starting), None)
+            candidates.append([starting, None if known is None else known.step, False, 0])
         for p in plans:  # (a run-ahead for a heavy tail may make two plans one: the first stays)
             text = ahead(p, by_plan[p].step).to_text()
             if all(text != c[0] for c in candidates):
                 candidates.append([text, by_plan[p].step, by_plan[p].candidate.own_group, 0])
+        candidates = candidates[: o.candidates + 1]
         if freed is not None and request.processes:
             candidates = with_processes(candidates, o.candidates)
         if len(candidates) < 2:

@@ -170,6 +170,7 @@ class Tuner:
         self._profiler: TaskProfiler | None = None
         self._previous: Any = None  # the observer attached before the tuner's
         self._last_start: float | None = None
+        self._starting: str | None = None  # the plan round 1 profiled (a contender in later rounds)
         self._periods: list[float] = []
         self._settle = 0
         self._state_call = 0  # the call whose step began the current profiling or verification
@@ -368,6 +369,8 @@ class Tuner:
         trains on until it has ended, ``_on_searching``; else here, every rank waiting)."""
         measured = step_of(self._periods) if self._periods else None
         self._periods = []
+        if self._starting is None:  # round 1 profiled the plan the tuning starts from
+            self._starting = self.engine.plan.to_text()
         try:
             mine: dict[str, Any] | None = self._profile().to_json()
             trouble = ""
@@ -384,6 +387,7 @@ class Tuner:
                 own_group=self.hooks.own_group if self.hooks.enable is not None and self.round == 1 else (),
                 drift_round=self._drift_round,
                 processes=self._data_processes() is not None,
+                starting=self._starting if self.round > 1 else None,
             )
         self._searched_from = self.calls
         if self._in_background():
