@@ -1631,11 +1631,14 @@ def print_summary(s: dict[str, Any]) -> None:
         )
     tuned = s.get("autotune")
     if tuned and tuned["switched"] and tuned["measured_ms"] is not None:
-        print(
-            f"  autotune: {tuned['start_measured_ms']:.2f} ms per step before the switch; the chosen plan predicted "
-            f"{tuned['predicted_ms']:.2f} ms, measured {tuned['measured_ms']:.2f} ms "
-            f"({missed(tuned['predicted_ms'], tuned['measured_ms'])})"
-        )
+        if tuned["predicted_ms"] is None:  # the plan it started from, measured best in a later trial
+            chosen = f"the chosen plan, without a prediction, measured {tuned['measured_ms']:.2f} ms"
+        else:
+            chosen = (
+                f"the chosen plan predicted {tuned['predicted_ms']:.2f} ms, measured {tuned['measured_ms']:.2f} ms "
+                f"({missed(tuned['predicted_ms'], tuned['measured_ms'])})"
+            )
+        print(f"  autotune: {tuned['start_measured_ms']:.2f} ms per step before the switch; {chosen}")
     if tuned and tuned.get("tuning_steps") is not None:
         print(
             f"  autotune cost: {tuned['tuning_steps']} steps before the final plan ({tuned['trial_steps']} trying "

@@ -505,3 +505,39 @@ def test_a_re_tune_tries_the_plan_the_tuning_started_from_again() -> None:
     assert lines.index(retune[0]) > lines.index(first)
     assert d.tried and d.tried[0].plan != starting, d.tried  # round 1 switched away from the starting plan
     assert [t.plan for t in d.tried].count(starting) == 1, [t.plan for t in d.tried]
+
+
+def test_a_re_tune_that_goes_back_to_the_starting_plan_runs_and_verifies_it(monkeypatch: Any) -> None:
+    """Which plan a re-tune's trial measures best is chance here; the rule is on what follows: where
+    the plan the tuning started from wins (it has no prediction of its own), the tuner runs it,
+    verifies it (the line says there is no prediction) and trains bit for bit as untuned. It
+    crashed there once (an assertion that every chosen plan had a prediction)."""
+    starting = plans.default_plans()["TrainPipelineBase"].to_text()
+    won: list[int] = []
+
+    def keeps_running(self: Trial, best: int, noise: float) -> bool:
+        return starting not in [p.to_text() for p in self.plans] and keeps(self, best, noise)
+
+    def winner(self: Trial, best: int, margin: float | None) -> int:
+        texts = [p.to_text() for p in self.plans]
+        won.append(texts.index(starting) if starting in texts[1:] else pick_winner(self, best, margin))
+        return won[-1]
+
+    keeps, pick_winner = Trial.keeps_running, Trial.winner
+    monkeypatch.setattr(Trial, "keeps_running", keeps_running)
+    monkeypatch.setattr(Trial, "winner", winner)
+    options = {**FAST, "rounds": 1, "candidates": 2, "drift": 0.5, "drift_every": 10, "retunes": 1}
+    bound = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    n, slow_to = 3 * bound + 200, bound + 20
+    lines: list[str] = []
+    tuned, pipeline, weights = train(
+        n, 0.001, dataset=Shifting(n, 0.001, 0.008, 0, slow_to), autotune=Autotune(**options, report=lines.append)
+    )
+    plain, _, plain_weights = train(n, 0.001, dataset=Shifting(n, 0.001, 0.008, 0, slow_to))
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    d = pipeline.autotune_decision
+    assert d is not None and d.retunes == 1 and len(won) == 2, lines
+    assert d.plan == starting and d.predicted_s is None and pipeline.plan.to_text() == starting, lines
+    assert d.measured_s is not None, lines
+    verified = [line for line in lines if "with the chosen plan (no prediction: the trial measured it best)" in line]
+    assert len(verified) == 1, lines

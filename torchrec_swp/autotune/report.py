@@ -81,11 +81,16 @@ def decision_lines(
 
 def verified_line(owner: str, d: Decision, steps: int) -> str:
     """The verification's line: the measured step with the chosen plan over ``steps`` steps, beside
-    the prediction, and which way the prediction missed (``missed``)."""
-    assert d.measured_s is not None and d.predicted_s is not None
+    the prediction, and which way the prediction missed (``missed``); a plan without one (the plan
+    the tuning started from, tried again in a later round and measured best) says so."""
+    assert d.measured_s is not None
+    if d.predicted_s is None:
+        against = "no prediction: the trial measured it best"
+    else:
+        against = f"predicted {1e3 * d.predicted_s:.2f} ms: {missed(d.predicted_s, d.measured_s)}"
     return (
         f"autotune {owner}: measured {1e3 * d.measured_s:.2f} ms per step over {steps} steps "
-        f"with the chosen plan (predicted {1e3 * d.predicted_s:.2f} ms: {missed(d.predicted_s, d.measured_s)})"
+        f"with the chosen plan ({against})"
     )
 
 

@@ -538,7 +538,7 @@ class Tuner:
         periods = self._periods[self._settle :]
         self.decision = replace(self.decision, measured_s=step_of(periods))
         d = self.decision
-        assert d.measured_s is not None and d.predicted_s is not None
+        assert d.measured_s is not None
         self._report(report.verified_line(self.owner, d, len(periods)), headline=True)
         self._watch(step_of(periods))
 
