@@ -482,20 +482,28 @@ def test_a_race_of_wildly_swinging_cycles_stays_racing_instead_of_overflowing() 
     assert other is not None and other.state == "racing" and other.high == math.inf and other.low < 1
 
 
-def test_a_re_tune_tries_the_plan_the_tuning_started_from_again() -> None:
-    """Round 1's measured best may have been a moment's, and a drift may favour the plan the
-    tuning started from: a later round's trial has it among its contenders (here the reads drop
-    from 8 ms to 1 ms after the first decision, a drift, and the re-tune tries the default plan
-    beside the running one). Bit for bit as untuned."""
+def retune_after_a_drift(bounds: int) -> tuple[Any, list[str], bool]:
+    """A tuned run of `bounds` tuning bounds (+200 steps) whose reads drop from 8 ms to 1 ms after the
+    first decision (a drift, one re-tune allowed), the pipeline, its report lines, and whether it
+    trained bit for bit as the untuned run of the same data."""
     options = {**FAST, "rounds": 1, "candidates": 2, "drift": 0.5, "drift_every": 10, "retunes": 1}
     bound = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    n, slow_to = 2 * bound + 200, bound + 20
+    n, slow_to = bounds * bound + 200, bound + 20
     lines: list[str] = []
     tuned, pipeline, weights = train(
         n, 0.001, dataset=Shifting(n, 0.001, 0.008, 0, slow_to), autotune=Autotune(**options, report=lines.append)
     )
     plain, _, plain_weights = train(n, 0.001, dataset=Shifting(n, 0.001, 0.008, 0, slow_to))
-    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    return pipeline, lines, same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+
+
+def test_a_re_tune_tries_the_plan_the_tuning_started_from_again() -> None:
+    """Round 1's measured best may have been a moment's, and a drift may favour the plan the
+    tuning started from: a later round's trial has it among its contenders (here the reads drop
+    from 8 ms to 1 ms after the first decision, a drift, and the re-tune tries the default plan
+    beside the running one). Bit for bit as untuned."""
+    pipeline, lines, as_untuned = retune_after_a_drift(bounds=2)
+    assert as_untuned
     d = pipeline.autotune_decision
     assert d is not None and d.retunes == 1, lines
     starting = plans.default_plans()["TrainPipelineBase"].to_text()
@@ -526,15 +534,8 @@ def test_a_re_tune_that_goes_back_to_the_starting_plan_runs_and_verifies_it(monk
     keeps, pick_winner = Trial.keeps_running, Trial.winner
     monkeypatch.setattr(Trial, "keeps_running", keeps_running)
     monkeypatch.setattr(Trial, "winner", winner)
-    options = {**FAST, "rounds": 1, "candidates": 2, "drift": 0.5, "drift_every": 10, "retunes": 1}
-    bound = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    n, slow_to = 3 * bound + 200, bound + 20
-    lines: list[str] = []
-    tuned, pipeline, weights = train(
-        n, 0.001, dataset=Shifting(n, 0.001, 0.008, 0, slow_to), autotune=Autotune(**options, report=lines.append)
-    )
-    plain, _, plain_weights = train(n, 0.001, dataset=Shifting(n, 0.001, 0.008, 0, slow_to))
-    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    pipeline, lines, as_untuned = retune_after_a_drift(bounds=3)
+    assert as_untuned
     d = pipeline.autotune_decision
     assert d is not None and d.retunes == 1 and len(won) == 2, lines
     assert d.plan == starting and d.predicted_s is None and pipeline.plan.to_text() == starting, lines
