@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import weakref
@@ -26,6 +27,7 @@ from torchrec_swp.plan import Dep, PipelinePlan
 __all__ = ["TrainPipelinePEC"]
 
 _UPSTREAM_INIT = inspect.signature(upstream.TrainPipelinePEC.__init__)
+_NOT_CAPTURED = contextlib.nullcontext()  # stateless: one serves every call
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelinePEC):  # type: ignore[type-arg]  # generic through upstream's base; TorchRec is Any to mypy
@@ -77,6 +79,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
         self._input_dist_event = device_module.Event()
         self._overlap_dist_event = device_module.Event()
         self._pipelined_forward_type = streamless_on_cpu(PECPipelinedForward)
+        # asked twice a step; the device and the checked mode are fixed for the pipeline's life
+        self._swp_has_streams = device_has_streams(self._device)
         # on_nonfinite: each batch's context from its OlGradStart to its verdict (DeferredNolGrad)
         self._swp_pec_open: dict[int, PECTrainPipelineContext] = {}
 
@@ -111,10 +115,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
             del self._swp_pec_open[older]
         if drop and context is not None:
             context.pec_backward_ctxs.clear()
-
-    @property
-    def _swp_has_streams(self) -> bool:
-        return device_has_streams(self._device)
 
     # ------------------------------------------------- upstream helpers, CPU-safe
     @staticmethod
@@ -213,7 +213,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out], upstream.TrainPipelineP
     @task("NolGradApply")
     def _task_nol_grad_apply(self, b: int, nol_grad: Any) -> None:
         # batch b-1's gradient, whose step is decided: its lookups again are no batch's to undo
-        with record_function("## pec_nol_grad_apply ##"), running_as(None):
+        # (no batch's to count where nothing captures: on_nonfinite="off")
+        counted = running_as(None) if self._swp_nonfinite is not None else _NOT_CAPTURED
+        with record_function("## pec_nol_grad_apply ##"), counted:
             self._wait_pec_grad(nol_grad)
 
     @task("NolCompute")
