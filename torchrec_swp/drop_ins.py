@@ -4,12 +4,13 @@ Pure data (no torch, no plan layer): ``import torchrec_swp`` reads it to export 
 load each on first use. From it come ``torchrec_swp.__all__`` and ``pipelines.__all__``, the
 catalog's ``default_plans()`` and the plan each class builds by default (``row_of``,
 ``PlanDriven._swp_row_plan``), the table of ``docs/pipelines.md`` (``markdown_table()``) and
-README.md's table of replacements (``readme_table()``), the GPU parity cases
+README.md's table of replacements (``readme_table()``), docs/install.md's table of what
+upstream runs on a CPU (``install_table()``), the GPU parity cases
 (``benchmarks/gpu/parity.py``, less the rows' ``not_on_gpu``), the golden plans' list, the
 pipelines that take ``async_inplace_copy`` (``compat.ASYNC_INPLACE_COPY_PIPELINES``), upstream's
 class in the harnesses (``harness.dlrm.upstream_class``) and what the DLRM example's harness runs
 (a row's ``example``: ``harness.dlrm.INFO``, the stream checker's runs in
-``tools/stream_check.py``); tests check docs/install.md and the parity tests against it. A
+``tools/stream_check.py``); tests check the parity tests against it. A
 pipeline class whose module and name are a row here is checked when it is defined
 (``pipelines/protocol.py``): its task functions against the catalog's task names, its default
 plan's tasks against its task functions, its abstract hooks.
@@ -51,6 +52,37 @@ _RECORD_STREAM = "record_stream on CPU tensors, and a CUDA fallback device in ru
 
 
 @dataclass(frozen=True)
+class OnCpu:
+    """How upstream's class fares on a CPU as shipped and how ours does, as docs/install.md's
+    table "Upstream on CPU" says it (``install_table()``): ``upstream`` ("runs", "fails", "cannot
+    be constructed", with what it needs), ``why`` (what fails; empty where it runs), ``ours``."""
+
+    upstream: str = "runs"
+    why: str = ""
+    ours: str = "runs, bit-identical"
+
+
+_FAILS_ON_CPU_STREAMS = OnCpu(
+    "fails",
+    '`record_stream` of CPU tensors ("unknown parameter type"); the pipelined forward falls back to '
+    '`torch.device("cuda")` without a stream; on 1.9 the stream-synced embedding lookup also reads `.device` of '
+    "`torch.cpu.current_stream()`, which has none",
+    "runs",
+)
+_STASHING_NEEDS_CUDA = OnCpu(
+    "cannot be constructed",
+    'the constructors call `torch.cuda.Stream(device=device)`: "torch.cuda.Stream requires CUDA support"; '
+    "MemoryStashingManager's threaded stash and restore (OptStash) record `torch.cuda.Event()`s on "
+    "`torch.cuda.current_stream()` of `torch.cuda.current_device()`, and restore on the pipeline's memcpy stream, "
+    "which the CPU has not",
+    "runs, bit-identical to upstream under the patch (on the CPU the manager stashes nothing: it moves CUDA tensors "
+    "only)",
+)
+
+
+
+
+@dataclass(frozen=True)
 class DropIn:
     """One drop-in: ``name`` (upstream's class name, and ours), the module defining ours
     (``module``: under ``PACKAGE``, or a dotted path), the TorchRec module defining upstream's
@@ -63,7 +95,8 @@ class DropIn:
     the GPU parity check has no case for it (``benchmarks/gpu/parity.py``; empty: it has one).
     ``example``: how the DLRM example runs it (None: it does not). ``exported``: upstream's
     package exports the class (a user imports it from there); ``notes``: what README.md's table of
-    replacements says of it (``readme_table()``)."""
+    replacements says of it (``readme_table()``); ``on_cpu``: upstream's and ours on a CPU, for
+    docs/install.md (``install_table()``)."""
 
     name: str
     module: str
@@ -77,6 +110,7 @@ class DropIn:
     example: Example | None = None
     exported: bool = False
     notes: str = ""
+    on_cpu: OnCpu = OnCpu()
 
     @property
     def module_path(self) -> str:
@@ -118,6 +152,7 @@ DROP_INS: dict[str, DropIn] = {
             example=Example(compiles=True),
             exported=True,
             notes="bit-identical (1.9, 1.8); compiles on the 4th call (a Compile task in a phase of its own)",
+            on_cpu=OnCpu("runs (first compile 20-80 s)"),
         ),
         DropIn(
             "TrainPipelineSparseDist",
@@ -157,6 +192,7 @@ DROP_INS: dict[str, DropIn] = {
                 "upstream fails on CPU; ours runs. Equal to patched upstream and to a plain loop, all "
                 "`emb_lookup_stream` choices"
             ),
+            on_cpu=_FAILS_ON_CPU_STREAMS,
         ),
         # start_batch 900: upstream's default
         DropIn(
@@ -170,6 +206,7 @@ DROP_INS: dict[str, DropIn] = {
                 "upstream fails on CPU; ours runs. A PhasedPlan: sync phase, then semi-sync at `start_batch`; "
                 "`stash_gradients` is a GradSwap task"
             ),
+            on_cpu=_FAILS_ON_CPU_STREAMS,
         ),
         DropIn(
             "PrefetchTrainPipelineSparseDist",
@@ -188,6 +225,12 @@ DROP_INS: dict[str, DropIn] = {
                 "TorchRec's open PR #4191 (a UVM-cache race its authors saw as device-side asserts and NaNs); same "
                 "calls and numbers as upstream. With `execute_all_batches=False` ours stops at the first missing "
                 "batch (upstream drops the last 4)"
+            ),
+            on_cpu=OnCpu(
+                "fails",
+                "prefetch returns early when there is no data_dist stream (always on CPU): "
+                '"Invalid PrefetchPipelinedForward usage"',
+                "runs",
             ),
         ),
         DropIn(
@@ -208,6 +251,7 @@ DROP_INS: dict[str, DropIn] = {
             kind="eval",
             example=Example(upstream_fails=_RECORD_STREAM, stream_checks=(None, "by_stream")),
             notes="upstream fails on CPU; ours runs; forward under `no_grad`",
+            on_cpu=_FAILS_ON_CPU_STREAMS,
         ),
         # two stages of the user's, as upstream's tests build it (the tasks are named after the stages)
         DropIn(
@@ -227,6 +271,12 @@ DROP_INS: dict[str, DropIn] = {
                 'upstream fails on CPU; ours runs with any stream objects (`torch.Stream(device="cpu")`, '
                 "`torch.cpu.Stream()`, None), SparseDataDistUtil stages included"
             ),
+            on_cpu=OnCpu(
+                "fails",
+                "its default compute stream is a `torch.cpu.Stream` without `.device`; given "
+                '`torch.Stream(device="cpu")`, `record_stream` raises',
+                "runs with any stream object",
+            ),
         ),
         DropIn(
             "TrainPipelineSparseDistCompAutograd",
@@ -238,6 +288,11 @@ DROP_INS: dict[str, DropIn] = {
             notes=(
                 "upstream fails on CPU (C++ DDP reducer); ours switches DDP to its Python reducer and uses "
                 "`fullgraph=False` on CPU"
+            ),
+            on_cpu=OnCpu(
+                "fails",
+                "compiled autograd rejects the C++ DDP reducer",
+                "runs (Python reducer; `fullgraph=False` on CPU)",
             ),
         ),
         # The DLRM's tables are an EmbeddingBagCollection (no PEC tables): every module takes PEC's
@@ -254,6 +309,12 @@ DROP_INS: dict[str, DropIn] = {
             notes=(
                 "upstream cannot be constructed on CPU (`torch.cuda.Event()`); ours runs, bit-identical to patched "
                 "upstream with any thread map (PEC tables, 2 ranks)"
+            ),
+            on_cpu=OnCpu(
+                "cannot be constructed",
+                'its constructor calls `torch.cuda.Event()`: "Tried to instantiate dummy base class Event" on a CPU '
+                "build; then `record_stream` of CPU tensors",
+                "runs, bit-identical to upstream under the patch",
             ),
         ),
         # TrainPipelineSparseDist's constructor, unchanged
@@ -308,6 +369,7 @@ DROP_INS: dict[str, DropIn] = {
                 "backward hook at `site_fqn`). TorchRec's MemoryStashingManager moves CUDA tensors only: on CPU "
                 "nothing is stashed"
             ),
+            on_cpu=_STASHING_NEEDS_CUDA,
         ),
         DropIn(
             "TrainPipelineSparseDistEmbStash",
@@ -319,6 +381,7 @@ DROP_INS: dict[str, DropIn] = {
                 "tasks; the stash is inside TorchRec's lookups (Forward), the restore in the backward hook at "
                 "`site_fqn` (Backward)"
             ),
+            on_cpu=_STASHING_NEEDS_CUDA,
         ),
         DropIn(
             "TrainPipelinePrefetchEMS",
@@ -331,6 +394,7 @@ DROP_INS: dict[str, DropIn] = {
                 "batch's input dist on the data_dist stream and records it on the compute stream (upstream's waits "
                 "on the compute stream with no `record_stream`)"
             ),
+            on_cpu=_STASHING_NEEDS_CUDA,
         ),
         DropIn(
             "EvalPipelineCPUSparse",
@@ -348,6 +412,15 @@ DROP_INS: dict[str, DropIn] = {
                 "copy that read an embedding buffer before refilling it (upstream refills it while the copy may "
                 "run) and on CPU takes a new buffer per batch (upstream's, patched, feeds each dense forward the "
                 "next batch's embeddings)"
+            ),
+            on_cpu=OnCpu(
+                "fails",
+                'it pins its embedding buffers: "pin_memory=True requires a CUDA or other accelerator backend"; '
+                "under the patch it runs but is wrong on the CPU: the copy to the device of a CPU buffer is the "
+                "buffer itself, which it refills with the next batch's embeddings before the dense forward reads "
+                "it (every output but the last differs from the model's)",
+                "runs, equal to the model's predictions, and bit-identical to upstream under the patch with a new "
+                "buffer per batch (`tests/dist/test_parity_cpu_sparse.py`)",
             ),
         ),
     )
@@ -464,6 +537,22 @@ def readme_table() -> str:
                 f"| `from {UPSTREAM_PACKAGE}.{e.upstream} import {names}`{since} "
                 f"| `from torchrec_swp import {names}` | {e.notes} |"
             )
+    return "\n".join(lines) + "\n"
+
+
+def install_table() -> str:
+    """docs/install.md's table "Upstream on CPU": a line per kind of drop-in (the rows alike in
+    ``on_cpu``, experimental or not, and series), in the order of their first row
+    (``tests/unit/test_drop_ins.py`` keeps the file equal to it)."""
+    groups: dict[tuple[OnCpu, bool, str], list[str]] = {}
+    for d in drop_ins():
+        groups.setdefault((d.on_cpu, d.experimental, d.since), []).append(d.name)
+    lines = ["| pipeline | upstream as shipped | why it fails | ours |", "|---|---|---|---|"]
+    for (on_cpu, experimental, since), members in groups.items():
+        tags = ["experimental"] if experimental else []
+        tags += [since] if since != "1.8" else []
+        suffix = f" ({', '.join(tags)})" if tags else ""
+        lines.append(f"| {', '.join(members)}{suffix} | {on_cpu.upstream} | {on_cpu.why} | {on_cpu.ours} |")
     return "\n".join(lines) + "\n"
 
 
