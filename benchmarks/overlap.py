@@ -563,16 +563,22 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
         + (
             f"threads {t['threads']}, lookahead {t['lookahead']}, loads {t['loads']}"
             + (", the input dist in its own comm group" if t["input_dist_group"] else "")
-            + f" (the search proposed: {'; '.join(c.removeprefix('the change: ') for c in t['change'])}): predicted "
-            f"{t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds "
-            f"({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
+            + f" (the search proposed: {'; '.join(c.removeprefix('the change: ') for c in t['change'])}): "
+            + (
+                f"predicted {t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds "
+                f"({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
+                if t["predicted_ms"] is not None
+                else f"no prediction (the plan it started from, measured best), measured {mean:.2f} ms in the rounds"
+            )
             if t["switched"]
             else f"to keep its plan ({t['why'][-1]})"
         )
     ]
     for x in t.get("tried", []):
         out.append(
-            f"  - tried {x['plan']}: predicted {x['predicted_ms']:.2f} ms, measured "
+            f"  - tried {x['plan']}: predicted "
+            + ("-" if x["predicted_ms"] is None else f"{x['predicted_ms']:.2f} ms")
+            + ", measured "
             + ("-" if x["measured_ms"] is None else f"{x['measured_ms']:.2f} ms")
             + f" over {x['steps']} steps ({x['verdict']})"
         )

@@ -207,3 +207,22 @@ def test_the_halves_noise_is_how_far_one_contenders_even_and_odd_rounds_lie_apar
     assert got["largest_pct"] == pytest.approx(100 * math.log(1.2))
     assert got["median_pct"] == pytest.approx(100 * math.log(1.1))
     assert halves_noise(row, ["d"]) is None
+
+
+def test_the_report_of_a_tuning_that_went_back_to_its_starting_plan_has_no_prediction_to_print() -> None:
+    """A later round may choose the plan the tuning started from, which has no prediction of its
+    own (its decision's and its trial row's ``predicted_ms`` are None): the report says so
+    instead of failing to format None (it did, after a 2-rank tail cell's tuning went back)."""
+    from benchmarks.overlap import _autotune_lines
+
+    tried = [
+        {"plan": "the running plan", "predicted_ms": 30.0, "measured_ms": 31.0, "steps": 24, "verdict": "slower"},
+        {"plan": "the starting plan", "predicted_ms": None, "measured_ms": 27.0, "steps": 24, "verdict": "best"},
+    ]
+    t = {
+        "switched": True, "threads": "default", "lookahead": 0, "loads": 1, "input_dist_group": False,
+        "change": ["the change: back to the starting plan"], "predicted_ms": None, "why": ["kept"], "tried": tried,
+    }  # fmt: skip
+    lines = _autotune_lines({"autotune": t, "ours+autotune": {"mean_ms": 27.5}}, ["ours+autotune"])
+    assert "no prediction (the plan it started from, measured best), measured 27.50 ms" in lines[0], lines
+    assert lines[2] == "  - tried the starting plan: predicted -, measured 27.00 ms over 24 steps (best)", lines
