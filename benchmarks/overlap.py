@@ -568,7 +568,7 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
                 f"predicted {t['predicted_ms']:.2f} ms, measured {mean:.2f} ms in the rounds "
                 f"({100 * (t['predicted_ms'] / mean - 1):+.0f}%)"
                 if t["predicted_ms"] is not None
-                else f"no prediction (the plan it started from, measured best), measured {mean:.2f} ms in the rounds"
+                else f"no prediction of its own (the trial measured it best), measured {mean:.2f} ms in the rounds"
             )
             if t["switched"]
             else f"to keep its plan ({t['why'][-1]})"

@@ -224,5 +224,5 @@ def test_the_report_of_a_tuning_that_went_back_to_its_starting_plan_has_no_predi
         "change": ["the change: back to the starting plan"], "predicted_ms": None, "why": ["kept"], "tried": tried,
     }  # fmt: skip
     lines = _autotune_lines({"autotune": t, "ours+autotune": {"mean_ms": 27.5}}, ["ours+autotune"])
-    assert "no prediction (the plan it started from, measured best), measured 27.50 ms" in lines[0], lines
+    assert "no prediction of its own (the trial measured it best), measured 27.50 ms" in lines[0], lines
     assert lines[2] == "  - tried the starting plan: predicted -, measured 27.00 ms over 24 steps (best)", lines
