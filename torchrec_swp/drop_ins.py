@@ -80,8 +80,6 @@ _STASHING_NEEDS_CUDA = OnCpu(
 )
 
 
-
-
 @dataclass(frozen=True)
 class DropIn:
     """One drop-in: ``name`` (upstream's class name, and ours), the module defining ours

@@ -122,6 +122,16 @@ def test_every_drop_in_has_notes_and_each_upstream_import_of_the_readme_works() 
     assert checked >= len(drop_ins.names("1.8"))
 
 
+def test_the_harness_and_the_install_table_agree_on_which_upstream_pipelines_fail_on_a_cpu() -> None:
+    """A row says it twice: the harness's short reason (``example.upstream_fails``, whether it
+    patches upstream) and docs/install.md's line (``on_cpu``)."""
+    for d in drop_ins.drop_ins():
+        if d.example is not None:
+            runs = d.on_cpu.upstream.startswith("runs")
+            assert runs == (not d.example.upstream_fails), (d.name, d.on_cpu.upstream, d.example.upstream_fails)
+            assert runs == (not d.on_cpu.why), (d.name, d.on_cpu)
+
+
 def test_the_cpu_parity_tests_cover_every_drop_in() -> None:
     # every drop-in is built by name in some tests/dist/test_parity_*.py
     text = "".join(p.read_text() for p in sorted((ROOT / "tests" / "dist").glob("test_parity*.py")))
