@@ -384,7 +384,10 @@ class _RankState(Replay[_Lane]):
                 self.lanes[thread].todo.extend((p, index, instr) for index, instr in enumerate(instrs))
 
     def segment_done(self) -> bool:
-        return all(lane.at >= len(lane.todo) and lane.job is None for lane in self.lanes.values())
+        for lane in self.lanes.values():  # a loop, not all(): the dispatch asks at every pass
+            if lane.job is not None or lane.at < len(lane.todo):
+                return False
+        return True
 
     # what the engine model adds (nothing here)
     def execute_at(
@@ -496,6 +499,7 @@ class _Multi:
         # (comm group, k) -> the jobs of the ranks that reached the rendezvous, by rank
         self.meets: dict[tuple[str, int], dict[int, _Job]] = {}
         self.meet_task: dict[tuple[str, int], tuple[str, int]] = {}  # -> (task, first rank to start it)
+        self.rates: dict[tuple[Any, ...], dict[int, float]] = {}  # fair_rates by its arguments (_set_rates)
 
     def run(self) -> None:
         for s in self.states:
@@ -508,10 +512,11 @@ class _Multi:
             if not timed:
                 raise self._deadlock()
             self._set_rates()
-            now = min(j.finish_time() for j in timed)
+            ends = [(j.finish_time(), j) for j in timed]
+            now = min(end for end, _ in ends)
             self.now = now
             tolerance = _EPS * max(1.0, abs(now))
-            for job in [j for j in timed if j.finish_time() <= now + tolerance]:
+            for job in [j for end, j in ends if end <= now + tolerance]:
                 self._end_phase(job)
 
     # ------------------------------------------------------------ dispatch
@@ -658,7 +663,10 @@ class _Multi:
             for j in jobs:
                 per_rank[j.rank.number] = per_rank.get(j.rank.number, 0) + 1
             gil = {j.rank.number: j.rank.spec.gil for j in jobs}
-            rates = fair_rates(per_rank, self.cores[machine], self.background[machine], gil)
+            key = (machine, tuple(per_rank.items()), tuple(gil.items()))
+            rates = self.rates.get(key)
+            if rates is None:  # the same few mixes of runnable threads recur at every step
+                rates = self.rates[key] = fair_rates(per_rank, self.cores[machine], self.background[machine], gil)
             for j in jobs:
                 rate = rates[j.rank.number]
                 if j.rate != rate:

@@ -202,6 +202,7 @@ class Replay(Generic[L]):
         new_lane: Callable[[int, float, list[int]], L],
     ) -> None:
         self.plan = plan
+        self.max_stage = plan.max_stage  # read by ``admits`` at every run: the plan computes it
         self.num_batches = 1 + max((p - r.stage for p, prog in phases for r in prog.runs()), default=-1)
         self.stage = {t: s.stage for t, s in plan.schedule.items()}
         self.stream = {t: s.stream for t, s in plan.schedule.items()}
@@ -273,7 +274,7 @@ class Replay(Generic[L]):
 
     def admits(self, run: Run, p: int) -> bool:
         """Whether ``run`` of iteration ``p`` does its work (its ``when`` guard admits its batch)."""
-        return run.when.admits(p - run.stage, self.num_batches, p, self.plan.max_stage)
+        return run.when.admits(p - run.stage, self.num_batches, p, self.max_stage)
 
     def ticket_sources(self, run: Run) -> list[Step]:
         """The step ``run`` waits for through its ticket: the last release in its comm group."""
