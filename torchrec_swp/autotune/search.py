@@ -115,6 +115,29 @@ def draw_cpu_share(profiles: Sequence[Profile], source: str | None) -> float | N
     return sum(s.cpu_mean_s or 0.0 for s in stats) / wall
 
 
+def no_idle_core(profiles: Sequence[Profile]) -> tuple[int, int] | None:
+    """``(ranks, cores)`` of the first machine where every machine runs at least as many ranks as
+    it has cores, else None (or where a profile does not say its machine's cores).
+
+    There a draw that computes (``CPU_BOUND_DRAW``) is not moved to a thread of its own: such a
+    draw gains beside the calling thread only on a core left idle while that thread computes
+    without the GIL, and none is (its thread takes a core from a rank). Measured on 2 ranks and 2
+    cores, every thread layout no faster or slower: the example's Criteo TSV parser (the io
+    thread 3-28% slower in four tunings, 5-8% in five rounds), the loader matrix's Python loaders
+    (notebook/2026-12-loaders.md). Only worker processes are tried there, where the data can use
+    them."""
+    hosts: dict[str, list[Profile]] = {}
+    for p in profiles:
+        hosts.setdefault(p.where.host, []).append(p)
+    full = []
+    for ranks in hosts.values():
+        cores = [p.where.cores for p in ranks]
+        if any(c is None for c in cores) or len(ranks) < min(c for c in cores if c is not None):
+            return None
+        full.append((len(ranks), min(c for c in cores if c is not None)))
+    return full[0] if full else None
+
+
 def search(request: Request) -> Found:
     """Every rank's profile -> the decision (the profiled plan kept, with the reason, when
     anything is amiss or nothing wins by more than the noise) and the plans to try."""
@@ -152,8 +175,11 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         )
         result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         freed, share = None, draw_cpu_share(profiles, profiled.source)
+        computes = o.gil is not None and share is not None and share >= CPU_BOUND_DRAW
+        crowded = no_idle_core(profiles) if computes and request.round == 1 else None
         if (
-            result.speedup < 1 + o.noise
+            crowded is None
+            and result.speedup < 1 + o.noise
             and o.candidates > 0
             and o.gil is not None
             and request.round == 1
@@ -220,6 +246,8 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
             candidates = with_processes(candidates, o.candidates)
         if len(candidates) < 2:
             candidates = []
+    if crowded is not None:
+        return _crowded(request, profiled, share or 0.0, crowded, result, searched, running, ahead, why)
     if result.speedup < 1 + margin:
         if tail is not None and any(moved):  # (the candidates' run-ahead)
             why = (*why, tail[1])
@@ -244,6 +272,49 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         baseline_s=result.baseline,
         measured_start_s=measured,
         why=why,
+    ), candidates
+
+
+def _crowded(
+    request: Request,
+    profiled: PipelinePlan,
+    share: float,
+    crowded: tuple[int, int],
+    result: Any,
+    searched: Any,
+    running: PipelinePlan,
+    ahead: Callable[[PipelinePlan, float], PipelinePlan],
+    why: tuple[str, ...],
+) -> tuple[Decision, list[Any]]:
+    """A computing draw where no core is idle (``no_idle_core``): the plan kept, no thread layout
+    tried; where the data can fetch in worker processes, the trial measures the model's best plan
+    with several loads fetching in as many processes against the running one."""
+    ranks, cores = crowded
+    ranked = [s for s in [getattr(searched, "best", None), *getattr(searched, "ranking", ())] if s is not None]
+    several = next((s for s in ranked if s.plan.loads > 1), None)
+    candidates: list[Any] = []
+    if request.processes and several is not None and request.options.candidates > 0:
+        text = ahead(several.plan, several.step).to_text()
+        loads = PipelinePlan.from_text(text).loads
+        own = bool(getattr(searched, "start", None) and searched.start.candidate.own_group)
+        candidates = [[running.to_text(), searched.baseline, own, 0], [text, several.step, False, loads]]
+        then = f"the trial measures its draws in {loads} worker processes against it"
+    else:
+        then = (
+            "only worker processes would load in parallel: torchrec_swp.data.MapSource(dataset, processes=k) "
+            "with loads k, or a DataLoader with num_workers"
+        )
+    said = (
+        f"the draw {profiled.source} computes {100 * share:.0f}% of its time and its machine runs {ranks} "
+        f"rank{'s' if ranks > 1 else ''} on {cores} core{'s' if cores > 1 else ''}: no core is idle for a thread "
+        f"of its own, so no thread layout is tried (the model's best x{result.speedup:.2f}); {then}"
+    )
+    return Decision(
+        None,
+        predicted_s=result.predicted,
+        baseline_s=result.baseline,
+        measured_start_s=request.measured,
+        why=(*why, said, "keeps the plan: no core is idle for a thread of its own"),
     ), candidates
 
 
