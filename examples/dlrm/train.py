@@ -1372,6 +1372,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "loss_first": statistics.fmean(head) if losses else None,
         "loss_last": statistics.fmean(tail) if losses else None,
         "losses": losses,
+        "step_ms": [round(1e3 * t, 3) for t in step_s],  # each step's time on rank 0, in order
         "on_nonfinite": args.on_nonfinite,
         "poison_batch": args.poison_batch,
         "poison_rank": args.poison_rank,

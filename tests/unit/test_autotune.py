@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -525,29 +525,43 @@ def test_a_draw_whose_python_computes_is_also_tried_in_worker_processes(monkeypa
         assert all(t.processes == PipelinePlan.from_text(t.plan).loads for t in d.tried), d.tried
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
-def test_a_draw_that_computes_where_no_core_is_idle_is_tried_in_worker_processes_only() -> None:
-    # the process pinned to one core: its one rank on its one core leaves none idle, so the draw's
+def test_a_draw_that_computes_where_no_core_is_idle_is_tried_in_worker_processes_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the rank said to run on one core: its one rank on its one core leaves none idle, so the draw's
     # Python (holding the GIL) is not moved to a thread of its own whatever the model predicts;
-    # the data can fetch in processes, so only that is tried against the running plan
+    # the data can fetch in processes, so only that is tried against the running plan; nothing is
+    # searched, and a later round (or a re-tune) from the same profiles keeps the plan
+    import torchrec_swp.autotune.tuner as tuner
+
+    requests: list[Any] = []
+
+    def searched(request: Any) -> Any:
+        requests.append(request)
+        return real(request)
+
+    real = tuner.search
+    monkeypatch.setattr(tuner, "search", searched)
     lines: list[str] = []
     options = {**FAST, "rounds": 1, "drift": None}
     n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(cores)})
-    try:
-        tuned, pipeline, weights = train(
-            n, 0.0, model=Computing(), dataset=Parsing(n, 3.0), autotune=Autotune(**options, report=lines.append)
-        )
-    finally:
-        os.sched_setaffinity(0, cores)
+    monkeypatch.setattr(tuner, "machine", lambda: ("here", 1))  # as on a rank given one core
+    tuned, pipeline, weights = train(
+        n, 0.0, model=Computing(), dataset=Parsing(n, 3.0), autotune=Autotune(**options, report=lines.append)
+    )
     plain, _, plain_weights = train(n, 0.0, model=Computing(), dataset=Parsing(n, 3.0))
     assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
     d = pipeline.autotune_decision
     assert d is not None and d.decided, lines
-    said = [w for w in d.why if "no core is idle for a thread of its own, so no thread layout is tried" in w]
+    none_idle = "no core is idle for a thread of its own, so no thread layout is searched or tried"
+    said = [w for w in d.why if none_idle in w]
     assert len(said) == 1 and "its machine runs 1 rank on 1 core" in said[0], lines
-    assert "the trial measures its draws in" in said[0], said
+    assert "the trial measures its draws in 2 worker processes" in said[0], said
+    assert not [w for w in d.why if "the calling thread, rank 0:" in w], lines  # no search's story: none ran
+    (request,) = requests
+    later = real(replace(request, round=2))
+    assert later.candidates == [] and not later.decision.switched, later
+    assert later.decision.why[0].endswith(f"{none_idle}; the first round tried what there was to try")
     running = plans.default_plans()["TrainPipelineBase"].to_text()
     assert len(d.tried) == 2 and d.tried[0].plan == running and d.tried[0].processes == 0, d.tried
     twin = d.tried[1]

@@ -42,7 +42,7 @@ from torchrec_swp.autosched.overlap import Space, search_overlap
 from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.trial import pick
-from torchrec_swp.catalog.transforms import DRAW_TASKS, with_lookahead
+from torchrec_swp.catalog.transforms import DRAW_TASKS, with_lookahead, with_parallel_loads
 from torchrec_swp.plan import PipelinePlan, PlanError
 from torchrec_swp.plan.task import MAIN_THREAD
 from torchrec_swp.profiler import Profile, ProfileError
@@ -173,13 +173,17 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
             # neighbours: the measured iterations in turn (the closer there)
             mode="mean" if request.round == 1 else "replay",
         )
-        result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         freed, share = None, draw_cpu_share(profiles, profiled.source)
         computes = o.gil is not None and share is not None and share >= CPU_BOUND_DRAW
-        crowded = no_idle_core(profiles) if computes and request.round == 1 else None
+        crowded = no_idle_core(profiles) if computes else None
+        if crowded is not None:  # nothing to search: no thread layout is tried
+            several = [k for k in loads if k > 1 and space.holds(profiled.pipeline_depth, k)]
+            processes = request.processes and o.candidates > 0 and several and request.round == 1
+            twin = with_parallel_loads(profiled, min(several)) if processes else None
+            return _crowded(request, profiled, share or 0.0, crowded, twin)
+        result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
         if (
-            crowded is None
-            and result.speedup < 1 + o.noise
+            result.speedup < 1 + o.noise
             and o.candidates > 0
             and o.gil is not None
             and request.round == 1
@@ -246,8 +250,6 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
             candidates = with_processes(candidates, o.candidates)
         if len(candidates) < 2:
             candidates = []
-    if crowded is not None:
-        return _crowded(request, profiled, share or 0.0, crowded, result, searched, running, ahead, why)
     if result.speedup < 1 + margin:
         if tail is not None and any(moved):  # (the candidates' run-ahead)
             why = (*why, tail[1])
@@ -276,29 +278,20 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
 
 
 def _crowded(
-    request: Request,
-    profiled: PipelinePlan,
-    share: float,
-    crowded: tuple[int, int],
-    result: Any,
-    searched: Any,
-    running: PipelinePlan,
-    ahead: Callable[[PipelinePlan, float], PipelinePlan],
-    why: tuple[str, ...],
+    request: Request, profiled: PipelinePlan, share: float, crowded: tuple[int, int], twin: PipelinePlan | None
 ) -> tuple[Decision, list[Any]]:
-    """A computing draw where no core is idle (``no_idle_core``): the plan kept, no thread layout
-    tried; where the data can fetch in worker processes, the trial measures the model's best plan
-    with several loads fetching in as many processes against the running one."""
+    """A computing draw where no core is idle (``no_idle_core``): the plan kept, nothing searched
+    (the search's CPU would be the ranks'), no thread layout tried; where the data can fetch in
+    worker processes, the trial of the first round measures ``twin`` (the draw on lanes of its own,
+    the fewest loads the options and limits allow), its draws in as many processes, against the
+    running plan; a later round (or a re-tune) keeps the plan."""
     ranks, cores = crowded
-    ranked = [s for s in [getattr(searched, "best", None), *getattr(searched, "ranking", ())] if s is not None]
-    several = next((s for s in ranked if s.plan.loads > 1), None)
     candidates: list[Any] = []
-    if request.processes and several is not None and request.options.candidates > 0:
-        text = ahead(several.plan, several.step).to_text()
-        loads = PipelinePlan.from_text(text).loads
-        own = bool(getattr(searched, "start", None) and searched.start.candidate.own_group)
-        candidates = [[running.to_text(), searched.baseline, own, 0], [text, several.step, False, loads]]
-        then = f"the trial measures its draws in {loads} worker processes against it"
+    if twin is not None:
+        candidates = [[profiled.to_text(), None, False, 0], [twin.to_text(), None, False, twin.loads]]
+        then = f"the trial measures its draws in {twin.loads} worker processes against it"
+    elif request.round > 1:
+        then = "the first round tried what there was to try"
     else:
         then = (
             "only worker processes would load in parallel: torchrec_swp.data.MapSource(dataset, processes=k) "
@@ -307,15 +300,10 @@ def _crowded(
     said = (
         f"the draw {profiled.source} computes {100 * share:.0f}% of its time and its machine runs {ranks} "
         f"rank{'s' if ranks > 1 else ''} on {cores} core{'s' if cores > 1 else ''}: no core is idle for a thread "
-        f"of its own, so no thread layout is tried (the model's best x{result.speedup:.2f}); {then}"
+        f"of its own, so no thread layout is searched or tried; {then}"
     )
-    return Decision(
-        None,
-        predicted_s=result.predicted,
-        baseline_s=result.baseline,
-        measured_start_s=request.measured,
-        why=(*why, said, "keeps the plan: no core is idle for a thread of its own"),
-    ), candidates
+    why = (said, "keeps the plan: no core is idle for a thread of its own")
+    return Decision(None, measured_start_s=request.measured, why=why), candidates
 
 
 def run_ahead(
