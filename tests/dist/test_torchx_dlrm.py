@@ -118,6 +118,8 @@ def test_component_reads_criteo_tsv_through_the_dataloader_and_the_map_source_in
     summary = _torchx([*component, "--thread_map", "io", *train_args], tmp_path)
     assert summary["data"] == "criteo-tsv" and summary["thread_map"] == "io"
     assert summary["steps"] == STEPS, summary
+    times = summary["step_ms"]  # every step's time, in order
+    assert len(times) == STEPS and all(t > 0 for t in times), times
     mapped = _torchx([*component, "--data_source", "map", "--loads", "2", *train_args], tmp_path)
     assert (mapped["data_source"], mapped["loads"], mapped["steps"]) == ("map", 2, STEPS), mapped
     assert mapped["losses"] == summary["losses"]

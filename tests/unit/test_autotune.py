@@ -11,7 +11,6 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -523,67 +522,6 @@ def test_a_draw_whose_python_computes_is_also_tried_in_worker_processes(monkeypa
     if d.processes and any(w.startswith("second round: tried ") for w in d.why):
         # the second round's trial (d.tried), from a plan fetching in processes: all of them so, one per load
         assert all(t.processes == PipelinePlan.from_text(t.plan).loads for t in d.tried), d.tried
-
-
-def test_a_draw_that_computes_where_no_core_is_idle_is_tried_in_worker_processes_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # the rank said to run on one core: its one rank on its one core leaves none idle, so the draw's
-    # Python (holding the GIL) is not moved to a thread of its own whatever the model predicts;
-    # the data can fetch in processes, so only that is tried against the running plan; nothing is
-    # searched, and a later round (or a re-tune) from the same profiles keeps the plan
-    import torchrec_swp.autotune.tuner as tuner
-
-    requests: list[Any] = []
-
-    def searched(request: Any) -> Any:
-        requests.append(request)
-        return real(request)
-
-    real = tuner.search
-    monkeypatch.setattr(tuner, "search", searched)
-    lines: list[str] = []
-    options = {**FAST, "rounds": 1, "drift": None}
-    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    monkeypatch.setattr(tuner, "machine", lambda: ("here", 1))  # as on a rank given one core
-    tuned, pipeline, weights = train(
-        n, 0.0, model=Computing(), dataset=Parsing(n, 3.0), autotune=Autotune(**options, report=lines.append)
-    )
-    plain, _, plain_weights = train(n, 0.0, model=Computing(), dataset=Parsing(n, 3.0))
-    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
-    d = pipeline.autotune_decision
-    assert d is not None and d.decided, lines
-    none_idle = "no core is idle for a thread of its own, so no thread layout is searched or tried"
-    said = [w for w in d.why if none_idle in w]
-    assert len(said) == 1 and "its machine runs 1 rank on 1 core" in said[0], lines
-    assert "the trial measures its draws in 2 worker processes" in said[0], said
-    assert not [w for w in d.why if "the calling thread, rank 0:" in w], lines  # no search's story: none ran
-    (request,) = requests
-    later = real(replace(request, round=2))
-    assert later.candidates == [] and not later.decision.switched, later
-    assert later.decision.why[0].endswith(f"{none_idle}; the first round tried what there was to try")
-    running = plans.default_plans()["TrainPipelineBase"].to_text()
-    assert len(d.tried) == 2 and d.tried[0].plan == running and d.tried[0].processes == 0, d.tried
-    twin = d.tried[1]
-    assert twin.processes == PipelinePlan.from_text(twin.plan).loads >= 2, d.tried  # the draws in processes
-    assert pipeline.engine.draws.iterator.processes == d.processes, (d.processes, lines)
-
-
-def test_no_idle_core_is_said_of_machines_whose_cores_all_run_a_rank() -> None:
-    from types import SimpleNamespace
-
-    from torchrec_swp.autotune.search import no_idle_core
-    from torchrec_swp.profiler.profile import Where
-
-    def at(host: str, cores: int | None) -> Any:  # what no_idle_core reads of a profile
-        return SimpleNamespace(where=Where(host=host, cores=cores))
-
-    assert no_idle_core([at("a", 2), at("a", 2)]) == (2, 2)
-    assert no_idle_core([at("a", 2), at("a", 2), at("a", 2)]) == (3, 2)
-    assert no_idle_core([at("a", 2)]) is None  # a core idle
-    assert no_idle_core([at("a", 2), at("a", 2), at("b", 2)]) is None  # machine b has one idle
-    assert no_idle_core([at("a", None)]) is None  # not said
-    assert no_idle_core([at("a", 1)]) == (1, 1)
 
 
 def test_a_draw_that_waits_is_not_tried_again_without_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ from torchrec_swp.autosched.overlap import Space, search_overlap
 from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.trial import pick
-from torchrec_swp.catalog.transforms import DRAW_TASKS, with_lookahead, with_parallel_loads
+from torchrec_swp.catalog.transforms import DRAW_TASKS, with_lookahead
 from torchrec_swp.plan import PipelinePlan, PlanError
 from torchrec_swp.plan.task import MAIN_THREAD
 from torchrec_swp.profiler import Profile, ProfileError
@@ -115,29 +115,6 @@ def draw_cpu_share(profiles: Sequence[Profile], source: str | None) -> float | N
     return sum(s.cpu_mean_s or 0.0 for s in stats) / wall
 
 
-def no_idle_core(profiles: Sequence[Profile]) -> tuple[int, int] | None:
-    """``(ranks, cores)`` of the first machine where every machine runs at least as many ranks as
-    it has cores, else None (or where a profile does not say its machine's cores).
-
-    There a draw that computes (``CPU_BOUND_DRAW``) is not moved to a thread of its own: such a
-    draw gains beside the calling thread only on a core left idle while that thread computes
-    without the GIL, and none is (its thread takes a core from a rank). Measured on 2 ranks and 2
-    cores, every thread layout no faster or slower: the example's Criteo TSV parser (the io
-    thread 3-28% slower in four tunings, 5-8% in five rounds), the loader matrix's Python loaders
-    (notebook/2026-12-loaders.md). Only worker processes are tried there, where the data can use
-    them."""
-    hosts: dict[str, list[Profile]] = {}
-    for p in profiles:
-        hosts.setdefault(p.where.host, []).append(p)
-    full = []
-    for ranks in hosts.values():
-        cores = [p.where.cores for p in ranks]
-        if any(c is None for c in cores) or len(ranks) < min(c for c in cores if c is not None):
-            return None
-        full.append((len(ranks), min(c for c in cores if c is not None)))
-    return full[0] if full else None
-
-
 def search(request: Request) -> Found:
     """Every rank's profile -> the decision (the profiled plan kept, with the reason, when
     anything is amiss or nothing wins by more than the noise) and the plans to try."""
@@ -173,15 +150,8 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
             # neighbours: the measured iterations in turn (the closer there)
             mode="mean" if request.round == 1 else "replay",
         )
-        freed, share = None, draw_cpu_share(profiles, profiled.source)
-        computes = o.gil is not None and share is not None and share >= CPU_BOUND_DRAW
-        crowded = no_idle_core(profiles) if computes else None
-        if crowded is not None:  # nothing to search: no thread layout is tried
-            several = [k for k in loads if k > 1 and space.holds(profiled.pipeline_depth, k)]
-            processes = request.processes and o.candidates > 0 and several and request.round == 1
-            twin = with_parallel_loads(profiled, min(several)) if processes else None
-            return _crowded(request, profiled, share or 0.0, crowded, twin)
         result = search_overlap(profiled, inputs.calibration, inputs.machine, space)
+        freed, share = None, draw_cpu_share(profiles, profiled.source)
         if (
             result.speedup < 1 + o.noise
             and o.candidates > 0
@@ -275,35 +245,6 @@ def _search(request: Request) -> tuple[Decision, list[Any]]:
         measured_start_s=measured,
         why=why,
     ), candidates
-
-
-def _crowded(
-    request: Request, profiled: PipelinePlan, share: float, crowded: tuple[int, int], twin: PipelinePlan | None
-) -> tuple[Decision, list[Any]]:
-    """A computing draw where no core is idle (``no_idle_core``): the plan kept, nothing searched
-    (the search's CPU would be the ranks'), no thread layout tried; where the data can fetch in
-    worker processes, the trial of the first round measures ``twin`` (the draw on lanes of its own,
-    the fewest loads the options and limits allow), its draws in as many processes, against the
-    running plan; a later round (or a re-tune) keeps the plan."""
-    ranks, cores = crowded
-    candidates: list[Any] = []
-    if twin is not None:
-        candidates = [[profiled.to_text(), None, False, 0], [twin.to_text(), None, False, twin.loads]]
-        then = f"the trial measures its draws in {twin.loads} worker processes against it"
-    elif request.round > 1:
-        then = "the first round tried what there was to try"
-    else:
-        then = (
-            "only worker processes would load in parallel: torchrec_swp.data.MapSource(dataset, processes=k) "
-            "with loads k, or a DataLoader with num_workers"
-        )
-    said = (
-        f"the draw {profiled.source} computes {100 * share:.0f}% of its time and its machine runs {ranks} "
-        f"rank{'s' if ranks > 1 else ''} on {cores} core{'s' if cores > 1 else ''}: no core is idle for a thread "
-        f"of its own, so no thread layout is searched or tried; {then}"
-    )
-    why = (said, "keeps the plan: no core is idle for a thread of its own")
-    return Decision(None, measured_start_s=request.measured, why=why), candidates
 
 
 def run_ahead(
