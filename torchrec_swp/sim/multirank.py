@@ -356,6 +356,7 @@ class _RankState(Replay[_Lane]):
         self.segment = 0  # next segment to load
         self.in_preamble = False  # the calling thread is running the overhead before that segment
         self.done = False
+        self.dirty = True  # something changed since the dispatch last looked at its lanes
 
     def load_next_segment(self, now: float) -> None:
         """Hand the lanes their instructions of the next iteration (with the barrier) or of the
@@ -527,6 +528,9 @@ class _Multi:
             changed = False
             woken: list[tuple[_RankState, str, _Lane, int, int]] = []
             for s in self.states:
+                if not s.dirty:  # its lanes stand as the last pass left them: none can go now
+                    continue
+                s.dirty = False
                 while not s.done and s.segment_done():
                     s.load_next_segment(self.now)
                     changed = True
@@ -540,11 +544,12 @@ class _Multi:
                             break
                         if lane.stalled and s.wake.longest > 0:  # woken by another thread: off the CPU a while
                             woken.append((s, thread, lane, p, index))
+                            s.dirty = True  # looked at again in every pass until it wakes
                             break
                         lane.stalled = False
                         lane.at += 1
                         self._execute(s, thread, lane, p, index, instr)
-                        changed = True
+                        s.dirty = changed = True
             for key in [k for k, met in self.meets.items() if len(met) == len(self.states)]:
                 for job in self.meets.pop(key).values():
                     self._finish(job)
@@ -559,6 +564,7 @@ class _Multi:
         again = False
         for s, thread, lane, p, index in woken:
             lane.stalled = False
+            s.dirty = True
             others = [o for t, o in s.lanes.items() if t != thread]
             busy = any(o.job is not None and _computes(o.job) for o in others)
             ended = any(o.walk_ended == self.now for o in others)
@@ -640,6 +646,7 @@ class _Multi:
         self.jobs.remove(job)
         lane = s.lanes[job.thread]
         lane.job = None
+        s.dirty = True
         if job.phase == "meet":
             task = job.instr.task if job.instr is not None else ""
             s.rendezvous_wait[task] = s.rendezvous_wait.get(task, 0.0) + (now - job.anchor)
