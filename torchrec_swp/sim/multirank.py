@@ -500,7 +500,8 @@ class _Multi:
         # (comm group, k) -> the jobs of the ranks that reached the rendezvous, by rank
         self.meets: dict[tuple[str, int], dict[int, _Job]] = {}
         self.meet_task: dict[tuple[str, int], tuple[str, int]] = {}  # -> (task, first rank to start it)
-        self.rates: dict[tuple[Any, ...], dict[int, float]] = {}  # fair_rates by its arguments (_set_rates)
+        # fair_rates by machine and runnable threads per rank (_set_rates)
+        self.rates: dict[tuple[int, tuple[tuple[int, int], ...]], dict[int, float]] = {}
 
     def run(self) -> None:
         for s in self.states:
@@ -563,8 +564,7 @@ class _Multi:
         the rank computes, or just ended its walk). True if one resumes at once (latency 0)."""
         again = False
         for s, thread, lane, p, index in woken:
-            lane.stalled = False
-            s.dirty = True
+            lane.stalled = False  # (its rank is marked: the pass that found it woken marked it)
             others = [o for t, o in s.lanes.items() if t != thread]
             busy = any(o.job is not None and _computes(o.job) for o in others)
             ended = any(o.walk_ended == self.now for o in others)
@@ -669,10 +669,10 @@ class _Multi:
             per_rank: dict[int, int] = {}
             for j in jobs:
                 per_rank[j.rank.number] = per_rank.get(j.rank.number, 0) + 1
-            gil = {j.rank.number: j.rank.spec.gil for j in jobs}
-            key = (machine, tuple(per_rank.items()), tuple(gil.items()))
+            key = (machine, tuple(per_rank.items()))  # (a rank's GIL share is its spec's: fixed by the rank)
             rates = self.rates.get(key)
             if rates is None:  # the same few mixes of runnable threads recur at every step
+                gil = {j.rank.number: j.rank.spec.gil for j in jobs}
                 rates = self.rates[key] = fair_rates(per_rank, self.cores[machine], self.background[machine], gil)
             for j in jobs:
                 rate = rates[j.rank.number]
