@@ -96,8 +96,18 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 # the search on the training thread: every count of calls below is the tuning's own (a search in the
-# background lets as many calls train as its seconds take: test_a_background_search_*)
-FAST = {"warmup": 3, "steps": 12, "verify": 6, "trial_steps": 4, "trial_cycles": 3, "background": False}
+# background lets as many calls train as its seconds take: test_a_background_search_*); round 1
+# searches even where the draw waits, as these loaders' does (the first move, which tries it on a
+# thread of its own before any search: tests/unit/test_autotune_first_move.py)
+FAST = {
+    "warmup": 3,
+    "steps": 12,
+    "verify": 6,
+    "trial_steps": 4,
+    "trial_cycles": 3,
+    "background": False,
+    "first_move": False,
+}
 
 
 def test_where_the_loader_binds_it_switches_and_trains_bit_for_bit() -> None:

@@ -61,6 +61,12 @@ class Autotune:
       them (a plan that overlaps the loader also changes what the other tasks cost: the
       collectives wait less, the caches stay warm); a plan predicted to win by more than the noise
       is switched to once more, and the prediction of the plan kept is the one reported;
+    * with ``first_move`` (the default), where the profile shows the draw waiting (its thread
+      computing under a quarter of its time, the draw a tenth of the step or more: storage, a
+      remote read, a sleep) round 1 searches nothing: it tries the draw on a thread of its own,
+      2 loads at once where the data splits its draws, against the running plan, in a trial that
+      starts at once (``autotune.first_move``); the search follows from the plan kept (round 2,
+      or round 1 where the move lost);
     * before any switch a search proposes (and after each search of a re-tune), the trial
       (``autotune.trial``): the running plan and the search's best ``candidates`` others run in
       turn (A, B, C, A, B, C ...), ``trial_steps`` steps measured per visit, until the
@@ -125,6 +131,7 @@ class Autotune:
     background: bool = True
     search_s: float | None = 120.0
     job_steps: int | None = None
+    first_move: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -164,6 +171,8 @@ class Autotune:
         j = self.job_steps
         if j is not None and (isinstance(j, bool) or not isinstance(j, int) or j < 1):
             raise ValueError(f"Autotune: job_steps must be an int >= 1 or None (unknown), got {j!r}")
+        if not isinstance(self.first_move, bool):
+            raise ValueError(f"Autotune: first_move must be a bool, got {self.first_move!r}")
         if not isinstance(self.background, bool):
             raise ValueError(f"Autotune: background must be a bool, got {self.background!r}")
         t = self.search_s
@@ -196,7 +205,8 @@ class Autotune:
         profile and a quiet call; then the verification's settling and its steps. ``settle``
         bounds the tuner's settling over every plan the search may choose. A search in the
         background (``background``) adds the calls that train while it runs: as many as the
-        job's steps take in its time (at most ``search_s`` a round)."""
+        job's steps take in its time (at most ``search_s`` a round). ``first_move``: the trial of
+        a draw that waits, before round 1's search where that move lost."""
         from torchrec_swp.autotune.trial import SETTLE
 
         lookahead, loads = max(self.lookahead), max(self.loads)
@@ -204,6 +214,10 @@ class Autotune:
         trial = self.trial_bound()[0]
         later_round = settle + lookahead + self.steps + (lookahead + 1) + 1
         rounds = self.warmup + self.steps + 1 + self.rounds * trial + (self.rounds - 1) * later_round
+        if self.first_move and self.candidates:  # its trial of two plans, where round 1 searches after it
+            from torchrec_swp.autotune.trial import trial_bound
+
+            rounds += trial_bound(2, self.trial_steps, self.trial_cycles, lookahead, loads)[0]
         return rounds + settle + self.verify + 1
 
     def too_short(self, pipeline_depth: int) -> str | None:

@@ -324,10 +324,24 @@ class Trial:
         self.visit: Visit | None = None
         self.standings: list[Standing | None] = [None] * n
         self.out_after: list[int | None] = [None] * n
+        self._seeded: set[int] = set()  # visits of the first cycle measured before the trial began
+
+    def seed(self, index: int, periods: Sequence[float]) -> None:
+        """Candidate ``index``'s first visit, measured before the trial began (``periods``: the
+        running plan's last steps, where the trial starts right after them): the first cycle
+        leaves it out."""
+        if not periods:
+            raise ValueError(f"Trial.seed: no steps measured for candidate {index}")
+        self.samples[index].append(statistics.fmean(periods))
+        self.steps[index] += len(periods)
+        self.order.append(index)
+        self._seeded.add(index)
 
     def start_cycle(self) -> int:
-        """The candidates still in the race, in order, are this cycle's visits: the first."""
-        self.queue = [i for i, a in enumerate(self.alive) if a]
+        """The candidates still in the race, in order, are this cycle's visits (those seeded left
+        out): the first."""
+        self.queue = [i for i, a in enumerate(self.alive) if a and i not in self._seeded]
+        self._seeded = set()
         return self.queue.pop(0)
 
     def next_in_cycle(self) -> int | None:

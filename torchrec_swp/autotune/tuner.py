@@ -12,6 +12,11 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
    (``autosched.overlap``) and sends every rank the plans to try, or the reason to keep the
    starting one; a plan giving the input dist its own comm group first gets its process group
    (the pipeline's ``enable`` hook, a collective every rank makes at the same call);
+   In round 1, where the profile shows the draw waiting (``first_move.py``: its thread mostly off
+   the CPU, the draw a tenth of the step or more), nothing is searched first: the trial below
+   starts at once with the running plan (its first visit the profile's last steps) and the draw
+   on a thread of its own; the search follows from the plan kept (round 2, or round 1 at once
+   where the move lost, from the profile already taken);
 4. **trial** (``trial.py``): the running plan and the search's best few run in turn for a few
    steps each (A, B, C, A, B, C ...), every switch at a batch boundary (``Engine.switch_plan``:
    nothing lost, nothing repeated, the same numerics); after each cycle rank 0 judges every rank's
@@ -69,6 +74,7 @@ from torchrec_swp.autosched.overlap import apply_candidate
 from torchrec_swp.autotune import report
 from torchrec_swp.autotune.agreement import flag_from_rank0, from_rank0, gather_to_all, machine, world
 from torchrec_swp.autotune.decision import Decision
+from torchrec_swp.autotune.first_move import first_move
 from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.search import BackgroundSearch, Found, Request, SearchedHere, search, start
 from torchrec_swp.autotune.sizes import batch_bytes
@@ -78,8 +84,10 @@ from torchrec_swp.autotune.trial import (
     Trial,
     describe,
     engine_threads,
+    measured_steps,
     needs_quiet,
     settle_steps,
+    trial_bound,
     tried_line,
 )
 from torchrec_swp.plan import PhasedPlan, PipelinePlan
@@ -195,6 +203,9 @@ class Tuner:
         self._group: Any = None  # the tuner's own process group (Hooks.group), made on first use
         self._processes = 0  # the worker processes the running candidate or decision fetches in
         self._applied: tuple[weakref.ref[Any], int] | None = None  # the data they were last set on, and to
+        self._first = "untried"  # the first move (first_move.py): "untried", "trying", "done"
+        self._held: Request | None = None  # rank 0's request round 1 searches where the first move lost
+        self._first_lines: tuple[str, ...] = ()  # what the first move's trial said, where it lost
         short = options.too_short(engine.plan.pipeline_depth)
         if short is not None:  # the pipeline runs its own plan (``start_for_tuning`` not applied)
             self.decision, self.state = Decision(None, why=(short,)), TunerState.DONE
@@ -365,9 +376,11 @@ class Tuner:
 
     # ------------------------------------------------------------------ the decision
     def _decide(self) -> None:
-        """Every rank: the profiles to rank 0, which searches (in the background: the pipeline
-        trains on until it has ended, ``_on_searching``; else here, every rank waiting)."""
+        """Every rank: the profiles to rank 0, which searches (``_search_from``), or, in round 1
+        where the draw waits, first tries running it ahead (``first_move``) in a trial that starts
+        at once, its first visit of the running plan the profile's last steps."""
         measured = step_of(self._periods) if self._periods else None
+        last = self._periods[-measured_steps(self.engine.plan, self.options.trial_steps) :]
         self._periods = []
         if self._starting is None:  # round 1 profiled the plan the tuning starts from
             self._starting = self.engine.plan.to_text()
@@ -389,6 +402,20 @@ class Tuner:
                 processes=self._data_processes() is not None,
                 starting=self._starting if self.round > 1 else None,
             )
+        o = self.options
+        if self.round == 1 and self._first == "untried" and o.first_move and o.candidates and not self._drift_round:
+            self._first = "done"
+            move = from_rank0(first_move(profiles, measured, o) if request is not None else None)
+            if move is not None:
+                self._first, self._held = "trying", request
+                candidates, line = move
+                self._start_trial(Decision(None, measured_start_s=measured, why=(line,)), candidates, seed=last)
+                return
+        self._search_from(request)
+
+    def _search_from(self, request: Request | None) -> None:
+        """Every rank (``request``: rank 0's): the search, in the background (the pipeline trains
+        on until it has ended, ``_on_searching``) or here, every rank waiting."""
         self._searched_from = self.calls
         if self._in_background():
             if world()[1] > 1 and self._group is None:
@@ -481,8 +508,8 @@ class Tuner:
         running = before if before is not None else self.engine.plan
         if decision.switched and not applied:
             self._apply(decision)
-        if earlier is None:
-            merged = decision
+        if earlier is None:  # (after a first move that lost, its trial's lines first)
+            merged = replace(decision, why=(*self._first_lines, *decision.why))
         else:  # the running plan re-profiled: switched again, or kept with its own prediction
             merged = replace(
                 decision if decision.switched else earlier,
@@ -543,8 +570,9 @@ class Tuner:
         self._watch(step_of(periods))
 
     # ------------------------------------------------------------------ the trial
-    def _start_trial(self, proposal: Decision, candidates: list[Any]) -> None:
-        """Every rank: try ``candidates`` (module docstring, 4), the running plan first."""
+    def _start_trial(self, proposal: Decision, candidates: list[Any], seed: Sequence[float] = ()) -> None:
+        """Every rank: try ``candidates`` (module docstring, 4), the running plan first; ``seed``:
+        the running plan's steps just measured, its first visit (the trial starts right after)."""
         o = self.options
         plans = [PipelinePlan.from_text(c[0]) for c in candidates]
         processes = [int(c[3]) if len(c) > 3 else 0 for c in candidates]
@@ -558,7 +586,9 @@ class Tuner:
             self._enable_group()  # a collective: here, where every rank decided alike
         self._on = 0 if self._quiet_back is None else None
         self._quiet_back = None  # the trial's first visit switches back from the quiet plan
-        steps, switches = o.trial_bound()
+        if seed and self._on == 0:
+            self._trial.seed(0, seed)
+        steps, switches = trial_bound(len(candidates), o.trial_steps, o.trial_cycles, max(o.lookahead), max(o.loads))
         measured = f" ({1e3 * proposal.measured_start_s:.2f} ms per step measured)" if proposal.measured_start_s else ""
         head = "profiled" if self.round == 1 else f"{self._round_name()}: profiled the running plan"
         self._report(
@@ -650,6 +680,11 @@ class Tuner:
         p = self._proposal
         assert p is not None  # (a trial runs a proposal)
         self._trial = None
+        if self._first == "trying":
+            self._first = "done"
+            if won == 0:  # the move lost: round 1 searches from the running plan's profile
+                self._first_lost(line, [tried_line(i, x, o.confidence) for i, x in enumerate(tried)])
+                return
         decision = replace(
             p,
             plan=None if won == 0 else tried[won].plan,
@@ -666,6 +701,17 @@ class Tuner:
             visits=tuple(t.order),
         )
         self._conclude(decision, applied=True, before=before)
+
+    def _first_lost(self, line: str, tried: list[str]) -> None:
+        """Every rank: the first move measured no better than the running plan, which runs again;
+        say so, and search from the running plan's profile (rank 0's held request)."""
+        who = f"autotune {self.owner}"
+        self._first_lines = (f"first move: {line}", *(f"first move: {t}" for t in tried))
+        self._report(f"{who}: first move: {line}; searches from the running plan", headline=True)
+        for t in tried:
+            self._report(f"{who}: first move: {t}")
+        request, self._held = self._held, None
+        self._search_from(request)
 
     def _trial_data_ended(self, said: bool) -> None:
         """The data ended in a trial: the plan running stays; with more data the visit starts
