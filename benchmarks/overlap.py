@@ -37,6 +37,9 @@ of ``q`` batches ahead lasts ``q * latency / (latency - step)`` steps.) The cont
 * ``ours+io+ahead``: ``ours+io`` whose plan declares ``lookahead 2``: the io thread loads up to
   two batches beyond the pipeline's depth, ahead of the step being trained (a prefetch queue
   of depth 2 inside the plan);
+* ``ours+1load``: the plan edit ``plans.with_parallel_loads(plan, 1, lookahead=2)``: the draw
+  alone (a Fetch task) on a thread of its own, two batches ahead, H2D copying where it was, over
+  the plain iterator (what ``upstream+thread``'s prefetch thread does, inside the plan);
 * ``ours+2loads``: the plan edit ``plans.with_parallel_loads(plan, 2)``: a Fetch task draws the
   items on two threads at once (``loads 2``, ``lookahead 2``), H2D copies them where it was; the
   data is ``torchrec_swp.data.MapSource`` over the very dataset the DataLoader's two workers read
@@ -121,6 +124,7 @@ CONTENDERS = (
     "ours+io",
     "ours+io+dist",
     "ours+io+ahead",
+    "ours+1load",
     "ours+2loads",
     "ours+2loads+dist",
     "ours+autotune",
@@ -292,12 +296,15 @@ def _describe(text: str) -> str:
 
 def _plan(pipeline: str, options: list[str]) -> Any:
     """The plan of ``ours+...``: the default one, declaring a lookahead (``ahead``) or split for
-    two parallel loads (``2loads``); None: the default plan as it is."""
+    two parallel loads (``2loads``) or for one on a thread of its own (``1load``); None: the default
+    plan as it is."""
     from torchrec_swp.catalog.torchrec import default_plans
     from torchrec_swp.catalog.transforms import with_parallel_loads
 
     if "2loads" in options or "2procs" in options:
         return with_parallel_loads(default_plans()[pipeline], 2)
+    if "1load" in options:
+        return with_parallel_loads(default_plans()[pipeline], 1, lookahead=2)
     if "ahead" in options:
         plan = default_plans()[pipeline]
         return plan.replace(lookahead=2) if hasattr(plan, "replace") else plan
@@ -528,7 +535,7 @@ def comparisons(r: dict[str, Any], labels: list[str], tolerance: float) -> list[
             "dataloader"
             if "dataloader" in label or "2loads" in label or "2procs" in label or "autotune" in label
             else "thread"
-            if "thread" in label
+            if "thread" in label or "1load" in label
             else "plain"
         )
 

@@ -55,6 +55,7 @@ def test_every_overlap_contender_trains_like_upstream_on_one_rank() -> None:
             "ours+io+dist",
             "ours+io+dataloader",
             "ours+io+ahead",
+            "ours+1load",
             "ours+2loads+dist",
             "ours+2procs",
         ],
@@ -68,7 +69,7 @@ def test_every_overlap_contender_trains_like_upstream_on_one_rank() -> None:
     )
     (row,) = run_on_ranks(_overlap_rank, args, world_size=1, timeout_s=120)
     assert row["same_losses"], row["losses_differ"]
-    ours = {"ours+io+dist", "ours+io+dataloader", "ours+io+ahead", "ours+2loads+dist", "ours+2procs"}
+    ours = {"ours+io+dist", "ours+io+dataloader", "ours+io+ahead", "ours+1load", "ours+2loads+dist", "ours+2procs"}
     assert set(row["bounds"]) == ours
     assert all(0 < e < 1.5 for e in row["efficiency"].values())
 
