@@ -265,6 +265,7 @@ def _tune(c: Contender) -> dict[str, Any]:
         "threads": list(plan.thread_groups),
         "lookahead": plan.lookahead,
         "loads": plan.loads,
+        "processes": 0 if d is None else d.processes,
         "input_dist_group": bool(d and d.own_group),
         "predicted_ms": None if d is None or d.predicted_s is None else 1e3 * d.predicted_s,
         "verified_ms": None if d is None or d.measured_s is None else 1e3 * d.measured_s,
@@ -273,7 +274,7 @@ def _tune(c: Contender) -> dict[str, Any]:
         if d is None
         else [
             {
-                "plan": _describe(t.plan),
+                "plan": _describe(t.plan, t.processes),
                 "predicted_ms": None if t.predicted_s is None else 1e3 * t.predicted_s,
                 "measured_ms": None if t.measured_s is None else 1e3 * t.measured_s,
                 "steps": t.steps,
@@ -287,11 +288,11 @@ def _tune(c: Contender) -> dict[str, Any]:
     }
 
 
-def _describe(text: str) -> str:
+def _describe(text: str, processes: int = 0) -> str:
     from torchrec_swp.autotune.trial import describe
     from torchrec_swp.plan import PipelinePlan
 
-    return describe(PipelinePlan.from_text(text))
+    return describe(PipelinePlan.from_text(text), processes)
 
 
 def _plan(pipeline: str, options: list[str]) -> Any:
@@ -569,6 +570,7 @@ def _autotune_lines(r: dict[str, Any], labels: list[str]) -> list[str]:
         "- ours+autotune chose "
         + (
             f"threads {t['threads']}, lookahead {t['lookahead']}, loads {t['loads']}"
+            + (f" in {t['processes']} worker processes" if t.get("processes") else "")
             + (", the input dist in its own comm group" if t["input_dist_group"] else "")
             + f" (the search proposed: {'; '.join(c.removeprefix('the change: ') for c in t['change'])}): "
             + (

@@ -10,7 +10,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -93,6 +93,25 @@ def train(
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def tuned_like_plain(
+    n: int,
+    latency_s: float,
+    autotune: Autotune,
+    *,
+    model: Callable[[], torch.nn.Module] | None = None,
+    dataset: Callable[[], Any] | None = None,
+) -> Any:
+    """``train`` ``n`` steps with ``autotune`` and without, each on a new ``model()`` and
+    ``dataset()`` where given; the same outputs at every step and the same weights (asserted);
+    the tuned pipeline."""
+    tuned, pipeline, weights = train(
+        n, latency_s, autotune=autotune, model=model and model(), dataset=dataset and dataset()
+    )
+    plain, _, plain_weights = train(n, latency_s, model=model and model(), dataset=dataset and dataset())
+    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    return pipeline
 
 
 # the search on the training thread: every count of calls below is the tuning's own (a search in the
@@ -518,11 +537,8 @@ def test_a_draw_whose_python_computes_is_also_tried_in_worker_processes(monkeypa
     # two rounds: the second, from a plan fetching in processes, tries every plan so (one per load)
     options = {**FAST, "rounds": 2, "drift": None}
     n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    tuned, pipeline, weights = train(
-        n, 0.0, model=Computing(), dataset=Parsing(n, 3.0), autotune=Autotune(**options, report=lines.append)
-    )
-    plain, _, plain_weights = train(n, 0.0, model=Computing(), dataset=Parsing(n, 3.0))
-    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    tuning = Autotune(**options, report=lines.append)
+    pipeline = tuned_like_plain(n, 0.0, tuning, model=Computing, dataset=lambda: Parsing(n, 3.0))
     d = pipeline.autotune_decision
     assert d is not None and d.decided, lines
     first = [w for w in d.why if re.fullmatch(r"tried threads .* loads (\d) in \1 worker processes: .*", w)]

@@ -1,8 +1,9 @@
 """The first move (``autotune.first_move``): where the profile shows the draw waiting, round 1
 searches nothing and tries the draw on a thread of its own at once, its trial's first visit of
-the running plan the profile's last steps; a draw that computes, a small one, one already off
-the calling thread or options that leave no room are not moved; where the move loses, round 1
-searches from the profile it already took. Bit for bit as untuned either way."""
+the running plan the profile's last steps; where the move loses, round 1 searches from the
+profile it already took. A draw that computes is tried on threads and in worker processes, and
+where neither wins nothing is searched. A draw between the two, a small one, one already off the
+calling thread or options that leave no room are not moved. Bit for bit as untuned either way."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.test_autotune import FAST, Slow, same, train
+from tests.unit.test_autotune import FAST, Computing, Parsing, Slow, tuned_like_plain
 from torchrec_swp import Autotune, plans
-from torchrec_swp.autotune.first_move import WAITING_DRAW, WAITING_SHARE, first_move
+from torchrec_swp.autotune.first_move import WAITING_DRAW, WAITING_SHARE, FirstMove, first_move
+from torchrec_swp.autotune.search import CPU_BOUND_DRAW
 from torchrec_swp.autotune.trial import Trial
 from torchrec_swp.catalog.transforms import with_parallel_loads
 from torchrec_swp.plan import PipelinePlan
@@ -41,8 +43,8 @@ def _profile(draw_s: float, cpu_s: float, *, split: bool = True, plan: PipelineP
     return {"profile": profile.to_json(), "trouble": ""}
 
 
-def _move(gathered: list[dict[str, Any]], **options: Any) -> tuple[list[Any], str] | None:
-    return first_move(gathered, STEP_S, Autotune(**options))
+def _move(gathered: list[dict[str, Any]], processes: bool = False, **options: Any) -> FirstMove | None:
+    return first_move(gathered, STEP_S, Autotune(**options), processes)
 
 
 def _searches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -61,13 +63,13 @@ def _searches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_a_draw_that_waits_is_moved_to_a_thread_of_its_own_with_two_loads() -> None:
-    found = _move([_profile(0.008, 0.0002), _profile(0.007, 0.0001)])
-    assert found is not None
-    (running, _, _, _), (moved, predicted, own, processes) = found[0]
+    found = _move([_profile(0.008, 0.0002), _profile(0.007, 0.0001)], processes=True)
+    assert found is not None and found.then_search  # where it loses, round 1 searches
+    (running, _, _, _), (moved, predicted, own, processes) = found.candidates  # never in processes: it waits
     start = plans.with_lookahead(plans.default_plans()["TrainPipelineBase"], 0)
     assert running == start.to_text() and predicted is None and not own and processes == 0
     assert PipelinePlan.from_text(moved) == with_parallel_loads(start, 2, lookahead=2, thread="load")
-    assert found[1] == (
+    assert found.why == (
         "the draw LoadBatch waits: its thread computes 2% of its 7.50 ms (38% of the 20.00 ms step), so it first "
         "tries the draw on a thread of its own, 2 loads at once, 2 ahead, against the running plan, before any search"
     )
@@ -76,18 +78,19 @@ def test_a_draw_that_waits_is_moved_to_a_thread_of_its_own_with_two_loads() -> N
 def test_data_that_does_not_split_its_draws_gets_one_load_the_least_run_ahead_allowed() -> None:
     for lookahead, ahead in (((0, 1, 2, 3), 1), ((0, 2, 3), 2)):
         found = _move([_profile(0.008, 0.0, split=False)], lookahead=lookahead)
-        assert found is not None and "one load, " in found[1]
-        moved = PipelinePlan.from_text(found[0][1][0])
+        assert found is not None and "one load, " in found.why
+        moved = PipelinePlan.from_text(found.candidates[1][0])
         assert (moved.loads, moved.lookahead, moved.task("LoadBatch").thread_group) == (1, ahead, "load")
     found = _move([_profile(0.008, 0.0)], loads=(1, 3))  # 2 loads not among the choices: one
-    assert found is not None and PipelinePlan.from_text(found[0][1][0]).loads == 1
+    assert found is not None and PipelinePlan.from_text(found.candidates[1][0]).loads == 1
 
 
 @pytest.mark.parametrize(
     "draw_s, cpu_s, options, why",
     [
-        (0.008, WAITING_DRAW * 0.008, {}, "computes a quarter of its time"),
-        (0.008, 0.008, {}, "Python parsing: holds the GIL, only the search and its trial can weigh it"),
+        (0.008, WAITING_DRAW * 0.008, {}, "computes a quarter of its time: between waiting and computing"),
+        (0.008, CPU_BOUND_DRAW * 0.008 * 0.99, {}, "computes just under half its time: between"),
+        (0.008, 0.008, {"candidates": 0}, "no trial: switch on the prediction alone"),
         (WAITING_SHARE * STEP_S * 0.9, 0.0, {}, "under a tenth of the step"),
         (0.008, 0.0, {"lookahead": (0,)}, "no run-ahead allowed"),
         (0.008, 0.0, {"max_threads": 1}, "no thread to spare"),
@@ -110,6 +113,46 @@ def test_no_first_move_for_a_draw_already_off_the_calling_thread_or_a_rank_in_tr
     assert _move([_profile(0.008, 0.0, plan=io)]) is None
     assert _move([_profile(0.008, 0.0), {"profile": None, "trouble": "rank 1: no steps"}]) is None
     assert first_move([_profile(0.008, 0.0)], None, Autotune()) is None  # no measured step
+
+
+def test_a_draw_that_computes_is_tried_on_threads_and_in_processes_and_kept_unsearched_where_both_lose() -> None:
+    start = plans.with_lookahead(plans.default_plans()["TrainPipelineBase"], 0)
+    moved = with_parallel_loads(start, 2, lookahead=2, thread="load").to_text()
+    found = _move([_profile(0.008, 0.0079)], processes=True)
+    assert found is not None and not found.then_search
+    assert found.candidates == [[start.to_text(), None, False, 0], [moved, None, False, 2], [moved, None, False, 0]]
+    assert found.why.startswith(
+        "the draw LoadBatch computes: its thread computes 99% of its 8.00 ms (40% of the 20.00 ms step); a thread "
+        "helps it only where its work releases the GIL"
+    ) and "2 loads at once, 2 ahead, on threads and in 2 worker processes, against the running plan" in found.why
+    threads_only = _move([_profile(0.008, 0.0079)], processes=False)  # data that cannot fetch in processes
+    assert threads_only is not None and threads_only.candidates == found.candidates[:1] + found.candidates[2:]
+    one = _move([_profile(0.008, 0.0079)], processes=True, candidates=1)  # room for one: processes first
+    assert one is not None and one.candidates == found.candidates[:2]
+
+
+def test_a_draw_that_computes_where_nothing_wins_is_not_searched_and_trains_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python that holds the GIL, beside a forward that computes: the trial of threads and worker
+    processes starts at the call after the profile; the search runs only from a plan that won."""
+    searched = _searches(monkeypatch)
+    lines: list[str] = []
+    options = {**MOVING, "drift": None}
+    n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
+    tuning = Autotune(**options, report=lines.append)
+    pipeline = tuned_like_plain(n, 0.0, tuning, model=Computing, dataset=lambda: Parsing(n, 3.0))
+    d = pipeline.autotune_decision
+    assert d is not None and d.decided, lines
+    assert d.why[0].startswith("the draw LoadBatch computes: its thread computes"), d.why
+    assert "autotune TrainPipelineBase: profiled 12 steps" in "\n".join(lines) and "tries 3 plans" in "\n".join(lines)
+    round1 = [t for t in d.why if t.startswith("tried ") and " plans over " in t]
+    assert round1 and round1[0].startswith("tried 3 plans over"), d.why
+    if d.switched:  # the second round searched from the plan that won, once
+        assert len(searched) == 1 and PipelinePlan.from_text(searched[0]).task("LoadBatch").thread_group == "load"
+        assert pipeline.engine.draws.iterator.processes == d.processes
+    else:  # kept: nothing searched, and it says so
+        assert searched == [] and "keeps the plan" in d.why[-1], d.why
 
 
 def test_a_seeded_visit_is_the_first_cycle_s_and_is_not_visited_again_in_it() -> None:
@@ -144,9 +187,7 @@ def test_a_waiting_draw_is_run_ahead_at_once_and_the_search_follows_from_it(monk
     searched = _searches(monkeypatch)
     lines: list[str] = []
     n = Autotune(**MOVING).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    tuned, pipeline, weights = train(n, 0.006, autotune=Autotune(**MOVING, report=lines.append))
-    plain, _, plain_weights = train(n, 0.006)
-    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    pipeline = tuned_like_plain(n, 0.006, Autotune(**MOVING, report=lines.append))
     d = pipeline.autotune_decision
     assert d is not None and d.decided and d.switched, lines
     text = "\n".join(lines)
@@ -172,11 +213,11 @@ def test_a_first_move_that_loses_is_said_and_round_1_searches_from_its_profile(
     profile it took, once, and its decision says what the move measured first."""
     import torchrec_swp.autotune.tuner as tuner_module
 
-    def no_ahead(gathered: Any, measured: Any, options: Autotune) -> Any:
-        found = first_move(gathered, measured, options)
+    def no_ahead(gathered: Any, measured: Any, options: Autotune, processes: bool) -> Any:
+        found = first_move(gathered, measured, options, processes)
         assert found is not None
-        plan = PipelinePlan.from_text(found[0][1][0])
-        found[0][1][0] = plan.replace(lookahead=0, loads=1).to_text()
+        plan = PipelinePlan.from_text(found.candidates[1][0])
+        found.candidates[1][0] = plan.replace(lookahead=0, loads=1).to_text()
         return found
 
     class SlowOnLoad(Slow):
@@ -192,11 +233,8 @@ def test_a_first_move_that_loses_is_said_and_round_1_searches_from_its_profile(
     lines: list[str] = []
     options = {**MOVING, "rounds": 1, "drift": None}
     n = Autotune(**options).tuning_bound(plans.default_plans()["TrainPipelineBase"].pipeline_depth)
-    tuned, pipeline, weights = train(
-        n, 0.006, dataset=SlowOnLoad(n, 0.006), autotune=Autotune(**options, report=lines.append)
-    )
-    plain, _, plain_weights = train(n, 0.006, dataset=SlowOnLoad(n, 0.006))
-    assert same(tuned, plain) and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+    tuning = Autotune(**options, report=lines.append)
+    pipeline = tuned_like_plain(n, 0.006, tuning, dataset=lambda: SlowOnLoad(n, 0.006))
     d = pipeline.autotune_decision
     assert d is not None and d.decided, lines
     lost = [line for line in lines if line.startswith("autotune TrainPipelineBase: first move: tried 2 plans")]

@@ -1,27 +1,38 @@
-"""The first move: a draw that waits, run ahead on a thread of its own, tried before any search.
+"""The first move: before any search, the plans that a draw on the calling thread calls for.
 
-A draw whose thread spends most of its time off the CPU (storage, a remote read, a queue: its
-thread CPU time far below its wall time, ``WAITING_DRAW``) and takes a good share of the step
-(``WAITING_SHARE``) is hidden by running it ahead on a thread of its own, several at once where
-the data splits its draws: the move that ``with_parallel_loads`` makes by hand, and that every
-search of this project has chosen or bettered for such a loader (``benchmarks/overlap.py``, the
-sleeping and heavy-tailed loaders). It needs no model: the tuner tries it at once against the
-running plan (``Tuner``, round 1), where a search would take seconds of CPU before anything
-changes (``notebook/2026-12-loaders.md``: a 60-step job ended before the search had). The
-trial's measurements decide; the search (round 2, or round 1 where the move lost) goes on
-from the plan kept.
+A search calibrates the simulator and scores tens of plans: seconds of CPU that a job pays before
+anything changes (``notebook/2026-12-loaders.md``: a 60-step job ended before the search had; a
+2-rank job on 2 cores lost 13% over 1,000 steps to a search that found nothing). For the draw,
+a profile already says what to try, by its thread's CPU time against its wall time:
 
-A draw that computes (Python parsing, torch ops) is not moved so: whether a thread helps it
-depends on the GIL, which only the search and its trial can weigh (``autotune.search``).
+* **a draw that waits** (its thread computes under ``WAITING_DRAW`` of its time: storage, a remote
+  read, a queue) is hidden by running it ahead on a thread of its own, several at once where the
+  data splits its draws: the move ``with_parallel_loads`` makes by hand, which every search of
+  this project chose or bettered for such a loader (``benchmarks/overlap.py``, the sleeping and
+  heavy-tailed loaders). Where it loses, round 1 searches from the profile it took;
+* **a draw that computes** (``CPU_BOUND_DRAW`` of its time or more: Python parsing, torch ops):
+  a thread helps only where its work releases the GIL, worker processes only where a core is
+  free, and the profile cannot tell which. The search's model, which holds the GIL for all CPU
+  work, predicts nothing for it, and round 1's search then proposes the plans that would win
+  without the GIL and their twins in worker processes (``autotune.search``): the first move tries
+  those at once (2 loads on threads, and in 2 worker processes where the data can fetch in them).
+  Where both lose, nothing is searched: the plan stays.
+
+Each is a trial against the running plan that starts at the call after the profile
+(``Tuner``, round 1); the search of round 2 goes on from a plan that won. A draw between the two
+(a quarter to half its time computing), or one under ``WAITING_SHARE`` of the step, is left to
+the search.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torchrec_swp.autotune.options import Autotune
+from torchrec_swp.autotune.search import CPU_BOUND_DRAW
 from torchrec_swp.catalog.transforms import DRAW_TASKS, with_parallel_loads
 from torchrec_swp.plan import MAIN_THREAD, PlanError
 from torchrec_swp.profiler import Profile, ProfileError
@@ -31,23 +42,37 @@ from torchrec_swp.profiler import Profile, ProfileError
 WAITING_DRAW = 0.25
 #: ... and is worth moving first where its mean time is at least this share of the measured step
 WAITING_SHARE = 0.1
-#: the loads the first move runs where the data splits its draws (if the options allow them)
+#: ... as a draw that computes does from ``search.CPU_BOUND_DRAW`` (a half) of its time
+#: the loads the first move runs where the data splits its draws (if the options allow them), and
+#: the worker processes it tries them in for a draw that computes
 FIRST_LOADS = 2
+
+
+@dataclass(frozen=True)
+class FirstMove:
+    """What the first move tries: the trial's ``candidates`` (``[plan text, predicted step, own
+    group, worker processes]``, the running plan first), the line saying why, and whether round 1
+    searches where the running plan measures best (``then_search``: a draw that waits; a draw that
+    computes keeps the plan)."""
+
+    candidates: list[Any]
+    why: str
+    then_search: bool
 #: the thread the moved draw runs on (the search's ``autosched.overlap.LOAD_THREAD``)
 THREAD = "load"
 
 
 def first_move(
-    gathered: Sequence[dict[str, Any]], measured: float | None, options: Autotune
-) -> tuple[list[Any], str] | None:
-    """From every rank's gathered profile (``{"profile", "trouble"}``) and the running plan's
-    measured step: the trial's candidates (``[plan text, predicted step, own group, worker
-    processes]``, the running plan first, then the moved one) and the line saying why; None where
-    the draw does not wait, takes too small a share of the step, already runs off the calling
-    thread, or ``options`` leave no room (``loads``, ``lookahead``, ``max_threads``,
-    ``max_in_flight``, ``memory_cap_bytes``).
-    Pure: rank 0 calls it, every rank takes its answer."""
-    if measured is None or measured <= 0 or any(g.get("trouble") for g in gathered):
+    gathered: Sequence[dict[str, Any]], measured: float | None, options: Autotune, processes: bool = False
+) -> FirstMove | None:
+    """From every rank's gathered profile (``{"profile", "trouble"}``), the running plan's
+    measured step and whether the data can fetch in worker processes
+    (``torchrec_swp.data.MapSource.use_processes``): the first move (module docstring), or None
+    where the draw is between waiting and computing, takes too small a share of the step, already
+    runs off the calling thread, or ``options`` leave no room (``loads``, ``lookahead``,
+    ``max_threads``, ``max_in_flight``, ``memory_cap_bytes``, ``candidates``). Pure: rank 0
+    calls it, every rank takes its answer."""
+    if measured is None or measured <= 0 or options.candidates < 1 or any(g.get("trouble") for g in gathered):
         return None
     try:
         profiles = [Profile.from_json(g["profile"]) for g in gathered]
@@ -63,7 +88,8 @@ def first_move(
     wall = sum(s.mean_s for s in stats)
     share = sum(s.cpu_mean_s or 0.0 for s in stats) / wall if wall > 0 else 1.0
     draw = statistics.fmean(s.mean_s for s in stats)
-    if share >= WAITING_DRAW or draw < WAITING_SHARE * measured:
+    waits = share < WAITING_DRAW
+    if not (waits or share >= CPU_BOUND_DRAW) or draw < WAITING_SHARE * measured:
         return None
     splits = all(p.where.split_draws for p in profiles)
     o = options
@@ -79,13 +105,31 @@ def first_move(
     ):
         return None
     try:
-        moved = with_parallel_loads(plan, k, lookahead=ahead, thread=THREAD)
+        moved = with_parallel_loads(plan, k, lookahead=ahead, thread=THREAD).to_text()
     except (PlanError, ValueError):
         return None
     several = f"{k} loads at once" if k > 1 else "one load"
-    line = (
-        f"the draw {source} waits: its thread computes {100 * share:.0f}% of its {1e3 * draw:.2f} ms "
-        f"({100 * draw / measured:.0f}% of the {1e3 * measured:.2f} ms step), so it first tries the draw on a "
-        f"thread of its own, {several}, {ahead} ahead, against the running plan, before any search"
+    its = (
+        f"its thread computes {100 * share:.0f}% of its {1e3 * draw:.2f} ms "
+        f"({100 * draw / measured:.0f}% of the {1e3 * measured:.2f} ms step)"
     )
-    return [[plan.to_text(), None, False, 0], [moved.to_text(), None, False, 0]], line
+    running = [plan.to_text(), None, False, 0]
+    if waits:
+        why = (
+            f"the draw {source} waits: {its}, so it first tries the draw on a thread of its own, {several}, "
+            f"{ahead} ahead, against the running plan, before any search"
+        )
+        return FirstMove([running, [moved, None, False, 0]], why, then_search=True)
+    candidates = [running, [moved, None, False, 0]]
+    in_processes = ""
+    if processes and splits and k > 1:
+        candidates.insert(1, [moved, None, False, k])  # (first: where the GIL binds, only processes load in parallel)
+        in_processes = f", on threads and in {k} worker processes"
+    candidates = candidates[: o.candidates + 1]
+    why = (
+        f"the draw {source} computes: {its}; a thread helps it only where its work releases the GIL "
+        f"(torch ops, not Python parsing), which no profile tells, so it first tries the draw on a thread of its own, "
+        f"{several}, {ahead} ahead{in_processes}, against the running plan; where none wins the plan stays, "
+        "unsearched (the search's model, holding the GIL for all CPU work, would propose these same plans)"
+    )
+    return FirstMove(candidates, why, then_search=False)

@@ -61,12 +61,14 @@ class Autotune:
       them (a plan that overlaps the loader also changes what the other tasks cost: the
       collectives wait less, the caches stay warm); a plan predicted to win by more than the noise
       is switched to once more, and the prediction of the plan kept is the one reported;
-    * with ``first_move`` (the default), where the profile shows the draw waiting (its thread
-      computing under a quarter of its time, the draw a tenth of the step or more: storage, a
-      remote read, a sleep) round 1 searches nothing: it tries the draw on a thread of its own,
-      2 loads at once where the data splits its draws, against the running plan, in a trial that
-      starts at once (``autotune.first_move``); the search follows from the plan kept (round 2,
-      or round 1 where the move lost);
+    * with ``first_move`` (the default), where the draw runs on the calling thread, takes a
+      tenth of the step or more and its thread either waits (computes under a quarter of its
+      time: storage, a remote read) or computes (half of it or more: parsing, torch ops), round 1
+      searches nothing first: it tries the draw on a thread of its own, 2 loads at once where the
+      data splits its draws (for a draw that computes, also in 2 worker processes where the data
+      can), against the running plan, in a trial that starts at once (``autotune.first_move``);
+      the search follows from a plan that won (round 2), or, where the running plan stays, from
+      its profile for a draw that waits (round 1), not at all for one that computes;
     * before any switch a search proposes (and after each search of a re-tune), the trial
       (``autotune.trial``): the running plan and the search's best ``candidates`` others run in
       turn (A, B, C, A, B, C ...), ``trial_steps`` steps measured per visit, until the
@@ -206,7 +208,8 @@ class Autotune:
         bounds the tuner's settling over every plan the search may choose. A search in the
         background (``background``) adds the calls that train while it runs: as many as the
         job's steps take in its time (at most ``search_s`` a round). ``first_move``: the trial of
-        a draw that waits, before round 1's search where that move lost."""
+        a draw that waits, before round 1's search where that move lost (a draw that computes
+        makes its first move round 1's trial, of at most ``candidates + 1`` plans)."""
         from torchrec_swp.autotune.trial import SETTLE
 
         lookahead, loads = max(self.lookahead), max(self.loads)

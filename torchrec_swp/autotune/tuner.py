@@ -12,11 +12,13 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
    (``autosched.overlap``) and sends every rank the plans to try, or the reason to keep the
    starting one; a plan giving the input dist its own comm group first gets its process group
    (the pipeline's ``enable`` hook, a collective every rank makes at the same call);
-   In round 1, where the profile shows the draw waiting (``first_move.py``: its thread mostly off
-   the CPU, the draw a tenth of the step or more), nothing is searched first: the trial below
-   starts at once with the running plan (its first visit the profile's last steps) and the draw
-   on a thread of its own; the search follows from the plan kept (round 2, or round 1 at once
-   where the move lost, from the profile already taken);
+   In round 1, where the profile shows the draw waiting or computing (``first_move.py``: its
+   thread mostly off the CPU, or mostly on it, the draw a tenth of the step or more), nothing is
+   searched first: the trial below starts at once with the running plan (its first visit the
+   profile's last steps) and the draw on a thread of its own (for one that computes, also in
+   worker processes); the search follows from a plan that won (round 2), or, where the running
+   plan stays, from the profile already taken for a draw that waits, not at all for one that
+   computes (the model would propose the same plans);
 4. **trial** (``trial.py``): the running plan and the search's best few run in turn for a few
    steps each (A, B, C, A, B, C ...), every switch at a batch boundary (``Engine.switch_plan``:
    nothing lost, nothing repeated, the same numerics); after each cycle rank 0 judges every rank's
@@ -74,7 +76,7 @@ from torchrec_swp.autosched.overlap import apply_candidate
 from torchrec_swp.autotune import report
 from torchrec_swp.autotune.agreement import flag_from_rank0, from_rank0, gather_to_all, machine, world
 from torchrec_swp.autotune.decision import Decision
-from torchrec_swp.autotune.first_move import first_move
+from torchrec_swp.autotune.first_move import FirstMove, first_move
 from torchrec_swp.autotune.options import Autotune
 from torchrec_swp.autotune.search import BackgroundSearch, Found, Request, SearchedHere, search, start
 from torchrec_swp.autotune.sizes import batch_bytes
@@ -204,6 +206,7 @@ class Tuner:
         self._processes = 0  # the worker processes the running candidate or decision fetches in
         self._applied: tuple[weakref.ref[Any], int] | None = None  # the data they were last set on, and to
         self._first = "untried"  # the first move (first_move.py): "untried", "trying", "done"
+        self._move: FirstMove | None = None  # the first move under trial
         self._held: Request | None = None  # rank 0's request round 1 searches where the first move lost
         self._first_lines: tuple[str, ...] = ()  # what the first move's trial said, where it lost
         short = options.too_short(engine.plan.pipeline_depth)
@@ -405,11 +408,12 @@ class Tuner:
         o = self.options
         if self.round == 1 and self._first == "untried" and o.first_move and o.candidates and not self._drift_round:
             self._first = "done"
-            move = from_rank0(first_move(profiles, measured, o) if request is not None else None)
+            processes = self._data_processes() is not None
+            move = from_rank0(first_move(profiles, measured, o, processes) if request is not None else None)
             if move is not None:
-                self._first, self._held = "trying", request
-                candidates, line = move
-                self._start_trial(Decision(None, measured_start_s=measured, why=(line,)), candidates, seed=last)
+                self._first, self._held, self._move = "trying", request, move
+                proposal = Decision(None, measured_start_s=measured, why=(move.why,))
+                self._start_trial(proposal, move.candidates, seed=last)
                 return
         self._search_from(request)
 
@@ -681,10 +685,12 @@ class Tuner:
         assert p is not None  # (a trial runs a proposal)
         self._trial = None
         if self._first == "trying":
-            self._first = "done"
-            if won == 0:  # the move lost: round 1 searches from the running plan's profile
+            move, self._first, self._move = self._move, "done", None
+            assert move is not None
+            if won == 0 and move.then_search:  # the move lost: round 1 searches from the running plan's profile
                 self._first_lost(line, [tried_line(i, x, o.confidence) for i, x in enumerate(tried)])
                 return
+            self._held = None  # won (the search is round 2's), or kept unsearched: a draw that computes
         decision = replace(
             p,
             plan=None if won == 0 else tried[won].plan,
