@@ -38,14 +38,15 @@ from torchrec_swp.plan import MAIN_THREAD, PlanError
 from torchrec_swp.profiler import Profile, ProfileError
 
 #: a draw whose thread computes less than this share of its time (thread CPU / wall, every rank's
-#: together) waits
+#: together) waits; one that computes ``search.CPU_BOUND_DRAW`` (a half) of it or more computes
 WAITING_DRAW = 0.25
-#: ... and is worth moving first where its mean time is at least this share of the measured step
+#: either is worth moving first where its mean time is at least this share of the measured step
 WAITING_SHARE = 0.1
-#: ... as a draw that computes does from ``search.CPU_BOUND_DRAW`` (a half) of its time
 #: the loads the first move runs where the data splits its draws (if the options allow them), and
 #: the worker processes it tries them in for a draw that computes
 FIRST_LOADS = 2
+#: the thread the moved draw runs on (the search's ``autosched.overlap.LOAD_THREAD``)
+THREAD = "load"
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,6 @@ class FirstMove:
     candidates: list[Any]
     why: str
     then_search: bool
-#: the thread the moved draw runs on (the search's ``autosched.overlap.LOAD_THREAD``)
-THREAD = "load"
 
 
 def first_move(

@@ -11,14 +11,14 @@ A ``Tuner`` lives beside a pipeline's engine and sees each ``progress()`` call b
    data's split draws and one batch's size) goes to rank 0, which searches
    (``autosched.overlap``) and sends every rank the plans to try, or the reason to keep the
    starting one; a plan giving the input dist its own comm group first gets its process group
-   (the pipeline's ``enable`` hook, a collective every rank makes at the same call);
-   In round 1, where the profile shows the draw waiting or computing (``first_move.py``: its
-   thread mostly off the CPU, or mostly on it, the draw a tenth of the step or more), nothing is
-   searched first: the trial below starts at once with the running plan (its first visit the
-   profile's last steps) and the draw on a thread of its own (for one that computes, also in
-   worker processes); the search follows from a plan that won (round 2), or, where the running
-   plan stays, from the profile already taken for a draw that waits, not at all for one that
-   computes (the model would propose the same plans);
+   (the pipeline's ``enable`` hook, a collective every rank makes at the same call). In round
+   1, where the profile shows the draw waiting or computing (``first_move.py``: its thread mostly
+   off the CPU, or mostly on it, the draw a tenth of the step or more), nothing is searched
+   first: the trial below starts at once with the running plan (its first visit the profile's
+   last steps) and the draw on a thread of its own (for one that computes, also in worker
+   processes); the search follows from a plan that won (round 2), or, where the running plan
+   stays, from the profile already taken for a draw that waits, not at all for one that computes
+   (the model would propose the same plans);
 4. **trial** (``trial.py``): the running plan and the search's best few run in turn for a few
    steps each (A, B, C, A, B, C ...), every switch at a batch boundary (``Engine.switch_plan``:
    nothing lost, nothing repeated, the same numerics); after each cycle rank 0 judges every rank's
@@ -380,8 +380,8 @@ class Tuner:
     # ------------------------------------------------------------------ the decision
     def _decide(self) -> None:
         """Every rank: the profiles to rank 0, which searches (``_search_from``), or, in round 1
-        where the draw waits, first tries running it ahead (``first_move``) in a trial that starts
-        at once, its first visit of the running plan the profile's last steps."""
+        where the draw waits or computes, first tries it on a thread of its own (``first_move``) in
+        a trial that starts at once, its first visit of the running plan the profile's last steps."""
         measured = step_of(self._periods) if self._periods else None
         last = self._periods[-measured_steps(self.engine.plan, self.options.trial_steps) :]
         self._periods = []
