@@ -15,7 +15,7 @@ import torch
 
 from tests.unit.test_autotune import FAST, Computing, Parsing, Slow, tuned_like_plain
 from torchrec_swp import Autotune, plans
-from torchrec_swp.autotune.first_move import WAITING_DRAW, WAITING_SHARE, FirstMove, first_move
+from torchrec_swp.autotune.first_move import PROCESS_MIN_DRAW_S, WAITING_DRAW, WAITING_SHARE, FirstMove, first_move
 from torchrec_swp.autotune.search import CPU_BOUND_DRAW
 from torchrec_swp.autotune.trial import Trial
 from torchrec_swp.catalog.transforms import with_parallel_loads
@@ -129,6 +129,12 @@ def test_a_draw_that_computes_is_tried_on_threads_and_in_processes_and_kept_unse
     assert threads_only is not None and threads_only.candidates == found.candidates[:1] + found.candidates[2:]
     one = _move([_profile(0.008, 0.0079)], processes=True, candidates=1)  # room for one: processes first
     assert one is not None and one.candidates == found.candidates[:2]
+    # a draw too short to pay a worker process's hand-off is tried on threads only
+    short = PROCESS_MIN_DRAW_S * 0.9
+    brief = first_move([_profile(short, short)], short / (2 * WAITING_SHARE), Autotune(), True)
+    assert brief is not None and [c[3] for c in brief.candidates] == [0, 0] and "worker processes" not in brief.why
+    enough = first_move([_profile(PROCESS_MIN_DRAW_S, PROCESS_MIN_DRAW_S)], STEP_S, Autotune(), True)
+    assert enough is not None and [c[3] for c in enough.candidates] == [0, 2, 0]
 
 
 def test_a_draw_that_computes_where_nothing_wins_is_not_searched_and_trains_bit_for_bit(

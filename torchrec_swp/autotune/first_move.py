@@ -15,7 +15,8 @@ a profile already says what to try, by its thread's CPU time against its wall ti
   free, and the profile cannot tell which. The search's model, which holds the GIL for all CPU
   work, predicts nothing for it, and round 1's search then proposes the plans that would win
   without the GIL and their twins in worker processes (``autotune.search``): the first move tries
-  those at once (2 loads on threads, and in 2 worker processes where the data can fetch in them).
+  those at once (2 loads on threads, and in 2 worker processes where the data can fetch in them
+  and the draw is long enough to pay a process's hand-off, ``PROCESS_MIN_DRAW_S``).
   Where both lose, nothing is searched: the plan stays.
 
 Each is a trial against the running plan that starts at the call after the profile
@@ -47,6 +48,12 @@ WAITING_SHARE = 0.1
 FIRST_LOADS = 2
 #: the thread the moved draw runs on (the search's ``autosched.overlap.LOAD_THREAD``)
 THREAD = "load"
+#: the shortest draw (mean, seconds) tried in worker processes: a fetch there costs a hand-off of
+#: about 0.65 ms on this project's machines (``MapSource(processes=1)`` of a 64x16 tensor, median of
+#: 300, 2026-12-05: 0.66 ms with no work, 1.16 against 0.51 ms with 0.5 ms of Python), which a
+#: draw of a fraction of a millisecond cannot win back (a 0.4 ms draw ran 3.6-4.0 ms steps in 2
+#: processes against 1 ms on its thread)
+PROCESS_MIN_DRAW_S = 2e-3
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ def first_move(
         return FirstMove([running, [moved, None, False, 0]], why, then_search=True)
     candidates = [running, [moved, None, False, 0]]
     in_processes = ""
-    if processes and splits and k > 1:
+    if processes and splits and k > 1 and draw >= PROCESS_MIN_DRAW_S:
         candidates.insert(1, [moved, None, False, k])  # (first: where the GIL binds, only processes load in parallel)
         in_processes = f", on threads and in {k} worker processes"
     candidates = candidates[: o.candidates + 1]
