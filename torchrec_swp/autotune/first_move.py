@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchrec_swp.autotune.options import Autotune
-from torchrec_swp.autotune.search import CPU_BOUND_DRAW
+from torchrec_swp.autotune.search import CPU_BOUND_DRAW, draw_cpu_share
 from torchrec_swp.catalog.transforms import DRAW_TASKS, with_parallel_loads
 from torchrec_swp.plan import MAIN_THREAD, PlanError
 from torchrec_swp.profiler import Profile, ProfileError
@@ -86,14 +86,12 @@ def first_move(
         source = plan.source
         if source not in DRAW_TASKS or plan.loads != 1 or plan.task(source).thread_group != MAIN_THREAD:
             return None
-        stats = [p.stats(source) for p in profiles]
+        share = draw_cpu_share(profiles, source)
+        draw = statistics.fmean(p.stats(source).mean_s for p in profiles)
     except (PlanError, ProfileError, KeyError, ValueError):
         return None
-    if any(s.cpu_mean_s is None for s in stats):
+    if share is None:
         return None
-    wall = sum(s.mean_s for s in stats)
-    share = sum(s.cpu_mean_s or 0.0 for s in stats) / wall if wall > 0 else 1.0
-    draw = statistics.fmean(s.mean_s for s in stats)
     waits = share < WAITING_DRAW
     if not (waits or share >= CPU_BOUND_DRAW) or draw < WAITING_SHARE * measured:
         return None

@@ -205,7 +205,7 @@ class Tuner:
         self._group: Any = None  # the tuner's own process group (Hooks.group), made on first use
         self._processes = 0  # the worker processes the running candidate or decision fetches in
         self._applied: tuple[weakref.ref[Any], int] | None = None  # the data they were last set on, and to
-        self._first = "untried"  # the first move (first_move.py): "untried", "trying", "done"
+        self._first_tried = False  # whether round 1 has looked for a first move (first_move.py)
         self._move: FirstMove | None = None  # the first move under trial
         self._held: Request | None = None  # rank 0's request round 1 searches where the first move lost
         self._first_lines: tuple[str, ...] = ()  # what the first move's trial said, where it lost
@@ -406,12 +406,12 @@ class Tuner:
                 starting=self._starting if self.round > 1 else None,
             )
         o = self.options
-        if self.round == 1 and self._first == "untried" and o.first_move and o.candidates and not self._drift_round:
-            self._first = "done"
+        if self.round == 1 and not self._first_tried and o.first_move and o.candidates and not self._drift_round:
+            self._first_tried = True
             processes = self._data_processes() is not None
             move = from_rank0(first_move(profiles, measured, o, processes) if request is not None else None)
             if move is not None:
-                self._first, self._held, self._move = "trying", request, move
+                self._held, self._move = request, move
                 proposal = Decision(None, measured_start_s=measured, why=(move.why,))
                 self._start_trial(proposal, move.candidates, seed=last)
                 return
@@ -684,9 +684,8 @@ class Tuner:
         p = self._proposal
         assert p is not None  # (a trial runs a proposal)
         self._trial = None
-        if self._first == "trying":
-            move, self._first, self._move = self._move, "done", None
-            assert move is not None
+        if self._move is not None:  # the first move's trial
+            move, self._move = self._move, None
             if won == 0 and move.then_search:  # the move lost: round 1 searches from the running plan's profile
                 self._first_lost(line, [tried_line(i, x, o.confidence) for i, x in enumerate(tried)])
                 return
