@@ -230,8 +230,9 @@ def _contender(
 #: profile, decision, then enough steps for the verification to end. The search on the training
 #: thread: the block then has a bound in steps (``tuning_steps``), and what is timed afterwards, the
 #: plan chosen, is the same wherever it was searched (``benchmarks/tuning_cost.py`` times the search
-#: in the background, as a job lives it).
-TUNING = {"steps": 25, "verify": 20, "background": False}
+#: in the background, as a job lives it). No budget: the search on the training thread would spend
+#: the default one at once and stop the trial it proposes (what tuning costs: ``tuning_cost.py``).
+TUNING = {"steps": 25, "verify": 20, "background": False, "budget_steps": None}
 #: its own warm-up steps after the interleaved warm-up, before it profiles
 TUNING_WARMUP = 5
 

@@ -1483,6 +1483,9 @@ def _decision(runner: Any) -> dict[str, Any] | None:
         "tuning_steps": d.tuning_steps,
         "trial_steps": d.trial_steps,
         "switches": d.switches,
+        # and the net time its searches and trials lost against the plans they started from
+        # (rank 0's; Autotune.budget_steps bounds it)
+        "lost_s": d.lost_s,
         "tried": [
             {"predicted_ms": ms(t.predicted_s), "measured_ms": ms(t.measured_s), "steps": t.steps, "verdict": t.verdict}
             for t in d.tried
@@ -1643,7 +1646,9 @@ def print_summary(s: dict[str, Any]) -> None:
     if tuned and tuned.get("tuning_steps") is not None:
         print(
             f"  autotune cost: {tuned['tuning_steps']} steps before the final plan ({tuned['trial_steps']} trying "
-            f"{len(tuned['tried'])} plans), {tuned['switches']} switches"
+            f"{len(tuned['tried'])} plans), {tuned['switches']} switches; its searches and trials "
+            f"{'lost' if tuned['lost_s'] >= 0 else 'gained'} {abs(tuned['lost_s']):.2f} s net against the plans "
+            "they started from"
         )
     elif tuned:
         print(f"  autotune: {tuned['why'][-1] if tuned['why'] else 'kept its plan'}")

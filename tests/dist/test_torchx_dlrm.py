@@ -94,7 +94,15 @@ def test_the_example_tunes_itself_and_trains_as_without(tmp_path: Path) -> None:
     plain = _torchx([*component, "--", *SMALL], tmp_path)
     decision = tuned["autotune"]
     assert decision is not None and decision["switched"], decision
-    assert decision["predicted_ms"] > 0 and decision["measured_ms"] > 0 and decision["start_measured_ms"] > 0
+    assert decision["measured_ms"] > 0 and decision["start_measured_ms"] > 0
+    # a prediction: the second round's, from the chosen plan's own profile; none where the first
+    # move's trial measured the plan best and the budget stopped the second round's search
+    # (on 2 ranks sharing 2 cores its CPU slows their steps: ~1 s over its 200 steps here)
+    if decision["predicted_ms"] is None:
+        moved = any(line.startswith("the draw Fetch waits: ") for line in decision["why"])
+        assert moved and any("the tuning's budget is spent" in line for line in decision["why"]), decision
+    else:
+        assert decision["predicted_ms"] > 0
     # what moved: the search's change, or the first move (a loader that waits is run ahead at once)
     assert any(line.startswith(("the change: ", "the draw Fetch waits: ")) for line in decision["why"]), decision
     assert tuned["losses"] == plain["losses"] and tuned["weights_sha256"] == plain["weights_sha256"]

@@ -126,6 +126,9 @@ FAST = {
     "trial_cycles": 3,
     "background": False,
     "first_move": False,
+    # no budget: a search of seconds is hundreds of these millisecond steps (its own tests:
+    # tests/unit/test_autotune_budget.py)
+    "budget_steps": None,
 }
 
 
@@ -302,6 +305,12 @@ def opening(**options: Any) -> str:
         f"profile of {o.steps}, {o.rounds} round{'s' if o.rounds != 1 else ''} of search"
         + (f", each measuring up to {o.candidates} plans against the running one" if o.candidates else "")
         + f", a verification of {o.verify}); it trains on its starting plan meanwhile, with the same results"
+        + (
+            f"; it stops once it has cost the job as much as {o.budget_steps} of that plan's steps "
+            "(Autotune.budget_steps)"
+            if o.budget_steps is not None
+            else ""
+        )
     )
 
 

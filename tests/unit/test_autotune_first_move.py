@@ -211,6 +211,26 @@ def test_a_waiting_draw_is_run_ahead_at_once_and_the_search_follows_from_it(monk
     assert pipeline.batch_ledger.trained == n and not pipeline.untrained_batches()
 
 
+def no_ahead(gathered: Any, measured: Any, options: Autotune, processes: bool) -> Any:
+    """``first_move``, its moved plan without run-ahead and with one load: a move that can lose."""
+    found = first_move(gathered, measured, options, processes)
+    assert found is not None
+    plan = PipelinePlan.from_text(found.candidates[1][0])
+    found.candidates[1][0] = plan.replace(lookahead=0, loads=1).to_text()
+    return found
+
+
+class SlowOnLoad(Slow):
+    """Items that wait ``latency`` more on the engine's thread "load": ``no_ahead``'s move loses."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import threading
+
+        if threading.current_thread().name.endswith("-load"):  # the engine's thread "load"
+            time.sleep(self.latency)
+        return super().__getitem__(i)
+
+
 def test_a_first_move_that_loses_is_said_and_round_1_searches_from_its_profile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -218,21 +238,6 @@ def test_a_first_move_that_loses_is_said_and_round_1_searches_from_its_profile(
     loader slower on that thread) leaves the running plan; round 1 then searches from the
     profile it took, once, and its decision says what the move measured first."""
     import torchrec_swp.autotune.tuner as tuner_module
-
-    def no_ahead(gathered: Any, measured: Any, options: Autotune, processes: bool) -> Any:
-        found = first_move(gathered, measured, options, processes)
-        assert found is not None
-        plan = PipelinePlan.from_text(found.candidates[1][0])
-        found.candidates[1][0] = plan.replace(lookahead=0, loads=1).to_text()
-        return found
-
-    class SlowOnLoad(Slow):
-        def __getitem__(self, i: int) -> torch.Tensor:
-            import threading
-
-            if threading.current_thread().name.endswith("-load"):  # the engine's thread "load"
-                time.sleep(self.latency)
-            return super().__getitem__(i)
 
     monkeypatch.setattr(tuner_module, "first_move", no_ahead)
     searched = _searches(monkeypatch)

@@ -5,7 +5,7 @@ pickled dicts), issued by the calling thread inside a ``progress()`` call, at th
 every rank, while no thread of the engine issues a collective (the tuner switches plans only
 where every thread stands at the same batch boundary, with no lookahead). Without an initialised
 world, or in a world of one, they return the rank's own values. While the search runs in the
-background, rank 0 says every few calls whether it has ended (``flag_from_rank0``) on a gloo group of
+background, rank 0 says every few calls whether it has ended (``code_from_rank0``) on a gloo group of
 the tuner's own: the engine's threads never issue a collective there, so the running plan need
 not stand still for it.
 """
@@ -56,10 +56,12 @@ def from_rank0(value: Any, group: Any = None) -> Any:
     return box[0]
 
 
-def flag_from_rank0(flag: bool, group: Any) -> bool:
-    """Rank 0's ``flag``, on every rank, over ``group`` (a gloo group: one byte on the CPU)."""
+def code_from_rank0(code: int, group: Any) -> int:
+    """Rank 0's ``code`` (0-255), on every rank, over ``group`` (a gloo group: one byte on the CPU)."""
+    if not 0 <= code <= 255:
+        raise ValueError(f"code_from_rank0: a code is one byte (0-255), got {code!r}")
     if world()[1] == 1:
-        return flag
-    box = torch.tensor([1 if flag else 0], dtype=torch.uint8)
+        return code
+    box = torch.tensor([code], dtype=torch.uint8)
     dist.broadcast(box, src=0, group=group)
-    return bool(box.item())
+    return int(box.item())

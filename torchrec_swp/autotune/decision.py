@@ -24,7 +24,9 @@ class Decision:
     ``tried``). ``trial_steps``: the calls every trial took (switches, settling, measuring);
     ``switches``: the plan switches the tuner made; ``tuning_steps``: the calls before the last
     decision (what tuning cost before the final plan ran alone); ``retunes``: re-tunes after a
-    drift.
+    drift; ``lost_s``: the net time the tuning's searches and trials lost, up to the last decision,
+    against the plans they started from (``autotune.budget``; rank-local: each rank's own steps;
+    negative where the candidates tried won more than the others lost).
 
     ``decided`` False: no decision was taken, the data ended first (``why``: ``not decided: the
     data ended after N steps, having profiled P of the S steps it needs ...``; ``plan``: the plan
@@ -47,6 +49,7 @@ class Decision:
     tuning_steps: int | None = None
     retunes: int = 0
     processes: int = 0
+    lost_s: float = 0.0
 
     @property
     def switched(self) -> bool:

@@ -101,6 +101,15 @@ class Autotune:
     its cost paid (the profile, the search's CPU, the trial's slower plans) and its gain not:
     the pipeline then runs its own plan untouched, tunes nothing and says so (``too_short``).
 
+    ``budget_steps``, ``budget_s``: the most time tuning may cost the job, in the starting plan's
+    measured steps (the first profile's) or in seconds (None: no such bound; the smaller where
+    both are given): the net time its searches and trials lose against the plans they start from
+    (``autotune.budget``: a step is charged its period less the running plan's, a faster
+    candidate earning back what a slower one lost). Where it is spent, the tuning stops at the next
+    point where the ranks agree (a trial's cycle, a search's poll): a trial unfinished gives way to
+    the plan it started from, a search is stopped, no later round or re-tune begins, and a line says
+    so. The default, 50 steps, is 5% of a 1,000-step job.
+
     ``report``: where the tuner's lines go, on rank 0 only (the other ranks are quiet; every
     rank's ``autotune_decision`` holds the same decision). The default (``PRINTED``) prints each
     headline on stdout, one line per event, and logs every line at INFO on logger
@@ -134,6 +143,8 @@ class Autotune:
     search_s: float | None = 120.0
     job_steps: int | None = None
     first_move: bool = True
+    budget_steps: int | None = 50
+    budget_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -173,6 +184,12 @@ class Autotune:
         j = self.job_steps
         if j is not None and (isinstance(j, bool) or not isinstance(j, int) or j < 1):
             raise ValueError(f"Autotune: job_steps must be an int >= 1 or None (unknown), got {j!r}")
+        b = self.budget_steps
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"Autotune: budget_steps must be an int >= 1 or None (no bound), got {b!r}")
+        s = self.budget_s
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0):
+            raise ValueError(f"Autotune: budget_s must be a number of seconds > 0 or None (no bound), got {s!r}")
         if not isinstance(self.first_move, bool):
             raise ValueError(f"Autotune: first_move must be a bool, got {self.first_move!r}")
         if not isinstance(self.background, bool):

@@ -37,8 +37,20 @@ def opening(owner: str, options: Autotune, depth: int) -> str:
     return (
         f"autotune {owner}: tunes within {o.tuning_bound(depth)} steps at most (a warm-up of {o.warmup}, a profile "
         f"of {o.steps}, {rounds} of search{trial}, a verification of {o.verify}){searching}; it trains on its "
-        "starting plan meanwhile, with the same results"
+        "starting plan meanwhile, with the same results" + budget(o)
     )
+
+
+def budget(o: Autotune) -> str:
+    """The first line's last words: what tuning may cost the job at most (``autotune.budget``)."""
+    given = []
+    if o.budget_steps is not None:
+        given.append(f"{o.budget_steps} of that plan's steps (Autotune.budget_steps)")
+    if o.budget_s is not None:
+        given.append(f"{o.budget_s:g} s (Autotune.budget_s)")
+    if not given:
+        return ""
+    return f"; it stops once it has cost the job as much as {' or '.join(given)}"
 
 
 def decision_lines(

@@ -51,7 +51,7 @@ class Tried:
     its step against the measured best's (``ratio``, paired by cycle, with its interval; None for
     the best), the steps measured and visits made, and how it left the race (``verdict``:
     ``"best"``, ``"slower"``, ``"equal"``: within the noise of the best, ``"bound"``: still racing
-    at the last cycle)."""
+    at the last cycle, ``"stopped"``: still racing where the tuning's budget stopped the trial)."""
 
     plan: str
     predicted_s: float | None
@@ -427,13 +427,17 @@ class Trial:
                 close[i] = s.ratio
         return min(close, key=lambda i: (engine_threads(self.plans[i]), close[i]))
 
-    def results(self, best: int, combined: Sequence[Sequence[float]], confidence: float) -> list[Tried]:
-        """Every candidate's record (``Tried``) at the end, against the measured best ``best``."""
+    def results(
+        self, best: int, combined: Sequence[Sequence[float]], confidence: float, stopped: bool = False
+    ) -> list[Tried]:
+        """Every candidate's record (``Tried``) at the end, against the measured best ``best``
+        (``stopped``: before the bound, by the tuning's budget)."""
+        racing = "stopped" if stopped else "bound"
         out = []
         for i, plan in enumerate(self.plans):
             s = None if i == best else self.standings[i]
             m, low, high = mean_interval(combined[i], confidence) if combined[i] else (None, None, None)
-            verdict = "best" if i == best else ("bound" if self.alive[i] else (s.state if s is not None else ""))
+            verdict = "best" if i == best else (racing if self.alive[i] else (s.state if s is not None else ""))
             out.append(
                 Tried(
                     plan=plan.to_text(),
@@ -500,6 +504,7 @@ def tried_line(i: int, x: Tried, confidence: float) -> str:
         end = {
             "slower": f"slower: {against}, out after cycle {x.out_after}",
             "equal": f"within the noise of the best: {against}, out after cycle {x.out_after}",
+            "stopped": f"still racing where the budget stopped the trial: {against}",
         }.get(x.verdict, f"still racing at the bound: {against}")
     else:
         end = x.verdict

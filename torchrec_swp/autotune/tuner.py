@@ -74,7 +74,8 @@ from typing import Any, Protocol
 
 from torchrec_swp.autosched.overlap import apply_candidate
 from torchrec_swp.autotune import report
-from torchrec_swp.autotune.agreement import flag_from_rank0, from_rank0, gather_to_all, machine, world
+from torchrec_swp.autotune.agreement import code_from_rank0, from_rank0, gather_to_all, machine, world
+from torchrec_swp.autotune.budget import Ledger
 from torchrec_swp.autotune.decision import Decision
 from torchrec_swp.autotune.first_move import FirstMove, first_move
 from torchrec_swp.autotune.options import Autotune
@@ -100,6 +101,8 @@ DRIFT_CHECKS = 2
 #: the calls between two polls of a search in the background (each a broadcast that every rank
 #: waits for: the search takes seconds, its result can wait a few steps)
 POLL_EVERY = 4
+#: what rank 0 says at a poll of the search in the background (``code_from_rank0``)
+RUNS, ENDED, SPENT = 0, 1, 2
 
 
 def step_of(periods: Sequence[float]) -> float:
@@ -209,6 +212,8 @@ class Tuner:
         self._move: FirstMove | None = None  # the first move under trial
         self._held: Request | None = None  # rank 0's request round 1 searches where the first move lost
         self._first_lines: tuple[str, ...] = ()  # what the first move's trial said, where it lost
+        self._ledger = Ledger(options.budget_steps, options.budget_s)  # what tuning has cost (budget.py)
+        self._spent: str | None = None  # rank 0's line where the budget is spent (the same on every rank)
         short = options.too_short(engine.plan.pipeline_depth)
         if short is not None:  # the pipeline runs its own plan (``start_for_tuning`` not applied)
             self.decision, self.state = Decision(None, why=(short,)), TunerState.DONE
@@ -222,11 +227,15 @@ class Tuner:
         now = time.perf_counter()
         if self._last_start is not None:
             self._measure(now - self._last_start)
+            self._ledger.charge_step(now - self._last_start)
         self._last_start = now
         self.calls += 1
         self._follow_data()
+        was_open, opened = self._ledger.is_open, self._ledger.opened
         HANDLERS[self.state](self)
         self._last_start = time.perf_counter()  # the tuner's own time (a search, a switch) is not a step
+        if was_open or self._ledger.is_open or self._ledger.opened != opened:  # but it is a cost
+            self._ledger.charge_own(self._last_start - now)
 
     def _measure(self, period: float) -> None:
         """Where the step that just ended (``period``, from one call's start to the next's) goes:
@@ -385,6 +394,7 @@ class Tuner:
         measured = step_of(self._periods) if self._periods else None
         last = self._periods[-measured_steps(self.engine.plan, self.options.trial_steps) :]
         self._periods = []
+        self._ledger.open(measured)  # from here the round's steps cost what they lose against this one
         if self._starting is None:  # round 1 profiled the plan the tuning starts from
             self._starting = self.engine.plan.to_text()
         try:
@@ -429,7 +439,7 @@ class Tuner:
                 self._search = start(request, self.options.search_s)
             self.state = TunerState.SEARCHING
             return
-        found = search(request).to_dict() if request is not None else None
+        found = {**search(request).to_dict(), "spent": self._spent_line()} if request is not None else None
         self._found(from_rank0(found), background=False)
 
     def _in_background(self) -> bool:
@@ -440,15 +450,25 @@ class Tuner:
         small broadcast on the tuner's group); once it has, every rank takes what it found."""
         if (self.calls - self._searched_from) % POLL_EVERY:
             return
-        ended = self._search is not None and self._search.ended
+        code = RUNS
+        if self._search is not None:  # rank 0 (a search that ended is taken: its cost is paid)
+            code = ENDED if self._search.ended else SPENT if self._ledger.spent() else RUNS
         if world()[1] > 1:
-            ended = flag_from_rank0(ended, self._group)
-        if not ended:
+            code = code_from_rank0(code, self._group)
+        if code == SPENT:
+            line = self._spent_line() if world()[0] == 0 else None
+            self._spent = from_rank0(line, self._group) if world()[1] > 1 else line
+            self.close()  # rank 0's search, stopped
+            steps = self.calls - self._searched_from
+            why = (f"keeps the plan: {self._stop_line(steps)}",)
+            self._conclude(Decision(None, measured_start_s=self._ledger.reference_s, why=why))
+            return
+        if code == RUNS:
             return
         found = None
         if self._search is not None:
             here = isinstance(self._search, SearchedHere)
-            found, self._search = {**self._search.result().to_dict(), "here": here}, None
+            found, self._search = {**self._search.result().to_dict(), "here": here, "spent": self._spent_line()}, None
         if world()[1] > 1:
             found = from_rank0(found, self._group)
         assert found is not None  # (rank 0's, on every rank)
@@ -466,7 +486,13 @@ class Tuner:
             else "on the training thread (every rank waited)"
         )
         decision = replace(f.decision, why=(*f.decision.why, f"the search took {f.seconds:.1f} s {where}"))
-        if f.candidates:  # (plan text, predicted step, own group): the running plan first
+        self._spent = self._spent or found.get("spent")
+        if f.candidates and self._spent is not None:  # the search's plans are not tried: the running plan stays
+            why = tuple(line for line in decision.why if not line.startswith("keeps the plan"))
+            untried = f"the search's {len(f.candidates) - 1} plan(s) are not tried"
+            kept = f"keeps the plan: {self._stop_line(what=untried)}"
+            self._conclude(replace(decision, plan=None, own_group=False, why=(*why, kept)))
+        elif f.candidates:  # (plan text, predicted step, own group): the running plan first
             self._start_trial(decision, f.candidates)
         else:
             self._conclude(decision)
@@ -510,6 +536,14 @@ class Tuner:
         from ``before``): switch, merge with the earlier rounds', report, and go on."""
         earlier = self.decision if self.round > 1 else None
         running = before if before is not None else self.engine.plan
+        self._ledger.close()
+        last: tuple[str, ...]
+        if self._spent is not None and not any(self._spent in line for line in decision.why):
+            # (a round that ended as the budget ran out: said before a plan kept's last reason)
+            why, last = decision.why, ()
+            if why and why[-1].startswith("keeps the plan"):
+                why, last = why[:-1], why[-1:]
+            decision = replace(decision, why=(*why, f"stops here: {self._spent}", *last))
         if decision.switched and not applied:
             self._apply(decision)
         if earlier is None:  # (after a first move that lost, its trial's lines first)
@@ -519,7 +553,13 @@ class Tuner:
                 decision if decision.switched else earlier,
                 plan=decision.plan if decision.switched else earlier.plan,
                 own_group=earlier.own_group or decision.own_group,
-                predicted_s=decision.predicted_s if decision.switched else decision.baseline_s,
+                predicted_s=(  # (a round stopped before its search predicted anything: the earlier prediction)
+                    decision.predicted_s
+                    if decision.switched
+                    else decision.baseline_s
+                    if decision.baseline_s is not None
+                    else earlier.predicted_s
+                ),
                 first_predicted_s=earlier.predicted_s,
                 baseline_s=earlier.baseline_s,
                 measured_start_s=earlier.measured_start_s,
@@ -533,6 +573,7 @@ class Tuner:
             switches=self._switches,
             tuning_steps=self.calls - 1,
             retunes=self._retunes,
+            lost_s=self._ledger.lost_s,
         )
         head, reasons = report.decision_lines(self.owner, decision, self.round, self._round_name(), self.options.steps)
         self._report(head, headline=True)
@@ -545,7 +586,7 @@ class Tuner:
         self._settle = running.lookahead + plan.pipeline_depth + plan.lookahead + plan.loads + SETTLE
         if not self.decision.switched or (self._drift_round and not decision.switched):
             self._watch()
-        elif decision.switched and self.round < self.options.rounds and not self._drift_round:
+        elif decision.switched and self.round < self.options.rounds and not self._drift_round and not self._spent:
             self.round += 1
             self.state, self._until = TunerState.SETTLING, self.calls + self._settle
         else:
@@ -637,36 +678,46 @@ class Tuner:
         assert t is not None
         gathered = gather_to_all(t.samples)
         o = self.options
-        verdict = Trial.judge(gathered, t.alive, o.noise, o.confidence) if world()[0] == 0 else None
+        verdict = None
+        if world()[0] == 0:
+            verdict = Trial.judge(gathered, t.alive, o.noise, o.confidence)
+            verdict["spent"] = self._spent_line()
         verdict = from_rank0(verdict)
-        if t.take(verdict):
+        self._spent = self._spent or verdict["spent"]
+        goes_on = t.take(verdict)
+        if goes_on and self._spent is None:
             self._visit(t.start_cycle())
-        else:
-            self._end_trial(verdict["best"], verdict["combined"])
+        else:  # (a race that would go on where the budget is spent stops: the plan it started from)
+            self._end_trial(verdict["best"], verdict["combined"], stopped=goes_on)
 
-    def _end_trial(self, best: int, combined: list[list[float]]) -> None:
+    def _end_trial(self, best: int, combined: list[list[float]], stopped: bool = False) -> None:
         """Every rank: run the winner (the measured best, or the running plan where the trial
-        cannot tell them apart) and take the decision with the trial's record."""
+        cannot tell them apart, or where it ``stopped`` before it could: the budget spent) and take
+        the decision with the trial's record."""
         t = self._trial
         assert t is not None
         o = self.options
         before = self.engine.plan
-        keep = t.keeps_running(best, o.noise)
+        keep = stopped or t.keeps_running(best, o.noise)
         won = 0 if keep else t.winner(best, o.thread_margin)
         if self._on != won:
             self._switch(t.plans[won])
             self._use_processes(t.processes[won])
             self._on = won
         self._trial_steps += self.calls - t.began
-        tried = t.results(best, combined, o.confidence)
+        tried = t.results(best, combined, o.confidence, stopped)
         clear = all(x.verdict in ("slower", "equal", "best") for x in tried)
         how = "told apart" if clear else f"not all told apart after {t.cycle} cycles (the bound)"
+        if stopped:
+            how = f"not all told apart after {t.cycle} cycles: stopped, the budget spent"
         line = (
             f"tried {len(tried)} plans over {self.calls - t.began} steps ({t.cycle} cycles, "
             f"{len(t.order)} visits; {how}): the measured best is "
             + ("the running plan" if best == 0 else describe(t.plans[best], t.processes[best]))
         )
-        if keep:
+        if stopped:
+            kept = self._stop_line(self.calls - t.began, "trial")  # (the budget spent)
+        elif keep:
             kept = f"the measured best was not told apart from it in {t.cycle} cycles, nor faster by the noise"
         elif won != best:
             s = t.standings[won]
@@ -687,7 +738,8 @@ class Tuner:
         if self._move is not None:  # the first move's trial
             move, self._move = self._move, None
             if won == 0 and move.then_search:  # the move lost: round 1 searches from the running plan's profile
-                self._first_lost(line, [tried_line(i, x, o.confidence) for i, x in enumerate(tried)])
+                lines = [tried_line(i, x, o.confidence) for i, x in enumerate(tried)]
+                self._first_lost(line, lines, kept if stopped else None)
                 return
             self._held = None  # won (the search is round 2's), or kept unsearched: a draw that computes
         decision = replace(
@@ -707,16 +759,34 @@ class Tuner:
         )
         self._conclude(decision, applied=True, before=before)
 
-    def _first_lost(self, line: str, tried: list[str]) -> None:
+    def _first_lost(self, line: str, tried: list[str], stopped: str | None = None) -> None:
         """Every rank: the first move measured no better than the running plan, which runs again;
-        say so, and search from the running plan's profile (rank 0's held request)."""
+        say so, and search from the running plan's profile (rank 0's held request); where the
+        budget is spent (the trial ``stopped`` by it, or after it), the running plan is kept."""
         who = f"autotune {self.owner}"
         self._first_lines = (f"first move: {line}", *(f"first move: {t}" for t in tried))
+        request, self._held = self._held, None
+        if self._spent is not None:  # nothing more is searched: the running plan stays
+            for said in self._first_lines:
+                self._report(f"{who}: {said}")
+            kept = stopped or self._stop_line(what="no search begins")
+            self._conclude(Decision(None, measured_start_s=self._ledger.reference_s, why=(f"keeps the plan: {kept}",)))
+            return
         self._report(f"{who}: first move: {line}; searches from the running plan", headline=True)
         for t in tried:
             self._report(f"{who}: first move: {t}")
-        request, self._held = self._held, None
         self._search_from(request)
+
+    def _spent_line(self) -> str | None:
+        """Rank 0: why the budget is spent (``budget.Ledger.line``), or None while it is not."""
+        return self._ledger.line() if self._ledger.spent() else None
+
+    def _stop_line(self, steps: int | None = None, what: str = "search") -> str:
+        """Why a round keeps its plan where the budget is spent (``self._spent``, rank 0's ledger):
+        its ``what`` stopped after ``steps`` (None: ``what`` says what was not done)."""
+        assert self._spent is not None
+        stopped = f"the {what} stopped after {steps} steps" if steps is not None else what
+        return f"{self._spent}; {stopped}, nothing more is searched or tried"
 
     def _trial_data_ended(self, said: bool) -> None:
         """The data ended in a trial: the plan running stays; with more data the visit starts
@@ -742,7 +812,7 @@ class Tuner:
     def _watch(self, reference: float | None = None) -> None:
         """The plan is chosen: watch its step for a drift (or, without ``drift``, done)."""
         self._drift_round = False
-        if self.options.drift is None:
+        if self.options.drift is None or self._spent is not None:  # (no re-tune once the budget is spent)
             self.state = TunerState.DONE
             return
         self.state, self._watch_from, self._reference, self._drifting = TunerState.WATCHING, self.calls, reference, 0
