@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.test_autotune import FAST, Slow, opening, tuned_like_plain
+from tests.unit.test_autotune import FAST, Slow, opening, train, tuned_like_plain
 from tests.unit.test_autotune_first_move import SlowOnLoad, no_ahead
 from torchrec_swp import Autotune, plans
 from torchrec_swp.autotune.budget import Ledger
@@ -184,6 +184,14 @@ def test_a_search_in_the_background_that_spends_the_budget_is_stopped_at_a_poll(
     assert d.measured_start_s is not None and d.lost_s >= 2 * d.measured_start_s
     assert d.tuning_steps is not None and d.tuning_steps < n - 20
     assert pipeline._swp_tuner.state == TunerState.DONE
+    # a resume keeps what was spent: no re-tune after it either (the account goes on from lost_s)
+    state = pipeline.state_dict()
+    assert state["autotune"]["spent"] is not None and state["autotune"]["spent"] in why
+    resumed: list[str] = []
+    _, again, _ = train(40, 0.002, state=state, autotune=Autotune(**options, drift_every=5, report=resumed.append))
+    tuner = again._swp_tuner
+    assert again.autotune_decision == d and tuner.state == TunerState.DONE and resumed[1:] == [], resumed
+    assert tuner._ledger.lost_s == d.lost_s and tuner._ledger.spent()
 
 
 def test_a_second_round_stopped_by_the_budget_keeps_the_first_round_s_plan_and_verifies_it(

@@ -869,16 +869,22 @@ class Tuner:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The decision (None while still tuning or when the data ended before it decided: a
-        resume then tunes again)."""
+        resume then tunes again), and whether the budget was spent (the same on every rank)."""
         d = self.decision
-        return {"decision": None if d is None or not d.decided else d.to_dict()}
+        if d is None or not d.decided:
+            return {"decision": None}  # (a budget spent ends in a decision)
+        return {"decision": d.to_dict(), "spent": self._spent}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Apply a saved decision at once (before the first step): no tuning or trial again."""
+        """Apply a saved decision at once (before the first step): no tuning or trial again; the
+        budget goes on from what the tuning had lost (spent: no re-tune either)."""
         saved = state.get("decision")
         if saved is None:
             return
         self.decision = Decision.from_dict(saved)
+        self._ledger.unit_s = self.decision.measured_start_s
+        self._ledger.lost_s = self.decision.lost_s
+        self._spent = state.get("spent")
         if self.decision.switched:
             self._apply(self.decision)
             self._use_processes(self.decision.processes)
