@@ -14,6 +14,9 @@ default one line per event on stdout, every line at INFO on logger ``torchrec_sw
 ``verify`` steps later. ``pipeline.autotune_decision`` holds it, and ``state_dict()`` carries it
 so that a resume applies it without tuning again. Where the data ends first, a line says so and
 ``autotune_decision`` is a Decision with ``decided`` False ("not decided: the data ended ...").
+What its searches and trials may lose against the plans they start from is bounded
+(``Autotune.budget_steps``, ``budget_s``; ``budget.py``): where that is spent, the tuning stops
+and its decision says so.
 """
 
 from __future__ import annotations

@@ -59,6 +59,12 @@ same batch boundary and the first switch happens at once. A switch from a plan t
 waits until the calling thread has caught up with the threads ahead (``Engine.switch_plan``), at
 most its lookahead in calls; nothing is drained either way. ``state_dict()`` carries the decision,
 so a resumed pipeline applies it at once instead of tuning (or trying) again.
+
+What tuning costs is counted from each round's profile to its decision (``budget.Ledger``:
+every step against the running plan's measured step, the tuner's own time whole); where it
+reaches ``Autotune.budget_steps`` / ``budget_s``, rank 0 says so at the next agreement (a
+trial's judgement, a search's poll): the trial gives way to the plan it started from, the search
+stops, and the tuner ends there (``_spent``: no later round, no drift watch, across a resume).
 """
 
 from __future__ import annotations
