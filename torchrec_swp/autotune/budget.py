@@ -13,8 +13,9 @@ round, verifying it, watching it) are not charged: they run what the tuning chos
 The budget is counted in the starting plan's steps (``budget_steps``, the first profile's
 measured step) or in seconds (``budget_s``), whichever is smaller where both are given.
 Rank 0's ledger decides for every rank (the tuner says it at its agreement points: a trial's
-judgement after each cycle, a background search's polls, a round's decision), so a step of
-rank 0 may overshoot the budget by what a cycle or ``POLL_EVERY`` calls lose.
+judgement after each cycle, a background search's polls, a search's result, whose plans are then
+not tried), so rank 0 may overshoot the budget by what a cycle or ``POLL_EVERY`` calls lose; a
+search on the training thread is charged whole after it, at the next of these points.
 """
 
 from __future__ import annotations
